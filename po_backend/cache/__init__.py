@@ -1,0 +1,8 @@
+"""Prefix cache: a preallocated KV slot pool and a radix tree over token ids (pure data structures)."""
+
+from __future__ import annotations
+
+from po_backend.cache.kv_pool import KVPool
+from po_backend.cache.radix import CacheInUseError, CacheStats, InsertResult, MatchResult, Node, RadixCache
+
+__all__ = ["CacheInUseError", "CacheStats", "InsertResult", "KVPool", "MatchResult", "Node", "RadixCache"]

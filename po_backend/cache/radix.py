@@ -1,0 +1,307 @@
+"""Token-level radix tree mapping token-id prefixes to KV pool slots (SGLang RadixAttention style).
+
+Ownership: every slot is either free in the pool, held by exactly one tree node, or held by a
+caller (allocated and not yet inserted). `check_integrity` verifies that partition.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from po_backend.cache.kv_pool import KVPool
+from po_backend.errors import PrefillOnlyError
+
+_EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class CacheInUseError(PrefillOnlyError):
+    """The cache cannot be flushed while running requests hold locked prefixes."""
+
+
+class Node:
+    """One edge of the tree: `key` (token ids) and the slots holding their KV, index for index."""
+
+    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "uid")
+
+    def __init__(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, uid: int, now: int) -> None:
+        self.key = key  # int64, never mutated (splits take views)
+        self.slots = slots  # int64 CPU tensor, len(slots) == len(key)
+        self.parent = parent
+        self.children: dict[int, Node] = {}  # keyed by the child's first token
+        self.lock_ref = 0  # running requests whose prefix passes through this node
+        self.last_access = now
+        self.uid = uid  # creation order: a deterministic heap tie-breaker
+
+    def __repr__(self) -> str:
+        return f"Node(uid={self.uid}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+
+
+class MatchResult(NamedTuple):
+    length: int  # matched tokens
+    slots: torch.Tensor  # int64 slots of the matched prefix, in token order
+    node: Node  # deepest node; its path from the root covers exactly `length` tokens
+
+
+class InsertResult(NamedTuple):
+    prefix_len: int  # leading tokens that were already cached
+    node: Node  # node ending exactly at the end of the inserted tokens
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    total_slots: int
+    free_slots: int
+    cached_tokens: int
+    evictable_tokens: int
+    locked_tokens: int
+    evicted_tokens_total: int
+    inserted_tokens_total: int
+
+
+def _as_tokens(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.cpu().numpy()
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    assert tokens.ndim == 1, f"token ids must be 1-D, got shape {tokens.shape}"
+    return tokens
+
+
+def _common_len(key: np.ndarray, tokens: np.ndarray) -> int:
+    """Length of the common prefix of `key` and `tokens` (vectorised: prompts are ~10k tokens)."""
+    m = min(len(key), len(tokens))
+    diff = np.flatnonzero(key[:m] != tokens[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+class RadixCache:
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._uids = itertools.count()
+        self._clock = 0  # monotonic operation counter for LRU, not wall time: deterministic
+        self.root = self._new_node(np.empty(0, dtype=np.int64), _EMPTY_SLOTS, None)
+        self._evictable = 0  # tokens in unlocked nodes
+        self._protected = 0  # tokens in locked nodes
+        self.evicted_tokens_total = 0
+        self.inserted_tokens_total = 0
+
+    def _new_node(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None) -> Node:
+        return Node(key, slots, parent, next(self._uids), self._clock)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ---- lookup / insert ------------------------------------------------------------------
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Cut `node`'s key at `at` (0 < at < len); return the new upper node ending there."""
+        assert 0 < at < len(node.key), f"split point {at} outside (0, {len(node.key)})"
+        parent = node.parent
+        assert parent is not None, "cannot split the root"
+        upper = self._new_node(node.key[:at], node.slots[:at], parent)
+        # The upper part lies on every path the lower one does, so it inherits its locks.
+        upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
+        upper.children[int(node.key[at])] = node
+        parent.children[int(node.key[0])] = upper
+        node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
+        return upper
+
+    def _descend(self, tokens: np.ndarray, now: int) -> tuple[int, Node, list[torch.Tensor]]:
+        """Walk down as far as `tokens` match, splitting the last node at the match end."""
+        node, pos, parts = self.root, 0, []
+        node.last_access = now
+        while pos < len(tokens):
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            n = _common_len(child.key, tokens[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            parts.append(child.slots)
+            node, pos = child, pos + n
+        return pos, node, parts
+
+    def match_prefix(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> MatchResult:
+        """Longest cached prefix of `token_ids`; marks its path as recently used."""
+        pos, node, parts = self._descend(_as_tokens(token_ids), self._tick())
+        return MatchResult(pos, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64), node)
+
+    def match_len(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
+        """Read-only probe of the cached prefix length: no split, no LRU touch, no slot gather.
+
+        For a scheduler that re-scores every waiting request before each step.
+        """
+        tokens, node, pos = _as_tokens(token_ids), self.root, 0
+        while pos < len(tokens) and (child := node.children.get(int(tokens[pos]))) is not None:
+            n = _common_len(child.key, tokens[pos:])
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
+    def insert(
+        self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor
+    ) -> InsertResult:
+        """Cache `token_ids` with their KV in `slots`; the tree owns the new tokens' slots after.
+
+        For the already-cached prefix, caller slots that differ from the tree's are duplicates
+        and are freed; slots equal to the tree's (the caller passed back what `match_prefix`
+        gave it) are left alone. Either way the caller must not free any of `slots` afterwards.
+        """
+        tokens = _as_tokens(token_ids)
+        slots = slots.reshape(-1).to("cpu", torch.int64)
+        assert len(slots) == len(tokens), f"{len(tokens)} tokens but {len(slots)} slots"
+        pos, node, parts = self._descend(tokens, self._tick())
+        if pos:
+            tree_slots = torch.cat(parts)
+            self.pool.free(slots[:pos][slots[:pos] != tree_slots])
+        if pos < len(tokens):
+            # Copies: the caller may reuse its token array / slot tensor.
+            leaf = self._new_node(tokens[pos:].copy(), slots[pos:].clone(), node)
+            node.children[int(tokens[pos])] = leaf
+            self._evictable += len(leaf.key)
+            self.inserted_tokens_total += len(leaf.key)
+            node = leaf
+        return InsertResult(pos, node)
+
+    # ---- locking ----------------------------------------------------------------------------
+
+    def _path(self, node: Node) -> Iterator[Node]:
+        cur: Node | None = node
+        while cur is not None:
+            yield cur
+            cur = cur.parent
+
+    def lock(self, node: Node) -> None:
+        """Protect the path root..node from eviction (a running request reads it).
+
+        `node` must come from a `match_prefix`/`insert` with no eviction in between.
+        """
+        for n in self._path(node):
+            if n.lock_ref == 0:
+                self._evictable -= len(n.key)
+                self._protected += len(n.key)
+            n.lock_ref += 1
+
+    def unlock(self, node: Node) -> None:
+        for n in self._path(node):
+            assert n.lock_ref > 0, f"unlocking {n} below zero"
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._evictable += len(n.key)
+                self._protected -= len(n.key)
+
+    # ---- eviction / allocation --------------------------------------------------------------
+
+    def _nodes(self) -> Iterator[Node]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def evict(self, num_slots: int) -> int:
+        """Free least-recently-used unlocked leaves until `num_slots` are freed; return the count.
+
+        Whole nodes are evicted, so more than asked may be freed.
+        """
+        heap = [
+            (n.last_access, n.uid, n)
+            for n in self._nodes()
+            if not n.children and n.lock_ref == 0 and n is not self.root
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_slots and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None and node.lock_ref == 0 and not node.children, f"not evictable: {node}"
+            self.pool.free(node.slots)
+            del parent.children[int(node.key[0])]
+            node.parent = None
+            freed += len(node.key)
+            self._evictable -= len(node.key)
+            # A parent that just became an unlocked leaf is the next candidate in LRU order.
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        self.evicted_tokens_total += freed
+        return freed
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`pool.alloc(n)`, evicting first as needed; None (evicting nothing) if it cannot fit."""
+        short = n - self.pool.num_free
+        if short > 0:
+            if short > self._evictable:
+                return None  # would flush the cache for nothing
+            self.evict(short)
+        return self.pool.alloc(n)
+
+    def reset(self) -> None:
+        """Drop every node and return its slots to the pool (e.g. `/flush_cache`)."""
+        if self.root.lock_ref:
+            raise CacheInUseError(
+                f"cannot flush the prefix cache: {self._protected} tokens are locked by running requests"
+            )
+        parts = [n.slots for n in self._nodes() if n is not self.root]
+        if parts:
+            self.pool.free(torch.cat(parts))
+        self.root.children.clear()
+        self._evictable = 0
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            total_slots=self.pool.num_total,
+            free_slots=self.pool.num_free,
+            cached_tokens=self._evictable + self._protected,
+            evictable_tokens=self._evictable,
+            locked_tokens=self._protected,
+            evicted_tokens_total=self.evicted_tokens_total,
+            inserted_tokens_total=self.inserted_tokens_total,
+        )
+
+    def check_integrity(self, held_slots: int = 0) -> None:
+        """Assert the tree's invariants and free + cached + held == total, `held_slots` being the
+        slots callers have allocated and not yet inserted or freed."""
+        self.pool.check()
+        evictable = protected = 0
+        parts = []
+        for node in self._nodes():
+            assert node.lock_ref >= 0, f"negative lock count: {node}"
+            assert len(node.slots) == len(node.key), f"{node} has {len(node.slots)} slots"
+            if node is not self.root:
+                assert len(node.key) > 0, f"empty non-root node: {node}"
+                parts.append(node.slots)
+                if node.lock_ref:
+                    protected += len(node.key)
+                else:
+                    evictable += len(node.key)
+            for first, child in node.children.items():
+                assert child.parent is node, f"{child} has a wrong parent pointer"
+                assert int(child.key[0]) == first, f"{child} is filed under token {first}"
+                assert node.lock_ref >= child.lock_ref, f"{node} locked less than its child {child}"
+        assert (evictable, protected) == (self._evictable, self._protected), (
+            f"size counters {(self._evictable, self._protected)} != actual {(evictable, protected)}"
+        )
+        cached = torch.cat(parts) if parts else _EMPTY_SLOTS
+        assert self.pool.num_free + len(cached) + held_slots == self.pool.num_total, (
+            f"free {self.pool.num_free} + cached {len(cached)} + held {held_slots} != total {self.pool.num_total}"
+        )
+        owned = torch.cat([cached, self.pool.free_slots()])
+        assert owned.unique().numel() == owned.numel(), "a slot is both cached and free, or cached twice"

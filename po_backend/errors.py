@@ -1,0 +1,43 @@
+"""Typed errors. Every rejection names the problem; the server maps these to HTTP 4xx/503."""
+
+from __future__ import annotations
+
+
+class PrefillOnlyError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(PrefillOnlyError, ValueError):
+    """The request itself is wrong (HTTP 400)."""
+
+
+class EmptyPromptError(InvalidRequestError):
+    pass
+
+
+class PromptTooLongError(InvalidRequestError):
+    pass
+
+
+class InvalidTokenError(InvalidRequestError):
+    """A prompt or label token id outside the vocabulary."""
+
+
+class UnsupportedModelError(PrefillOnlyError):
+    """An architecture or config feature our model code does not implement."""
+
+
+class ModelNotFoundError(PrefillOnlyError, FileNotFoundError):
+    pass
+
+
+class CapacityError(PrefillOnlyError):
+    """The configured memory budget cannot hold what was asked (e.g. max_input_len at start)."""
+
+
+class OverloadedError(PrefillOnlyError):
+    """The engine's queue is full (HTTP 503)."""
+
+
+class CancelledError(PrefillOnlyError):
+    """The request was cancelled before it ran."""

@@ -1,0 +1,23 @@
+"""Model code: one decoder implementation per architecture family, picked by `model_type`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from po_backend.config import ModelConfig
+from po_backend.errors import UnsupportedModelError
+from po_backend.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[cfg.model_type]
+    except KeyError:
+        raise UnsupportedModelError(f"no model code for {cfg.model_type!r}") from None

@@ -1,0 +1,45 @@
+"""Token-wise building blocks. Each writes into a caller-provided buffer so chunks reuse memory."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, as transformers does, so bf16 results match it."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    torch.mul(xf.to(x.dtype), weight, out=out)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [gate | up] buffer: silu in place on the gate half, then one multiply."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    F.silu(gate, inplace=True)
+    torch.mul(gate, up, out=out)
+    return out
+
+
+class Rotary:
+    """Rotary position embedding (rotate-half layout, as transformers' Llama/Qwen)."""
+
+    def __init__(self, inv_freq: torch.Tensor, device: torch.device) -> None:
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [n, 1, head_dim/2]; computed once per chunk and shared by all layers."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [n, heads, head_dim] in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s."""
+        x1, x2 = x.chunk(2, dim=-1)
+        # transformers computes x*cos + rotate_half(x)*sin in the model dtype; the same
+        # products in the same order keep bf16 results identical to it.
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        x1.copy_(r1)
+        x2.copy_(r2)

@@ -1,0 +1,162 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral (no sliding window), Qwen2 (qkv bias)
+and Qwen3 (per-head q/k RMSNorm) differ only in those two flags, so one file serves them all.
+
+The modules hold weights and expose per-chunk operations; `runner.py` decides how tokens are
+chunked and where attention runs (hybrid prefilling), so no op here sees more than one chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from po_backend.config import ModelConfig
+from po_backend.models.layers import Rotary, rms_norm, silu_mul
+
+WeightLoader = Callable[[torch.Tensor, torch.Tensor, "str | int | None"], None]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _copy_loader(param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None = None) -> None:
+    assert param.shape == loaded.shape, f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}"
+    param.copy_(loaded)
+
+
+class FusedParam:
+    """Loader for a parameter that is several checkpoint tensors stacked along dim 0."""
+
+    def __init__(self, sizes: dict[str | int, int]) -> None:
+        self.offsets: dict[str | int, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes.items():
+            self.offsets[name] = (start, size)
+            start += size
+
+    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None = None) -> None:
+        assert shard in self.offsets, f"unknown shard {shard!r} (known: {list(self.offsets)})"
+        start, size = self.offsets[shard]
+        _copy_loader(param.narrow(0, start, size), loaded, None)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        qkv_out = cfg.q_size + 2 * cfg.kv_size
+        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.qkv_proj = _param(qkv_out, cfg.hidden_size, dtype=dtype)
+        self.qkv_proj.weight_loader = FusedParam({"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size})
+        self.qkv_bias = _param(qkv_out, dtype=dtype) if cfg.qkv_bias else None
+        if self.qkv_bias is not None:
+            self.qkv_bias.weight_loader = FusedParam({"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size})
+        self.q_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.o_proj = _param(cfg.hidden_size, cfg.q_size, dtype=dtype)
+        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.gate_up_proj.weight_loader = FusedParam({0: cfg.intermediate_size, 1: cfg.intermediate_size})
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+
+    def qkv_chunk(
+        self, h: torch.Tensor, x: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """h [c, hidden] -> qkv [c, q+k+v] with q/k rotated. `x` is a [c, hidden] scratch buffer."""
+        cfg = self.cfg
+        rms_norm(h, self.input_layernorm, cfg.rms_norm_eps, out=x)
+        if self.qkv_bias is not None:
+            torch.addmm(self.qkv_bias, x, self.qkv_proj.t(), out=qkv)
+        else:
+            torch.matmul(x, self.qkv_proj.t(), out=qkv)
+        c = qkv.shape[0]
+        q = qkv[:, : cfg.q_size].view(c, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(c, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            rms_norm(q, self.q_norm, cfg.rms_norm_eps, out=q)
+            rms_norm(k, self.k_norm, cfg.rms_norm_eps, out=k)
+        Rotary.apply_(q, cos, sin)
+        Rotary.apply_(k, cos, sin)
+
+    def out_mlp_chunk(
+        self, h: torch.Tensor, attn: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor
+    ) -> None:
+        """h += o_proj(attn); h += mlp(norm(h)), all in place on the chunk view `h`.
+
+        x [c, hidden], gate_up [c, 2*inter] and act [c, inter] are scratch buffers reused by every
+        chunk and layer: the MLP intermediate, the largest activation, never exceeds one chunk.
+        """
+        cfg = self.cfg
+        torch.matmul(attn, self.o_proj.t(), out=x)
+        h.add_(x)
+        rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps, out=x)
+        torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        silu_mul(gate_up, out=act)
+        torch.matmul(act, self.down_proj.t(), out=x)
+        h.add_(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter name, shard of a fused parameter)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "self_attn.q_proj.weight": ("qkv_proj", "q"),
+        "self_attn.k_proj.weight": ("qkv_proj", "k"),
+        "self_attn.v_proj.weight": ("qkv_proj", "v"),
+        "self_attn.q_proj.bias": ("qkv_bias", "q"),
+        "self_attn.k_proj.bias": ("qkv_bias", "k"),
+        "self_attn.v_proj.bias": ("qkv_bias", "v"),
+        "mlp.gate_proj.weight": ("gate_up_proj", 0),
+        "mlp.up_proj.weight": ("gate_up_proj", 1),
+    }
+    renamed: dict[str, str] = {
+        "input_layernorm.weight": "input_layernorm",
+        "post_attention_layernorm.weight": "post_attention_layernorm",
+        "self_attn.o_proj.weight": "o_proj",
+        "self_attn.q_norm.weight": "q_norm",
+        "self_attn.k_norm.weight": "k_norm",
+        "mlp.down_proj.weight": "down_proj",
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        # Tied models share the embedding matrix: no second [vocab, hidden] copy in memory.
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        )
+
+    def resolve(self, name: str) -> tuple[torch.Tensor, WeightLoader, str | int | None] | None:
+        """Map a checkpoint tensor name to (our parameter, its loader, shard); None = not ours."""
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                return None  # some tied checkpoints still store a copy; the embedding wins
+            attr = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}.get(
+                name, "norm"
+            )
+            return getattr(self, attr), _copy_loader, None
+        if not name.startswith("model.layers."):
+            return None
+        idx, rest = name[len("model.layers.") :].split(".", 1)
+        layer = self.layers[int(idx)]
+        if rest in self.packed_modules_mapping:
+            attr, shard = self.packed_modules_mapping[rest]
+            param = getattr(layer, attr)
+            return (param, param.weight_loader, shard) if param is not None else None
+        if rest in self.renamed:
+            param = getattr(layer, self.renamed[rest])
+            return (param, _copy_loader, None) if param is not None else None
+        return None
+
+    def final_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [m, hidden] at the scored positions only -> logits [m, vocab] in fp32."""
+        x = torch.empty_like(h)
+        rms_norm(h, self.norm, self.cfg.rms_norm_eps, out=x)
+        return torch.matmul(x, self.lm_head.t()).float()

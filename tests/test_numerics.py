@@ -1,0 +1,87 @@
+"""Our forward against transformers on the same weights (fp32, tight tolerance)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from po_backend import Engine, ScoreRequest
+from tests.conftest import TINY_CONFIGS, hf_all_logprobs, hf_next_logprobs
+
+KINDS = sorted(TINY_CONFIGS)
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 4096])
+def test_logprobs_match_transformers(tiny_model, kind: str, chunk_size: int) -> None:
+    path, hf = tiny_model(kind)
+    engine = Engine.from_pretrained(path, dtype="fp32", chunk_size=chunk_size)
+    vocab = engine.vocab_size
+    prompts = _prompts(vocab, [1, 5, 33, 200])
+    labels = [0, 7, vocab - 1]
+    results = engine.score(prompts, labels, top_k=5)  # one packed forward of different lengths
+    for ids, res in zip(prompts, results, strict=True):
+        ref = hf_next_logprobs(hf, ids)
+        assert res.prompt_tokens == len(ids)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, ref[labels].tolist(), strict=True)) <= 1e-4
+        ref_top = ref.topk(5)
+        assert [t for t, _ in res.top_logprobs] == ref_top.indices.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in res.top_logprobs]), ref_top.values, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_prompt_token_logprobs_match_transformers(tiny_model, kind: str) -> None:
+    path, hf = tiny_model(kind)
+    engine = Engine.from_pretrained(path, dtype="fp32", chunk_size=16)
+    (ids,) = _prompts(engine.vocab_size, [90], seed=3)
+    start = 40
+    (res,) = engine.run([ScoreRequest(tuple(ids), (1, 2), logprob_start_len=start)])
+    ref = hf_all_logprobs(hf, ids)
+    want = [ref[i - 1, ids[i]].item() for i in range(start + 1, len(ids))]
+    assert len(res.input_token_logprobs) == len(want)
+    assert max(abs(a - b) for a, b in zip(res.input_token_logprobs, want, strict=True)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(res.logprobs, ref[-1, [1, 2]].tolist(), strict=True)) <= 1e-4
+
+
+def test_bf16_close_to_fp32(tiny_model) -> None:
+    path, _ = tiny_model("llama")
+    e32 = Engine.from_pretrained(path, dtype="fp32")
+    e16 = Engine.from_pretrained(path, dtype="bf16")
+    prompts = _prompts(e32.vocab_size, [50, 120])
+    labels = list(range(0, 300, 30))
+    for a, b in zip(e32.score(prompts, labels), e16.score(prompts, labels), strict=True):
+        # bf16 keeps ~3 significant digits; the tiny random model has large logits.
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 0.5
+
+
+@pytest.mark.embedded
+def test_embedded_matches_transformers_gguf(embedded_fp32: Engine) -> None:
+    """Our forward on the embedded GGUF vs transformers loading the same GGUF file."""
+    import transformers
+
+    from po_backend.models.loader import embedded_model_file
+
+    gguf = embedded_model_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    tok = embedded_fp32.tokenizer
+    texts = [
+        "The capital of France is",
+        "Classify the sentiment of this review as positive or negative.\nReview: I loved it.\nSentiment:",
+        " ".join(["word"] * 700),
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    labels = [9230, 2838, 2731, 3524]
+    results = embedded_fp32.score(prompts, labels, top_k=3)
+    for ids, res in zip(prompts, results, strict=True):
+        ref = hf_next_logprobs(hf, ids)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, ref[labels].tolist(), strict=True)) <= 1e-3
+        assert [t for t, _ in res.top_logprobs] == ref.topk(3).indices.tolist()
