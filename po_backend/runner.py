@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from po_backend.attention import attend
+from po_backend.attention import attend, attend_items
 from po_backend.cache.kv_pool import KVPool
+from po_backend.config import ModelConfig
 from po_backend.models.layers import Rotary
 from po_backend.models.llama import LlamaForCausalLM
 
@@ -60,6 +61,7 @@ class ModelRunner:
         positions = torch.cat(
             [torch.arange(s.start_pos, s.start_pos + s.token_ids.numel(), device=dev) for s in seqs]
         )
+        groups = _prefix_groups(seqs, starts)
         # cos/sin are the same for every layer: compute them once per forward.
         cos, sin = self.rotary.cos_sin(positions, dt)
         chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
@@ -81,17 +83,56 @@ class ModelRunner:
         for li, layer in enumerate(self.model.layers):
             for a, b in bounds:
                 layer.qkv_chunk(h[a:b], x[: b - a], qkv[a:b], cos[a:b], sin[a:b])
-            for s, a, b in zip(seqs, starts, starts[1:], strict=False):
+            for s, a in zip(seqs, starts, strict=False):
                 if pool is not None and s.store_slots is not None and s.store_slots.numel():
                     m = s.store_slots.numel()
                     pool.write(li, s.store_slots, k_all[a : a + m], v_all[a : a + m])
-                pk = pv = None
-                if s.prefix_slots is not None and s.start_pos:
+            for prefix, members in groups:
+                if prefix is None:
+                    for a, b in members:
+                        attend(q_all[a:b], k_all[a:b], v_all[a:b], attn[a:b], self.scale)
+                else:
                     assert pool is not None, "a sequence with a cached prefix needs the pool"
-                    pk, pv = pool.read(li, s.prefix_slots)
-                attend(q_all[a:b], k_all[a:b], v_all[a:b], attn[a:b], self.scale, pk, pv)
+                    pk, pv = pool.read(li, prefix)  # once per layer for all items sharing it
+                    attend_items(q_all, k_all, v_all, attn, self.scale, members, pk, pv)
             for a, b in bounds:
                 layer.out_mlp_chunk(h[a:b], attn[a:b], x[: b - a], gate_up[: b - a], act[: b - a])
 
         rows = torch.cat([s.logit_offsets.to(dev) + a for s, a in zip(seqs, starts, strict=False)])
         return h.index_select(0, rows)
+
+
+def _prefix_groups(
+    seqs: list[SeqPlan], starts: list[int]
+) -> list[tuple[torch.Tensor | None, list[tuple[int, int]]]]:
+    """Runs of consecutive sequences that share one cached prefix (the same slots tensor), each
+    with its members' row ranges; sequences without a prefix form groups of their own."""
+    groups: list[tuple[torch.Tensor | None, list[tuple[int, int]]]] = []
+    for s, a, b in zip(seqs, starts, starts[1:], strict=False):
+        prefix = s.prefix_slots if s.start_pos else None
+        if prefix is not None and groups and groups[-1][0] is prefix:
+            groups[-1][1].append((a, b))
+        else:
+            groups.append((prefix, [(a, b)]))
+    return groups
+
+
+def activation_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, n_tokens: int, chunk_size: int, prefix_tokens: int = 0
+) -> int:
+    """Upper bound on what one forward over `n_tokens` packed tokens allocates beyond weights
+    and the prefix pool. Mirrors the buffers above; the profile run checks it by measurement."""
+    it = torch.empty((), dtype=dtype).element_size()
+    chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
+    q, kv = cfg.q_size, cfg.kv_size
+    per_token = it * (cfg.hidden_size + q + 2 * kv + q + cfg.head_dim)  # h, qkv, attn, cos/sin
+    per_token += it * 2 * q  # SDPA output of one KV-head group and its transpose copy (bound)
+    per_token += 4 * 2 * q if prefix_tokens else 0  # fp32 partial outputs merged after a prefix
+    scratch = it * chunk * (cfg.hidden_size + 3 * cfg.intermediate_size)
+    head = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)  # one block of logits + log-softmax
+    prefix = it * 2 * prefix_tokens * kv  # one layer's prefix K/V gathered from the pool
+    return per_token * n_tokens + scratch + head + prefix
+
+
+# Rows of the LM head computed at once: bounds the [rows, vocab] logits of long logprob spans.
+LOGIT_ROWS = 64

@@ -1,0 +1,316 @@
+"""Helpers shared by the benchmarks: machine facts, GEMM peak, analytic FLOPs, peak-RSS measurement,
+fresh-subprocess runs and small table/fit utilities. Imports nothing from transformers."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from po_backend.config import ModelConfig
+
+MiB = 1 << 20
+GiB = 1 << 30
+RESULT_MARKER = "@@RESULT "  # a child prints exactly one line starting with this, then JSON
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---- machine --------------------------------------------------------------------------------------
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    return set(m.group(1).split()) if m else set()
+
+
+def cpu_model() -> str:
+    try:
+        m = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+        if m:
+            return m.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def has_fast_bf16(flags: set[str] | None = None) -> bool:
+    """AVX512-bf16 or AMX: bf16 GEMMs run natively. Without them (e.g. AVX2-only) oneDNN emulates
+    bf16 and it is several times slower than fp32."""
+    flags = cpu_flags() if flags is None else flags
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def mem_available_bytes() -> int:
+    try:
+        m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+        if m:
+            return int(m.group(1)) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return 8 * GiB
+
+
+def machine_info() -> dict[str, Any]:
+    flags = cpu_flags()
+    import transformers  # noqa: PLC0415 - only for its version string
+
+    return {
+        "cpu": cpu_model(),
+        "arch": platform.machine(),
+        "flags": {
+            f: f in flags
+            for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+        },
+        "fast_bf16": has_fast_bf16(flags),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "mem_total_gib": round(_meminfo_kib("MemTotal") / (1 << 20), 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def _meminfo_kib(key: str) -> int:
+    try:
+        m = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+        return int(m.group(1)) if m else 0
+    except OSError:
+        return 0
+
+
+def gemm_peak_gflops(dtype: torch.dtype, size: int = 2048, min_seconds: float = 1.0) -> float:
+    """Best achieved GFLOP/s of a square torch.matmul (size^3, 2 FLOPs per multiply-add) on this
+    machine with the default thread count: the roof the model's GEMMs can reach."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    c = torch.empty(size, size, dtype=dtype)
+    torch.matmul(a, b, out=c)  # warm-up: thread pool, oneDNN kernel selection
+    best = float("inf")
+    start = time.perf_counter()
+    reps = 0
+    while reps < 2 or (time.perf_counter() - start < min_seconds and reps < 50):
+        t = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        best = min(best, time.perf_counter() - t)
+        reps += 1
+    return 2.0 * size**3 / best / 1e9
+
+
+# ---- model arithmetic -----------------------------------------------------------------------------
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights one token multiplies per layer: q, k, v, o projections and gate, up, down."""
+    qkv = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size)
+    o = cfg.q_size * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return qkv + o + mlp
+
+
+def prefill_flops(cfg: ModelConfig, n: int, logit_rows: int = 1) -> float:
+    """Useful FLOPs of one causal prefill of `n` tokens (the same count for every configuration, so
+    TFLOP/s compare like tokens/s; work a configuration wastes, like (a)'s LM head over all n rows,
+    is not credited).
+
+      linear layers:  2 * P * n                    P = non-embedding matmul weights of all layers
+                                                   (2 FLOPs = one multiply + one add per weight)
+      attention:      2 * 2 * (n^2 / 2) * H * d * L
+                      QK^T and PV each cost 2*n*n*d per head on the full square; the causal mask
+                      leaves half of it (n^2/2 query-key pairs); H query heads, head_dim d, L layers
+      LM head:        2 * hidden * vocab * logit_rows   (1 row: only the next-token distribution)
+
+    Norms, rotary, softmax and SiLU are elementwise (well under 1% here) and are not counted.
+    """
+    linear = 2.0 * cfg.num_layers * layer_matmul_params(cfg) * n
+    attention = 2.0 * 2.0 * (n * n / 2.0) * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    head = 2.0 * cfg.hidden_size * cfg.vocab_size * logit_rows
+    return linear + attention + head
+
+
+# ---- peak memory ----------------------------------------------------------------------------------
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        m = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def rss_bytes() -> int:
+    kib = _proc_status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def malloc_trim() -> None:
+    """Return glibc's free heap pages to the OS, so memory freed earlier (warm-up) does not sit in
+    the RSS baseline and hide the next allocation from the peak."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_hwm() -> bool:
+    """Linux: writing 5 to clear_refs resets VmHWM (peak RSS) to the current RSS. True if it did."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    hwm, rss = _proc_status_kib("VmHWM"), _proc_status_kib("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + 1024  # within 1 MiB of the reset
+
+
+class PeakRSS:
+    """Peak resident memory of a block above the RSS at its start (weights and libraries are in the
+    baseline, so this is the activation memory of the work inside the block)::
+
+        with PeakRSS() as p:
+            model(ids)
+        p.peak_bytes, p.method
+
+    On Linux the kernel's own high-water mark is reset through /proc/self/clear_refs and read back
+    from VmHWM (exact, no overhead). Elsewhere, or when clear_refs is refused, a thread samples the
+    RSS every `interval` seconds (may miss spikes shorter than that)."""
+
+    def __init__(self, interval: float = 0.001, force_sampling: bool = False) -> None:
+        self.interval = interval
+        self.force_sampling = force_sampling
+        self.method = ""
+        self.base_bytes = 0
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._max = 0
+
+    def __enter__(self) -> PeakRSS:
+        gc.collect()
+        malloc_trim()
+        if not self.force_sampling and _reset_hwm():
+            self.method = "clear_refs"
+            self.base_bytes = rss_bytes()
+        else:
+            self.method = "sampling"
+            self.base_bytes = rss_bytes()
+            self._max = self.base_bytes
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, rss_bytes())
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.method == "clear_refs":
+            hwm = _proc_status_kib("VmHWM")
+            peak = hwm * 1024 if hwm is not None else rss_bytes()
+        else:
+            self._stop.set()
+            assert self._thread is not None, "sampling thread was not started"
+            self._thread.join()
+            peak = max(self._max, rss_bytes())
+        self.peak_bytes = max(0, peak - self.base_bytes)
+
+
+# ---- subprocess runs ------------------------------------------------------------------------------
+
+
+@dataclass
+class ChildOutcome:
+    status: str  # ok | failed | timeout | oom
+    result: dict[str, Any] | None
+    wall_s: float
+    detail: str = ""
+
+
+def run_child(args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> ChildOutcome:
+    """Run `python <args>` in a fresh interpreter; it must print one RESULT_MARKER + JSON line."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.setdefault("PYTHONPATH", str(REPO_ROOT))
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            cwd=REPO_ROOT,
+        )
+    except subprocess.TimeoutExpired:
+        return ChildOutcome("timeout", None, time.perf_counter() - t, f"no result within {timeout:.0f} s")
+    wall = time.perf_counter() - t
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return ChildOutcome("ok", json.loads(line[len(RESULT_MARKER) :]), wall)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    # SIGKILL (-9) with no traceback is what the kernel OOM killer leaves behind.
+    status = "oom" if proc.returncode in (-9, 137) or "MemoryError" in proc.stderr else "failed"
+    return ChildOutcome(status, None, wall, f"exit {proc.returncode}: " + " | ".join(tail))
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+# ---- fits and tables ------------------------------------------------------------------------------
+
+
+def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares y = c0 + c1 * x (exact through two points)."""
+    assert len(xs) == len(ys) and len(xs) >= 2, f"need >= 2 points to fit a line, got {len(xs)}"
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    assert sxx > 0, "points must have at least two distinct x"
+    c1 = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - c1 * mx, c1
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)

@@ -1,0 +1,165 @@
+"""HTTP backend for our server (SGLang's native API plus two small extensions).
+
+Endpoints used:
+- `POST /tokenize {"prompt": text, "text": text, "add_special_tokens": bool} -> {"tokens": [int]}`
+  (SGLang's endpoint names the field `prompt`, our server contract `text`: both are sent).
+- `POST /apply_chat_template {"messages": [...], "add_generation_prompt": bool} -> {"text": str}`
+  (ours).
+- `POST /generate` with a batch of `input_ids`, `sampling_params: {"max_new_tokens": 0}`,
+  `return_logprob`, per-item `logprob_start_len` and `token_ids_logprob`, and our per-item
+  `cache_prefix_len` extension. A batch with one bad item is rejected whole (HTTP 400); the
+  client then resends the items one by one so only the bad one fails.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from po_lang.backends import LabelRequest, ScoreOutcome
+from po_lang.errors import BackendError
+
+
+class Remote:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout: float = 300.0,
+        *,
+        max_batch: int = 256,
+        transport: Any = None,
+    ) -> None:
+        import httpx  # lazy: only the HTTP backend needs it
+
+        self.url = url.rstrip("/")
+        self.max_batch = max_batch
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # `transport` lets tests pass httpx.MockTransport (no server needed).
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    def __repr__(self) -> str:
+        return f"Remote({self.url!r})"
+
+    def close(self) -> None:
+        self._client.close()
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        payload = {"prompt": text, "text": text, "add_special_tokens": add_special_tokens}
+        body = self._post("/tokenize", payload)
+        return [int(t) for t in body["tokens"]]
+
+    def chat_template(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        body = self._post(
+            "/apply_chat_template",
+            {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt},
+        )
+        return str(body["text"])
+
+    def score(self, requests: Sequence[LabelRequest]) -> list[ScoreOutcome | Exception]:
+        out: list[ScoreOutcome | Exception] = []
+        for a in range(0, len(requests), self.max_batch):
+            out.extend(self._score_batch(list(requests[a : a + self.max_batch])))
+        return out
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _score_batch(self, batch: list[LabelRequest]) -> list[ScoreOutcome | Exception]:
+        import httpx
+
+        try:
+            resp = self._client.post("/generate", json=_generate_body(batch))
+        except httpx.HTTPError as e:
+            return [_error(f"request to {self.url}/generate failed: {e}", e) for _ in batch]
+        if resp.status_code == 400 and len(batch) > 1:
+            # The server rejects a batch whole when one item is bad: find it by sending singly.
+            out: list[ScoreOutcome | Exception] = []
+            for r in batch:
+                out.extend(self._score_batch([r]))
+            return out
+        if resp.status_code != 200:
+            return [_error(f"/generate: HTTP {resp.status_code}: {_message(resp)}") for _ in batch]
+        try:
+            items = resp.json()
+            if isinstance(items, dict):
+                items = [items]
+            if len(items) != len(batch):
+                raise BackendError(f"/generate returned {len(items)} results for {len(batch)} prompts")
+        except Exception as e:
+            return [_error(f"/generate: bad response: {e}", e) for _ in batch]
+        out = []
+        for r, item in zip(batch, items, strict=True):
+            try:
+                out.append(_parse_item(r, item))
+            except Exception as e:
+                out.append(_error(f"/generate: bad response item: {e}", e))
+        return out
+
+    def _post(self, path: str, payload: dict[str, Any]) -> Any:
+        import httpx
+
+        try:
+            resp = self._client.post(path, json=payload)
+        except httpx.HTTPError as e:
+            raise BackendError(f"request to {self.url}{path} failed: {e}") from e
+        if resp.status_code != 200:
+            raise BackendError(f"{path}: HTTP {resp.status_code}: {_message(resp)}")
+        return resp.json()
+
+
+def _generate_body(batch: list[LabelRequest]) -> dict[str, Any]:
+    return {
+        "input_ids": [list(r.input_ids) for r in batch],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": [r.logprob_start_len for r in batch],
+        "token_ids_logprob": [list(r.label_token_ids) for r in batch],
+        "cache_prefix_len": [r.cache_prefix_len for r in batch],
+    }
+
+
+def _parse_item(req: LabelRequest, item: Mapping[str, Any]) -> ScoreOutcome:
+    meta = item["meta_info"]
+    label_lp: tuple[float, ...] = ()
+    if req.label_token_ids:
+        rows = meta.get("output_token_ids_logprobs") or []
+        # One row (the next-token distribution) of [logprob, token_id, text] entries; accept it
+        # bare or wrapped in the per-output-position list SGLang uses.
+        row = rows[0] if rows and rows[0] and isinstance(rows[0][0], list) else rows
+        by_id = {int(e[1]): float(e[0]) for e in row}
+        missing = [t for t in req.label_token_ids if t not in by_id]
+        if missing:
+            raise BackendError(f"no log-prob returned for label token ids {missing[:5]}")
+        label_lp = tuple(by_id[t] for t in req.label_token_ids)
+    entries = meta.get("input_token_logprobs") or []
+    # The first prompt token has no log-prob (null); it is never one a label reads.
+    input_lp = tuple(math.nan if e[0] is None else float(e[0]) for e in entries)
+    return ScoreOutcome(
+        label_logprobs=label_lp,
+        input_token_logprobs=input_lp,
+        prompt_tokens=int(meta.get("prompt_tokens", len(req.input_ids))),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+    )
+
+
+def _message(resp: Any) -> str:
+    try:
+        body = resp.json()
+    except Exception:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+def _error(msg: str, cause: BaseException | None = None) -> BackendError:
+    err = BackendError(msg)
+    err.__cause__ = cause
+    return err

@@ -1,0 +1,188 @@
+"""po_lang on the real engine: a tiny random-weight Llama with a tiny trained BPE tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+import string
+from pathlib import Path
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+import po_lang as po
+from po_backend import Engine
+from tests.conftest import hf_next_logprobs
+
+# GPT-2-like pre-tokenisation (a word keeps its leading space) so " Yes" and "Yes" differ.
+PATTERN = r"<\|\w+\|>| ?[^\W\d]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "User profile:\nlikes cats and dogs\n",
+    "Post: a cat video\nWill the user engage? Answer: Yes",
+    "Will the user engage? Answer: No",
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n",
+    "<|im_start|>assistant\nYes",
+    "<|im_start|>assistant\nNo",
+    "Review: the movie was great.\nSentiment: positive negative",
+]
+
+
+def build_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer trained on a few lines (vocab < 300, the tiny model's size): frequent words
+    are one token, the rest split into pieces, a BOS is added, ChatML special tokens exist."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(PATTERN), behavior="isolated")
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=list(string.printable),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", unk_token="<unk>", eos_token="<|im_end|>"
+    )
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    src, _ = tiny_model("llama")
+    path = tmp_path_factory.mktemp("lang") / "llama-tok"
+    shutil.copytree(src, path)  # the shared fixture folder stays tokenizer-free
+    build_tokenizer(path)
+    eng = Engine.from_pretrained(path, dtype="fp32", max_input_len=128)
+    assert eng.tokenizer is not None and len(eng.tokenizer) <= eng.vocab_size
+    return eng
+
+
+@pytest.fixture(scope="module")
+def backend(engine: Engine) -> po.Local:
+    return po.Local.from_engine(engine)
+
+
+def engage(backend: po.Backend, **kw: object) -> po.Classifier:
+    @po.classify(labels=["Yes", "No"], backend=backend, **kw)
+    def will_engage(profile: str, post: str) -> po.Prompt:
+        return po.shared(f"User profile:\n{profile}\n") + f"Post: {post}\nWill the user engage? Answer:"
+
+    return will_engage
+
+
+def test_classify_equals_engine_score(engine: Engine, backend: po.Local, tiny_model) -> None:
+    tok = engine.tokenizer
+    f = engage(backend)
+    r = f("likes cats", "a cat video")
+    shared = tok.encode("User profile:\nlikes cats\n")  # BOS + shared text
+    ids = shared + tok.encode("Post: a cat video\nWill the user engage? Answer:", add_special_tokens=False)
+    labels = [tok.encode(" Yes", add_special_tokens=False), tok.encode(" No", add_special_tokens=False)]
+    assert all(len(x) == 1 for x in labels) and labels[0] != tok.encode("Yes", add_special_tokens=False)
+    prog = f.compile("likes cats", "a cat video")
+    assert list(prog.prompt.ids) == ids and prog.prompt.cache_prefix_len == len(shared)
+    (ref,) = engine.score([ids], [x[0] for x in labels])
+    assert list(r.logprobs.values()) == pytest.approx(ref.logprobs, abs=1e-5)
+    _, hf = tiny_model("llama")
+    want = hf_next_logprobs(hf, ids)[[x[0] for x in labels]].tolist()
+    assert list(r.logprobs.values()) == pytest.approx(want, abs=1e-4)
+    assert r.prompt_tokens == len(ids) and sum(r.probs.values()) == pytest.approx(1.0)
+
+
+def test_chat_classify_equals_engine_score(engine: Engine, backend: po.Local) -> None:
+    tok = engine.tokenizer
+    f = engage(backend, chat=True, system="Be brief.")
+    r = f("likes cats", "a cat video")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": "User profile:\nlikes cats\nPost: a cat video\nWill the user engage? Answer:",
+        },
+    ]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    prog = f.compile("likes cats", "a cat video")
+    assert list(prog.prompt.ids) == ids
+    head = tok.encode(text[: text.index("User profile")], add_special_tokens=False)
+    assert prog.prompt.cache_prefix_len == len(head) + len(
+        tok.encode("User profile:\nlikes cats\n", add_special_tokens=False)
+    )
+    yes, no = (tok.encode(x, add_special_tokens=False) for x in ("Yes", "No"))  # no leading space
+    (ref,) = engine.score([ids], [yes[0], no[0]])
+    assert list(r.logprobs.values()) == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_map_equals_repeated_calls(backend: po.Local) -> None:
+    f = engage(backend, batch_size=3)
+    rows = [("likes cats", f"post {i}") for i in range(4)] + [{"profile": "hates dogs", "post": "a dog"}]
+    rows.insert(2, ("likes cats", "long " * 200))  # over max_input_len=128: fails alone
+    results = f.map(rows)
+    assert isinstance(results[2], po.Failed) and "PromptTooLongError" in str(results[2].error)
+    for row, r in zip(rows, results, strict=True):
+        if isinstance(r, po.Failed):
+            continue
+        single = f(**row) if isinstance(row, dict) else f(*row)
+        assert r.logprobs == pytest.approx(single.logprobs, abs=1e-5)
+        assert r.label == single.label
+
+
+def test_rank_orders_by_label_probability(backend: po.Local) -> None:
+    f = engage(backend, chat=True)
+    posts = ["a cat video", "a dog", "tax news", "cats and dogs", "a movie"]
+    ranked = po.rank(f, posts, label="Yes", profile="likes cats")
+    assert [r.score for r in ranked] == sorted((r.score for r in ranked), reverse=True)
+    for r in ranked:
+        assert r.score == pytest.approx(f("likes cats", r.item).probs["Yes"], abs=1e-6)
+
+
+@pytest.mark.parametrize("method", ["sum", "mean"])
+def test_multi_token_matches_manual_sum(engine: Engine, backend: po.Local, method: str) -> None:
+    labels = ["very good", "bad", "so so"]
+
+    @po.classify(labels=labels, multi_token=True, choices_method=method, backend=backend)
+    def rate(review: str) -> po.Prompt:
+        return po.shared("Review:") + f" {review}\nSentiment:"
+
+    r = rate("the movie was great.")
+    prog = rate.compile("the movie was great.")
+    prompt = list(prog.prompt.ids)
+    assert any(len(c) > 1 for c in prog.label_ids)
+    for label, cont in zip(labels, prog.label_ids, strict=True):
+        # Independent path: one next-token score per continuation prefix.
+        steps = [engine.score([prompt + list(cont[:k])], [cont[k]])[0].logprobs[0] for k in range(len(cont))]
+        want = sum(steps) / (len(cont) if method == "mean" else 1)
+        assert r.logprobs[label] == pytest.approx(want, abs=1e-4)
+
+
+def test_content_free_calibration_on_the_engine(backend: po.Local) -> None:
+    f = engage(backend, calibrate="content-free")
+    assert f("likes cats", "N/A").probs["Yes"] == pytest.approx(0.5, abs=1e-6)
+    r, raw = f("likes cats", "a cat video"), engage(backend)("likes cats", "a cat video")
+    assert r.logprobs == pytest.approx(raw.logprobs, abs=1e-6)
+
+
+@pytest.mark.embedded
+def test_embedded_sentiment_smoke() -> None:
+    backend = po.Local("embedded")
+
+    @po.classify(labels=["positive", "negative"], chat=True, backend=backend)
+    def sentiment(review: str) -> str:
+        return f"Classify the sentiment of this review as positive or negative.\nReview: {review}"
+
+    prog = sentiment.compile("Great film.")
+    assert prog.label_ids == ((16185,), (17728,))  # no leading space after "assistant\n"
+    plain = po.classify(labels=["positive", "negative"], backend=backend)(
+        lambda r: f"Review: {r}\nSentiment:"
+    )
+    assert plain.compile("x").label_ids == ((2731,), (3524,))  # " positive", " negative"
+    results = sentiment.map([("A wonderful, moving film.",), ("Dull and far too long.",), ("I loved it.",)])
+    for r in results:
+        assert isinstance(r, po.Classification) and sum(r.probs.values()) == pytest.approx(1.0)
+    assert results[0].probs["positive"] > results[1].probs["positive"]

@@ -1,0 +1,159 @@
+"""The prefix cache must never change an answer: hits, splits, evictions and multi-item batches
+all equal a cold run (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from po_backend import CapacityError, Engine, PromptTooLongError, ScoreRequest
+from po_backend.cache import CacheInUseError
+from po_backend.cache.kv_pool import KVPool
+
+TOL = 1e-5
+LABELS = (3, 17, 101, 250)
+
+
+def _rand(n: int, seed: int, vocab: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    path, _ = tiny_model("qwen2")
+    cold = Engine.from_pretrained(path, dtype="fp32", enable_cache=False, chunk_size=32)
+    return path, cold
+
+
+def _assert_same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) <= TOL
+        assert [t for t, _ in x.top_logprobs] == [t for t, _ in y.top_logprobs]
+
+
+def _req(ids: list[int], cache_len: int | None = None, **kw) -> ScoreRequest:
+    return ScoreRequest(tuple(ids), LABELS, top_k=3, cache_prefix_len=cache_len, **kw)
+
+
+def test_hit_equals_cold_run(engines) -> None:
+    path, cold = engines
+    eng = Engine.from_pretrained(path, dtype="fp32", chunk_size=32, cache_policy="declared")
+    prefix = _rand(120, 1)
+    prompts = [prefix + _rand(30, s) for s in range(2, 6)]
+    warm = [eng.run([_req(p, len(prefix))])[0] for p in prompts]
+    assert [r.cached_tokens for r in warm] == [0, 120, 120, 120]
+    _assert_same(warm, cold.run([_req(p) for p in prompts]))
+    eng.cache.check_integrity()
+    assert eng.cache.protected_size() == 0
+
+
+def test_partial_match_splits_node(engines) -> None:
+    path, cold = engines
+    eng = Engine.from_pretrained(path, dtype="fp32", chunk_size=32, cache_policy="declared")
+    base = _rand(80, 7)
+    first = base + _rand(10, 8)
+    second = base[:50] + _rand(40, 9)  # shares only 50 tokens: the 80-token node splits
+    r1 = eng.run([_req(first, 80)])[0]
+    r2 = eng.run([_req(second, 0)])[0]
+    assert (r1.cached_tokens, r2.cached_tokens) == (0, 50)
+    _assert_same([r1, r2], cold.run([_req(first), _req(second)]))
+    eng.cache.check_integrity()
+
+
+def test_evictions_keep_answers_and_pool_bounds(engines) -> None:
+    path, cold = engines
+    probe = Engine.from_pretrained(path, dtype="fp32", chunk_size=32, max_input_len=256, enable_cache=False)
+    cfg = probe.model_config
+    per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    budget = probe.activation_budget + 300 * per_slot  # room for two prefixes of 120 tokens only
+    eng = Engine.from_pretrained(
+        path, dtype="fp32", chunk_size=32, max_input_len=256, memory_budget=budget, cache_policy="declared"
+    )
+    assert eng.cache.pool.num_total == 300
+    prompts = []
+    for u in range(5):  # five users, two items each, round-robin twice: forces evictions
+        prefix = _rand(120, 100 + u)
+        for i in range(2):
+            prompts.append(prefix + _rand(20, 1000 * u + i))
+    results = []
+    for p in prompts + prompts:
+        results.append(eng.run([_req(p, 120)])[0])
+        eng.cache.check_integrity()
+    assert eng.cache.stats().evicted_tokens_total > 0
+    assert any(r.cached_tokens == 120 for r in results)
+    _assert_same(results, cold.run([_req(p) for p in prompts + prompts]))
+    assert eng.activation_budget + eng.cache.pool.nbytes <= budget
+
+
+def test_multi_item_batch_equals_one_by_one(engines) -> None:
+    path, cold = engines
+    eng = Engine.from_pretrained(path, dtype="fp32", chunk_size=16, cache_policy="declared")
+    users = [_rand(100, 200 + u) for u in range(2)]
+    reqs = [
+        _req(u + _rand(15 + 3 * i, 300 + 10 * k + i), len(u)) for k, u in enumerate(users) for i in range(6)
+    ]
+    batched = eng.run(reqs)
+    # Per user: one forward computes the prefix with the first item, one runs the other 5 items
+    # together; both users' first items share a forward, as do both users' remaining items.
+    assert eng.stats().forwards == 2
+    assert [r.cached_tokens for r in batched] == [0, 100, 100, 100, 100, 100] * 2
+    _assert_same(batched, cold.run(reqs))
+    _assert_same(batched, [eng.run([r])[0] for r in reqs])
+
+
+def test_prompt_logprobs_not_served_from_cache(engines) -> None:
+    """Prompt-token log-probs need hidden states the cache does not keep: the match is capped."""
+    path, cold = engines
+    eng = Engine.from_pretrained(path, dtype="fp32", chunk_size=16)
+    ids = _rand(90, 42)
+    eng.run([_req(ids)])  # policy all-but-last-k caches 89 tokens
+    (res,) = eng.run([_req(ids, logprob_start_len=40)])
+    (ref,) = cold.run([_req(ids, logprob_start_len=40)])
+    assert res.cached_tokens == 40
+    assert (
+        max(abs(a - b) for a, b in zip(res.input_token_logprobs, ref.input_token_logprobs, strict=True))
+        <= TOL
+    )
+
+
+def test_errors_leave_nothing_locked(engines, monkeypatch) -> None:
+    path, _ = engines
+    eng = Engine.from_pretrained(path, dtype="fp32", chunk_size=16, max_input_len=200)
+    prefix = _rand(60, 5)
+    eng.run([_req(prefix + [1, 2], 60)])
+    with pytest.raises(PromptTooLongError, match="max_input_len=200"):
+        eng.run([_req(prefix + [3], 60), _req(_rand(201, 6))])
+    assert eng.stats().requests == 1  # validation rejected the call before any work
+
+    def boom(*a, **k):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(eng.runner, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.run([_req(prefix + [4, 5, 6], 62)])
+    assert eng.cache.protected_size() == 0
+    eng.cache.check_integrity()
+    monkeypatch.undo()
+    eng.flush_cache()
+    assert eng.cache.stats().cached_tokens == 0
+
+
+def test_flush_while_locked_is_refused(engines) -> None:
+    path, _ = engines
+    eng = Engine.from_pretrained(path, dtype="fp32")
+    eng.run([_req(_rand(30, 1), 20)])
+    m = eng.cache.match_prefix(_rand(30, 1))
+    eng.cache.lock(m.node)
+    with pytest.raises(CacheInUseError):
+        eng.flush_cache()
+    eng.cache.unlock(m.node)
+    eng.flush_cache()
+
+
+def test_start_fails_when_max_input_len_cannot_fit(engines) -> None:
+    path, _ = engines
+    with pytest.raises(CapacityError, match="memory_budget"):
+        Engine.from_pretrained(path, dtype="fp32", max_input_len=1024, memory_budget=1 << 20)
