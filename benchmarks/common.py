@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -120,6 +121,66 @@ def gemm_peak_gflops(dtype: torch.dtype, size: int = 2048, min_seconds: float = 
         best = min(best, time.perf_counter() - t)
         reps += 1
     return 2.0 * size**3 / best / 1e9
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+class CpuShare:
+    """CPU cores used during a block by this process (`own_cores`) and by everything else on the
+    machine (`other_cores`). Benchmarks on a shared machine report both: a forward that got fewer
+    cores than it has threads, or ran while others were busy, is slower than the code is.
+
+        with CpuShare() as cpu:
+            work()
+        cpu.own_cores, cpu.other_cores
+    """
+
+    def __enter__(self) -> CpuShare:
+        self._t = time.perf_counter()
+        self._own = _own_cpu_seconds()
+        self._sys = _cpu_jiffies()
+        self.own_cores = self.other_cores = math.nan
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.perf_counter() - self._t, 1e-9)
+        own = _own_cpu_seconds() - self._own
+        self.own_cores = own / wall
+        end = _cpu_jiffies()
+        if self._sys is not None and end is not None:
+            busy = (end[0] - self._sys[0]) / os.sysconf("SC_CLK_TCK")
+            self.other_cores = max(0.0, busy - own) / wall
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def busy_other_cores(seconds: float = 1.0) -> float:
+    """Cores kept busy by other processes over the next `seconds` (this process sleeps)."""
+    with CpuShare() as cpu:
+        time.sleep(seconds)
+    return cpu.other_cores if not math.isnan(cpu.other_cores) else 0.0
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) -> tuple[float, float]:
+    """Wait until other processes use fewer than `threshold` cores (or `max_wait` seconds pass).
+    Returns (seconds waited, other cores at the last probe)."""
+    start = time.perf_counter()
+    while True:
+        others = busy_other_cores(probe)
+        waited = time.perf_counter() - start
+        if others < threshold or waited >= max_wait:
+            return waited, others
 
 
 # ---- model arithmetic -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,7 @@ class Engine:
         self.runner = ModelRunner(model, config.device, config.chunk_size)
         self.cache: RadixCache | None = None
         self.activation_budget = 0
+        self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
         self._counts = {"requests": 0, "forwards": 0, "prompt": 0, "computed": 0, "cached": 0}
         self._size_memory()
 
@@ -308,7 +310,7 @@ class Engine:
         return self.run(reqs)
 
     def run(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        """Score requests; all are validated before any work so a bad one fails the call fast.
+        """Score requests offline, in order; all are validated before any work.
 
         Requests that declare the same shared prefix run together: the first computes and caches
         the prefix, the rest run as one multi-item forward over it.
@@ -316,54 +318,63 @@ class Engine:
         for r in requests:
             self.validate(r)
         results: list[ScoreResult | None] = [None] * len(requests)
-        pending = [_Work(i, r, self.cache_len(r)) for i, r in enumerate(requests)]
+        pending = list(range(len(requests)))
         while pending:
-            batch, pending = self._next_batch(pending)
-            for w, res in zip(batch, self.step(batch), strict=True):
-                results[w.index] = res
+            chosen = self.batchable([requests[i] for i in pending])
+            batch = [pending[j] for j in chosen]
+            for i, res in zip(batch, self.step([requests[i] for i in batch]), strict=True):
+                results[i] = res
+            taken = set(chosen)
+            pending = [p for j, p in enumerate(pending) if j not in taken]
         assert all(r is not None for r in results), "a request was dropped"
         return results  # type: ignore[return-value]
 
-    def _next_batch(self, pending: list[_Work]) -> tuple[list[_Work], list[_Work]]:
-        """Up to max_batch_tokens of new tokens. Of requests declaring the same not-yet-cached
-        prefix only the first runs now: the others will read that prefix from the cache."""
-        batch: list[_Work] = []
-        later: list[_Work] = []
+    def cached_len(self, req: ScoreRequest) -> int:
+        """Tokens of `req` the cache would serve right now (read-only: no LRU touch, no split)."""
+        return self.cache.match_len(req.input_ids[: self.match_limit(req)]) if self.cache else 0
+
+    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[int]:
+        """Indices of the candidates (in order, the first always included) that can share one
+        forward: up to max_batch_tokens of new tokens, and of requests declaring the same
+        not-yet-cached prefix only the first, since the others will read it from the cache."""
+        chosen: list[int] = []
         tokens = 0
         computing: set[tuple[int, ...]] = set()
-        for w in pending:
-            ids = w.req.input_ids
-            cached = self.cache.match_len(ids[: self.match_limit(w.req)]) if self.cache else 0
-            key = ids[: w.cache_len]
-            new = len(ids) - cached
-            if (w.cache_len > cached and key in computing) or (
-                batch and tokens + new > self.config.max_batch_tokens
+        for i, r in enumerate(candidates):
+            cached = self.cached_len(r)
+            cache_len = self.cache_len(r)
+            key = r.input_ids[:cache_len]
+            new = len(r.input_ids) - cached
+            if (cache_len > cached and key in computing) or (
+                chosen and tokens + new > self.config.max_batch_tokens
             ):
-                later.append(w)
                 continue
-            if w.cache_len > cached:
+            if cache_len > cached:
                 computing.add(key)
-            batch.append(w)
+            chosen.append(i)
             tokens += new
-        return batch, later
+        return chosen
 
-    def step(self, batch: list[_Work]) -> list[ScoreResult]:
-        """One forward: match and lock cached prefixes, run, insert new prefixes, unlock."""
+    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """One forward over validated requests: match and lock cached prefixes, run, insert the
+        new prefixes, unlock. Callers choose the batch (see `batchable`)."""
+        batch = [_Work(i, r, self.cache_len(r)) for i, r in enumerate(requests)]
         by_node: dict[int, torch.Tensor] = {}
         try:
             for w in batch:
                 self._plan(w, by_node)
             # Items sharing a cached prefix must be adjacent so attention reads it once.
-            order = sorted(range(len(batch)), key=lambda i: (batch[i].plan.start_pos == 0, id(batch[i].node)))
-            ordered = [batch[i] for i in order]
+            ordered = sorted(batch, key=lambda w: (w.plan.start_pos == 0, id(w.node)))
             pool = self.cache.pool if self.cache else None
+            t0 = time.perf_counter()
             hidden = self.runner.forward([w.plan for w in ordered], pool)
             out: dict[int, ScoreResult] = {}
             row = 0
             for w in ordered:
                 m = w.plan.logit_offsets.numel()
-                out[id(w)] = self._extract(w.req, hidden[row : row + m], cached=w.plan.start_pos)
+                out[w.index] = self._extract(w.req, hidden[row : row + m], cached=w.plan.start_pos)
                 row += m
+            self.last_step_seconds = time.perf_counter() - t0
             for w in ordered:
                 self._insert(w)
             c = self._counts
@@ -373,7 +384,7 @@ class Engine:
                 c["prompt"] += len(w.req.input_ids)
                 c["cached"] += w.plan.start_pos
                 c["computed"] += len(w.req.input_ids) - w.plan.start_pos
-            return [out[id(w)] for w in batch]
+            return [out[w.index] for w in batch]
         finally:
             for w in batch:
                 self._release(w)
