@@ -109,7 +109,7 @@ def attend_items(
         lp = lse_pre[a - lo : b - lo]
         m = torch.maximum(lp, lse_own)
         w_pre, w_own = torch.exp(lp - m), torch.exp(lse_own - m)
-        merged = (o_pre[a - lo : b - lo] * w_pre[..., None] + o_own * w_own[..., None]) / (w_pre + w_own)[
-            ..., None
-        ]
+        # In place: a long item must not allocate several [n, heads, d] fp32 temporaries.
+        merged = o_pre[a - lo : b - lo].mul_(w_pre[..., None])
+        merged.add_(o_own.mul_(w_own[..., None])).div_((w_pre + w_own)[..., None])
         out[a:b].view(b - a, heads, -1).copy_(merged)

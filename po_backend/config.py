@@ -182,7 +182,7 @@ class EngineConfig:
 
     dtype: torch.dtype
     device: torch.device
-    chunk_size: int = 512  # tokens per chunk of the non-attention work (hybrid prefilling)
+    chunk_size: int = 512  # tokens per chunk of the token-wise work (hybrid prefilling); 0 = off
     max_input_len: int = 8192
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
     max_batch_tokens: int = 8192
@@ -199,5 +199,5 @@ class EngineConfig:
             f"cache_policy must be one of {policies}, got {self.cache_policy!r}"
         )
         assert self.cache_last_k >= 0, f"cache_last_k must be >= 0, got {self.cache_last_k}"
-        assert self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}"
+        assert self.chunk_size >= 0, f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}"
         assert self.max_input_len >= 1, f"max_input_len must be >= 1, got {self.max_input_len}"

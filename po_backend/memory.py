@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 from pathlib import Path
 
@@ -35,6 +38,16 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def release_free_memory() -> None:
+    """Collect garbage and hand glibc's free heap pages back to the OS, so memory freed by earlier
+    work is not silently reused inside a measured block (which would hide it from the peak)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """`with PeakMemory(device) as pm: work()` then `pm.peak` = bytes above the level at entry.
 
@@ -54,6 +67,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            release_free_memory()
             try:
                 _CLEAR_REFS.write_text("5")
             except OSError:

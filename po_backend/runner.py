@@ -128,6 +128,9 @@ def activation_bytes(
     per_token = it * (cfg.hidden_size + q + 2 * kv + q + cfg.head_dim)  # h, qkv, attn, cos/sin
     per_token += it * 2 * q  # SDPA output of one KV-head group and its transpose copy (bound)
     per_token += 4 * 2 * q if prefix_tokens else 0  # fp32 partial outputs merged after a prefix
+    # Contiguous copies of K/V stored into the pool, ids/positions/rotary angles, allocator slack:
+    # measured 0.5-1 KB/token above the buffers on a 256-wide model; bound it generously.
+    per_token += it * (cfg.hidden_size + 2 * kv) + 64
     scratch = it * chunk * (cfg.hidden_size + 3 * cfg.intermediate_size)
     head = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)  # one block of logits + log-softmax
     prefix = it * 2 * prefix_tokens * kv  # one layer's prefix K/V gathered from the pool
