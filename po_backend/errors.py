@@ -41,3 +41,7 @@ class OverloadedError(PrefillOnlyError):
 
 class CancelledError(PrefillOnlyError):
     """The request was cancelled before it ran."""
+
+
+class CacheInUseError(PrefillOnlyError):
+    """The cache cannot be flushed while running requests hold locked prefixes."""

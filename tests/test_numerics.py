@@ -85,3 +85,17 @@ def test_embedded_matches_transformers_gguf(embedded_fp32: Engine) -> None:
         ref = hf_next_logprobs(hf, ids)
         assert max(abs(a - b) for a, b in zip(res.logprobs, ref[labels].tolist(), strict=True)) <= 1e-3
         assert [t for t, _ in res.top_logprobs] == ref.topk(3).indices.tolist()
+
+
+@pytest.mark.embedded
+def test_embedded_bf16_close_to_fp32(embedded_fp32: Engine) -> None:
+    """bf16 (the default where the CPU has AMX/AVX512-bf16) is reported against fp32."""
+    e16 = Engine.from_pretrained("embedded", dtype="bf16", max_input_len=256, max_batch_tokens=256)
+    tok = embedded_fp32.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("Is this review positive? I loved it. Answer:")]
+    labels = [9230, 2838, 7042]
+    worst = 0.0
+    for a, b in zip(embedded_fp32.score(prompts, labels), e16.score(prompts, labels), strict=True):
+        worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
+    print(f"embedded bf16 vs fp32: max |d logprob| = {worst:.3f}")
+    assert worst < 0.5

@@ -16,13 +16,9 @@ import numpy as np
 import torch
 
 from po_backend.cache.kv_pool import KVPool
-from po_backend.errors import PrefillOnlyError
+from po_backend.errors import CacheInUseError
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
-
-
-class CacheInUseError(PrefillOnlyError):
-    """The cache cannot be flushed while running requests hold locked prefixes."""
 
 
 class Node:
