@@ -106,18 +106,23 @@ def _meminfo_kib(key: str) -> int:
 
 
 def gemm_peak_gflops(dtype: torch.dtype, size: int = 2048, min_seconds: float = 1.0) -> float:
-    """Best achieved GFLOP/s of a square torch.matmul (size^3, 2 FLOPs per multiply-add) on this
-    machine with the default thread count: the roof the model's GEMMs can reach."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    c = torch.empty(size, size, dtype=dtype)
-    torch.matmul(a, b, out=c)  # warm-up: thread pool, oneDNN kernel selection
+    """Best achieved GFLOP/s of a square GEMM (size^3 multiply-adds, 2 FLOPs each) on this machine
+    with the default thread count: the roof the model's GEMMs can reach.
+
+    The operand layout is nn.Linear's, x @ W.t() with W stored [out, in]: that is what every model
+    GEMM does, and on CPUs without native bf16 a plain row-major `a @ b` in bf16 takes a ~10x
+    slower path than the transposed-weight one, so the layout matters for the roof."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(size, size, generator=gen).to(dtype)
+    w = torch.randn(size, size, generator=gen).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    torch.matmul(x, w.t(), out=out)  # warm-up: thread pool, oneDNN kernel selection
     best = float("inf")
     start = time.perf_counter()
     reps = 0
     while reps < 2 or (time.perf_counter() - start < min_seconds and reps < 50):
         t = time.perf_counter()
-        torch.matmul(a, b, out=c)
+        torch.matmul(x, w.t(), out=out)
         best = min(best, time.perf_counter() - t)
         reps += 1
     return 2.0 * size**3 / best / 1e9
@@ -131,6 +136,11 @@ def _cpu_jiffies() -> tuple[int, int] | None:
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 class CpuShare:
@@ -158,11 +168,6 @@ class CpuShare:
         if self._sys is not None and end is not None:
             busy = (end[0] - self._sys[0]) / os.sysconf("SC_CLK_TCK")
             self.other_cores = max(0.0, busy - own) / wall
-
-
-def _own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def busy_other_cores(seconds: float = 1.0) -> float:

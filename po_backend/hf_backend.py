@@ -70,7 +70,9 @@ class HFScorer:
         if n == 0:
             raise EmptyPromptError("the prompt is empty (0 tokens)")
         if n > self.max_input_len:
-            raise PromptTooLongError(f"the prompt has {n} tokens, more than max_input_len={self.max_input_len}")
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens, more than max_input_len={self.max_input_len}"
+            )
         for ids, what in ((req.input_ids, "prompt"), (req.label_token_ids, "label")):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:

@@ -16,11 +16,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from po_backend.scheduler import POLICIES
 from po_backend.server import LoopBackend, ServerArgs, create_app
 
 log = logging.getLogger("po_backend.launch_server")
 
-POLICIES = ("po", "fcfs", "srjf", "lpm")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -42,17 +42,56 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    ap.add_argument("--max-input-len", type=int, default=None, help="longest prompt in tokens (default: the model's context)")
-    ap.add_argument("--max-batch-tokens", type=int, default=None, help="new tokens per forward (default: max(max-input-len, 2048))")
-    ap.add_argument("--memory-budget", type=parse_bytes, default=None, help="bytes beyond the weights for activations + prefix cache (e.g. 4GiB)")
-    ap.add_argument("--schedule-policy", choices=POLICIES, default="po", help="po: prefix-aware SRJF with JCT calibration (the paper's); fcfs; srjf; lpm: longest prefix match")
-    ap.add_argument("--fairness-lambda", type=float, default=None, help="starvation bound: score = jct - lambda * t_queue")
+    ap.add_argument(
+        "--max-input-len",
+        type=int,
+        default=None,
+        help="longest prompt in tokens (default: the model's context)",
+    )
+    ap.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="new tokens per forward (default: max(max-input-len, 2048))",
+    )
+    ap.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        default=None,
+        help="bytes beyond the weights for activations + prefix cache (e.g. 4GiB)",
+    )
+    ap.add_argument(
+        "--schedule-policy",
+        choices=POLICIES,
+        default="po",
+        help="po: prefix-aware SRJF with JCT calibration (the paper's); fcfs; srjf; lpm: longest prefix match",
+    )
+    ap.add_argument(
+        "--fairness-lambda", type=float, default=None, help="starvation bound: score = jct - lambda * t_queue"
+    )
     ap.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
-    ap.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk of the non-attention work (hybrid prefilling)")
-    ap.add_argument("--max-queue", type=int, default=4096, help="queued prompts before requests get 503 'overloaded'")
-    ap.add_argument("--max-body-bytes", type=parse_bytes, default=64 << 20, help="larger request bodies get 413")
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=512,
+        help="tokens per chunk of the non-attention work (hybrid prefilling)",
+    )
+    ap.add_argument(
+        "--max-queue", type=int, default=4096, help="queued prompts before requests get 503 'overloaded'"
+    )
+    ap.add_argument(
+        "--max-body-bytes", type=parse_bytes, default=64 << 20, help="larger request bodies get 413"
+    )
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    ap.add_argument("--served-model-name", default=None, help="model name in API responses (default: the model path)")
+    ap.add_argument(
+        "--served-model-name", default=None, help="model name in API responses (default: the model path)"
+    )
+    ap.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=65.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     return ap  # fmt: skip
 
@@ -63,9 +102,15 @@ def build_backend(a: argparse.Namespace) -> tuple[LoopBackend, dict[str, Any]]:
     if a.backend == "hf":
         from po_backend.hf_backend import FCFSLoop, HFScorer
 
-        scorer = HFScorer.from_pretrained(a.model_path, dtype=dtype, device=a.device, max_input_len=a.max_input_len)
+        scorer = HFScorer.from_pretrained(
+            a.model_path, dtype=dtype, device=a.device, max_input_len=a.max_input_len
+        )
         loop = FCFSLoop(scorer, max_queue=a.max_queue)
-        info = {"dtype": str(next(scorer.model.parameters()).dtype), "schedule_policy": "fcfs", "radix_cache": False}
+        info = {
+            "dtype": str(next(scorer.model.parameters()).dtype),
+            "schedule_policy": "fcfs",
+            "radix_cache": False,
+        }
         return LoopBackend(scorer, loop, scorer.max_input_len), info
     from po_backend.engine import Engine
     from po_backend.loop import EngineLoop
@@ -91,7 +136,7 @@ def build_backend(a: argparse.Namespace) -> tuple[LoopBackend, dict[str, Any]]:
         "chunk_size": cfg.chunk_size,
         "max_batch_tokens": cfg.max_batch_tokens,
         "schedule_policy": a.schedule_policy,
-        "fairness_lambda": a.fairness_lambda,
+        "fairness_lambda": loop.config.fairness_lambda,
         "radix_cache": cfg.enable_cache,
         "memory_budget": cfg.memory_budget,
     }
@@ -123,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     app = create_app(backend, args)
     log.info("serving %s (%s backend) on http://%s:%d", a.model_path, a.backend, a.host, a.port)
     # Backlog above the default so a burst of ~1000 connects is queued by the kernel, not refused.
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, backlog=4096, timeout_graceful_shutdown=30)
+    uvicorn.run(
+        app, host=a.host, port=a.port, log_level=a.log_level, backlog=4096, timeout_graceful_shutdown=30
+    )
 
 
 if __name__ == "__main__":

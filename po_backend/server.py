@@ -13,9 +13,11 @@ errors are `{"error": {"message", "type", "param", "code"}}` (what the openai cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -28,10 +30,17 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from po_backend.engine import ScoreRequest, ScoreResult
-from po_backend.errors import InvalidRequestError, OverloadedError, PrefillOnlyError
+from po_backend.errors import EmptyPromptError, InvalidRequestError, OverloadedError, PrefillOnlyError
 from po_backend.protocol import (
     ChatTemplateRequest,
     ClassifyRequest,
@@ -48,7 +57,9 @@ log = logging.getLogger(__name__)
 VERSION = "prefillonly-0.1.0"
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; SGLang and vLLM clamp to this value too
 MAX_OPENAI_LOGPROBS = 20
-ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]
+]
 
 
 # ---- what the server needs from a model ---------------------------------------------------------
@@ -73,6 +84,34 @@ class Backend(Protocol):
     def flush_cache(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+class LoopBackend:
+    """A `Backend` from a scorer (the Engine or the transformers baseline: tokenizer, vocabulary)
+    and the scheduling loop that owns it (queue, futures, cancellation, stats)."""
+
+    def __init__(self, scorer: Any, loop: Any, max_input_len: int) -> None:
+        self.scorer = scorer
+        self.loop = loop
+        self.tokenizer = scorer.tokenizer
+        self.vocab_size = int(scorer.vocab_size)
+        self.max_input_len = int(max_input_len)
+
+    def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
+        return self.loop.submit_many(reqs)
+
+    def cancel(self, fut: Future[ScoreResult]) -> None:
+        self.loop.cancel(fut)
+
+    def stats(self) -> dict[str, Any]:
+        return _jsonable(self.loop.stats())
+
+    def flush_cache(self) -> None:
+        # The loop owns the engine: the flush must happen between its steps, on its thread.
+        self.loop.flush_cache()
+
+    def shutdown(self) -> None:
+        self.loop.shutdown(drain=True)
 
 
 @dataclass(frozen=True)
@@ -122,17 +161,32 @@ def error_response(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse(error_body(status, message, kind), status_code=status)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """'sampling_params.bogus' from pydantic's loc, without the union-member tags it inserts
+    ('SamplingParams', 'list[int]', ...): our field names are lower snake case, tags are not."""
+    keep = [
+        str(x)
+        for x in loc
+        if x != "body"
+        and (isinstance(x, int) or (re.fullmatch(r"[a-z_][a-z0-9_]*", x) and x not in _TYPE_TAGS))
+    ]
+    return ".".join(keep)
+
+
 def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for e in exc.errors()[:5]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+    errors = list(exc.errors())
+    for e in errors:
         if e.get("type") == "json_invalid":
             return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
-        if e.get("type") == "extra_forbidden":
-            parts.append(f"unknown field {loc!r}")
-        else:
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
-    return "invalid request: " + "; ".join(dict.fromkeys(parts))
+    # An unknown key is the real problem even when a union's other members also complain.
+    extra = [e for e in errors if e.get("type") == "extra_forbidden"]
+    parts = [f"unknown field {_field_path(e.get('loc', ()))!r}" for e in extra]
+    if not parts:
+        parts = [f"{_field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors]
+    return "invalid request: " + "; ".join(list(dict.fromkeys(parts))[:5])
 
 
 # ---- pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects) ---------------
@@ -161,7 +215,9 @@ class ApiKeyMiddleware:
             return
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         if auth != self.expected:
-            body = error_body(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
+            body = error_body(
+                401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError"
+            )
             await _send_json(send, 401, body)
             return
         await self.app(scope, receive, send)
@@ -180,7 +236,9 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = error_body(413, f"request body larger than {self.max_bytes} bytes", "PayloadTooLargeError")
+        too_large = error_body(
+            413, f"request body larger than {self.max_bytes} bytes", "PayloadTooLargeError"
+        )
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await _send_json(send, 413, too_large)
@@ -262,18 +320,26 @@ class Metrics:
         self.cached_tokens = Counter(
             "po_cache_hit_tokens", "Prompt tokens read from the prefix cache instead of computed", registry=r
         )
-        self.cancelled = Counter("po_cancelled_requests", "Prompts cancelled by a client disconnect", registry=r)
-        self.rejected = Counter("po_overloaded_rejections", "Prompts refused with 503 (queue full)", registry=r)
+        self.cancelled = Counter(
+            "po_cancelled_requests", "Prompts cancelled by a client disconnect", registry=r
+        )
+        self.rejected = Counter(
+            "po_overloaded_rejections", "Prompts refused with 503 (queue full)", registry=r
+        )
         Gauge("po_queue_length", "Prompts waiting in the scheduler queue", registry=r).set_function(
             lambda: float(self._stat("queued"))
         )
         Gauge("po_running_requests", "Prompts in the forward being run", registry=r).set_function(
             lambda: float(self._stat("running"))
         )
-        Gauge("po_prompt_tokens_per_second", f"Prompt tokens scored per second (last {self.WINDOW_S:.0f} s)", registry=r).set_function(self.tokens_per_second)
-        Gauge("po_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r).set_function(
-            self._hit_rate
-        )
+        Gauge(
+            "po_prompt_tokens_per_second",
+            f"Prompt tokens scored per second (last {self.WINDOW_S:.0f} s)",
+            registry=r,
+        ).set_function(self.tokens_per_second)
+        Gauge(
+            "po_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r
+        ).set_function(self._hit_rate)
         self._lock = threading.Lock()
         self._window: deque[tuple[float, int]] = deque()  # (time, prompt tokens finished then)
         self._tokens = 0
@@ -352,7 +418,9 @@ def _parse_bias(bias: dict[str, float] | None, vocab_size: int, where: str) -> d
     return out
 
 
-def biased_top(result: ScoreResult, labels: Sequence[int], bias: dict[int, float], k: int) -> list[tuple[int, float]]:
+def biased_top(
+    result: ScoreResult, labels: Sequence[int], bias: dict[int, float], k: int
+) -> list[tuple[int, float]]:
     """The exact top-k of softmax(logits + bias), from the raw top list and the biased tokens'
     own log-probs (both in `result`): with Z = sum_v p_v e^{b_v} = 1 - sum_b p_b + sum_b p_b e^{b},
     every log-prob shifts by -log Z and the biased ones also by +b. Needs `result.top_logprobs` to
@@ -377,7 +445,7 @@ def biased_top(result: ScoreResult, labels: Sequence[int], bias: dict[int, float
 # ---- the app ------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class _GenItem:
     """One prompt of a /generate call, parsed."""
 
@@ -389,8 +457,9 @@ class _GenItem:
     token_ids_logprob: tuple[int, ...] | None
     bias: dict[int, float]
     skip_special_tokens: bool
+    with_text: bool  # return_text_in_logprobs
     rid: str
-    request: ScoreRequest | None = None
+    request: ScoreRequest
 
 
 class Server:
@@ -413,6 +482,13 @@ class Server:
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_prompt(self, text: str) -> tuple[int, ...]:
+        """A prompt's ids; empty text is an empty prompt even though the tokenizer would give it
+        a BOS (scoring the distribution after BOS alone is never what was meant)."""
+        if not text:
+            raise EmptyPromptError("the prompt is empty (empty text)")
+        return self.encode(text)
+
     def token_text(self, tid: int) -> str | None:
         """One token decoded on its own (SGLang's `return_text_in_logprobs`), memoised."""
         if self.backend.tokenizer is None:
@@ -433,7 +509,8 @@ class Server:
         if not reqs:
             return []
         try:
-            futs = await asyncio.to_thread(self.backend.submit_many, reqs)
+            # Validation and a queue push: fast and thread-safe, fine on the event loop.
+            futs = self.backend.submit_many(reqs)
         except OverloadedError:
             self.metrics.rejected.inc(len(reqs))
             raise
@@ -467,7 +544,7 @@ class Server:
         if body.text is not None:
             single = isinstance(body.text, str)
             texts = [body.text] if single else list(body.text)
-            prompts = [self.encode(t) for t in texts]
+            prompts = [self.encode_prompt(t) for t in texts]
         else:
             ids = body.input_ids or []
             single = not ids or not isinstance(ids[0], list)
@@ -475,7 +552,11 @@ class Server:
         n = len(prompts)
         if n == 0:
             raise bad("the batch is empty")
-        if any(body.return_hidden_states if isinstance(body.return_hidden_states, list) else [body.return_hidden_states]):
+        if any(
+            body.return_hidden_states
+            if isinstance(body.return_hidden_states, list)
+            else [body.return_hidden_states]
+        ):
             raise bad("return_hidden_states is not supported by the prefill-only server")
         sps = _per_item(body.sampling_params, n, "sampling_params", SamplingParams())
         ret = _per_item(body.return_logprob, n, "return_logprob", False)
@@ -502,7 +583,24 @@ class Server:
                 raise bad(f"top_logprobs_num must be >= 0, got {tops[i]}")
             start = starts[i]
             if ret[i] and not -1 <= start < max(len(prompts[i]), 1):
-                raise bad(f"logprob_start_len must be in [-1, {len(prompts[i]) - 1}] for a {len(prompts[i])}-token prompt, got {start}")
+                raise bad(
+                    f"logprob_start_len must be in [-1, {len(prompts[i]) - 1}] for a {len(prompts[i])}-token prompt, got {start}"
+                )
+            ids_lp = tuple(id_lists[i]) if id_lists[i] is not None else None
+            bias = _parse_bias(sp.logit_bias, self.backend.vocab_size, "logit_bias")
+            top_k = int(tops[i]) if ret[i] else 0
+            if mnt == 1:
+                top_k = max(top_k, 1 + len(bias))  # enough unbiased candidates for the argmax
+            # The engine returns log-probs of the positions after its start; SGLang's list
+            # begins at the start position itself.
+            engine_start = max(start - 1, 0) if ret[i] and start >= 0 else -1
+            request = ScoreRequest(
+                prompts[i],
+                _unique((ids_lp or ()) + tuple(bias)),
+                top_k=top_k,
+                logprob_start_len=engine_start,
+                cache_prefix_len=prefix[i],
+            )
             items.append(
                 _GenItem(
                     ids=prompts[i],
@@ -510,23 +608,13 @@ class Server:
                     return_logprob=bool(ret[i]),
                     logprob_start_len=start,
                     top_logprobs_num=int(tops[i]),
-                    token_ids_logprob=tuple(id_lists[i]) if id_lists[i] is not None else None,
-                    bias=_parse_bias(sp.logit_bias, self.backend.vocab_size, "logit_bias"),
+                    token_ids_logprob=ids_lp,
+                    bias=bias,
                     skip_special_tokens=sp.skip_special_tokens is not False,
+                    with_text=body.return_text_in_logprobs,
                     rid=rids[i] or uuid.uuid4().hex,
+                    request=request,
                 )
-            )
-            it = items[-1]
-            labels = _unique((it.token_ids_logprob or ()) + tuple(it.bias))
-            top_k = it.top_logprobs_num if it.return_logprob else 0
-            if it.max_new_tokens == 1:
-                top_k = max(top_k, 1 + len(it.bias))  # enough unbiased candidates for the argmax
-            engine_start = -1
-            if it.return_logprob and start >= 0:
-                # The engine returns positions after its start; SGLang includes the start itself.
-                engine_start = max(start - 1, 0)
-            it.request = ScoreRequest(
-                it.ids, labels, top_k=top_k, logprob_start_len=engine_start, cache_prefix_len=prefix[i]
             )
         return items, single
 
@@ -534,7 +622,9 @@ class Server:
     def _check_sampling(sp: SamplingParams, max_new_tokens: int) -> None:
         for name in ("regex", "json_schema", "ebnf", "structural_tag"):
             if getattr(sp, name) is not None:
-                raise bad(f"sampling_params.{name}: constrained decoding is not supported by the prefill-only server")
+                raise bad(
+                    f"sampling_params.{name}: constrained decoding is not supported by the prefill-only server"
+                )
         if sp.n not in (None, 1):
             raise bad(f"sampling_params.n must be 1 on the prefill-only server, got {sp.n}")
         if sp.beam_width not in (None, 0, 1):
@@ -543,16 +633,19 @@ class Server:
             raise bad(f"min_new_tokens={sp.min_new_tokens} exceeds max_new_tokens={max_new_tokens}")
 
     def format_generate(self, it: _GenItem, res: ScoreResult, latency: float) -> dict[str, Any]:
-        with_text = True  # cheap, and sgl.select reads it; SGLang omits it unless asked
+        with_text = it.with_text
         out_ids: list[int] = []
         text = ""
         finish: dict[str, Any] = {"type": "length", "length": it.max_new_tokens}
         req = it.request
-        assert req is not None, "format_generate needs a parsed item"
         if it.max_new_tokens == 1:
             (tok, _), *_ = biased_top(res, req.label_token_ids, it.bias, 1)
             out_ids = [tok]
-            text = self.tokenizer.decode([tok], skip_special_tokens=it.skip_special_tokens) if self.backend.tokenizer is not None else ""
+            text = (
+                self.tokenizer.decode([tok], skip_special_tokens=it.skip_special_tokens)
+                if self.backend.tokenizer is not None
+                else ""
+            )
             eos = getattr(self.backend.tokenizer, "eos_token_id", None)
             if tok == eos:
                 finish = {"type": "stop", "matched": tok}
@@ -565,7 +658,6 @@ class Server:
             "e2e_latency": latency,
         }
         if it.return_logprob:
-            with_text = True
             lp = dict(zip(req.label_token_ids, res.logprobs, strict=True))
             lp.update(res.top_logprobs)
             inputs: list[list[Any]] = []
@@ -590,8 +682,12 @@ class Server:
 
     # ---- /v1/score ------------------------------------------------------------------------------
 
-    def parse_score(self, body: ScoreRequestBody) -> tuple[list[ScoreRequest], list[tuple[int, ...]]]:
-        if body.query_embed_overrides is not None or body.item_embed_overrides is not None or body.embed_override_token_id is not None:
+    def parse_score(self, body: ScoreRequestBody) -> list[ScoreRequest]:
+        if (
+            body.query_embed_overrides is not None
+            or body.item_embed_overrides is not None
+            or body.embed_override_token_id is not None
+        ):
             raise bad("embedding overrides are not supported by the prefill-only server")
         if body.return_pooled_hidden_states:
             raise bad("return_pooled_hidden_states is not supported for causal LM scoring")
@@ -627,7 +723,7 @@ class Server:
             prefix_ids = self.encode(query) if not body.item_first else None
             for item, ls in zip(items, labels, strict=True):
                 text = f"{item}{query}" if body.item_first else f"{query}{item}"
-                ids = self.encode(text)
+                ids = self.encode_prompt(text)
                 # The shared part's tokens (the query, or the item with item_first) are the cache
                 # prefix; a BPE merge across the join can only shorten it.
                 shared = prefix_ids if prefix_ids is not None else self.encode(item)  # type: ignore[arg-type]
@@ -639,22 +735,30 @@ class Server:
                 ids = tuple(item) + tuple(query) if body.item_first else tuple(query) + tuple(item)  # type: ignore[arg-type]
                 shared_len = len(item) if body.item_first else len(query)  # type: ignore[arg-type]
                 reqs.append(ScoreRequest(ids, ls, cache_prefix_len=shared_len or None))
-        return reqs, labels
+        return reqs
 
     # ---- /v1/classify ---------------------------------------------------------------------------
 
-    def label_continuations(self, prompt_text: str, labels: Sequence[str], leading_space: bool | None) -> list[tuple[int, ...]]:
+    def label_continuations(
+        self, prompt_text: str, labels: Sequence[str], leading_space: bool | None
+    ) -> list[tuple[int, ...]]:
         """Each label's tokens as they would follow the prompt: the tokens `tail + label` has
         beyond `tail`, so the tokenizer decides the boundary (as po_lang's compiler does)."""
         anchor = prompt_text[-64:]
         base = self.encode(anchor, add_special_tokens=False)
         out = []
         for label in labels:
-            space = leading_space if leading_space is not None else bool(prompt_text) and not prompt_text[-1].isspace()
+            space = (
+                leading_space
+                if leading_space is not None
+                else bool(prompt_text) and not prompt_text[-1].isspace()
+            )
             text = " " + label if space and not label[:1].isspace() else label
             full = self.encode(anchor + text, add_special_tokens=False)
             if full[: len(base)] != base:
-                raise bad(f"label {label!r} merges with the end of the prompt into different tokens; end the prompt with a separator such as ':' or a newline")
+                raise bad(
+                    f"label {label!r} merges with the end of the prompt into different tokens; end the prompt with a separator such as ':' or a newline"
+                )
             cont = full[len(base) :]
             if not cont:
                 raise bad(f"label {label!r} tokenises to nothing after the prompt")
@@ -749,11 +853,12 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
     """The FastAPI app over `backend`. `backend.shutdown()` runs when the app stops."""
     srv = Server(backend, args)
 
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(backend.shutdown)
 
-    app = FastAPI(title="PrefillOnly", version=VERSION, lifespan=lifespan)  # type: ignore[arg-type]
+    app = FastAPI(title="PrefillOnly", version=VERSION, lifespan=lifespan)
     app.state.server = srv
 
     @app.exception_handler(HTTPError)
@@ -838,7 +943,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request) -> Response:
         t0 = time.perf_counter()
         items, single = srv.parse_generate(body)
-        results = await srv.run(request, [it.request for it in items])  # type: ignore[misc]
+        results = await srv.run(request, [it.request for it in items])
         latency = time.perf_counter() - t0
         out = [srv.format_generate(it, r, latency) for it, r in zip(items, results, strict=True)]
         if body.stream:
@@ -849,10 +954,10 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
 
     @app.post("/v1/score")
     async def score(body: ScoreRequestBody, request: Request) -> JSONResponse:
-        reqs, labels = srv.parse_score(body)
+        reqs = srv.parse_score(body)
         results = await srv.run(request, reqs)
         scores = []
-        for res, ls in zip(results, labels, strict=True):
+        for res in results:
             if body.apply_softmax:
                 scores.append(_softmax(res.logprobs, body.temperature))
             else:
@@ -886,7 +991,9 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
             if not 0 <= t < backend.vocab_size:
                 raise bad(f"token id {t} is outside the vocabulary [0, {backend.vocab_size})")
         if toks and isinstance(toks[0], list):
-            return {"text": [srv.tokenizer.decode(r, skip_special_tokens=body.skip_special_tokens) for r in toks]}
+            return {
+                "text": [srv.tokenizer.decode(r, skip_special_tokens=body.skip_special_tokens) for r in toks]
+            }
         return {"text": srv.tokenizer.decode(toks, skip_special_tokens=body.skip_special_tokens)}
 
     @app.post("/apply_chat_template")
@@ -924,7 +1031,9 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         max_tokens = 1 if body.max_tokens is None else body.max_tokens
         if max_tokens not in (0, 1):
-            raise bad(f"max_tokens must be 0 or 1 on this prefill-only server (it never decodes), got {max_tokens}")
+            raise bad(
+                f"max_tokens must be 0 or 1 on this prefill-only server (it never decodes), got {max_tokens}"
+            )
         if body.n not in (None, 1) or body.best_of not in (None, 1):
             raise bad("n and best_of must be 1 on the prefill-only server")
         if body.suffix is not None:
@@ -934,9 +1043,9 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
         bias = _parse_bias(body.logit_bias, backend.vocab_size, "logit_bias")
         p = body.prompt
         if isinstance(p, str):
-            prompts: list[tuple[tuple[int, ...], str | None]] = [(srv.encode(p), p)]
+            prompts: list[tuple[tuple[int, ...], str | None]] = [(srv.encode_prompt(p), p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [(srv.encode(x), x) for x in p]  # type: ignore[arg-type]
+            prompts = [(srv.encode_prompt(x), x) for x in p]  # type: ignore[arg-type]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [(tuple(x), None) for x in p]  # type: ignore[arg-type]
         elif all(isinstance(x, int) for x in p):
@@ -992,7 +1101,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
             for t in texts:
                 assert t is not None
                 if k is None:
-                    prompts.append(srv.encode(t))
+                    prompts.append(srv.encode_prompt(t))
                     shared.append(None)
                 else:
                     # The shared part is tokenised on its own so its ids are an exact prefix
@@ -1021,7 +1130,9 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
                 # One prefill per label over prompt + label, reading the label tokens' log-probs;
                 # the prompt is cached by the first so the others compute only their label.
                 n = len(ids)
-                reqs.extend(ScoreRequest(ids + c, (), logprob_start_len=n - 1, cache_prefix_len=n) for c in conts)
+                reqs.extend(
+                    ScoreRequest(ids + c, (), logprob_start_len=n - 1, cache_prefix_len=n) for c in conts
+                )
                 plans.append((single, ids, conts, len(conts)))
         results = await srv.run(request, reqs)
         data = []
@@ -1064,7 +1175,8 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
         return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     paths = {r.path for r in app.routes if hasattr(r, "path")}  # type: ignore[attr-defined]
-    # Outermost first: auth before the body is read, metrics around everything else.
+    # Each add wraps the previous: auth ends up outermost (401 before a body is read), then the
+    # body limit, then metrics around the endpoints.
     app.add_middleware(MetricsMiddleware, metrics=srv.metrics, paths=paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes)
     if args.api_key:

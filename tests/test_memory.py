@@ -39,11 +39,17 @@ def test_measured_peak_within_activation_budget(mid_model: str, chunk_size: int)
         # A full-length request that also fills the pool with 6143 prefix tokens.
         eng.run([ScoreRequest(ids, (1,), cache_prefix_len=6143)])
     pool_written = 6143 * eng.cache.pool.bytes_per_slot(2, 2, 32, torch.float32)
-    print(f"peak {pm.peak >> 20} MiB, pool written {pool_written >> 20} MiB, budget {eng.activation_budget >> 20} MiB")
+    print(
+        f"peak {pm.peak >> 20} MiB, pool written {pool_written >> 20} MiB, budget {eng.activation_budget >> 20} MiB"
+    )
     assert pm.peak <= eng.activation_budget + pool_written, (pm.peak, eng.activation_budget)
 
 
 def test_hybrid_chunking_lowers_activation_bound(mid_model: str) -> None:
-    chunked = Engine.from_pretrained(mid_model, dtype="fp32", max_input_len=6144, chunk_size=256, enable_cache=False)
-    whole = Engine.from_pretrained(mid_model, dtype="fp32", max_input_len=6144, chunk_size=0, enable_cache=False)
+    chunked = Engine.from_pretrained(
+        mid_model, dtype="fp32", max_input_len=6144, chunk_size=256, enable_cache=False
+    )
+    whole = Engine.from_pretrained(
+        mid_model, dtype="fp32", max_input_len=6144, chunk_size=0, enable_cache=False
+    )
     assert chunked.activation_budget < whole.activation_budget

@@ -92,7 +92,10 @@ def test_embedded_bf16_close_to_fp32(embedded_fp32: Engine) -> None:
     """bf16 (the default where the CPU has AMX/AVX512-bf16) is reported against fp32."""
     e16 = Engine.from_pretrained("embedded", dtype="bf16", max_input_len=256, max_batch_tokens=256)
     tok = embedded_fp32.tokenizer
-    prompts = [tok.encode("The capital of France is"), tok.encode("Is this review positive? I loved it. Answer:")]
+    prompts = [
+        tok.encode("The capital of France is"),
+        tok.encode("Is this review positive? I loved it. Answer:"),
+    ]
     labels = [9230, 2838, 7042]
     worst = 0.0
     for a, b in zip(embedded_fp32.score(prompts, labels), e16.score(prompts, labels), strict=True):

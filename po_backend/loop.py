@@ -1,0 +1,379 @@
+"""The engine loop: one worker thread owns the engine; any thread submits requests and gets futures.
+
+    loop = EngineLoop(engine, policy="po")
+    fut = loop.submit(req)            # validated now (typed errors raise here), queued, a Future
+    res = fut.result()                # or: await loop.score(req) from asyncio
+    loop.shutdown(drain=True)         # finish everything queued, then join the worker
+
+Guarantees: every accepted request ends with a result, an error, or a cancellation, never silently
+dropped. A full queue raises OverloadedError at submit. A waiting request can be cancelled
+(`fut.cancel()` or `loop.cancel(fut)`); a running one completes. If a step raises, every request
+of that step gets the exception and the loop goes on. `shutdown(drain=False)` fails what is still
+queued with CancelledError. The worker sleeps on a condition variable when idle (no polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from po_backend.engine import Engine, ScoreRequest, ScoreResult
+from po_backend.errors import CancelledError, OverloadedError, PrefillOnlyError
+from po_backend.jct import CalibratedJCT, JCTModel, load_or_profile, pearson_r
+from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+STEP_LOG = 4096  # recent steps kept for stats (percentiles, prediction quality)
+
+
+class LoopClosedError(OverloadedError):
+    """The loop is shutting down and accepts no new requests (HTTP 503, like a full queue)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the loop saw it."""
+
+    start: float  # loop clock
+    seconds: float  # measured wall time of engine.step
+    predicted_raw: float  # the fitted JCT model's price of the step, before calibration
+    predicted: float  # what the scheduler used: raw times the calibration factor at the time
+    items: tuple[tuple[int, int], ...]  # (n_input, n_cached) per request
+    policy_score: float
+    error: bool = False
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    policy: str
+    fairness_lambda: float
+    queued: int  # waiting, not started
+    running: int  # in the step being run now
+    submitted: int
+    completed: int
+    failed: int
+    cancelled: int
+    rejected: int  # refused at submit with OverloadedError
+    steps: int
+    mean_batch_items: float
+    step_p50_s: float
+    step_p90_s: float
+    step_p99_s: float
+    cache_hit_rate: float  # prompt tokens served from the prefix cache (engine lifetime)
+    jct_fit_r: float  # held-out Pearson r of the start-up profile fit
+    jct_fit_median_abs_error_s: float
+    jct_calibration: float  # measured / predicted step time factor applied to predictions
+    jct_online_r: float  # r of calibrated predictions vs measured over recent steps
+
+
+class _Job:
+    __slots__ = ("rid", "req", "future", "submitted")
+
+    def __init__(self, rid: int, req: ScoreRequest, future: Future[ScoreResult], submitted: float) -> None:
+        self.rid, self.req, self.future, self.submitted = rid, req, future, submitted
+
+
+class EngineLoop:
+    """A scheduler in front of one engine, driven by one worker thread that owns the engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        policy: str = "po",
+        fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA,
+        max_queue: int = 4096,
+        jct: JCTModel | None = None,
+        calibrate: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ) -> None:
+        """jct: the step-time model; None loads the persisted profile for this model and machine
+        or profiles the engine now (seconds; once per machine). start=False leaves the worker
+        stopped until `start()` (tests; submitting a burst that is scheduled as a whole)."""
+        assert max_queue >= 1, f"max_queue must be >= 1, got {max_queue}"
+        self.engine = engine
+        self.config = SchedulerConfig(policy, fairness_lambda)
+        self.jct = CalibratedJCT(jct if jct is not None else load_or_profile(engine))
+        self.calibrate = calibrate
+        self.max_queue = max_queue
+        self.clock = clock
+        self._sched = Scheduler(self.config, self.jct, clock)
+        self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
+        self._jobs: dict[int, _Job] = {}  # waiting jobs by rid
+        self._running: list[_Job] = []
+        self._calls: deque[tuple[Callable[[Engine], Any], Future[Any]]] = deque()
+        self._ids = itertools.count()
+        self._closing = False
+        self._drain = True
+        self._counts = dict.fromkeys(("submitted", "completed", "failed", "cancelled", "rejected"), 0)
+        self._steps: deque[StepRecord] = deque(maxlen=STEP_LOG)
+        self._n_steps = 0
+        self._thread = threading.Thread(target=self._work, name="po-engine-loop", daemon=True)
+        self._started = False
+        if start:
+            self.start()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if not self._started:
+                self._started = True
+                self._thread.start()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting requests. drain=True runs everything queued first; drain=False fails
+        the queued requests with CancelledError (the step running now completes). Joins the worker."""
+        with self._cond:
+            self._closing = True
+            self._drain = self._drain and drain
+            if not drain:
+                self._fail_waiting(CancelledError("the engine loop shut down before this request ran"))
+            self._cond.notify_all()
+        if drain:
+            self.start()  # a never-started loop still owes its queued requests their results
+        if self._started:
+            self._thread.join(timeout)
+            assert not self._thread.is_alive() or timeout is not None, "engine loop worker did not stop"
+        with self._cond:  # never started, or the worker died: nothing may stay pending
+            self._fail_waiting(CancelledError("the engine loop shut down before this request ran"))
+
+    def __enter__(self) -> EngineLoop:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.shutdown(drain=exc_type is None)
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    # ---- submitting -------------------------------------------------------------------------
+
+    def submit(self, req: ScoreRequest) -> Future[ScoreResult]:
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
+        """Validate all (a typed error raises, nothing is queued), then queue all or none:
+        OverloadedError when the queue cannot take them all. Thread-safe."""
+        for r in reqs:
+            self.engine.validate(r)
+        futures: list[Future[ScoreResult]] = []
+        with self._cond:
+            if self._closing:
+                raise LoopClosedError("the engine loop is shutting down and accepts no new requests")
+            if len(self._sched) + len(reqs) > self.max_queue:
+                self._counts["rejected"] += len(reqs)
+                raise OverloadedError(
+                    f"overloaded: {len(self._sched)} requests are queued and {len(reqs)} more do not fit "
+                    f"(max_queue={self.max_queue}); retry later"
+                )
+            now = self.clock()
+            for r in reqs:
+                rid = next(self._ids)
+                fut: Future[ScoreResult] = Future()
+                self._jobs[rid] = _Job(rid, r, fut, now)
+                self._sched.add(rid, r, now)
+                fut.add_done_callback(self._on_done(rid))
+                futures.append(fut)
+            self._counts["submitted"] += len(reqs)
+            self._cond.notify_all()
+        return futures
+
+    async def score(self, req: ScoreRequest) -> ScoreResult:
+        """Awaitable submit; cancelling the awaiting task cancels the request if it still waits."""
+        return await asyncio.wrap_future(self.submit(req))
+
+    async def score_many(self, reqs: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in self.submit_many(reqs))))
+
+    def cancel(self, fut: Future[ScoreResult]) -> bool:
+        """Cancel a waiting request (True); a running or finished one is left alone (False)."""
+        return fut.cancel()
+
+    def _on_done(self, rid: int) -> Callable[[Future[ScoreResult]], None]:
+        def done(fut: Future[ScoreResult]) -> None:
+            # Runs in the thread that completed or cancelled the future. Only a cancellation has
+            # book-keeping to do: take the request out of the queue so it frees its place.
+            if fut.cancelled():
+                with self._cond:
+                    if self._sched.remove(rid):
+                        self._jobs.pop(rid, None)
+                        self._counts["cancelled"] += 1
+                        # CANCELLED -> CANCELLED_AND_NOTIFIED, as an executor does when it dequeues
+                        # a cancelled item: concurrent.futures.wait() counts only the latter as done.
+                        # Whoever removes the request from the queue (under the lock) does this once.
+                        fut.set_running_or_notify_cancel()
+
+        return done
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run fn(engine) on the worker thread between steps (the engine is not thread-safe)."""
+        fut: Future[T] = Future()
+        with self._cond:
+            if self._closing:
+                raise LoopClosedError("the engine loop is shutting down")
+            self._calls.append((fn, fut))
+            self._cond.notify_all()
+        return fut
+
+    def flush_cache(self, timeout: float | None = None) -> None:
+        """Drop every cached prefix, between steps. Blocks until done."""
+        if not self._started or not self._thread.is_alive():
+            self.engine.flush_cache()  # no worker touches the engine
+            return
+        self.call(lambda e: e.flush_cache()).result(timeout)
+
+    # ---- the worker -------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._calls and not len(self._sched) and not self._closing:
+                        self._cond.wait()
+                    calls = list(self._calls)
+                    self._calls.clear()
+                    if not calls and not len(self._sched):
+                        return  # closing, and (drained or failed by shutdown) nothing is left
+                    batch = None if calls else self._next_batch()
+                for fn, fut in calls:
+                    self._run_call(fn, fut)
+                if batch is not None:
+                    self._run_step(*batch)
+        except BaseException as e:  # a bug in the loop itself: nothing may be left pending
+            log.exception("engine loop worker died")
+            error = PrefillOnlyError(f"the engine loop stopped: {e!r}")
+            with self._cond:
+                self._closing = True
+                self._fail_waiting(error)
+                for _, fut in self._calls:
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(error)
+                self._calls.clear()
+            raise
+
+    def _run_call(self, fn: Callable[[Engine], Any], fut: Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(self.engine))
+        except Exception as e:  # the caller gets it
+            fut.set_exception(e)
+
+    def _next_batch(self) -> tuple[list[_Job], list[tuple[int, int]], float] | None:
+        """Pick under the lock (the scheduler reads the cache; only this thread changes it)."""
+        try:
+            pick = self._sched.pick(self.engine.cached_len, self.engine.batchable)
+        except Exception as e:  # would fail again at every step: fail the queue, keep serving
+            log.exception("scheduler pick failed")
+            self._fail_waiting(e)
+            return None
+        if pick is None:
+            return None
+        jobs: list[_Job] = []
+        items: list[tuple[int, int]] = []
+        for entry, item in zip(pick.entries, pick.items, strict=True):
+            job = self._jobs.pop(entry.rid)
+            # False: cancelled after the pick chose it (its done-callback then finds it gone from
+            # the queue). Otherwise the future is RUNNING from here on and cancel() is refused.
+            # Dropping an item keeps the step valid: the rest share a prefix that is cached or
+            # computed by the head, which `batchable` never drops in favour of a sharer.
+            if job.future.set_running_or_notify_cancel():
+                jobs.append(job)
+                items.append(item)
+            else:
+                self._counts["cancelled"] += 1
+        self._running = jobs
+        return (jobs, items, pick.head_score) if jobs else None
+
+    def _run_step(self, jobs: list[_Job], items: list[tuple[int, int]], head_score: float) -> None:
+        raw = self.jct.model.predict_items(items)
+        predicted = raw * self.jct.factor
+        start = self.clock()
+        t = time.perf_counter()
+        try:
+            results = self.engine.step([j.req for j in jobs])
+            assert len(results) == len(jobs), f"engine.step returned {len(results)} results for {len(jobs)}"
+        except Exception as e:
+            seconds = time.perf_counter() - t
+            log.warning("a step of %d requests failed: %r", len(jobs), e)
+            with self._cond:
+                self._running = []
+                self._counts["failed"] += len(jobs)
+                self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score, True))
+            for j in jobs:
+                j.future.set_exception(e)
+            return
+        seconds = time.perf_counter() - t
+        if self.calibrate:
+            self.jct.observe(items, seconds)
+        with self._cond:
+            self._running = []
+            self._counts["completed"] += len(jobs)
+            self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
+        for j, r in zip(jobs, results, strict=True):
+            j.future.set_result(r)
+
+    def _record(self, rec: StepRecord) -> None:
+        self._steps.append(rec)
+        self._n_steps += 1
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        """Fail every queued request with `error` (caller holds the lock)."""
+        for w in self._sched.pop_all():
+            job = self._jobs.pop(w.rid)
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+                self._counts["failed" if not isinstance(error, CancelledError) else "cancelled"] += 1
+            else:
+                self._counts["cancelled"] += 1
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def step_log(self) -> list[StepRecord]:
+        """The most recent steps (up to STEP_LOG), oldest first."""
+        with self._cond:
+            return list(self._steps)
+
+    def stats(self) -> LoopStats:
+        with self._cond:
+            steps = list(self._steps)
+            queued, running = len(self._sched), len(self._running)
+            counts = dict(self._counts)
+            n_steps = self._n_steps
+        secs = np.array([s.seconds for s in steps if not s.error])
+        pct = np.percentile(secs, [50, 90, 99]) if len(secs) else [math.nan] * 3
+        q = self.jct.quality
+        ok = [s for s in steps if not s.error]
+        return LoopStats(
+            policy=self.config.policy,
+            fairness_lambda=self.config.fairness_lambda,
+            queued=queued,
+            running=running,
+            steps=n_steps,
+            mean_batch_items=float(np.mean([len(s.items) for s in steps])) if steps else 0.0,
+            step_p50_s=float(pct[0]),
+            step_p90_s=float(pct[1]),
+            step_p99_s=float(pct[2]),
+            cache_hit_rate=self.engine.stats().hit_rate,
+            jct_fit_r=q.pearson_r if q else math.nan,
+            jct_fit_median_abs_error_s=q.median_abs_error_s if q else math.nan,
+            jct_calibration=self.jct.factor,
+            jct_online_r=pearson_r([s.predicted for s in ok], [s.seconds for s in ok]),
+            **counts,
+        )

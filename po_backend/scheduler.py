@@ -1,0 +1,189 @@
+"""Which waiting requests run next: fcfs, srjf, lpm, and po (the paper's Algorithm 1).
+
+Pure logic: no torch, no threads, no wall clock unless one is injected. The engine is reached only
+through two callables handed to `pick` (in production `engine.cached_len` / `engine.batchable`,
+in tests fakes), so every policy can be checked with a fake executor and a fake clock.
+
+Algorithm 1 (prefix-aware SRJF with continuous JCT calibration): before every step, for each
+waiting request recompute n_cached against the *current* cache and score it
+`jct(n_input, n_cached) - lambda * t_queue`; run the lowest. A request whose prefix was just
+cached jumps ahead (more hits, fewer evictions); lambda bounds starvation: a request waiting for
+t seconds beats every request that arrived more than (jct - jct_min) / lambda seconds after it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+POLICIES = ("po", "fcfs", "srjf", "lpm")
+# score = jct seconds - lambda * queueing seconds: lambda = 0.5 lets a request overtake one whose
+# predicted JCT is 1 s shorter after it has waited 2 s longer.
+DEFAULT_FAIRNESS_LAMBDA = 0.5
+
+
+class Request(Protocol):
+    """What the scheduler reads of a request (`po_backend.engine.ScoreRequest` has it)."""
+
+    @property
+    def input_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def cache_prefix_len(self) -> int | None: ...
+
+
+class Predictor(Protocol):
+    """Predicted seconds of one request's forward (`po_backend.jct.JCTModel` / `CalibratedJCT`)."""
+
+    def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
+
+
+CachedLen = Callable[[Request], int]
+Batchable = Callable[[Sequence[Request]], list[int]]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "po"
+    fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA
+
+    def __post_init__(self) -> None:
+        assert self.policy in POLICIES, f"schedule policy must be one of {POLICIES}, got {self.policy!r}"
+        assert self.fairness_lambda >= 0 and math.isfinite(self.fairness_lambda), (
+            f"fairness_lambda must be a finite number >= 0, got {self.fairness_lambda}"
+        )
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """One queued request."""
+
+    rid: int  # unique, increasing with submission: the final tie-breaker of every policy
+    req: Request
+    arrival: float  # scheduler clock
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The requests of the next step, head first, with what the policy saw when it chose them."""
+
+    entries: tuple[Waiting, ...]
+    n_cached: tuple[int, ...]  # cached_len of each entry at pick time (prices the step)
+    head_score: float  # the head's score under the policy (lower ran first)
+
+    @property
+    def items(self) -> list[tuple[int, int]]:
+        """(n_input, n_cached) per entry, what `JCTModel.predict_items` takes."""
+        return [(len(e.req.input_ids), c) for e, c in zip(self.entries, self.n_cached, strict=True)]
+
+
+class Scheduler:
+    """A waiting queue and a policy. Not thread-safe: the engine loop calls it under its lock."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        jct: Predictor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        assert jct is not None or self.config.policy in ("fcfs", "lpm"), (
+            f"policy {self.config.policy!r} needs a JCT predictor"
+        )
+        self.jct = jct
+        self.clock = clock
+        self._waiting: dict[int, Waiting] = {}  # insertion order == rid order
+        # srjf's JCT "at arrival": set at the first pick after arrival (the first moment the loop
+        # may read the cache; the cache cannot change between an arrival and that pick).
+        self._arrival_jct: dict[int, float] = {}
+
+    # ---- queue ------------------------------------------------------------------------------
+
+    def add(self, rid: int, req: Request, arrival: float | None = None) -> Waiting:
+        assert rid not in self._waiting, f"request id {rid} is already waiting"
+        assert len(req.input_ids) > 0, "cannot schedule an empty request"
+        w = Waiting(rid, req, self.clock() if arrival is None else arrival)
+        self._waiting[rid] = w
+        return w
+
+    def remove(self, rid: int) -> bool:
+        """Drop a waiting request (cancelled); False if it is not waiting (running or done)."""
+        self._arrival_jct.pop(rid, None)
+        return self._waiting.pop(rid, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._waiting
+
+    @property
+    def waiting(self) -> list[Waiting]:
+        return list(self._waiting.values())
+
+    def pop_all(self) -> list[Waiting]:
+        out = list(self._waiting.values())
+        self._waiting.clear()
+        self._arrival_jct.clear()
+        return out
+
+    # ---- policy -----------------------------------------------------------------------------
+
+    def _predict(self, req: Request, n_cached: int) -> float:
+        assert self.jct is not None, "this policy needs a JCT predictor"
+        return self.jct.predict(len(req.input_ids), n_cached)
+
+    def scores(self, cached_len: CachedLen) -> tuple[list[tuple[float, float, int, Waiting]], dict[int, int]]:
+        """Every waiting request's sort key (lowest runs first), and the cached_len values read to
+        get them (po and lpm read every request's: O(queue) cache probes per step)."""
+        cfg, now = self.config, self.clock()
+        cached: dict[int, int] = {}
+
+        def n_cached(w: Waiting) -> int:
+            if w.rid not in cached:
+                cached[w.rid] = cached_len(w.req)
+            return cached[w.rid]
+
+        keyed: list[tuple[float, float, int, Waiting]] = []
+        for w in self._waiting.values():
+            if cfg.policy == "fcfs":
+                score = w.arrival
+            elif cfg.policy == "lpm":
+                score = -float(n_cached(w))  # longest cached prefix first
+            elif cfg.policy == "srjf":
+                if w.rid not in self._arrival_jct:
+                    self._arrival_jct[w.rid] = self._predict(w.req, n_cached(w))
+                score = self._arrival_jct[w.rid]
+            else:  # po: Algorithm 1, recomputed against the current cache at every step
+                wait = max(0.0, now - w.arrival)
+                score = self._predict(w.req, n_cached(w)) - cfg.fairness_lambda * wait
+            keyed.append((score, w.arrival, w.rid, w))
+        keyed.sort(key=lambda k: k[:3])  # ties: earlier arrival, then submission order
+        return keyed, cached
+
+    def pick(self, cached_len: CachedLen, batchable: Batchable) -> Pick | None:
+        """Choose and remove the next step's requests: the policy's head plus the waiting requests
+        that share its reusable prefix (declared or cached), in policy order, as far as
+        `batchable` lets them share one forward. None if nothing waits."""
+        if not self._waiting:
+            return None
+        keyed, cached = self.scores(cached_len)
+        head = keyed[0][3]
+        if head.rid not in cached:
+            cached[head.rid] = cached_len(head.req)
+        prefix = max(cached[head.rid], head.req.cache_prefix_len or 0)
+        group = [head]
+        if prefix > 0:
+            key = head.req.input_ids[:prefix]
+            group += [k[3] for k in keyed[1:] if k[3].req.input_ids[:prefix] == key]
+        chosen = batchable([w.req for w in group]) if len(group) > 1 else [0]
+        assert chosen and chosen[0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
+        entries = tuple(group[i] for i in chosen)
+        for w in entries:
+            self.remove(w.rid)
+            if w.rid not in cached:
+                cached[w.rid] = cached_len(w.req)
+        return Pick(entries, tuple(cached[w.rid] for w in entries), keyed[0][0])

@@ -1,0 +1,146 @@
+"""JCT model: the fit, its held-out quality, persistence, online calibration, and the profiler."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from po_backend import Engine
+from po_backend import jct as jct_mod
+from po_backend.jct import CalibratedJCT, JCTModel, JCTSample, ProfileGrid, features, load_or_profile, profile
+
+TRUE = (0.004, 0.0015, 0.8, 0.05, 0.01)  # seconds per FEATURES unit
+
+
+def _synthetic(n: int, noise: float, seed: int = 0) -> list[JCTSample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.choice([1, 1, 1, 2, 4, 8])
+        items = []
+        for _ in range(k):
+            total = rng.randint(16, 4096)
+            items.append((total, rng.randint(0, total - 1)))
+        t = float(features(items) @ np.array(TRUE))
+        out.append(JCTSample(tuple(items), t * (1 + noise * rng.gauss(0, 1))))
+    return out
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    model = JCTModel.fit(_synthetic(40, noise=0.0))
+    assert np.allclose(model.coef, TRUE, rtol=1e-6, atol=1e-9), model.coef
+    q = model.quality
+    assert q is not None and q.pearson_r > 0.9999 and q.median_rel_error < 1e-6
+    assert q.samples == 40
+
+
+def test_fit_with_noise_and_held_out_quality() -> None:
+    model = JCTModel.fit(_synthetic(60, noise=0.03))
+    assert model.coef[2] == pytest.approx(TRUE[2], rel=0.1), model.coef  # per new token: dominant
+    fresh = _synthetic(30, noise=0.0, seed=1)  # predictions on unseen shapes within a few %
+    rel = [abs(model.predict_items(s.items) / s.seconds - 1) for s in fresh]
+    assert max(rel) < 0.06, rel
+    q = model.quality
+    assert q is not None and q.pearson_r > 0.98 and q.median_rel_error < 0.05, q
+
+
+def test_coefficients_never_negative() -> None:
+    """Pure per-token cost plus noise: a free fit would find small negative terms."""
+    rng = random.Random(3)
+    samples = [JCTSample(((n, 0),), n * 1e-3 * (1 + 0.05 * rng.gauss(0, 1))) for n in range(50, 3000, 97)]
+    model = JCTModel.fit(samples)
+    assert all(c >= 0 for c in model.coef)
+    assert model.predict(1000, 0) == pytest.approx(1.0, rel=0.1)
+
+
+def test_predict_shapes() -> None:
+    m = JCTModel(TRUE)
+    assert m.predict(1000, 900) < m.predict(1000, 0)  # a cached prefix is cheaper
+    assert m.predict(1000, 500, n_items=4) == pytest.approx(m.predict_items([(1000, 500)] * 4))
+    assert m.predict(100, 100) == pytest.approx(m.predict(100, 99))  # the last token is computed
+    assert JCTModel.proxy(2.0).predict(1500, 500) == pytest.approx(2.0)
+
+
+def test_persistence_round_trip(tmp_path) -> None:
+    samples = _synthetic(20, noise=0.01)
+    model = JCTModel.fit(samples, key={"model_path": "x", "dtype": "torch.float32"})
+    path = tmp_path / "jct" / "p.json"
+    model.save(path, samples)
+    back = JCTModel.load(path)
+    assert back == model
+    assert len(json.loads(path.read_text())["samples"]) == 20
+
+
+def test_calibration_moves_toward_measured() -> None:
+    cal = CalibratedJCT(JCTModel.proxy(1.0), alpha=0.2)
+    items = [(1000, 0)]
+    assert cal.factor == 1.0 and cal.predict(1000, 0) == pytest.approx(1.0)
+    factors = [cal.observe(items, 2.0) for _ in range(30)]  # the machine is 2x slower than profiled
+    assert all(b > a for a, b in zip(factors, factors[1:], strict=False))
+    assert cal.factor == pytest.approx(2.0, rel=0.01)
+    assert cal.predict(1000, 0) == pytest.approx(2.0, rel=0.01)
+    before = cal.factor
+    cal.observe(items, 1000.0)  # one outlier moves it by a bounded amount (clamped ratio)
+    assert cal.factor <= before * 4.0**0.2 + 1e-9
+    assert cal.model.predict(1000, 0) == pytest.approx(1.0)  # the fitted model itself is frozen
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model) -> Engine:
+    path, _ = tiny_model("llama")
+    return Engine.from_pretrained(path, dtype="fp32", chunk_size=64, max_input_len=512)
+
+
+SMALL_GRID = ProfileGrid(
+    lengths=(32, 96, 256), cached_fractions=(0.5, 0.9), batches=((4, 96, 32), (3, 0, 48))
+)
+
+
+def test_profile_builds_the_cached_states(tiny_engine: Engine) -> None:
+    samples = profile(tiny_engine, SMALL_GRID)
+    singles = [s.items[0] for s in samples if len(s.items) == 1]
+    for n in (32, 96, 256):
+        assert (n, 0) in singles
+        assert (n, round(0.5 * n)) in singles and (n, round(0.9 * n)) in singles
+    batches = [s.items for s in samples if len(s.items) > 1]
+    assert ((128, 96),) * 4 in batches and ((48, 0),) * 3 in batches
+    assert all(s.seconds > 0 for s in samples)
+    assert tiny_engine.cache is not None and tiny_engine.cache.stats().cached_tokens == 0  # flushed
+
+
+def test_load_or_profile_persists_per_engine(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    # Timings of a tiny model are noise: profile with synthetic steps, not the wall clock.
+    monkeypatch.setattr(jct_mod, "profile", lambda engine, grid: _synthetic(20, noise=0.01))
+    first = load_or_profile(tiny_engine, SMALL_GRID)
+    files = list((tmp_path / "jct").glob("*.json"))
+    assert len(files) == 1 and first.key["machine"] and first.key["dtype"] == "torch.float32"
+    assert first.quality is not None and first.quality.samples == 20
+
+    def no_profile(*a, **k):
+        raise AssertionError("a persisted profile must be reused")
+
+    monkeypatch.setattr(jct_mod, "profile", no_profile)
+    assert load_or_profile(tiny_engine, SMALL_GRID) == first
+    other = ProfileGrid(lengths=(64,), cached_fractions=(0.5,), batches=())
+    with pytest.raises(AssertionError, match="reused"):
+        load_or_profile(tiny_engine, other)  # a different grid is a different key
+
+
+def test_a_poor_fit_is_used_but_not_saved(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
+    rng = random.Random(5)
+    junk = [JCTSample(((rng.randint(10, 500), 0),), rng.uniform(0.1, 1.0)) for _ in range(12)]
+    monkeypatch.setattr(jct_mod, "profile", lambda engine, grid: junk)
+    model = load_or_profile(tiny_engine, SMALL_GRID, root=tmp_path)
+    assert model.quality is not None and model.quality.pearson_r < jct_mod.MIN_PERSIST_R
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_min_merge_keeps_the_faster_timing_of_each_point() -> None:
+    a = [JCTSample(((100, 0),), 1.0), JCTSample(((200, 0),), 2.0), JCTSample(((300, 150),), 3.0)]
+    b = [JCTSample(((100, 0),), 1.5), JCTSample(((200, 0),), 1.8), JCTSample(((300, 0),), 5.0)]
+    merged = jct_mod.min_merge(a, b)
+    assert [s.seconds for s in merged] == [1.0, 1.8, 3.0, 5.0]  # differing shapes: both kept

@@ -1,0 +1,240 @@
+"""Scheduling policies on a fake executor: a prefix cache of whole declared prefixes (LRU), step
+times from the JCT model, and a fake clock. No model, no threads, no wall clock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from po_backend.jct import JCTModel
+from po_backend.scheduler import Scheduler, SchedulerConfig
+
+JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # a step costs 1 ms per computed token
+
+
+@dataclass(frozen=True)
+class Req:
+    name: str
+    input_ids: tuple[int, ...]
+    cache_prefix_len: int | None = None
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class FakeEngine:
+    """Caches the declared prefix of each request it runs; holds `capacity` prefixes (LRU).
+    `batchable` follows the engine's rule: a token budget, and of requests declaring the same
+    not-yet-cached prefix only the first."""
+
+    def __init__(self, capacity: int = 1, max_batch_tokens: int = 10**9) -> None:
+        self.capacity = capacity
+        self.max_batch_tokens = max_batch_tokens
+        self.cached: list[tuple[int, ...]] = []  # least recently used first
+
+    def cached_len(self, req: Req) -> int:
+        limit = len(req.input_ids) - 1
+        return min(limit, max((_common(p, req.input_ids) for p in self.cached), default=0))
+
+    def batchable(self, cands: Sequence[Req]) -> list[int]:
+        chosen, tokens, computing = [], 0, set()
+        for i, r in enumerate(cands):
+            cached, key = self.cached_len(r), r.input_ids[: r.cache_prefix_len or 0]
+            new = len(r.input_ids) - cached
+            if (len(key) > cached and key in computing) or (chosen and tokens + new > self.max_batch_tokens):
+                continue
+            if len(key) > cached:
+                computing.add(key)
+            chosen.append(i)
+            tokens += new
+        return chosen
+
+    def step(self, reqs: Sequence[Req]) -> list[int]:
+        hits = [self.cached_len(r) for r in reqs]
+        for r in reqs:
+            key = r.input_ids[: r.cache_prefix_len or 0]
+            if key:
+                if key in self.cached:
+                    self.cached.remove(key)
+                self.cached.append(key)
+                del self.cached[: -self.capacity]
+        return hits
+
+
+@dataclass(frozen=True)
+class Ran:
+    name: str
+    arrival: float
+    start: float
+    end: float
+    cached: int
+    step: int
+
+
+def simulate(
+    policy: str,
+    arrivals: Sequence[tuple[float, Req]],
+    *,
+    lam: float = 0.0,
+    capacity: int = 1,
+    max_batch_tokens: int = 10**9,
+) -> list[Ran]:
+    """Run the trace to the end: admit arrivals, pick, advance the clock by the JCT of the step."""
+    clock, engine = FakeClock(), FakeEngine(capacity, max_batch_tokens)
+    sched = Scheduler(SchedulerConfig(policy, lam), JCT, clock)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    ran: list[Ran] = []
+    i = steps = 0
+    while i < len(pending) or len(sched):
+        while i < len(pending) and pending[i][0] <= clock.now:
+            sched.add(i, pending[i][1], arrival=pending[i][0])
+            i += 1
+        if not len(sched):
+            clock.now = pending[i][0]
+            continue
+        pick = sched.pick(engine.cached_len, engine.batchable)
+        assert pick is not None
+        start = clock.now
+        hits = engine.step([e.req for e in pick.entries])
+        assert list(hits) == list(pick.n_cached), "the pick priced the step with stale cache state"
+        clock.now += JCT.predict_items(pick.items)
+        for e, h in zip(pick.entries, hits, strict=True):
+            ran.append(Ran(e.req.name, e.arrival, start, clock.now, h, steps))
+        steps += 1
+    return ran
+
+
+def _ids(tag: int, n: int) -> tuple[int, ...]:
+    return tuple(tag * 100_000 + k for k in range(n))
+
+
+# The paper's example: lengths A < C < B < D; A/D share a prefix, B/C share another; the cache
+# holds one request's prefix; all four wait at t=0 in the order A, B, C, D.
+P1, P2 = _ids(1, 100), _ids(2, 100)
+A = Req("A", P1 + _ids(11, 10), 100)
+B = Req("B", P2 + _ids(12, 60), 100)
+C = Req("C", P2 + _ids(13, 30), 100)
+D = Req("D", P1 + _ids(14, 100), 100)
+PAPER = [(0.0, A), (0.0, B), (0.0, C), (0.0, D)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "order", "hits"),
+    [
+        ("po", "ADCB", 2),
+        ("fcfs", "ABCD", 1),
+        ("srjf", "ACBD", 1),
+        ("lpm", "ADBC", 2),
+    ],
+)
+def test_paper_example(policy: str, order: str, hits: int) -> None:
+    assert len(A.input_ids) < len(C.input_ids) < len(B.input_ids) < len(D.input_ids)
+    ran = simulate(policy, PAPER, lam=0.5)
+    assert "".join(r.name for r in ran) == order
+    assert sum(r.cached > 0 for r in ran) == hits
+    assert all(r.step == i for i, r in enumerate(ran)), "no two of these can share a step"
+
+
+def test_po_beats_fcfs_and_srjf_on_the_paper_example() -> None:
+    mean = {p: sum(r.end for r in simulate(p, PAPER)) / 4 for p in ("po", "fcfs", "srjf")}
+    assert mean["po"] < mean["srjf"] < mean["fcfs"], mean
+
+
+def test_srjf_keeps_arrival_jct_but_po_recomputes() -> None:
+    """Y's prefix gets cached by H after Y arrived: po moves Y ahead of Z, srjf does not."""
+    p = _ids(3, 400)
+    h, y, z = Req("H", p + _ids(31, 50), 400), Req("Y", p + _ids(32, 200), 400), Req("Z", _ids(33, 480), 0)
+    trace = [(0.0, h), (0.0, y), (0.0, z)]
+    assert [r.name for r in simulate("srjf", trace)] == ["H", "Z", "Y"]
+    po = simulate("po", trace)
+    assert [r.name for r in po] == ["H", "Y", "Z"]
+    assert po[1].cached == 400
+
+
+def test_fcfs_runs_in_arrival_order() -> None:
+    trace = [(0.3 * k, Req(str(k), _ids(40 + k, 500 - 40 * k), 0)) for k in range(6)]
+    assert [r.name for r in simulate("fcfs", trace)] == [str(k) for k in range(6)]
+
+
+def test_shared_prefix_requests_join_the_head_step() -> None:
+    """Once a prefix is cached, its waiting requests run as one multi-item step; an unrelated
+    request does not join; a prefix nobody cached yet is computed by the head alone."""
+    p = _ids(5, 300)
+    items = [Req(f"i{k}", p + _ids(50 + k, 40), 300) for k in range(4)]
+    other = Req("x", _ids(59, 400), 0)  # longer than an item: runs last
+    ran = simulate("po", [(0.0, r) for r in [*items, other]], capacity=2)
+    steps: dict[int, set[str]] = {}
+    for r in ran:
+        steps.setdefault(r.step, set()).add(r.name)
+    assert list(steps.values()) == [{"i0"}, {"i1", "i2", "i3"}, {"x"}]
+    assert [r.cached for r in ran if r.step == 1] == [300] * 3
+
+
+def test_batch_respects_the_token_budget() -> None:
+    p = _ids(6, 300)
+    items = [Req(f"i{k}", p + _ids(60 + k, 40), 300) for k in range(5)]
+    ran = simulate("po", [(0.0, r) for r in items], max_batch_tokens=90)  # two 40-token items a step
+    sizes = [sum(r.step == s for r in ran) for s in range(max(r.step for r in ran) + 1)]
+    assert sizes == [1, 2, 2]
+
+
+def _starvation_trace() -> tuple[list[tuple[float, Req]], Req, float]:
+    """A 1000-token request behind an endless stream of 100-token ones arriving faster than they
+    run (every 90 ms, each runs 100 ms): without aging the long one never gets a turn."""
+    long = Req("L", _ids(7, 1000), 0)
+    trace = [(0.09 * k, Req(f"s{k}", _ids(1000 + k, 100), 0)) for k in range(200)]
+    return [*trace, (0.05, long)], long, 0.05
+
+
+def test_starvation_without_lambda() -> None:
+    trace, _, _ = _starvation_trace()
+    ran = simulate("po", trace, lam=0.0)
+    assert ran[-1].name == "L", "with lambda = 0 the long request runs only when the stream ends"
+
+
+@pytest.mark.parametrize("lam", [0.25, 1.0, 4.0])
+def test_lambda_bounds_starvation(lam: float) -> None:
+    """score = jct - lambda * t_queue: the long request L beats every request that arrived more
+    than D = (jct_L - jct_min) / lambda after it, so only requests arriving before a_L + D run
+    ahead of it, and its wait is bounded by D plus their run time."""
+    trace, long, a_l = _starvation_trace()
+    ran = simulate("po", trace, lam=lam)
+    d = (JCT.predict(1000, 0) - JCT.predict(100, 0)) / lam
+    i = next(k for k, r in enumerate(ran) if r.name == "L")
+    before = ran[:i]
+    assert all(r.arrival < a_l + d + 1e-9 for r in before), "a request that arrived after the bound ran first"
+    ahead = sum(a < a_l + d for a, r in trace if r is not long)
+    bound = d + ahead * JCT.predict(100, 0)
+    assert ran[i].start - a_l <= bound + 1e-9, (ran[i].start - a_l, bound)
+    assert i < len(ran) - 100, "the long request should run well before the stream ends"
+
+
+def test_remove_and_unknown_policy() -> None:
+    sched = Scheduler(SchedulerConfig("fcfs"), JCT, FakeClock())
+    sched.add(1, A)
+    sched.add(2, B)
+    assert sched.remove(1) and not sched.remove(1)
+    eng = FakeEngine()
+    pick = sched.pick(eng.cached_len, eng.batchable)
+    assert pick is not None and [e.req.name for e in pick.entries] == ["B"]
+    assert sched.pick(eng.cached_len, eng.batchable) is None
+    with pytest.raises(AssertionError, match="schedule policy"):
+        SchedulerConfig("sjf")
+    with pytest.raises(AssertionError, match="fairness_lambda"):
+        SchedulerConfig("po", -1.0)

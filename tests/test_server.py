@@ -1,0 +1,547 @@
+"""The HTTP server with real clients (httpx, the openai package, SGLang's frontend, po_lang's
+Remote) against real servers on loopback, each in a subprocess, on a tiny random-weight Llama with
+a tiny BPE tokenizer. Expected answers come from the in-process engine on the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import po_lang as po
+from po_backend import Engine, ScoreRequest
+from tests.server_utils import ServerProcess, sglang_frontend_or_reason
+from tests.test_lang_integration import build_tokenizer
+
+KEY = "sk-test-key"
+MAX_INPUT_LEN = 256
+PROFILE = "User profile:\nlikes cats and dogs\n"
+POSTS = [
+    "Post: a cat video\nWill the user engage? Answer:",
+    "Post: a dog\nAnswer:",
+    "Post: tax news\nAnswer:",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src, _ = tiny_model("llama")
+    path = tmp_path_factory.mktemp("server") / "llama-tok"
+    shutil.copytree(src, path)
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path) -> Iterator[dict[str, ServerProcess]]:
+    common = ["--model-path", str(model_dir), "--dtype", "fp32", "--max-input-len", str(MAX_INPUT_LEN)]
+    procs = {
+        "main": ServerProcess([*common, "--memory-budget", "64MiB", "--served-model-name", "tiny"]),
+        "guarded": ServerProcess(
+            [
+                *common,
+                "--api-key",
+                KEY,
+                "--max-queue",
+                "2",
+                "--max-body-bytes",
+                "4096",
+                "--log-level",
+                "warning",
+            ]
+        ),
+        "hf": ServerProcess([*common, "--backend", "hf", "--log-level", "warning"]),
+    }
+    for p in procs.values():
+        p.start()  # boot in parallel
+    try:
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def url(servers: dict[str, ServerProcess]) -> str:
+    return servers["main"].url
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    return Engine.from_pretrained(model_dir, dtype="fp32", max_input_len=MAX_INPUT_LEN)
+
+
+def post(url: str, path: str, body: Any, **kw: Any) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60.0, **kw)
+
+
+def ok(resp: httpx.Response) -> Any:
+    assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.text}"
+    return resp.json()
+
+
+def tok_id(engine: Engine, text: str) -> int:
+    (t,) = engine.tokenizer.encode(text, add_special_tokens=False)
+    return t
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+# ---- SGLang native /generate --------------------------------------------------------------------
+
+
+def test_generate_single_with_logprobs(url: str, engine: Engine) -> None:
+    text = PROFILE + POSTS[0]
+    ids = engine.tokenizer.encode(text)
+    yes, no = tok_id(engine, " Yes"), tok_id(engine, " No")
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": [yes, no],
+        "return_text_in_logprobs": True,
+    }
+    out = ok(post(url, "/generate", body))
+    (ref,) = engine.run([ScoreRequest(tuple(ids), (yes, no), top_k=3, logprob_start_len=0)])
+    meta = out["meta_info"]
+    best = ref.top_logprobs[0][0]
+    assert out["output_ids"] == [best] and out["text"] == engine.tokenizer.decode(
+        [best], skip_special_tokens=True
+    )
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 1
+    assert meta["finish_reason"]["type"] in ("length", "stop") and "cached_tokens" in meta
+    entries = meta["input_token_logprobs"]
+    assert len(entries) == len(ids) and entries[0][:2] == [None, ids[0]]
+    assert [e[1] for e in entries] == ids and all(isinstance(e[2], str) for e in entries)
+    assert [e[0] for e in entries[1:]] == pytest.approx(ref.input_token_logprobs, abs=1e-4)
+    (row,) = meta["output_token_ids_logprobs"]
+    assert [e[1] for e in row] == [yes, no]
+    assert [e[0] for e in row] == pytest.approx(ref.logprobs, abs=1e-4)
+    (top,) = meta["output_top_logprobs"]
+    assert [e[1] for e in top] == [t for t, _ in ref.top_logprobs]
+    assert meta["output_token_logprobs"][0][:2] == [pytest.approx(ref.top_logprobs[0][1], abs=1e-4), best]
+
+
+def test_generate_batch_with_prefix_extension(url: str, engine: Engine) -> None:
+    """po_lang's Remote shape: input_ids batch, per-item lists, our cache_prefix_len."""
+    prefix = engine.tokenizer.encode(PROFILE)
+    rows = [prefix + engine.tokenizer.encode(p, add_special_tokens=False) for p in POSTS]
+    yes, no = tok_id(engine, " Yes"), tok_id(engine, " No")
+    body = {
+        "input_ids": rows,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": [-1, -1, 5],
+        "token_ids_logprob": [[yes, no]] * 3,
+        "cache_prefix_len": [len(prefix)] * 3,
+    }
+    out = ok(post(url, "/generate", body))
+    assert isinstance(out, list) and len(out) == 3
+    refs = engine.run([ScoreRequest(tuple(r), (yes, no)) for r in rows])
+    for o, ref in zip(out, refs, strict=True):
+        assert o["text"] == "" and o["output_ids"] == [] and o["meta_info"]["completion_tokens"] == 0
+        (row,) = o["meta_info"]["output_token_ids_logprobs"]
+        assert [e[0] for e in row] == pytest.approx(ref.logprobs, abs=1e-4)
+    # logprob_start_len=5: SGLang returns positions 5..n-1, the first being log P(ids[5] | ids[:5]).
+    span = out[2]["meta_info"]["input_token_logprobs"]
+    (ref,) = engine.run([ScoreRequest(tuple(rows[2]), (), logprob_start_len=4)])
+    assert len(span) == len(rows[2]) - 5 and [e[1] for e in span] == rows[2][5:]
+    assert [e[0] for e in span] == pytest.approx(ref.input_token_logprobs, abs=1e-4)
+    # Sent again, the shared profile comes from the prefix cache.
+    again = ok(post(url, "/generate", body))
+    assert all(o["meta_info"]["cached_tokens"] >= len(prefix) - 1 for o in again[:2])
+
+
+def test_po_lang_remote_equals_local(url: str, engine: Engine) -> None:
+    remote, local = po.Remote(url), po.Local.from_engine(engine)
+
+    def engage(backend: po.Backend) -> po.Classifier:
+        @po.classify(labels=["Yes", "No"], backend=backend)
+        def will_engage(profile: str, post: str) -> po.Prompt:
+            return po.shared(f"User profile:\n{profile}\n") + f"Post: {post}\nWill the user engage? Answer:"
+
+        return will_engage
+
+    rows = [("likes cats", "a cat video"), ("likes cats", "a dog"), ("hates dogs", "a dog")]
+    got, want = engage(remote).map(rows), engage(local).map(rows)
+    for g, w in zip(got, want, strict=True):
+        assert isinstance(g, po.Classification), g
+        assert g.label == w.label and list(g.logprobs.values()) == pytest.approx(
+            list(w.logprobs.values()), abs=1e-4
+        )
+
+    @po.classify(labels=["very good", "bad", "so so"], multi_token=True, backend=remote, chat=True)
+    def rate(review: str) -> po.Prompt:
+        return f"Review: {review}\nSentiment:"
+
+    @po.classify(labels=["very good", "bad", "so so"], multi_token=True, backend=local, chat=True)
+    def rate_local(review: str) -> po.Prompt:
+        return f"Review: {review}\nSentiment:"
+
+    g, w = rate("the movie was great."), rate_local("the movie was great.")
+    assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    remote.close()
+
+
+def test_sglang_frontend_select_and_gen(url: str, engine: Engine) -> None:
+    sgl, reason = sglang_frontend_or_reason()
+    if sgl is None:
+        pytest.skip(reason)
+    backend = sgl.RuntimeEndpoint(url)
+    choices = [" Yes", " No", " maybe so"]
+
+    @sgl.function
+    def engage(s: Any, post: str) -> None:
+        s += PROFILE + f"Post: {post}\nWill the user engage? Answer:"
+        s += sgl.select("answer", choices=choices)
+        s += "\nOne word:"
+        s += sgl.gen("word", max_tokens=1)
+
+    state = engage.run(post="a cat video", backend=backend)
+    tok = engine.tokenizer
+
+    # sgl.select's algorithm (RuntimeEndpoint.select + token_length_normalized) on the engine.
+    text = PROFILE + "Post: a cat video\nWill the user engage? Answer:"
+    start = max(len(tok.encode(text)) - 2, 0)
+    norms = []
+    for c in choices:
+        ids = tok.encode(text + c)
+        (ref,) = engine.run([ScoreRequest(tuple(ids), (), logprob_start_len=start - 1)])
+        lps = list(ref.input_token_logprobs)
+        if text.endswith(tok.decode([ids[start]])):
+            lps = lps[1:]  # no token healing happened: drop the prompt's own last token
+        norms.append(sum(lps) / len(lps))
+    meta = state.get_meta_info("answer")
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(norms, abs=1e-4)
+    assert state["answer"] == choices[max(range(len(choices)), key=lambda i: norms[i])]
+
+    # sgl.gen(max_tokens=1): the most likely next token after everything so far.
+    ids = tok.encode(text + state["answer"] + "\nOne word:")
+    (ref,) = engine.run([ScoreRequest(tuple(ids), (), top_k=1)])
+    assert state["word"] == tok.decode([ref.top_logprobs[0][0]], skip_special_tokens=True)
+
+
+# ---- /v1/score ----------------------------------------------------------------------------------
+
+
+def test_score_text_softmax_and_item_first(url: str, engine: Engine) -> None:
+    yes, no = tok_id(engine, " Yes"), tok_id(engine, " No")
+    tok = engine.tokenizer
+    hits_before = metric(url, "po_cache_hit_tokens_total")
+    out = ok(
+        post(
+            url,
+            "/v1/score",
+            {"query": PROFILE, "items": POSTS, "label_token_ids": [yes, no], "apply_softmax": True},
+        )
+    )
+    assert out["object"] == "scoring" and len(out["scores"]) == len(POSTS)
+    refs = engine.score([tok.encode(PROFILE + p) for p in POSTS], [yes, no])
+    for s, ref in zip(out["scores"], refs, strict=True):
+        z = [math.exp(x) for x in ref.logprobs]
+        assert s == pytest.approx([x / sum(z) for x in z], abs=1e-4)
+    assert out["usage"]["prompt_tokens"] == sum(r.prompt_tokens for r in refs)
+    # The query is the shared prefix: items after the first read it from the cache.
+    assert metric(url, "po_cache_hit_tokens_total") > hits_before
+
+    raw = ok(
+        post(
+            url,
+            "/v1/score",
+            {
+                "query": "Answer:",
+                "items": ["Yes or no?\n", "Cats?\n"],
+                "label_token_ids": [yes, no],
+                "item_first": True,
+            },
+        )
+    )
+    refs = engine.score([tok.encode(x + "Answer:") for x in ["Yes or no?\n", "Cats?\n"]], [yes, no])
+    for s, ref in zip(raw["scores"], refs, strict=True):
+        assert s == pytest.approx([math.exp(x) for x in ref.logprobs], abs=1e-5)  # full-vocab probabilities
+
+
+def test_score_token_ids(url: str, engine: Engine) -> None:
+    q = engine.tokenizer.encode(PROFILE)
+    items = [engine.tokenizer.encode(p, add_special_tokens=False) for p in POSTS]
+    labels = [tok_id(engine, " Yes"), tok_id(engine, " No"), 7]
+    out = ok(
+        post(
+            url, "/v1/score", {"query": q, "items": items, "label_token_ids": labels, "apply_softmax": False}
+        )
+    )
+    refs = engine.score([q + it for it in items], labels)
+    for s, ref in zip(out["scores"], refs, strict=True):
+        assert s == pytest.approx([math.exp(x) for x in ref.logprobs], abs=1e-5)
+    assert ok(post(url, "/v1/score", {"query": q, "items": [], "label_token_ids": labels}))["scores"] == []
+
+
+# ---- OpenAI -------------------------------------------------------------------------------------
+
+
+def test_openai_client_completions(url: str, engine: Engine) -> None:
+    openai = pytest.importorskip("openai", reason="the openai package is not installed")
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = PROFILE + POSTS[0]
+    ids = engine.tokenizer.encode(prompt)
+    (ref,) = engine.run([ScoreRequest(tuple(ids), (), top_k=5)])
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, logprobs=5)
+    ch = r.choices[0]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
+    best = ref.top_logprobs[0][0]
+    assert ch.text == engine.tokenizer.decode([best], skip_special_tokens=True)
+    assert ch.logprobs.token_logprobs[0] == pytest.approx(ref.top_logprobs[0][1], abs=1e-4)
+    want = {engine.tokenizer.decode([t]): v for t, v in ref.top_logprobs}
+    assert ch.logprobs.top_logprobs[0] == pytest.approx(want, abs=1e-4)
+
+    # logit_bias restricts the answer to the labels; log-probs renormalise over them.
+    yes, no = tok_id(engine, " Yes"), tok_id(engine, " No")
+    (lab,) = engine.run([ScoreRequest(tuple(ids), (yes, no))])
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, logprobs=2, logit_bias={str(yes): 100, str(no): 100}
+    )
+    top = r.choices[0].logprobs.top_logprobs[0]
+    z = math.log(sum(math.exp(x) for x in lab.logprobs))
+    assert top == pytest.approx({" Yes": lab.logprobs[0] - z, " No": lab.logprobs[1] - z}, abs=1e-4)
+    assert r.choices[0].text == (" Yes" if lab.logprobs[0] > lab.logprobs[1] else " No")
+
+    # echo + max_tokens=0: the prompt's own log-probs (the lm-eval loglikelihood pattern).
+    (full,) = engine.run([ScoreRequest(tuple(ids), (), logprob_start_len=0)])
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=0, echo=True)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(full.input_token_logprobs, abs=1e-4)
+
+    with pytest.raises(openai.BadRequestError, match="prefill-only"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=5)
+
+
+# ---- ours: /v1/classify, tokenizer endpoints, info, metrics ---------------------------------------
+
+
+def test_classify_endpoint(url: str, engine: Engine) -> None:
+    tok = engine.tokenizer
+    out = ok(
+        post(
+            url,
+            "/v1/classify",
+            {
+                "prompt": [PROFILE + p for p in POSTS],
+                "labels": ["Yes", "No"],
+                "shared_prefix_len": len(PROFILE),
+            },
+        )
+    )
+    yes, no = tok_id(engine, " Yes"), tok_id(engine, " No")
+    for d, p in zip(out["data"], POSTS, strict=True):
+        ids = tok.encode(PROFILE) + tok.encode(p, add_special_tokens=False)
+        (ref,) = engine.score([ids], [yes, no])
+        assert d["logprobs"] == pytest.approx(dict(zip(["Yes", "No"], ref.logprobs, strict=True)), abs=1e-4)
+        assert sum(d["probs"].values()) == pytest.approx(1.0) and d["label_token_ids"] == [[yes], [no]]
+    # Multi-token labels: each continuation's summed log-prob, as chained next-token scores.
+    prompt = "Review: the movie was great.\nSentiment:"
+    out = ok(post(url, "/v1/classify", {"prompt": prompt, "labels": ["very good", "bad"]}))
+    (d,) = out["data"]
+    ids = tok.encode(prompt)
+    for label, cont in zip(["very good", "bad"], d["label_token_ids"], strict=True):
+        steps = [engine.score([ids + cont[:k]], [cont[k]])[0].logprobs[0] for k in range(len(cont))]
+        assert d["logprobs"][label] == pytest.approx(sum(steps), abs=1e-4)
+
+
+def test_tokenizer_endpoints(url: str, engine: Engine) -> None:
+    tok = engine.tokenizer
+    out = ok(post(url, "/tokenize", {"prompt": "User profile:", "add_special_tokens": False}))
+    assert out["tokens"] == tok.encode("User profile:", add_special_tokens=False) and out["count"] == len(
+        out["tokens"]
+    )
+    assert out["max_model_len"] == MAX_INPUT_LEN
+    assert ok(post(url, "/tokenize", {"text": "a"}))["tokens"] == tok.encode("a")
+    assert ok(post(url, "/detokenize", {"tokens": out["tokens"]}))["text"] == "User profile:"
+    msgs = [{"role": "user", "content": "hello"}]
+    out = ok(post(url, "/apply_chat_template", {"messages": msgs, "add_generation_prompt": True}))
+    assert out["text"] == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_info_health_flush_metrics(url: str, model_dir: Path) -> None:
+    for path in ("/model_info", "/get_model_info"):
+        info = ok(httpx.get(url + path))
+        assert info["model_path"] == str(model_dir) and info["is_generation"] is True
+    for path in ("/server_info", "/get_server_info"):
+        info = ok(httpx.get(url + path))
+        assert (
+            info["backend"] == "prefillonly" and info["schedule_policy"] == "po" and "internal_states" in info
+        )
+        assert "api_key" not in info
+    assert httpx.get(url + "/health").status_code == 200
+    assert (
+        httpx.post(url + "/flush_cache").status_code == 200
+        and httpx.get(url + "/flush_cache").status_code == 200
+    )
+    text = httpx.get(url + "/metrics").text
+    for name in (
+        "po_queue_length",
+        "po_cache_hit_tokens_total",
+        "po_prompt_tokens_per_second",
+        "po_request_latency_seconds_bucket",
+    ):
+        assert name in text, name
+
+
+# ---- bad input and load -------------------------------------------------------------------------
+
+BAD = [
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}, "prefill-only"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 1, "bogus_key": 1}},
+        "unknown field 'sampling_params.bogus_key'",
+    ),
+    ("/generate", {"text": "hi", "bogus": 1}, "unknown field 'bogus'"),
+    ("/generate", {"input_ids": [5] * (MAX_INPUT_LEN + 1)}, f"more than max_input_len={MAX_INPUT_LEN}"),
+    ("/generate", {"input_ids": []}, "empty"),
+    (
+        "/generate",
+        {"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [10**6]},
+        "outside the vocabulary",
+    ),
+    ("/generate", {"input_ids": [1, 10**6]}, "outside the vocabulary"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "a|b"}}, "constrained decoding"),
+    ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [10**6]}, "outside the vocabulary"),
+    ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [1, 1]}, "duplicate"),
+    (
+        "/v1/score",
+        {"query": "a", "items": ["b"], "label_token_ids": [1], "temperature": 2.0},
+        "requires apply_softmax",
+    ),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 16}, "prefill-only"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 100}}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": ""}, "empty"),
+    ("/generate", {"text": ["fine", ""]}, "empty"),
+    ("/v1/classify", {"prompt": "x" * 2000, "labels": ["a", "b"]}, "max_input_len"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "message"), BAD, ids=[f"{p}:{m}" for p, _, m in BAD])
+def test_bad_input_is_400(url: str, path: str, body: dict[str, Any], message: str) -> None:
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_400(url: str) -> None:
+    r = httpx.post(url + "/generate", content=b'{"text": "hi",', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+
+
+def test_api_key_body_limit_and_overload(servers: dict[str, ServerProcess]) -> None:
+    url = servers["guarded"].url
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 0}}
+    assert post(url, "/generate", body).status_code == 401
+    assert post(url, "/generate", body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/health").status_code == 200  # open, for load balancers
+    ok(post(url, "/generate", body, headers=auth))
+    big = {"input_ids": [1] * 3000}
+    r = post(url, "/generate", big, headers=auth)
+    assert r.status_code == 413 and "larger than 4096" in r.json()["error"]["message"]
+    # --max-queue 2: a batch of 5 prompts cannot be queued.
+    r = post(
+        url,
+        "/generate",
+        {"input_ids": [[1, 5, 6]] * 5, "sampling_params": {"max_new_tokens": 0}},
+        headers=auth,
+    )
+    assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
+
+
+def test_thousand_concurrent_requests_all_answered(url: str) -> None:
+    """1,000 requests in flight at once, each on its own connection. Spread over 20 clients:
+    httpx's connection pool gets slow with ~1,000 connections in one client (the server is not
+    the bottleneck: it answers these in a few seconds)."""
+    n, n_clients = 1000, 20
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"input_ids": [1, 5 + i % 50, 6, 7 + i % 13], "sampling_params": {"max_new_tokens": 1}}
+        return (await client.post("/generate", json=body)).status_code
+
+    async def main() -> list[int]:
+        limits = httpx.Limits(max_connections=n // n_clients)
+        clients = [httpx.AsyncClient(base_url=url, limits=limits, timeout=120.0) for _ in range(n_clients)]
+        try:
+            return await asyncio.gather(*(one(clients[i % n_clients], i) for i in range(n)))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    codes = asyncio.run(main())
+    assert codes.count(200) == n, {c: codes.count(c) for c in set(codes)}
+
+
+def test_client_disconnect_cancels_work(servers: dict[str, ServerProcess], engine: Engine) -> None:
+    """The FCFS baseline runs one prompt at a time: 300 queued prompts take seconds, so a client
+    that gives up after 0.3 s leaves most of them queued, and they must be dropped."""
+    url = servers["hf"].url
+    tok = engine.tokenizer
+    items = [
+        tok.encode(f"Post number {i}: " + "cats and dogs " * 40, add_special_tokens=False) for i in range(400)
+    ]
+    ran_before = ok(httpx.get(url + "/server_info"))["internal_states"][0]["requests"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            url + "/v1/score", json={"query": [1], "items": items, "label_token_ids": [5]}, timeout=0.3
+        )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and metric(url, "po_queue_length") > 0:
+        time.sleep(0.1)
+    assert metric(url, "po_queue_length") == 0
+    assert metric(url, "po_cancelled_requests_total") > 100
+    ran = ok(httpx.get(url + "/server_info"))["internal_states"][0]["requests"] - ran_before
+    assert ran < 300, f"{ran} of 400 prompts ran after the client left"
+    ok(post(url, "/generate", {"input_ids": [1, 5, 6]}))
+
+
+def test_hf_backend_serves_the_same_answers(servers: dict[str, ServerProcess], engine: Engine) -> None:
+    yes, no = tok_id(engine, " Yes"), tok_id(engine, " No")
+    body = {
+        "text": [PROFILE + p for p in POSTS],
+        "sampling_params": {"max_new_tokens": 1},
+        "return_logprob": True,
+        "logprob_start_len": 3,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": [yes, no],
+    }
+    a = ok(post(servers["main"].url, "/generate", body))
+    b = ok(post(servers["hf"].url, "/generate", body))
+    for x, y in zip(a, b, strict=True):
+        assert x["output_ids"] == y["output_ids"]
+        mx, my = x["meta_info"], y["meta_info"]
+        for key in ("input_token_logprobs", "output_token_ids_logprobs", "output_top_logprobs"):
+            assert _close(mx[key], my[key]), (key, mx[key], my[key])
+    info = ok(httpx.get(servers["hf"].url + "/server_info"))
+    assert info["backend"] == "hf" and info["schedule_policy"] == "fcfs"
+
+
+def _close(a: Any, b: Any, tol: float = 1e-4) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tol
+    return a == b
