@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from po_backend.config import ModelConfig
+from po_backend.config import ModelConfig, cpu_model
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -41,16 +41,6 @@ def cpu_flags() -> set[str]:
         return set()
     m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
     return set(m.group(1).split()) if m else set()
-
-
-def cpu_model() -> str:
-    try:
-        m = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-        if m:
-            return m.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def has_fast_bf16(flags: set[str] | None = None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import platform
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,18 @@ class ModelConfig:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (keys the persisted JCT profile; printed by benchmarks)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -54,6 +54,28 @@ class ScoreResult:
     cached_tokens: int = 0
 
 
+def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> None:
+    """Every check a request must pass before any work; shared by all executors so they reject
+    the same requests with the same typed errors."""
+    n = len(req.input_ids)
+    if n == 0:
+        raise EmptyPromptError("the prompt is empty (0 tokens)")
+    if n > max_input_len:
+        raise PromptTooLongError(f"the prompt has {n} tokens, more than max_input_len={max_input_len}")
+    for ids, what in ((req.input_ids, "prompt"), (req.label_token_ids, "label")):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidTokenError(f"{what} token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if not 0 <= req.top_k <= vocab_size:
+        raise InvalidRequestError(f"top_k must be in [0, {vocab_size}], got {req.top_k}")
+    if not -1 <= req.logprob_start_len < n:
+        raise InvalidRequestError(
+            f"logprob_start_len must be in [-1, {n - 1}] for a {n}-token prompt, got {req.logprob_start_len}"
+        )
+    if req.cache_prefix_len is not None and not 0 <= req.cache_prefix_len <= n:
+        raise InvalidRequestError(f"cache_prefix_len must be in [0, {n}], got {req.cache_prefix_len}")
+
+
 @dataclass(frozen=True)
 class EngineStats:
     requests: int
@@ -239,30 +261,7 @@ class Engine:
         return tuple(int(t) for t in prompt)
 
     def validate(self, req: ScoreRequest) -> None:
-        n = len(req.input_ids)
-        if n == 0:
-            raise EmptyPromptError("the prompt is empty (0 tokens)")
-        if n > self.config.max_input_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens, more than max_input_len={self.config.max_input_len}"
-            )
-        self._check_ids(req.input_ids, "prompt")
-        self._check_ids(req.label_token_ids, "label")
-        if not 0 <= req.top_k <= self.vocab_size:
-            raise InvalidRequestError(f"top_k must be in [0, {self.vocab_size}], got {req.top_k}")
-        if not -1 <= req.logprob_start_len < n:
-            raise InvalidRequestError(
-                f"logprob_start_len must be in [-1, {n - 1}] for a {n}-token prompt, got {req.logprob_start_len}"
-            )
-        if req.cache_prefix_len is not None and not 0 <= req.cache_prefix_len <= n:
-            raise InvalidRequestError(f"cache_prefix_len must be in [0, {n}], got {req.cache_prefix_len}")
-
-    def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidTokenError(
-                f"{what} token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-            )
+        validate_request(req, self.vocab_size, self.config.max_input_len)
 
     def cache_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` worth keeping in the prefix cache (suffix discarding)."""

@@ -16,13 +16,9 @@ from typing import Any
 import torch
 
 from po_backend.config import default_device, parse_dtype
-from po_backend.engine import ScoreRequest, ScoreResult
+from po_backend.engine import ScoreRequest, ScoreResult, validate_request
 from po_backend.errors import (
-    EmptyPromptError,
-    InvalidRequestError,
-    InvalidTokenError,
     OverloadedError,
-    PromptTooLongError,
 )
 from po_backend.models.loader import resolve_model_dir
 
@@ -66,27 +62,7 @@ class HFScorer:
 
     def validate(self, req: ScoreRequest) -> None:
         """The engine's checks, so both backends reject the same requests with the same errors."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise EmptyPromptError("the prompt is empty (0 tokens)")
-        if n > self.max_input_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens, more than max_input_len={self.max_input_len}"
-            )
-        for ids, what in ((req.input_ids, "prompt"), (req.label_token_ids, "label")):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidTokenError(
-                    f"{what} token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                )
-        if not 0 <= req.top_k <= self.vocab_size:
-            raise InvalidRequestError(f"top_k must be in [0, {self.vocab_size}], got {req.top_k}")
-        if not -1 <= req.logprob_start_len < n:
-            raise InvalidRequestError(
-                f"logprob_start_len must be in [-1, {n - 1}] for a {n}-token prompt, got {req.logprob_start_len}"
-            )
-        if req.cache_prefix_len is not None and not 0 <= req.cache_prefix_len <= n:
-            raise InvalidRequestError(f"cache_prefix_len must be in [0, {n}], got {req.cache_prefix_len}")
+        validate_request(req, self.vocab_size, self.max_input_len)
 
     def run(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         for r in requests:

@@ -18,8 +18,6 @@ import hashlib
 import json
 import logging
 import math
-import platform
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from po_backend.config import cpu_model
 from po_backend.engine import Engine, ScoreRequest
 from po_backend.models.loader import cache_root
 
@@ -321,13 +320,7 @@ def min_merge(a: Sequence[JCTSample], b: Sequence[JCTSample]) -> list[JCTSample]
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        m = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-        if m:
-            return m.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def profile_key(engine: Engine, grid: ProfileGrid = DEFAULT_GRID) -> dict[str, Any]:

@@ -527,6 +527,8 @@ class Server:
             watcher.cancel()
             if not waiters.done():
                 waiters.cancel()
+                # Nobody awaits it any more: take its outcome so asyncio does not log it.
+                waiters.add_done_callback(_discard_outcome)
                 unfinished = [f for f in futs if not f.done()]
                 for f in unfinished:
                     self.backend.cancel(f)
@@ -821,6 +823,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def _discard_outcome(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _wait_disconnect(request: Request) -> None:
