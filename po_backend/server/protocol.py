@@ -4,7 +4,7 @@ Field names follow SGLang 0.5.23 (`/generate`, `/v1/score`, `/tokenize`) and Ope
 (`/v1/completions`), so their clients work unchanged. Models forbid unknown keys: a misspelt
 parameter is a 400, never silently ignored. Fields that SGLang or OpenAI clients send but a
 prefill-only server cannot honour are declared so their defaults pass; the server rejects them
-when set (see `server.py`).
+when set (see `app.py`).
 """
 
 from __future__ import annotations

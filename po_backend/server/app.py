@@ -1,13 +1,8 @@
-"""HTTP server: SGLang's native API, OpenAI completions, our `/v1/classify`, Prometheus metrics.
+"""The FastAPI app: SGLang's native API, OpenAI completions, our `/v1/classify`, /metrics.
 
-Every endpoint turns its body into `ScoreRequest`s, submits them to the scheduling loop (which
-validates them and owns the engine), awaits the futures and formats the results in the shape its
-clients expect. The event loop never runs model code; a client that disconnects cancels its
-requests. `create_app` takes any `Backend`, so `--backend hf` (the transformers baseline) serves
-the same API.
-
-Shapes follow SGLang 0.5.23 (`/generate` meta_info, `/v1/score`) and OpenAI (`/v1/completions`);
-errors are `{"error": {"message", "type", "param", "code"}}` (what the openai client parses).
+`Server` holds the endpoint logic over one backend (tokenising, submitting a call's requests
+together, cancelling them when the client goes, shaping results); `create_app` wires it into
+FastAPI with the error handlers and the middleware.
 """
 
 from __future__ import annotations
@@ -15,33 +10,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import math
-import re
-import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from po_backend.engine import ScoreRequest, ScoreResult
-from po_backend.errors import EmptyPromptError, InvalidRequestError, OverloadedError, PrefillOnlyError
-from po_backend.protocol import (
+from po_backend.errors import EmptyPromptError, OverloadedError, PrefillOnlyError
+from po_backend.server.backend import Backend, ServerArgs
+from po_backend.server.errors import ClientGone, add_exception_handlers, bad
+from po_backend.server.metrics import Metrics
+from po_backend.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from po_backend.server.protocol import (
     ChatTemplateRequest,
     ClassifyRequest,
     CompletionRequest,
@@ -51,398 +37,18 @@ from po_backend.protocol import (
     ScoreRequestBody,
     TokenizeRequest,
 )
-
-log = logging.getLogger(__name__)
+from po_backend.server.translate import (
+    biased_top,
+    common_prefix,
+    json_logprob,
+    parse_bias,
+    per_item,
+    softmax,
+    unique,
+)
 
 VERSION = "prefillonly-0.1.0"
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; SGLang and vLLM clamp to this value too
 MAX_OPENAI_LOGPROBS = 20
-ASGIApp = Callable[
-    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]
-]
-
-
-# ---- what the server needs from a model ---------------------------------------------------------
-
-
-class Backend(Protocol):
-    """A tokenizer plus a scheduling loop that scores `ScoreRequest`s off the event loop."""
-
-    tokenizer: Any
-    vocab_size: int
-    max_input_len: int
-
-    def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
-        """Validate all (typed errors, nothing queued on error) and queue them together; raises
-        OverloadedError when the queue cannot take them."""
-        ...
-
-    def cancel(self, fut: Future[ScoreResult]) -> None: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def flush_cache(self) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-
-class LoopBackend:
-    """A `Backend` from a scorer (the Engine or the transformers baseline: tokenizer, vocabulary)
-    and the scheduling loop that owns it (queue, futures, cancellation, stats)."""
-
-    def __init__(self, scorer: Any, loop: Any, max_input_len: int) -> None:
-        self.scorer = scorer
-        self.loop = loop
-        self.tokenizer = scorer.tokenizer
-        self.vocab_size = int(scorer.vocab_size)
-        self.max_input_len = int(max_input_len)
-
-    def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
-        return self.loop.submit_many(reqs)
-
-    def cancel(self, fut: Future[ScoreResult]) -> None:
-        self.loop.cancel(fut)
-
-    def stats(self) -> dict[str, Any]:
-        return _jsonable(self.loop.stats())
-
-    def flush_cache(self) -> None:
-        # The loop owns the engine: the flush must happen between its steps, on its thread.
-        self.loop.flush_cache()
-
-    def shutdown(self) -> None:
-        self.loop.shutdown(drain=True)
-
-
-@dataclass(frozen=True)
-class ServerArgs:
-    """What /model_info and /server_info report, plus the HTTP edge's own limits."""
-
-    model_path: str
-    served_model_name: str = ""
-    backend: str = "prefillonly"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    max_body_bytes: int = 64 << 20
-    model_type: str = ""
-    architectures: tuple[str, ...] = ()
-    engine_args: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model_path
-
-
-# ---- errors -------------------------------------------------------------------------------------
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-
-
-class ClientGone(Exception):
-    """The client disconnected while its requests were queued or running."""
-
-
-def bad(message: str) -> HTTPError:
-    return HTTPError(400, message)
-
-
-def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
-    return {"object": "error", "error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind), status_code=status)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
-
-
-def _field_path(loc: Sequence[Any]) -> str:
-    """'sampling_params.bogus' from pydantic's loc, without the union-member tags it inserts
-    ('SamplingParams', 'list[int]', ...): our field names are lower snake case, tags are not."""
-    keep = [
-        str(x)
-        for x in loc
-        if x != "body"
-        and (isinstance(x, int) or (re.fullmatch(r"[a-z_][a-z0-9_]*", x) and x not in _TYPE_TAGS))
-    ]
-    return ".".join(keep)
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    errors = list(exc.errors())
-    for e in errors:
-        if e.get("type") == "json_invalid":
-            return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
-    # An unknown key is the real problem even when a union's other members also complain.
-    extra = [e for e in errors if e.get("type") == "extra_forbidden"]
-    parts = [f"unknown field {_field_path(e.get('loc', ()))!r}" for e in extra]
-    if not parts:
-        parts = [f"{_field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors]
-    return "invalid request: " + "; ".join(list(dict.fromkeys(parts))[:5])
-
-
-# ---- pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects) ---------------
-
-
-async def _send_json(send: Callable[..., Awaitable[None]], status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
-
-
-class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` (SGLang and the openai client send it this way).
-    /health and /metrics stay open for load balancers and scrapers, as in SGLang."""
-
-    OPEN = ("/health", "/metrics")
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(self.OPEN) or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if auth != self.expected:
-            body = error_body(
-                401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError"
-            )
-            await _send_json(send, 401, body)
-            return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """413 for bodies over `max_bytes`. The body is read here, counted, and replayed, so a chunked
-    upload without Content-Length is bounded too; later receives pass through untouched, which
-    keeps the disconnect notice reaching the handlers."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_large = error_body(
-            413, f"request body larger than {self.max_bytes} bytes", "PayloadTooLargeError"
-        )
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _send_json(send, 413, too_large)
-            return
-        body = bytearray()
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            if len(body) > self.max_bytes:
-                await _send_json(send, 413, too_large)
-                return
-            if not msg.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-class MetricsMiddleware:
-    """Request count and latency per endpoint and status."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics, paths: set[str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.paths = paths
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"] if scope["path"] in self.paths else "other"
-        status = 500
-        t0 = time.perf_counter()
-
-        async def record(msg: dict[str, Any]) -> None:
-            nonlocal status
-            if msg["type"] == "http.response.start":
-                status = msg["status"]
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, record)
-        finally:
-            if path != "/metrics":
-                self.metrics.requests.labels(path, str(status)).inc()
-                self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
-
-
-# ---- metrics ------------------------------------------------------------------------------------
-
-
-class Metrics:
-    """Prometheus metrics in a registry of this app's own (two apps in one process do not clash)."""
-
-    WINDOW_S = 10.0  # tokens/s is measured over this sliding window
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("po_http_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.latency = Histogram(
-            "po_request_latency_seconds",
-            "HTTP request latency (arrival to response)",
-            ["endpoint"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-            registry=r,
-        )
-        self.prompts = Counter("po_scored_prompts", "Prompts scored (one prefill each)", registry=r)
-        self.prompt_tokens = Counter("po_prompt_tokens", "Prompt tokens of scored prompts", registry=r)
-        self.cached_tokens = Counter(
-            "po_cache_hit_tokens", "Prompt tokens read from the prefix cache instead of computed", registry=r
-        )
-        self.cancelled = Counter(
-            "po_cancelled_requests", "Prompts cancelled by a client disconnect", registry=r
-        )
-        self.rejected = Counter(
-            "po_overloaded_rejections", "Prompts refused with 503 (queue full)", registry=r
-        )
-        Gauge("po_queue_length", "Prompts waiting in the scheduler queue", registry=r).set_function(
-            lambda: float(self._stat("queued"))
-        )
-        Gauge("po_running_requests", "Prompts in the forward being run", registry=r).set_function(
-            lambda: float(self._stat("running"))
-        )
-        Gauge(
-            "po_prompt_tokens_per_second",
-            f"Prompt tokens scored per second (last {self.WINDOW_S:.0f} s)",
-            registry=r,
-        ).set_function(self.tokens_per_second)
-        Gauge(
-            "po_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r
-        ).set_function(self._hit_rate)
-        self._lock = threading.Lock()
-        self._window: deque[tuple[float, int]] = deque()  # (time, prompt tokens finished then)
-        self._tokens = 0
-        self._cached = 0
-
-    def _stat(self, key: str) -> float:
-        try:
-            return float(self.backend.stats().get(key, 0) or 0)
-        except Exception:  # a scrape must not fail because a stat is missing
-            return 0.0
-
-    def observe(self, results: Sequence[ScoreResult]) -> None:
-        now = time.monotonic()
-        tokens = sum(r.prompt_tokens for r in results)
-        cached = sum(r.cached_tokens for r in results)
-        self.prompts.inc(len(results))
-        self.prompt_tokens.inc(tokens)
-        self.cached_tokens.inc(cached)
-        with self._lock:
-            self._tokens += tokens
-            self._cached += cached
-            self._window.append((now, tokens))
-            self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._window and self._window[0][0] < now - self.WINDOW_S:
-            self._window.popleft()
-
-    def tokens_per_second(self) -> float:
-        with self._lock:
-            self._trim(time.monotonic())
-            return sum(t for _, t in self._window) / self.WINDOW_S
-
-    def _hit_rate(self) -> float:
-        with self._lock:
-            return self._cached / self._tokens if self._tokens else 0.0
-
-
-# ---- small helpers ------------------------------------------------------------------------------
-
-
-def _lp(x: float | None) -> float | None:
-    """A log-prob as JSON can carry it: NaN -> null, -inf -> the floor."""
-    if x is None or math.isnan(x):
-        return None
-    return max(float(x), LOGPROB_FLOOR)
-
-
-def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
-    """SGLang batch fields: one value for all items or a list with one per item."""
-    if value is None:
-        return [default] * n
-    if isinstance(value, list):
-        if len(value) != n:
-            raise bad(f"{name} has {len(value)} values for a batch of {n} prompts")
-        return [default if v is None else v for v in value]
-    return [value] * n
-
-
-def _unique(ids: Sequence[int]) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(ids))
-
-
-def _parse_bias(bias: dict[str, float] | None, vocab_size: int, where: str) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for key, value in (bias or {}).items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise bad(f"{where} keys must be token ids, got {key!r}") from None
-        if not 0 <= tid < vocab_size:
-            raise bad(f"{where} token id {tid} is outside the vocabulary [0, {vocab_size})")
-        if not math.isfinite(value) or not -100 <= value <= 100:
-            raise bad(f"{where} values must be in [-100, 100], got {value} for token {tid}")
-        out[tid] = float(value)
-    return out
-
-
-def biased_top(
-    result: ScoreResult, labels: Sequence[int], bias: dict[int, float], k: int
-) -> list[tuple[int, float]]:
-    """The exact top-k of softmax(logits + bias), from the raw top list and the biased tokens'
-    own log-probs (both in `result`): with Z = sum_v p_v e^{b_v} = 1 - sum_b p_b + sum_b p_b e^{b},
-    every log-prob shifts by -log Z and the biased ones also by +b. Needs `result.top_logprobs` to
-    hold at least k tokens beyond the biased ones."""
-    if not bias:
-        return list(result.top_logprobs[:k])
-    lp = dict(zip(labels, result.logprobs, strict=True))
-    p_biased = math.fsum(math.exp(lp[t]) for t in bias)
-    terms = [lp[t] + b for t, b in bias.items()]
-    rest = 1.0 - p_biased
-    if rest > 1e-12:
-        terms.append(math.log(rest))
-    m = max(terms)
-    log_z = m + math.log(math.fsum(math.exp(t - m) for t in terms))
-    cand = {t: lp[t] + b - log_z for t, b in bias.items()}
-    for t, v in result.top_logprobs:
-        if t not in bias:
-            cand[t] = v - log_z
-    return sorted(cand.items(), key=lambda kv: -kv[1])[:k]
-
-
-# ---- the app ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -465,9 +71,8 @@ class _GenItem:
 class Server:
     """Endpoint logic over one backend; `create_app` wires it into FastAPI."""
 
-    def __init__(self, backend: Backend, args: ServerArgs) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.args = args
         self.metrics = Metrics(backend)
         self._token_text: dict[int, str] = {}
 
@@ -478,6 +83,10 @@ class Server:
         if self.backend.tokenizer is None:
             raise bad("this model has no tokenizer: send input_ids instead of text")
         return self.backend.tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.backend.tokenizer, "eos_token_id", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -499,7 +108,7 @@ class Server:
         return text
 
     def entry(self, lp: float | None, tid: int, with_text: bool) -> list[Any]:
-        return [_lp(lp), tid, self.token_text(tid) if with_text else None]
+        return [json_logprob(lp), tid, self.token_text(tid) if with_text else None]
 
     # ---- running requests -----------------------------------------------------------------------
 
@@ -560,17 +169,17 @@ class Server:
             else [body.return_hidden_states]
         ):
             raise bad("return_hidden_states is not supported by the prefill-only server")
-        sps = _per_item(body.sampling_params, n, "sampling_params", SamplingParams())
-        ret = _per_item(body.return_logprob, n, "return_logprob", False)
-        starts = _per_item(body.logprob_start_len, n, "logprob_start_len", -1)
-        tops = _per_item(body.top_logprobs_num, n, "top_logprobs_num", 0)
+        sps = per_item(body.sampling_params, n, "sampling_params", SamplingParams())
+        ret = per_item(body.return_logprob, n, "return_logprob", False)
+        starts = per_item(body.logprob_start_len, n, "logprob_start_len", -1)
+        tops = per_item(body.top_logprobs_num, n, "top_logprobs_num", 0)
         tid = body.token_ids_logprob
         if tid is not None and tid and isinstance(tid[0], list):
-            id_lists = _per_item(tid, n, "token_ids_logprob", None)
+            id_lists = per_item(tid, n, "token_ids_logprob", None)
         else:
             id_lists = [tid] * n
-        prefix = _per_item(body.cache_prefix_len, n, "cache_prefix_len", None)
-        rids = _per_item(body.rid, n, "rid", None)
+        prefix = per_item(body.cache_prefix_len, n, "cache_prefix_len", None)
+        rids = per_item(body.rid, n, "rid", None)
         items = []
         for i in range(n):
             sp: SamplingParams = sps[i]
@@ -589,7 +198,7 @@ class Server:
                     f"logprob_start_len must be in [-1, {len(prompts[i]) - 1}] for a {len(prompts[i])}-token prompt, got {start}"
                 )
             ids_lp = tuple(id_lists[i]) if id_lists[i] is not None else None
-            bias = _parse_bias(sp.logit_bias, self.backend.vocab_size, "logit_bias")
+            bias = parse_bias(sp.logit_bias, self.backend.vocab_size, "logit_bias")
             top_k = int(tops[i]) if ret[i] else 0
             if mnt == 1:
                 top_k = max(top_k, 1 + len(bias))  # enough unbiased candidates for the argmax
@@ -598,7 +207,7 @@ class Server:
             engine_start = max(start - 1, 0) if ret[i] and start >= 0 else -1
             request = ScoreRequest(
                 prompts[i],
-                _unique((ids_lp or ()) + tuple(bias)),
+                unique((ids_lp or ()) + tuple(bias)),
                 top_k=top_k,
                 logprob_start_len=engine_start,
                 cache_prefix_len=prefix[i],
@@ -648,8 +257,7 @@ class Server:
                 if self.backend.tokenizer is not None
                 else ""
             )
-            eos = getattr(self.backend.tokenizer, "eos_token_id", None)
-            if tok == eos:
+            if tok == self.eos_token_id:
                 finish = {"type": "stop", "matched": tok}
         meta: dict[str, Any] = {
             "id": it.rid,
@@ -729,7 +337,7 @@ class Server:
                 # The shared part's tokens (the query, or the item with item_first) are the cache
                 # prefix; a BPE merge across the join can only shorten it.
                 shared = prefix_ids if prefix_ids is not None else self.encode(item)  # type: ignore[arg-type]
-                reqs.append(ScoreRequest(ids, ls, cache_prefix_len=_common_prefix(shared, ids)))
+                reqs.append(ScoreRequest(ids, ls, cache_prefix_len=common_prefix(shared, ids)))
         else:
             if items and not all(isinstance(x, list) for x in items):
                 raise bad("a token-id query needs token-id items")
@@ -780,8 +388,7 @@ class Server:
         out_ids = [top[0][0]] if max_tokens == 1 else []
         out_text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if out_ids else ""
         text = out_text
-        eos = getattr(self.backend.tokenizer, "eos_token_id", None)
-        finish = "stop" if out_ids and out_ids[0] == eos else "length"
+        finish = "stop" if out_ids and out_ids[0] == self.eos_token_id else "length"
         logprobs = None
         if body.echo:
             if prompt_text is None:
@@ -799,8 +406,8 @@ class Server:
             for t in out_ids:
                 tokens.append(t)
                 values.append(chosen[t])
-                row = {self.token_text(tt) or "": _lp(v) for tt, v in top[:k]}
-                row.setdefault(self.token_text(t) or "", _lp(chosen[t]))
+                row = {self.token_text(tt) or "": json_logprob(v) for tt, v in top[:k]}
+                row.setdefault(self.token_text(t) or "", json_logprob(chosen[t]))
                 tops.append(row)
             texts = [self.token_text(t) or "" for t in tokens]
             offsets, pos = [], 0
@@ -809,20 +416,11 @@ class Server:
                 pos += len(s)
             logprobs = {
                 "tokens": texts,
-                "token_logprobs": [_lp(v) for v in values],
+                "token_logprobs": [json_logprob(v) for v in values],
                 "top_logprobs": tops,
                 "text_offset": offsets,
             }
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _discard_outcome(fut: asyncio.Future[Any]) -> None:
@@ -849,16 +447,9 @@ def _sse(events: Sequence[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(gen(), media_type="text/event-stream")
 
 
-def _softmax(xs: Sequence[float], temperature: float = 1.0) -> list[float]:
-    m = max(xs)
-    w = [math.exp((x - m) / temperature) for x in xs]
-    s = math.fsum(w)
-    return [x / s for x in w]
-
-
 def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
     """The FastAPI app over `backend`. `backend.shutdown()` runs when the app stops."""
-    srv = Server(backend, args)
+    srv = Server(backend)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -867,36 +458,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
 
     app = FastAPI(title="PrefillOnly", version=VERSION, lifespan=lifespan)
     app.state.server = srv
-
-    @app.exception_handler(HTTPError)
-    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.kind)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc), "BadRequestError")
-
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, f"{type(exc).__name__}: {exc}", "BadRequestError")
-
-    @app.exception_handler(OverloadedError)
-    async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
-        return error_response(503, f"overloaded: {exc}", "ServiceUnavailableError")
-
-    @app.exception_handler(ClientGone)
-    async def _gone(_: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-
-    @app.exception_handler(PrefillOnlyError)
-    async def _engine_error(_: Request, exc: PrefillOnlyError) -> JSONResponse:
-        log.warning("engine error: %s: %s", type(exc).__name__, exc)
-        return error_response(503, f"{type(exc).__name__}: {exc}", "ServiceUnavailableError")
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+    add_exception_handlers(app)
 
     # ---- SGLang native ----------------------------------------------------------------------
 
@@ -929,7 +491,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
     def server_info() -> dict[str, Any]:
         info = {k: v for k, v in asdict(args).items() if k not in ("api_key", "engine_args")}
         info.update(args.engine_args)
-        return {**info, "internal_states": [_jsonable(backend.stats())], "version": VERSION}
+        return {**info, "internal_states": [backend.stats()], "version": VERSION}
 
     app.get("/model_info")(model_info)
     app.get("/get_model_info")(model_info)
@@ -966,7 +528,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
         scores = []
         for res in results:
             if body.apply_softmax:
-                scores.append(_softmax(res.logprobs, body.temperature))
+                scores.append(softmax(res.logprobs, body.temperature))
             else:
                 scores.append([math.exp(x) for x in res.logprobs])
         tokens = sum(r.prompt_tokens for r in results)
@@ -977,7 +539,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
             "object": "scoring",
         }
         if body.return_token_logprobs:
-            out["token_logprobs"] = [[_lp(x) for x in r.logprobs] for r in results]
+            out["token_logprobs"] = [[json_logprob(x) for x in r.logprobs] for r in results]
         return JSONResponse(out)
 
     @app.post("/tokenize")
@@ -1047,7 +609,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
             raise bad("suffix is not supported")
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_OPENAI_LOGPROBS:
             raise bad(f"logprobs must be in [0, {MAX_OPENAI_LOGPROBS}], got {body.logprobs}")
-        bias = _parse_bias(body.logit_bias, backend.vocab_size, "logit_bias")
+        bias = parse_bias(body.logit_bias, backend.vocab_size, "logit_bias")
         p = body.prompt
         if isinstance(p, str):
             prompts: list[tuple[tuple[int, ...], str | None]] = [(srv.encode_prompt(p), p)]
@@ -1156,7 +718,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
                     tail_lps = r.input_token_logprobs[-len(c) :]
                     s = math.fsum(tail_lps)
                     scores.append(s / len(c) if body.choices_method == "mean" else s)
-            probs = _softmax(scores)
+            probs = softmax(scores)
             best = max(range(len(scores)), key=lambda j: scores[j])
             total += sum(r.prompt_tokens for r in group)
             data.append(
@@ -1164,7 +726,7 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
                     "index": i,
                     "label": body.labels[best],
                     "probs": dict(zip(body.labels, probs, strict=True)),
-                    "logprobs": {lab: _lp(s) for lab, s in zip(body.labels, scores, strict=True)},
+                    "logprobs": {lab: json_logprob(s) for lab, s in zip(body.labels, scores, strict=True)},
                     "label_token_ids": [list(c) for c in conts],
                     "prompt_tokens": len(ids),
                     "cached_tokens": sum(r.cached_tokens for r in group),
@@ -1189,18 +751,3 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     return app
-
-
-def _jsonable(stats: Any) -> Any:
-    """Backend stats (dicts, dataclasses) as plain JSON values."""
-    if hasattr(stats, "__dataclass_fields__"):
-        stats = asdict(stats)
-    if isinstance(stats, dict):
-        return {str(k): _jsonable(v) for k, v in stats.items()}
-    if isinstance(stats, list | tuple):
-        return [_jsonable(v) for v in stats]
-    if isinstance(stats, float) and not math.isfinite(stats):
-        return None
-    if isinstance(stats, int | float | str | bool) or stats is None:
-        return stats
-    return str(stats)

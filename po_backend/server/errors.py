@@ -1,0 +1,105 @@
+"""HTTP errors: `HTTPError` and `bad` for handlers to raise, the `{"error": {...}}` body (what the
+openai client parses), readable messages for pydantic validation failures, and the exception
+handlers that map engine errors to 400/503."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from po_backend.errors import InvalidRequestError, OverloadedError, PrefillOnlyError
+
+log = logging.getLogger(__name__)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+class ClientGone(Exception):
+    """The client disconnected while its requests were queued or running."""
+
+
+def bad(message: str) -> HTTPError:
+    return HTTPError(400, message)
+
+
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"object": "error", "error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind), status_code=status)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """'sampling_params.bogus' from pydantic's loc, without the union-member tags it inserts
+    ('SamplingParams', 'list[int]', ...): our field names are lower snake case, tags are not."""
+    keep = [
+        str(x)
+        for x in loc
+        if x != "body"
+        and (isinstance(x, int) or (re.fullmatch(r"[a-z_][a-z0-9_]*", x) and x not in _TYPE_TAGS))
+    ]
+    return ".".join(keep)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errors = list(exc.errors())
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
+    # An unknown key is the real problem even when a union's other members also complain.
+    extra = [e for e in errors if e.get("type") == "extra_forbidden"]
+    parts = [f"unknown field {_field_path(e.get('loc', ()))!r}" for e in extra]
+    if not parts:
+        parts = [f"{_field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors]
+    return "invalid request: " + "; ".join(list(dict.fromkeys(parts))[:5])
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """HTTPError as itself, validation and engine request errors as 400, overload and engine
+    failures as 503, a disconnected client as 499, anything else as 500."""
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _validation_message(exc), "BadRequestError")
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, f"{type(exc).__name__}: {exc}", "BadRequestError")
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
+        return error_response(503, f"overloaded: {exc}", "ServiceUnavailableError")
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(PrefillOnlyError)
+    async def _engine_error(_: Request, exc: PrefillOnlyError) -> JSONResponse:
+        log.warning("engine error: %s: %s", type(exc).__name__, exc)
+        return error_response(503, f"{type(exc).__name__}: {exc}", "ServiceUnavailableError")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")

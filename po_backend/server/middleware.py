@@ -1,0 +1,120 @@
+"""Pure ASGI middleware: API key, body size limit, request metrics. Not BaseHTTPMiddleware, which
+would hide client disconnects from the handlers."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from po_backend.server.errors import error_body
+from po_backend.server.metrics import Metrics
+
+ASGIApp = Callable[
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]
+]
+
+
+async def _send_json(send: Callable[..., Awaitable[None]], status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` (SGLang and the openai client send it this way).
+    /health and /metrics stay open for load balancers and scrapers, as in SGLang."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(self.OPEN) or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if auth != self.expected:
+            body = error_body(
+                401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError"
+            )
+            await _send_json(send, 401, body)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_bytes`. The body is read here, counted, and replayed, so a chunked
+    upload without Content-Length is bounded too; later receives pass through untouched, which
+    keeps the disconnect notice reaching the handlers."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_body(
+            413, f"request body larger than {self.max_bytes} bytes", "PayloadTooLargeError"
+        )
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _send_json(send, 413, too_large)
+            return
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if len(body) > self.max_bytes:
+                await _send_json(send, 413, too_large)
+                return
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class MetricsMiddleware:
+    """Request count and latency per endpoint and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: set[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.paths = paths
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in self.paths else "other"
+        status = 500
+        t0 = time.perf_counter()
+
+        async def record(msg: dict[str, Any]) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            if path != "/metrics":
+                self.metrics.requests.labels(path, str(status)).inc()
+                self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
