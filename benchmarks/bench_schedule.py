@@ -213,9 +213,9 @@ def main() -> None:
     ap.add_argument("--slo-extra", default="2,8", help="further SLO multiples to report")
     ap.add_argument("--wl1-users", type=int, default=5)
     ap.add_argument("--wl1-items", type=int, default=6)
-    ap.add_argument("--wl1-profile", type=int, default=800, help="mean profile tokens (+-20%%)")
-    ap.add_argument("--wl1-item-tokens", type=int, default=80)
-    ap.add_argument("--wl2-requests", type=int, default=5)
+    ap.add_argument("--wl1-profile", type=int, default=600, help="mean profile tokens (+-20%%)")
+    ap.add_argument("--wl1-item-tokens", type=int, default=60)
+    ap.add_argument("--wl2-requests", type=int, default=4)
     ap.add_argument("--wl2-min", type=int, default=1500)
     ap.add_argument("--wl2-max", type=int, default=2500)
     ap.add_argument("--cache-profiles", type=float, default=2.0, help="prefix pool size in WL1 profiles")
@@ -225,6 +225,7 @@ def main() -> None:
         "--quiet-wait", type=float, default=60.0, help="max seconds to wait for an idle CPU per run"
     )
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows up in a redirected log
     if args.quick:
         args.policies, args.mults_wl1, args.mults_wl2 = "fcfs,po", "0.25,2", "0.5,2"
         args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 3, 4, 600, 80
@@ -271,6 +272,7 @@ def main() -> None:
         "workloads": {},
     }
     all_runs: list[dict[str, Any]] = []
+    partial = RESULTS / "schedule.partial.json"
     for name, items in workloads.items():
         rng = random.Random(args.seed)
         items = list(items)
@@ -306,6 +308,9 @@ def main() -> None:
                     f"  {m:5.2f}x {qps:6.3f} qps {pol:4s}: mean {r['mean_s']:6.2f} s  P99 {r['p99_s']:6.2f} s  "
                     f"hits {r['hit_rate']:4.0%}  steps {r['steps']:3d}  other cores {r['other_cores']:.2f}"
                 )
+                if not args.quick:  # a long run that gets killed keeps what it measured
+                    RESULTS.mkdir(exist_ok=True)
+                    partial.write_text(json.dumps({"report": report, "running": {name: runs}}, default=str))
         all_runs += runs
         at_slo = {}
         for x in slo_xs:
@@ -343,6 +348,7 @@ def main() -> None:
     (RESULTS / "schedule.json").write_text(json.dumps(report, indent=1))
     (RESULTS / "schedule.md").write_text(md["markdown"])
     plot(report, policies, RESULTS / "schedule.png")
+    partial.unlink(missing_ok=True)
     print(f"wrote {RESULTS / 'schedule.json'}, schedule.md, schedule.png")
 
 

@@ -46,6 +46,8 @@ LAUNCH = {
     "srjf": ["--schedule-policy", "srjf"],
     "lpm": ["--schedule-policy", "lpm"],
     "po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"],
+    # vLLM-style baseline: FCFS + prefix cache + Sarathi chunked prefill (attention chunked too).
+    "chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"],
     "hf": ["--backend", "hf"],
 }
 
@@ -392,6 +394,8 @@ def report(
                 f"{r['cache_hit_rate']:.0%}" if "cache_hit_rate" in r else "-",
                 ratio_t,
                 ratio_l,
+                "-" if r.get("server_cores") is None else f"{r['server_cores']:.1f}",
+                f"{r['other_cores']:.1f}",
             ]
         )
     header = [
@@ -405,6 +409,8 @@ def report(
         "cache hits",
         f"items/s vs {base}",
         f"mean lat. {base}/this",
+        "server cores",
+        "other cores",
     ]
     print(text_table(header, table))
     RESULTS.mkdir(exist_ok=True)
@@ -418,9 +424,10 @@ def report(
     (RESULTS / f"{args.out}.md").write_text(
         f"# bench_serving: {args.workload} over /{'v1/score' if args.api == 'score' else 'generate'}\n\n"
         f"Machine: {info.get('cpu')}, {info.get('cores')} cores. Workload: {json.dumps(workload)}.\n"
-        f"Open-loop Poisson arrivals; latency = send to response; ratios against `{base}` in the same run.\n\n"
-        + markdown_table(header, table)
-        + "\n"
+        f"Open-loop Poisson arrivals; latency = send to response; ratios against `{base}` in the same run.\n"
+        "`server cores` / `other cores`: CPU used during the run by the server and by everything else "
+        "(other users of this shared 2-core machine; not this client). Other work slows the server, "
+        "so small differences between configurations are noise.\n\n" + markdown_table(header, table) + "\n"
     )
     if not args.no_plot:
         plot(rows, configs, RESULTS / f"{args.out}.png", args)

@@ -1,11 +1,9 @@
-"""Helpers shared by the benchmarks: machine facts, GEMM peak, analytic FLOPs, peak-RSS measurement,
-fresh-subprocess runs and small table/fit utilities. Imports nothing from transformers."""
+"""Helpers shared by the benchmarks: machine facts, GEMM peak, analytic FLOPs, peak-RSS measurement
+(po_backend.memory's, re-exported), fresh-subprocess runs and small table/fit utilities. Imports
+transformers only inside machine_info (for its version)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import json
 import math
 import os
@@ -13,7 +11,6 @@ import platform
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +20,7 @@ from typing import Any
 import torch
 
 from po_backend.config import ModelConfig, cpu_model
+from po_backend.memory import PeakMemory, release_free_memory, rss_bytes  # noqa: F401 - re-exported
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -125,7 +123,10 @@ def _cpu_jiffies() -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields[:8]) - idle, sum(fields[:8])
+    # `nice` time (fields[1]) counts as idle: niced background work (tests, builds) yields the
+    # cores to a benchmark at normal priority, so it neither slows it much nor should stall it.
+    busy = sum(fields[:8]) - idle - fields[1]
+    return busy, sum(fields[:8])
 
 
 def _own_cpu_seconds() -> float:
@@ -212,95 +213,17 @@ def prefill_flops(cfg: ModelConfig, n: int, logit_rows: int = 1) -> float:
 # ---- peak memory ----------------------------------------------------------------------------------
 
 
-def _proc_status_kib(key: str) -> int | None:
-    try:
-        m = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
+# One implementation, shared with the engine's profile run: po_backend.memory.PeakMemory (kernel
+# RSS high-water mark via clear_refs, sampling fallback). `PeakRSS()` is the CPU spelling the
+# benchmarks use (`p.peak_bytes`, `p.method`).
+malloc_trim = release_free_memory
 
 
-def rss_bytes() -> int:
-    kib = _proc_status_kib("VmRSS")
-    if kib is not None:
-        return kib * 1024
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def malloc_trim() -> None:
-    """Return glibc's free heap pages to the OS, so memory freed earlier (warm-up) does not sit in
-    the RSS baseline and hide the next allocation from the peak."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_hwm() -> bool:
-    """Linux: writing 5 to clear_refs resets VmHWM (peak RSS) to the current RSS. True if it did."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    hwm, rss = _proc_status_kib("VmHWM"), _proc_status_kib("VmRSS")
-    return hwm is not None and rss is not None and hwm <= rss + 1024  # within 1 MiB of the reset
-
-
-class PeakRSS:
-    """Peak resident memory of a block above the RSS at its start (weights and libraries are in the
-    baseline, so this is the activation memory of the work inside the block)::
-
-        with PeakRSS() as p:
-            model(ids)
-        p.peak_bytes, p.method
-
-    On Linux the kernel's own high-water mark is reset through /proc/self/clear_refs and read back
-    from VmHWM (exact, no overhead). Elsewhere, or when clear_refs is refused, a thread samples the
-    RSS every `interval` seconds (may miss spikes shorter than that)."""
+class PeakRSS(PeakMemory):
+    """`with PeakRSS() as p: work()` then `p.peak_bytes`: PeakMemory on the CPU."""
 
     def __init__(self, interval: float = 0.001, force_sampling: bool = False) -> None:
-        self.interval = interval
-        self.force_sampling = force_sampling
-        self.method = ""
-        self.base_bytes = 0
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._max = 0
-
-    def __enter__(self) -> PeakRSS:
-        gc.collect()
-        malloc_trim()
-        if not self.force_sampling and _reset_hwm():
-            self.method = "clear_refs"
-            self.base_bytes = rss_bytes()
-        else:
-            self.method = "sampling"
-            self.base_bytes = rss_bytes()
-            self._max = self.base_bytes
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._max = max(self._max, rss_bytes())
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.method == "clear_refs":
-            hwm = _proc_status_kib("VmHWM")
-            peak = hwm * 1024 if hwm is not None else rss_bytes()
-        else:
-            self._stop.set()
-            assert self._thread is not None, "sampling thread was not started"
-            self._thread.join()
-            peak = max(self._max, rss_bytes())
-        self.peak_bytes = max(0, peak - self.base_bytes)
+        super().__init__("cpu", interval=interval, force_sampling=force_sampling)
 
 
 # ---- subprocess runs ------------------------------------------------------------------------------

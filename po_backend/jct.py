@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 FEATURES = ("step", "items", "new_ktok", "attn_mtok2", "cached_ktok")
 PROFILE_VERSION = 1  # bump when the grid or the features change: old profiles are ignored
-MIN_PERSIST_R = 0.9  # a worse held-out fit was measured on a busy machine: not worth keeping
+MIN_PERSIST_R = 0.97  # a worse held-out fit was measured on a busy machine: not worth keeping
 
 
 # ---- samples and fitting --------------------------------------------------------------------
@@ -335,6 +335,7 @@ def profile_key(engine: Engine, grid: ProfileGrid = DEFAULT_GRID) -> dict[str, A
         "machine": _device_name(cfg.device),
         "threads": torch.get_num_threads(),
         "chunk_size": cfg.chunk_size,
+        "prefill_mode": cfg.prefill_mode,
         "torch": torch.__version__,
         "grid": repr(grid),
         "version": PROFILE_VERSION,

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from po_backend.config import PREFILL_MODES
 from po_backend.scheduler import POLICIES
 from po_backend.server import LoopBackend, ServerArgs, create_app
 
@@ -77,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per chunk of the non-attention work (hybrid prefilling)",
     )
     ap.add_argument(
+        "--prefill-mode",
+        choices=PREFILL_MODES,
+        default="hybrid",
+        help="hybrid: the paper's hybrid prefilling; chunked: Sarathi-style chunked prefill (baseline)",
+    )
+    ap.add_argument(
         "--max-queue", type=int, default=4096, help="queued prompts before requests get 503 'overloaded'"
     )
     ap.add_argument(
@@ -124,6 +131,7 @@ def build_backend(a: argparse.Namespace) -> tuple[LoopBackend, dict[str, Any]]:
         max_batch_tokens=a.max_batch_tokens,
         enable_cache=not a.disable_radix_cache,
         memory_budget=a.memory_budget,
+        prefill_mode=a.prefill_mode,
     )
     loop_kw: dict[str, Any] = {"policy": a.schedule_policy, "max_queue": a.max_queue}
     if a.fairness_lambda is not None:
@@ -134,6 +142,7 @@ def build_backend(a: argparse.Namespace) -> tuple[LoopBackend, dict[str, Any]]:
         "dtype": str(cfg.dtype),
         "device": str(cfg.device),
         "chunk_size": cfg.chunk_size,
+        "prefill_mode": cfg.prefill_mode,
         "max_batch_tokens": cfg.max_batch_tokens,
         "schedule_policy": a.schedule_policy,
         "fairness_lambda": loop.config.fairness_lambda,

@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -48,37 +50,87 @@ def release_free_memory() -> None:
         pass
 
 
-class PeakMemory:
-    """`with PeakMemory(device) as pm: work()` then `pm.peak` = bytes above the level at entry.
+def rss_bytes() -> int:
+    """Resident set size of this process now (0 where /proc is missing)."""
+    return _status_bytes("VmRSS") or 0
 
-    CPU: resets the kernel's RSS high-water mark (clear_refs 5) and reads VmHWM. Freed memory
-    that the allocator kept from earlier work can be reused without raising RSS, so on CPU this
-    can under-count; callers that size budgets combine it with an analytic bound.
+
+def _reset_hwm() -> bool:
+    """Linux: writing 5 to clear_refs resets VmHWM (peak RSS) to the current RSS. True if it did."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    hwm, rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + (1 << 20)  # within 1 MiB of the reset
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as pm: work()` then `pm.peak` = bytes above the level at entry
+    (weights and libraries are in the baseline, so on CPU this is the work's activation memory).
+
+    CUDA: the allocator's peak statistics (`method` "cuda-allocator"). CPU: the kernel's RSS
+    high-water mark, reset through /proc/self/clear_refs and read back from VmHWM (exact, no
+    overhead; `method` "clear_refs"); where that is refused, a thread samples the RSS every
+    `interval` seconds (`method` "sampling"; may miss spikes shorter than that). Freed memory that
+    the allocator kept from earlier work can be reused without raising RSS, so on CPU this can
+    under-count; callers that size budgets combine it with an analytic bound.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(
+        self, device: torch.device | str = "cpu", interval: float = 0.001, force_sampling: bool = False
+    ) -> None:
+        self.device = torch.device(device)
+        self.interval = interval
+        self.force_sampling = force_sampling
         self.peak = 0
-        self.supported = True
+        self.base = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._max = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak
+
+    @property
+    def base_bytes(self) -> int:
+        return self.base
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            self.method = "cuda-allocator"
+            return self
+        release_free_memory()
+        if not self.force_sampling and _reset_hwm():
+            self.method = "clear_refs"
+            self.base = rss_bytes()
         else:
-            release_free_memory()
-            try:
-                _CLEAR_REFS.write_text("5")
-            except OSError:
-                self.supported = False
-            self._base = _status_bytes("VmRSS") or 0
+            self.method = "sampling"
+            self.base = self._max = rss_bytes()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, rss_bytes())
+            time.sleep(self.interval)
 
     def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            return
+        if self.method == "clear_refs":
+            peak = _status_bytes("VmHWM") or rss_bytes()
         else:
-            hwm = _status_bytes("VmHWM") if self.supported else None
-            self.peak = max(0, (hwm or 0) - self._base)
+            self._stop.set()
+            assert self._thread is not None, "sampling thread was not started"
+            self._thread.join()
+            peak = max(self._max, rss_bytes())
+        self.peak = max(0, peak - self.base)

@@ -5,6 +5,12 @@ runs over the packed tokens in chunks, writing into buffers allocated once per f
 runs per sequence over all of its tokens at once. A layer's K/V live in one buffer that the next
 layer overwrites (last-layer-only KV); only tokens the caller asks to cache are copied into the
 prefix pool. The LM head runs only on the rows whose next-token distribution is wanted.
+
+`prefill_mode="chunked"` is the baseline the paper compares against (Sarathi-style chunked prefill,
+as in vLLM): each sequence runs chunk by chunk through ALL layers, attention included, each chunk
+attending to the K/V of every earlier chunk. Its activations per chunk are small, but the K/V of
+every layer for the whole context must stay resident until the last chunk: that is the memory
+hybrid prefilling avoids.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 
 from po_backend.attention import attend, attend_items
 from po_backend.cache.kv_pool import KVPool
-from po_backend.config import ModelConfig
+from po_backend.config import ModelConfig, PrefillMode
 from po_backend.models.layers import Rotary
 from po_backend.models.llama import LlamaForCausalLM
 
@@ -40,18 +46,27 @@ class SeqPlan:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, device: torch.device, chunk_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        chunk_size: int,
+        prefill_mode: PrefillMode = "hybrid",
+    ) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = device
         self.dtype = model.embed_tokens.dtype
         self.chunk_size = chunk_size
+        self.prefill_mode = prefill_mode
         self.rotary = Rotary(self.cfg.rope.inv_freq(self.cfg.head_dim), device)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
         """Final hidden states [m, hidden] at every seq's logit_offsets, concatenated in order."""
+        if self.prefill_mode == "chunked":
+            return self._forward_chunked(seqs, pool)
         cfg, dev, dt = self.cfg, self.device, self.dtype
         ids = torch.cat([s.token_ids for s in seqs]).to(dev)
         total = ids.numel()
@@ -101,6 +116,84 @@ class ModelRunner:
         rows = torch.cat([s.logit_offsets.to(dev) + a for s, a in zip(seqs, starts, strict=False)])
         return h.index_select(0, rows)
 
+    def _forward_chunked(self, seqs: list[SeqPlan], pool: KVPool | None) -> torch.Tensor:
+        """Sarathi-style chunked prefill (the baseline mode, see the module doc). Like vLLM, a
+        chunk is a budget of `chunk_size` packed tokens that may span several sequences; every
+        op of every layer, attention included, runs on one chunk before the next starts."""
+        cfg, dev, dt = self.cfg, self.device, self.dtype
+        ids = torch.cat([s.token_ids for s in seqs]).to(dev)
+        total = ids.numel()
+        starts = [0]
+        for s in seqs:
+            starts.append(starts[-1] + s.token_ids.numel())
+        positions = torch.cat(
+            [torch.arange(s.start_pos, s.start_pos + s.token_ids.numel(), device=dev) for s in seqs]
+        )
+        chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
+        kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        # A later chunk attends to every earlier token of its sequence, so each sequence keeps the
+        # K/V of EVERY layer until its last chunk. A cached prefix shared by several items is
+        # gathered from the pool once (vLLM's paged blocks are shared the same way).
+        prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for s in seqs:
+            if s.start_pos and id(s.prefix_slots) not in prefix_kv:
+                assert pool is not None and s.prefix_slots is not None, "a cached prefix needs the pool"
+                k_p = torch.empty(kv_shape[0], s.start_pos, *kv_shape[1:], dtype=dt, device=dev)
+                v_p = torch.empty_like(k_p)
+                for li in range(cfg.num_layers):
+                    k_p[li], v_p[li] = pool.read(li, s.prefix_slots)
+                prefix_kv[id(s.prefix_slots)] = (k_p, v_p)
+        own = [
+            torch.empty(2, kv_shape[0], s.token_ids.numel(), *kv_shape[1:], dtype=dt, device=dev)
+            for s in seqs
+        ]
+        h = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
+        qkv = torch.empty(chunk, cfg.q_size + 2 * cfg.kv_size, dtype=dt, device=dev)
+        attn = torch.empty(chunk, cfg.q_size, dtype=dt, device=dev)
+        x = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
+        gate_up = torch.empty(chunk, 2 * cfg.intermediate_size, dtype=dt, device=dev)
+        act = torch.empty(chunk, cfg.intermediate_size, dtype=dt, device=dev)
+        rows = torch.cat([s.logit_offsets.to(dev) + a for s, a in zip(seqs, starts, strict=False)])
+        out = torch.empty(rows.numel(), cfg.hidden_size, dtype=dt, device=dev)
+
+        for a in range(0, total, chunk):
+            b = min(a + chunk, total)
+            c = b - a
+            # (sequence, its first and last+1 local offsets in this chunk, row of the first in the chunk)
+            parts = [
+                (i, max(a, s0) - s0, min(b, s1) - s0, max(a, s0) - a)
+                for i, (s0, s1) in enumerate(zip(starts, starts[1:], strict=False))
+                if s0 < b and s1 > a
+            ]
+            cos, sin = self.rotary.cos_sin(positions[a:b], dt)
+            torch.index_select(self.model.embed_tokens, 0, ids[a:b], out=h[:c])
+            q = qkv[:c, : cfg.q_size].view(c, cfg.num_heads, cfg.head_dim)
+            k = qkv[:c, cfg.q_size : cfg.q_size + cfg.kv_size].view(c, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:c, cfg.q_size + cfg.kv_size :].view(c, cfg.num_kv_heads, cfg.head_dim)
+            for li, layer in enumerate(self.model.layers):
+                layer.qkv_chunk(h[:c], x[:c], qkv[:c], cos, sin)
+                for i, lo, hi, r in parts:
+                    k_own, v_own = own[i][0, li], own[i][1, li]
+                    m = hi - lo
+                    k_own[lo:hi], v_own[lo:hi] = k[r : r + m], v[r : r + m]
+                    ctx_k, ctx_v = k_own[:lo], v_own[:lo]  # this sequence's earlier chunks
+                    if seqs[i].start_pos:
+                        k_p, v_p = prefix_kv[id(seqs[i].prefix_slots)]
+                        ctx_k, ctx_v = torch.cat([k_p[li], ctx_k]), torch.cat([v_p[li], ctx_v])
+                    attend(
+                        q[r : r + m], k_own[lo:hi], v_own[lo:hi], attn[r : r + m], self.scale, ctx_k, ctx_v
+                    )
+                layer.out_mlp_chunk(h[:c], attn[:c], x[:c], gate_up[:c], act[:c])
+            here = (rows >= a) & (rows < b)
+            out[here] = h[rows[here] - a]
+
+        for s, kv in zip(seqs, own, strict=True):
+            if pool is not None and s.store_slots is not None and s.store_slots.numel():
+                m = s.store_slots.numel()
+                for li in range(cfg.num_layers):
+                    pool.write(li, s.store_slots, kv[0, li, :m], kv[1, li, :m])
+        return out
+
 
 def _prefix_groups(
     seqs: list[SeqPlan], starts: list[int]
@@ -135,6 +228,26 @@ def activation_bytes(
     head = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)  # one block of logits + log-softmax
     prefix = it * 2 * prefix_tokens * kv  # one layer's prefix K/V gathered from the pool
     return per_token * n_tokens + scratch + head + prefix
+
+
+def chunked_activation_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, n_tokens: int, chunk_size: int, prefix_tokens: int = 0
+) -> int:
+    """Upper bound on one chunked-prefill forward (prefill_mode="chunked") over `n_tokens` packed
+    tokens after up to `prefix_tokens` of cached prefix. Mirrors `_forward_chunked`: the term
+    that grows with the context is the K/V of every layer."""
+    it = torch.empty((), dtype=dtype).element_size()
+    n = n_tokens + prefix_tokens
+    chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
+    q, kv = cfg.q_size, cfg.kv_size
+    resident_kv = it * 2 * cfg.num_layers * n * kv
+    # attend(): one layer's context K/V concatenated (a copy, twice after a prefix), a
+    # [chunk, context] bool mask and the additive float mask SDPA may build from it.
+    attention = it * 4 * n * kv + chunk * n * (1 + 4)
+    scratch = it * chunk * (2 * cfg.hidden_size + 3 * q + 2 * kv + cfg.head_dim + 3 * cfg.intermediate_size)
+    per_token = it * (cfg.hidden_size + cfg.head_dim) + 64  # output rows, ids, positions, cos/sin
+    head = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)
+    return resident_kv + attention + scratch + per_token * n_tokens + head
 
 
 # Rows of the LM head computed at once: bounds the [rows, vocab] logits of long logprob spans.

@@ -3,19 +3,18 @@ SGLang's frontend."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from po_lang.sglang_shim import import_sglang_frontend
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +35,15 @@ class ServerProcess:
         self.args = [sys.executable, "-m", "po_backend.launch_server", "--host", "127.0.0.1"]
         self.args += ["--port", str(self.port), *args]
         # One thread each: several servers and the test process share two cores.
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        # Tiny-model servers profile their JCT model and persist it under the cache root: keep
+        # that in a temp dir rather than littering the user's ~/.cache with throwaway profiles.
+        self._cache = tempfile.TemporaryDirectory(prefix="po-test-cache-")
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PREFILLONLY_CACHE": self._cache.name,
+            **(env or {}),
+        }
         self.proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.TemporaryFile()
 
@@ -74,62 +81,10 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self._cache.cleanup()
 
 
-# ---- SGLang frontend shim ---------------------------------------------------------------------
-
-# Imported by `sglang.lang` / `sglang.utils` at module level but used only for images (pybase64),
-# notebooks (IPython.display), the async client (aiohttp) and launching SGLang's own server
-# (msgspec): none is on the path of RuntimeEndpoint + select/gen.
-_FRONTEND_ONLY_STUBS = {
-    "IPython": {},
-    "IPython.display": {"HTML": None, "display": None},
-    "pybase64": {},
-    "msgspec": {},
-    "msgspec.structs": {},
-    "aiohttp": {},
-}
-
-
-def import_sglang_frontend() -> types.SimpleNamespace:
-    """SGLang's frontend language (`sgl.function`, `select`, `gen`, `RuntimeEndpoint`) from an
-    sglang installed with `pip install --no-deps sglang==0.5.23`.
-
-    `import sglang` would run sglang/__init__.py, which imports the SRT server runtime (orjson,
-    torch-only helpers, transformers patches) that a client never uses. Instead a bare package
-    module whose __path__ is the installed folder stands in for `sglang`, so its __init__ is
-    skipped, and the handful of third-party modules the frontend imports without using on this
-    path get empty stubs when they are not installed. Raises ImportError without sglang.
-    """
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("sglang is not installed (pip install --no-deps sglang==0.5.23)")
-    if "sglang" not in sys.modules:
-        pkg = types.ModuleType("sglang")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        pkg.__spec__ = spec
-        sys.modules["sglang"] = pkg
-    for name, attrs in _FRONTEND_ONLY_STUBS.items():
-        if name in sys.modules:
-            continue
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            mod = types.ModuleType(name)
-            mod.__dict__.update(attrs)
-            sys.modules[name] = mod
-            parent, _, child = name.rpartition(".")
-            if parent:
-                setattr(sys.modules[parent], child, mod)
-    api = importlib.import_module("sglang.lang.api")
-    endpoint = importlib.import_module("sglang.lang.backend.runtime_endpoint")
-    return types.SimpleNamespace(
-        function=api.function,
-        select=api.select,
-        gen=api.gen,
-        set_default_backend=api.set_default_backend,
-        RuntimeEndpoint=endpoint.RuntimeEndpoint,
-    )
+# ---- SGLang frontend -------------------------------------------------------------------------
 
 
 def sglang_frontend_or_reason() -> tuple[Any, str]:

@@ -1,0 +1,121 @@
+"""Ablations (paper Fig. 10/11), in-process on the embedded model, WL1-style trace:
+
+1. Suffix discarding on/off. On: only the declared prefix (the user profile) enters the prefix
+   cache. Off: every computed token but the last is cached (what a cache that keeps all full KV
+   blocks does), so each post's suffix also takes pool space. With the pool limited to
+   `--cache-profiles` profiles, the suffixes evict profiles: hit rate and throughput drop.
+   Both run `po` twice: all requests at t=0 (throughput) and Poisson at `--mult` x that rate.
+2. fairness lambda sweep: `po` at `--mult` x saturated QPS for each lambda, mean vs P99 latency,
+   with `fcfs` on the same arrivals as the reference point.
+
+(Hybrid prefilling on/off is measured by bench_mil.py: same forward, memory and time.)
+
+    flock /tmp/po-bench.lock python benchmarks/bench_ablation.py --out results/report/ablation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_qps import build_traces, limit_pool, load_engine, requests_and_arrivals  # noqa: E402
+from bench_schedule import run_trace  # noqa: E402
+from common import machine_info, wait_for_quiet  # noqa: E402
+from workloads import label_ids  # noqa: E402
+
+from po_backend import Engine, ScoreRequest  # noqa: E402
+from po_backend.jct import JCTModel, load_or_profile  # noqa: E402
+from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA  # noqa: E402
+
+
+def cache_counters(engine: Engine) -> tuple[int, int]:
+    s = engine.stats().cache
+    assert s is not None, "the ablation needs the prefix cache"
+    return s.inserted_tokens_total, s.evicted_tokens_total
+
+
+def suffix_run(
+    engine: Engine, jct: JCTModel, reqs: list[ScoreRequest], arrivals: list[float] | None, lam: float
+) -> dict[str, Any]:
+    ins0, ev0 = cache_counters(engine)
+    r = run_trace(engine, jct, "po", lam, reqs, arrivals)
+    ins1, ev1 = cache_counters(engine)
+    r.update(inserted_tokens=ins1 - ins0, evicted_tokens=ev1 - ev0, items_per_s=len(reqs) / r["makespan_s"])
+    return r
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--lambdas", default=f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10")
+    ap.add_argument("--mult", type=float, default=1.0, help="Poisson QPS as a multiple of saturated")
+    ap.add_argument("--wl1-users", type=int, default=4)
+    ap.add_argument("--wl1-items", type=int, default=8)
+    ap.add_argument("--wl1-profile", type=int, default=600)
+    ap.add_argument("--wl1-item-tokens", type=int, default=80)
+    ap.add_argument("--cache-profiles", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet-wait", type=float, default=30.0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.lambdas = f"0,{DEFAULT_FAIRNESS_LAMBDA:g}"
+        args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
+        args.quiet_wait = min(args.quiet_wait, 5.0)
+    args.workloads = "WL1"
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+
+    engine = load_engine()
+    jct = load_or_profile(engine)
+    items = build_traces(args, engine.tokenizer)["WL1"]
+    pool = limit_pool(engine, items, args.cache_profiles)
+    reqs, unit = requests_and_arrivals(items, label_ids(engine.tokenizer), args.seed)
+    # Off: cache all but the last token of every prompt, suffix included.
+    reqs_off = [replace(r, cache_prefix_len=len(r.input_ids) - 1) for r in reqs]
+    lam = DEFAULT_FAIRNESS_LAMBDA
+    doc: dict[str, Any] = {
+        "machine": machine_info(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "pool_tokens": pool,
+        "requests": len(reqs),
+        "suffix": {},
+        "lambda": [],
+    }
+    print(f"WL1: {len(reqs)} requests, prefix pool {pool} tokens")
+
+    wait_for_quiet(args.quiet_wait)
+    sat = suffix_run(engine, jct, reqs, None, lam)
+    qps = args.mult * sat["items_per_s"]
+    arrivals = [u / qps for u in unit]
+    doc["qps"] = qps
+    for mode, rs in (("on", reqs), ("off", reqs_off)):
+        wait_for_quiet(args.quiet_wait)
+        s = sat if mode == "on" else suffix_run(engine, jct, rs, None, lam)
+        wait_for_quiet(args.quiet_wait)
+        p = suffix_run(engine, jct, rs, arrivals, lam)
+        doc["suffix"][mode] = {"saturated": s, "poisson": p}
+        print(
+            f"  suffix discarding {mode:3s}: saturated {s['items_per_s']:.3f} items/s, hits {s['hit_rate']:.0%}, "
+            f"inserted {s['inserted_tokens']}, evicted {s['evicted_tokens']}; at {qps:.3f} qps mean "
+            f"{p['mean_s']:.2f} s P99 {p['p99_s']:.2f} s hits {p['hit_rate']:.0%}"
+        )
+
+    for policy, lam_x in [("fcfs", 0.0)] + [("po", float(x)) for x in args.lambdas.split(",")]:
+        wait_for_quiet(args.quiet_wait)
+        r = run_trace(engine, jct, policy, lam_x, reqs, arrivals)
+        r.update(lam=lam_x)
+        doc["lambda"].append(r)
+        print(f"  {policy} lambda {lam_x:g}: mean {r['mean_s']:.2f} s, P99 {r['p99_s']:.2f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""llama.cpp (through llama-cpp-python) next to ours on the same GGUF file and the same WL1-style
+items: items/s, per-item latency and label agreement. OPTIONAL, never in CI: run_all.py runs it
+only with `--llamacpp` and only when `llama_cpp` is importable.
+
+Both run the items one at a time in user order, with prefix reuse on: ours through the radix
+prefix cache, llama.cpp by keeping its KV state and evaluating only the tokens after the longest
+common prefix with the previous prompt (its prompt-cache behaviour). llama.cpp computes on the
+GGUF's quantised weights natively; ours dequantises them once to the engine dtype, so answers
+differ slightly: agreement = same argmax of (Yes, No), and the largest |P(Yes) difference|.
+
+llama-cpp-python is an sdist (~9 min of both cores to compile here); build it once into a cached
+wheel (`install_hint()` prints the command with CMAKE_ARGS for this CPU: AMX off, AVX512 only where
+/proc/cpuinfo has it).
+
+    python benchmarks/bench_llamacpp.py --out results/report/llamacpp.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_flags, machine_info  # noqa: E402
+from workloads import label_ids, wl1  # noqa: E402
+
+WHEELS = Path("~/.cache/prefillonly/wheels").expanduser()
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def cmake_args(flags: set[str] | None = None) -> str:
+    """AMX off (the default build crashed in its AMX matmul on the Xeon this was tried on); AVX512
+    paths only where the CPU has them (an AVX2-only CPU would fault on them)."""
+    flags = cpu_flags() if flags is None else flags
+    on = "ON" if "avx512f" in flags else "OFF"
+    bf16 = "ON" if "avx512_bf16" in flags else "OFF"
+    vnni = "ON" if "avx512_vnni" in flags else "OFF"
+    return (
+        f"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512={on} -DGGML_AVX512_BF16={bf16} "
+        f"-DGGML_AVX512_VNNI={vnni} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    )
+
+
+def install_hint() -> str:
+    return (
+        f'CMAKE_ARGS="{cmake_args()}" .venv/bin/pip wheel --no-deps -w {WHEELS} llama-cpp-python '
+        f"&& .venv/bin/pip install {WHEELS}/llama_cpp_python-*.whl   (compiles ~9 min once; the wheel is cached)"
+    )
+
+
+def p_yes(logp_yes: float, logp_no: float) -> float:
+    m = max(logp_yes, logp_no)
+    a, b = math.exp(logp_yes - m), math.exp(logp_no - m)
+    return a / (a + b)
+
+
+def run_llamacpp(
+    gguf: Path, prompts: list[tuple[int, ...]], labels: tuple[int, int], n_ctx: int
+) -> dict[str, Any]:
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
+    n_vocab = llm.n_vocab()
+    lat, probs = [], []
+    t0 = time.perf_counter()
+    for ids in prompts:
+        t = time.perf_counter()
+        past = list(llm.input_ids[: llm.n_tokens])
+        k = 0
+        while k < min(len(past), len(ids) - 1) and past[k] == ids[k]:
+            k += 1
+        llm.n_tokens = k  # keep the shared prefix's KV; eval() drops the rest and computes the suffix
+        llm.eval(list(ids[k:]))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        logp = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))
+        probs.append(p_yes(float(logp[labels[0]]), float(logp[labels[1]])))
+        lat.append(time.perf_counter() - t)
+    wall = time.perf_counter() - t0
+    return {"items_per_s": len(prompts) / wall, "mean_s": float(np.mean(lat)), "p_yes": probs}
+
+
+def run_ours(prompts: list[tuple[int, ...]], prefixes: list[int], labels: tuple[int, int]) -> dict[str, Any]:
+    import numpy as np
+
+    from po_backend import Engine
+
+    engine = Engine.from_pretrained("embedded", cache_policy="declared", max_input_len=4096)
+    lat, probs = [], []
+    t0 = time.perf_counter()
+    for ids, pre in zip(prompts, prefixes, strict=True):
+        t = time.perf_counter()
+        (res,) = engine.score([list(ids)], labels, cache_prefix_len=pre)
+        probs.append(p_yes(*res.logprobs))
+        lat.append(time.perf_counter() - t)
+    wall = time.perf_counter() - t0
+    return {"items_per_s": len(prompts) / wall, "mean_s": float(np.mean(lat)), "p_yes": probs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--users", type=int, default=3)
+    ap.add_argument("--items", type=int, default=8)
+    ap.add_argument("--profile", type=int, default=600)
+    ap.add_argument("--item-tokens", type=int, default=80)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.users, args.items, args.profile, args.item_tokens = 2, 3, 300, 40
+    doc: dict[str, Any] = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
+    if not available():
+        doc.update(status="not run: llama-cpp-python not installed", install=install_hint())
+        print(doc["status"] + "\n  install: " + doc["install"])
+    else:
+        from transformers import AutoTokenizer
+
+        from po_backend.models.loader import embedded_model_file, resolve_model_dir
+
+        tok = AutoTokenizer.from_pretrained(resolve_model_dir("embedded"))
+        mean = args.profile
+        items = wl1(
+            tok, args.users, args.items, mean, mean // 8, (int(mean * 0.8), int(mean * 1.2)), args.item_tokens
+        )
+        prompts = [it.ids for it in items]  # user order: each user's prefix is reused by its items
+        labels = label_ids(tok)
+        gguf = embedded_model_file()
+        n_ctx = max(len(p) for p in prompts) + 16
+        ours = run_ours(prompts, [len(it.prefix) for it in items], labels)
+        lc = run_llamacpp(gguf, prompts, labels, n_ctx)
+        agree = [(a >= 0.5) == (b >= 0.5) for a, b in zip(ours["p_yes"], lc["p_yes"], strict=True)]
+        doc.update(
+            status="ok",
+            gguf=gguf.name,
+            items=len(prompts),
+            ours=ours,
+            llamacpp=lc,
+            agreement=sum(agree) / len(agree),
+            max_abs_dp_yes=max(abs(a - b) for a, b in zip(ours["p_yes"], lc["p_yes"], strict=True)),
+            ours_vs_llamacpp=ours["items_per_s"] / lc["items_per_s"],
+        )
+        print(
+            f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} "
+            f"({doc['ours_vs_llamacpp']:.2f}x); label agreement {doc['agreement']:.0%}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,535 @@
+"""Label every row of a JSONL or CSV file with a `@po.classify` classifier, resumably.
+
+    python examples/label_data.py                          # the shipped sample: data/reviews.jsonl
+    python examples/label_data.py my.csv --text-field review --labels positive,negative
+    python examples/label_data.py --url http://127.0.0.1:30000   # score on a running server
+
+Writes `<name>.labeled.jsonl` next to the input: one record per labeled row, in input order,
+`{"line", "key", "config", "label", "probs", "input"}`, and prints the label distribution.
+
+Long jobs get interrupted, so:
+- Resume: each row is keyed by its line number plus a hash of its content, and each record also
+  carries a fingerprint of the labeling setup (labels, prompt, calibration). A rerun skips every
+  row whose key and fingerprint already have a record; an edited row (same line, new content) or
+  a changed setup is labeled again.
+- Crash safety: the output file is only ever replaced whole (written to a temporary file in the
+  same folder, fsynced, then `os.replace`d, which is atomic), so it is always either the previous
+  complete version or the new one. Progress between those points goes to an append-only journal
+  (`<output>.partial`), flushed and fsynced after every batch; a crash can only tear the journal's
+  last line, which the next run detects (no newline, or not a valid record) and drops, relabeling
+  that one row. Appending per batch keeps the cost linear in the rows, which rewriting the output
+  after every batch would not be.
+- Bad rows (invalid JSON, not an object, missing or empty text field, a prompt the model rejects)
+  are reported with their line numbers and left out; the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm.auto import tqdm
+
+import po_lang as po
+
+SAMPLE = Path(__file__).resolve().parent / "data" / "reviews.jsonl"
+DEFAULT_INSTRUCTION = "Classify the sentiment of this review as {labels}."
+# Bump when the prompt's wording changes, so old records are not reused for a different prompt.
+PROMPT_VERSION = 1
+RECORD_KEYS = frozenset({"line", "key", "config", "label", "probs", "input"})
+MAX_REPORTED = 20  # bad rows printed one by one; the rest are counted
+
+
+class UsageError(Exception):
+    """Bad arguments or an unreadable input file: reported as one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Row:
+    line: int  # 1-based line of the input file where the row starts
+    key: str  # f"{line}:{content hash}": identifies the row across runs
+    text: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BadRow:
+    line: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Setup:
+    labels: tuple[str, ...]
+    text_field: str
+    instruction: str
+    item_prefix: str
+    calibrate: str  # "none", "content-free", or "fit:<sha of the labeled file>"
+
+    @property
+    def fingerprint(self) -> str:
+        blob = json.dumps({**self.__dict__, "labels": list(self.labels), "version": PROMPT_VERSION})
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a run did; `main` prints it, tests inspect it."""
+
+    output: Path
+    total_rows: int  # good rows in the input
+    labeled: int  # labeled in this run
+    reused: int  # already labeled by an earlier run
+    bad: tuple[BadRow, ...]
+    distribution: dict[str, int]  # label -> rows, over every record in the output
+    complete: bool  # every good row has a record
+    accuracy: float | None = None  # against --gold-field, when given
+
+
+# ---- reading the input --------------------------------------------------------------------------
+
+
+def row_key(line: int, data: Mapping[str, Any]) -> str:
+    content = json.dumps(data, sort_keys=True, ensure_ascii=False)
+    return f"{line}:{hashlib.sha256(content.encode()).hexdigest()[:16]}"
+
+
+def read_rows(path: Path, text_field: str) -> Iterator[Row | BadRow]:
+    """Rows of a .jsonl or .csv file (by extension); a row that cannot be used is a BadRow."""
+    if path.suffix.lower() == ".csv":
+        yield from _read_csv(path, text_field)
+    else:
+        yield from _read_jsonl(path, text_field)
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[Row | BadRow]:
+    # Bytes, decoded per line: one line of bad UTF-8 is a bad row, not a failed file.
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield BadRow(line_no, f"not UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing newline) are not rows
+            try:
+                data = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                yield BadRow(line_no, f"invalid JSON ({e.msg} at column {e.colno})")
+                continue
+            if not isinstance(data, dict):
+                yield BadRow(line_no, f"expected a JSON object, got {type(data).__name__}")
+                continue
+            yield _row(line_no, data, text_field)
+
+
+def _read_csv(path: Path, text_field: str) -> Iterator[Row | BadRow]:
+    try:
+        f = path.open(newline="", encoding="utf-8-sig")
+        with f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if not header:
+                raise UsageError(f"{path}: the CSV file is empty (it needs a header row)")
+            if text_field not in header:
+                raise UsageError(f"{path}: no column {text_field!r} in the header {header}; use --text-field")
+            prev = reader.line_num
+            while True:
+                start = prev + 1  # a quoted field may span lines: report where the row starts
+                try:
+                    values = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as e:
+                    prev = reader.line_num
+                    yield BadRow(start, f"malformed CSV ({e})")
+                    continue
+                prev = reader.line_num
+                if not values:
+                    continue
+                if len(values) != len(header):
+                    yield BadRow(start, f"expected {len(header)} fields, got {len(values)}")
+                    continue
+                yield _row(start, dict(zip(header, values, strict=True)), text_field)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _row(line: int, data: dict[str, Any], text_field: str) -> Row | BadRow:
+    if text_field not in data:
+        return BadRow(line, f"no field {text_field!r}")
+    text = data[text_field]
+    if not isinstance(text, str):
+        return BadRow(line, f"field {text_field!r} is {type(text).__name__}, not text")
+    if not text.strip():
+        return BadRow(line, f"field {text_field!r} is empty")
+    return Row(line, row_key(line, data), text, data)
+
+
+# ---- earlier results ----------------------------------------------------------------------------
+
+
+def output_paths(path: Path) -> tuple[Path, Path]:
+    """(output, journal) next to the input."""
+    out = path.with_name(path.stem + ".labeled.jsonl")
+    return out, out.with_name(out.name + ".partial")
+
+
+def load_records(path: Path, fingerprint: str) -> tuple[dict[str, dict[str, Any]], int]:
+    """Valid records of `path` made with this setup, by key, and how many lines were dropped
+    (torn, not a record, or from another setup)."""
+    records: dict[str, dict[str, Any]] = {}
+    dropped = 0
+    if not path.exists():
+        return records, dropped
+    with path.open("rb") as f:
+        for raw in f:
+            # A line without its newline was cut off mid-write: never trust it.
+            rec = _parse_record(raw) if raw.endswith(b"\n") else None
+            if rec is None or rec["config"] != fingerprint:
+                dropped += 1
+                continue
+            records[rec["key"]] = rec
+    return records, dropped
+
+
+def _parse_record(raw: bytes) -> dict[str, Any] | None:
+    try:
+        rec = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(rec, dict) or not RECORD_KEYS <= rec.keys():
+        return None
+    if not isinstance(rec["key"], str) or not isinstance(rec["probs"], dict):
+        return None
+    return rec
+
+
+def write_atomic(path: Path, lines: Sequence[str]) -> None:
+    """Replace `path` with `lines` so that no reader or crash ever sees a partial file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable on POSIX; not possible (nor needed) everywhere.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _append(journal: TextIO, lines: Sequence[str]) -> None:
+    journal.writelines(lines)
+    journal.flush()
+    os.fsync(journal.fileno())
+
+
+def make_record(row: Row, result: po.Classification, fingerprint: str) -> dict[str, Any]:
+    return {
+        "line": row.line,
+        "key": row.key,
+        "config": fingerprint,
+        "label": result.label,
+        "probs": {k: round(v, 6) for k, v in result.probs.items()},
+        "input": row.data,
+    }
+
+
+def save(
+    out: Path, journal: Path, rows: Sequence[Row], done: Mapping[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Write the records of the current rows, in input order, atomically to `out`; then drop the
+    journal. The journal goes only after the output holds its records: a crash in between loses
+    nothing (the next run reads both, and they agree). Records of rows no longer in the input
+    (edited or removed) are dropped here."""
+    records = [done[r.key] for r in rows if r.key in done]
+    write_atomic(out, [json.dumps(rec, ensure_ascii=False) + "\n" for rec in records])
+    journal.unlink(missing_ok=True)
+    return records
+
+
+# ---- the classifier -----------------------------------------------------------------------------
+
+
+def make_classifier(
+    labels: Sequence[str],
+    *,
+    instruction: str,
+    item_prefix: str,
+    calibrate: str,
+    backend: po.Backend,
+    batch_size: int,
+) -> po.Classifier:
+    """A chat classifier whose instruction is the shared (cached) prefix; the label tokens follow
+    the template's `assistant\\n`, so they carry no leading space."""
+
+    @po.classify(
+        labels=list(labels),
+        chat=True,
+        calibrate="content-free" if calibrate == "content-free" else None,
+        backend=backend,
+        batch_size=batch_size,
+    )
+    def label_row(text: str) -> po.Prompt:
+        return po.shared(instruction + "\n") + item_prefix + text
+
+    return label_row
+
+
+def fit_calibration(fn: po.Classifier, path: Path, text_field: str, label_field: str) -> str:
+    """Fit per-label offsets on a labeled file; returns its content hash (for the fingerprint)."""
+    examples: list[tuple[tuple[str], str]] = []
+    for item in read_rows(path, text_field):
+        if isinstance(item, BadRow):
+            continue
+        gold = item.data.get(label_field)
+        if gold in fn.labels:
+            examples.append(((item.text,), gold))
+    if not examples:
+        raise UsageError(
+            f"{path}: no row has a {text_field!r} text and a {label_field!r} field holding one of "
+            f"{list(fn.labels)}, so there is nothing to calibrate on"
+        )
+    report = fn.calibrate(examples)
+    print(
+        f"calibrated on {report.n} labeled rows of {path.name}: accuracy {report.accuracy_before:.1%} -> "
+        f"{report.accuracy_after:.1%} on them; offsets "
+        + ", ".join(f"{k} {v:+.2f}" for k, v in report.offsets.items())
+    )
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+# ---- the job ------------------------------------------------------------------------------------
+
+
+def label_file(
+    path: Path,
+    fn: po.Classifier,
+    setup: Setup,
+    *,
+    batch_size: int = 32,
+    max_rows: int | None = None,
+    gold_field: str | None = None,
+    progress: bool = True,
+) -> Summary:
+    out, journal_path = output_paths(path)
+    fp = setup.fingerprint
+    rows: list[Row] = []
+    bad: list[BadRow] = []
+    for item in read_rows(path, setup.text_field):
+        (rows if isinstance(item, Row) else bad).append(item)  # type: ignore[arg-type]
+
+    # Earlier results: the last complete output, then the journal of the run after it. Folding
+    # them into a fresh output first means this run's journal starts empty: its appends never
+    # land after a torn line a crash left behind.
+    done, dropped = load_records(out, fp)
+    journaled, torn = load_records(journal_path, fp)
+    done.update(journaled)
+    if dropped or torn:
+        print(
+            f"ignored {dropped + torn} earlier record(s) that are torn or from another setup", file=sys.stderr
+        )
+    wanted = {r.key for r in rows}
+    reused = len(wanted & done.keys())
+    save(out, journal_path, rows, done)
+    todo = [r for r in rows if r.key not in done]
+    if max_rows is not None:
+        todo = todo[:max_rows]
+
+    labeled = 0
+    bar = tqdm(total=len(rows), initial=reused, desc=path.name, unit="row", disable=not progress)
+    try:
+        with journal_path.open("a", encoding="utf-8") as journal:
+            for a in range(0, len(todo), batch_size):
+                batch = todo[a : a + batch_size]
+                results = fn.map([(r.text,) for r in batch])
+                _check_backend_alive(results)
+                lines = []
+                for row, res in zip(batch, results, strict=True):
+                    if isinstance(res, po.Failed):
+                        bad.append(BadRow(row.line, f"not scored: {res.error}"))
+                        continue
+                    rec = make_record(row, res, fp)
+                    lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+                    done[row.key] = rec
+                _append(journal, lines)
+                labeled += len(lines)
+                bar.update(len(batch))
+    finally:
+        bar.close()
+        # Also on Ctrl-C or an error: fold what is done into the output.
+        records = save(out, journal_path, rows, done)
+
+    bad.sort(key=lambda b: b.line)
+    dist = Counter(rec["label"] for rec in records)
+    accuracy = None
+    if gold_field is not None:
+        scored = [rec for rec in records if rec["input"].get(gold_field) is not None]
+        if scored:
+            accuracy = sum(rec["label"] == rec["input"][gold_field] for rec in scored) / len(scored)
+    return Summary(
+        output=out,
+        total_rows=len(rows),
+        labeled=labeled,
+        reused=reused,
+        bad=tuple(bad),
+        distribution=dict(dist.most_common()),
+        complete=len(records) == len(rows),
+        accuracy=accuracy,
+    )
+
+
+def _check_backend_alive(results: Sequence[po.Classification | po.Failed]) -> None:
+    """A batch in which every row failed for the backend's sake (server down, model missing) is
+    not a batch of bad rows: stop, keeping the progress so far, instead of marking every row bad."""
+    errors = [r.error for r in results if isinstance(r, po.Failed)]
+    if (
+        len(results) > 1
+        and len(errors) == len(results)
+        and all(isinstance(e, po.BackendError) for e in errors)
+    ):
+        if len({str(e) for e in errors}) == 1:
+            raise po.BackendError(f"the backend failed every row of a batch: {errors[0]}")
+
+
+def print_summary(s: Summary) -> None:
+    for b in s.bad[:MAX_REPORTED]:
+        print(f"bad row at line {b.line}: {b.reason}", file=sys.stderr)
+    if len(s.bad) > MAX_REPORTED:
+        print(f"... and {len(s.bad) - MAX_REPORTED} more bad rows", file=sys.stderr)
+    n = sum(s.distribution.values())
+    print(
+        f"{s.output}: {n} of {s.total_rows} rows labeled ({s.labeled} now, {s.reused} from an earlier run), "
+        f"{len(s.bad)} bad"
+    )
+    for label, count in s.distribution.items():
+        print(f"  {label:>12s}  {count:5d}  {count / n:6.1%}")
+    if s.accuracy is not None:
+        print(f"accuracy against the gold field: {s.accuracy:.1%}")
+    if not s.complete:
+        print("not every row is labeled yet: run the same command again to resume")
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "path", nargs="?", type=Path, default=SAMPLE, help="a .jsonl or .csv file (default: the sample)"
+    )
+    ap.add_argument("--text-field", default="text", help="the field (column) holding the text to label")
+    ap.add_argument("--labels", default="positive,negative", help="comma-separated labels")
+    ap.add_argument(
+        "--instruction", default=DEFAULT_INSTRUCTION, help="the shared instruction; {labels} is filled in"
+    )
+    ap.add_argument("--item-prefix", default="Review: ", help="text before each row's text")
+    ap.add_argument("--batch-size", type=int, default=32, help="rows per batch (and per journal flush)")
+    ap.add_argument("--max-rows", type=int, default=None, help="label at most this many new rows, then stop")
+    ap.add_argument(
+        "--calibrate",
+        default="content-free",
+        help="'content-free' (default), 'none', or a labeled .jsonl/.csv file (text field + --label-field) "
+        "to fit per-label offsets on",
+    )
+    ap.add_argument("--label-field", default="label", help="the gold label field of a --calibrate file")
+    ap.add_argument("--gold-field", default=None, help="report accuracy against this field of the input")
+    ap.add_argument("--fresh", action="store_true", help="discard earlier results and label everything again")
+    ap.add_argument("--url", default=None, help="score on a running server instead of the embedded model")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.batch_size < 1:
+        ap.error("--batch-size must be >= 1")
+    if args.max_rows is not None and args.max_rows < 0:
+        ap.error("--max-rows must be >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None, *, backend: po.Backend | None = None) -> int:
+    args = parse_args(argv)
+    labels = tuple(x.strip() for x in args.labels.split(","))
+    try:
+        if not args.path.is_file():
+            raise UsageError(f"{args.path}: no such file")
+        if backend is None:
+            backend = po.Remote(args.url) if args.url else po.Local("embedded")
+        instruction = args.instruction.replace("{labels}", " or ".join(labels))
+        calibrate = args.calibrate
+        if calibrate not in ("none", "content-free"):
+            calibrate = "fit"
+        fn = make_classifier(
+            labels,
+            instruction=instruction,
+            item_prefix=args.item_prefix,
+            calibrate=calibrate,
+            backend=backend,
+            batch_size=args.batch_size,
+        )
+        # Compile once up front: labels that cannot be told apart after this prompt fail here with
+        # the compiler's message, not as one bad row per input row. (Also loads the model.)
+        try:
+            fn.compile("probe")
+        except po.PoLangError:
+            raise
+        except Exception as e:  # the model cannot be loaded, the server cannot be reached, ...
+            raise po.BackendError(f"cannot use the backend {backend!r}: {type(e).__name__}: {e}") from e
+        if calibrate == "fit":
+            cal_path = Path(args.calibrate)
+            if not cal_path.is_file():
+                raise UsageError(f"--calibrate {cal_path}: no such file (or use 'none' / 'content-free')")
+            calibrate = "fit:" + fit_calibration(fn, cal_path, args.text_field, args.label_field)
+        setup = Setup(labels, args.text_field, instruction, args.item_prefix, calibrate)
+        if args.fresh:
+            for p in output_paths(args.path):
+                p.unlink(missing_ok=True)
+        summary = label_file(
+            args.path,
+            fn,
+            setup,
+            batch_size=args.batch_size,
+            max_rows=args.max_rows,
+            gold_field=args.gold_field,
+            progress=not args.no_progress,
+        )
+    except po.BackendError as e:
+        print(f"error: {e}\nprogress is saved: rerun the same command to resume", file=sys.stderr)
+        return 1
+    except (UsageError, ValueError) as e:  # ValueError: po.LabelError, a calibration file that fails
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: progress is saved, rerun the same command to resume", file=sys.stderr)
+        return 130
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
