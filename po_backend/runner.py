@@ -68,14 +68,8 @@ class ModelRunner:
         if self.prefill_mode == "chunked":
             return self._forward_chunked(seqs, pool)
         cfg, dev, dt = self.cfg, self.device, self.dtype
-        ids = torch.cat([s.token_ids for s in seqs]).to(dev)
+        ids, starts, positions = _pack(seqs, dev)
         total = ids.numel()
-        starts = [0]
-        for s in seqs:
-            starts.append(starts[-1] + s.token_ids.numel())
-        positions = torch.cat(
-            [torch.arange(s.start_pos, s.start_pos + s.token_ids.numel(), device=dev) for s in seqs]
-        )
         groups = _prefix_groups(seqs, starts)
         # cos/sin are the same for every layer: compute them once per forward.
         cos, sin = self.rotary.cos_sin(positions, dt)
@@ -121,14 +115,8 @@ class ModelRunner:
         chunk is a budget of `chunk_size` packed tokens that may span several sequences; every
         op of every layer, attention included, runs on one chunk before the next starts."""
         cfg, dev, dt = self.cfg, self.device, self.dtype
-        ids = torch.cat([s.token_ids for s in seqs]).to(dev)
+        ids, starts, positions = _pack(seqs, dev)
         total = ids.numel()
-        starts = [0]
-        for s in seqs:
-            starts.append(starts[-1] + s.token_ids.numel())
-        positions = torch.cat(
-            [torch.arange(s.start_pos, s.start_pos + s.token_ids.numel(), device=dev) for s in seqs]
-        )
         chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
         kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         # A later chunk attends to every earlier token of its sequence, so each sequence keeps the
@@ -252,3 +240,16 @@ def chunked_activation_bytes(
 
 # Rows of the LM head computed at once: bounds the [rows, vocab] logits of long logprob spans.
 LOGIT_ROWS = 64
+
+
+def _pack(seqs: list[SeqPlan], dev: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The sequences' tokens packed end to end: ids, each one's start row (plus the total at the
+    end), and every token's absolute position (a cached prefix shifts where a sequence starts)."""
+    ids = torch.cat([s.token_ids for s in seqs]).to(dev)
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.token_ids.numel())
+    positions = torch.cat(
+        [torch.arange(s.start_pos, s.start_pos + s.token_ids.numel(), device=dev) for s in seqs]
+    )
+    return ids, starts, positions
