@@ -24,10 +24,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_qps import build_traces, limit_pool, load_engine, requests_and_arrivals  # noqa: E402
-from bench_schedule import run_trace  # noqa: E402
+from bench_qps import limit_pool, load_engine  # noqa: E402
+from bench_schedule import (
+    requests_and_arrivals,  # noqa: E402
+    run_trace,  # noqa: E402
+)
 from common import machine_info, wait_for_quiet  # noqa: E402
-from workloads import label_ids  # noqa: E402
+from workloads import add_trace_args, build_traces, label_ids  # noqa: E402
 
 from po_backend import Engine, ScoreRequest  # noqa: E402
 from po_backend.jct import JCTModel, load_or_profile  # noqa: E402
@@ -55,10 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--lambdas", default=f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10")
     ap.add_argument("--mult", type=float, default=1.0, help="Poisson QPS as a multiple of saturated")
-    ap.add_argument("--wl1-users", type=int, default=4)
-    ap.add_argument("--wl1-items", type=int, default=8)
-    ap.add_argument("--wl1-profile", type=int, default=600)
-    ap.add_argument("--wl1-item-tokens", type=int, default=80)
+    add_trace_args(ap)
     ap.add_argument("--cache-profiles", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet-wait", type=float, default=30.0)
@@ -68,12 +68,11 @@ def main(argv: list[str] | None = None) -> None:
         args.lambdas = f"0,{DEFAULT_FAIRNESS_LAMBDA:g}"
         args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
         args.quiet_wait = min(args.quiet_wait, 5.0)
-    args.workloads = "WL1"
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
     engine = load_engine()
     jct = load_or_profile(engine)
-    items = build_traces(args, engine.tokenizer)["WL1"]
+    items = build_traces(args, engine.tokenizer, ("WL1",))["WL1"]
     pool = limit_pool(engine, items, args.cache_profiles)
     reqs, unit = requests_and_arrivals(items, label_ids(engine.tokenizer), args.seed)
     # Off: cache all but the last token of every prompt, suffix included.

@@ -52,7 +52,9 @@ def child(args: argparse.Namespace) -> None:
 
     from po_backend import Engine, ScoreRequest
 
-    engine = Engine.from_pretrained("embedded", dtype=args.dtype, enable_cache=args.config in ("cache", "multi"))
+    engine = Engine.from_pretrained(
+        "embedded", dtype=args.dtype, enable_cache=args.config in ("cache", "multi")
+    )
     tok = engine.tokenizer
     items = _workload(args, tok)
     if args.config in ("hf", "nocache"):
@@ -121,7 +123,10 @@ def parent(args: argparse.Namespace) -> None:
         out = run_child(cmd, timeout=args.timeout)
         outcomes[name] = out
         r = out.result
-        print(f"  {name:8s} {out.status}: " + (f"{r['items']} items in {r['seconds']:.1f}s" if r else out.detail))
+        print(
+            f"  {name:8s} {out.status}: "
+            + (f"{r['items']} items in {r['seconds']:.1f}s" if r else out.detail)
+        )
     base = outcomes.get("hf")
     base_ips = base.result["items_per_s"] if base and base.result else None
     multi = outcomes.get("multi")
@@ -149,7 +154,16 @@ def parent(args: argparse.Namespace) -> None:
                 agree,
             ]
         )
-    header = ["config", "what", "items", "items/s", "vs hf", "peak MiB", "cache hits", "max |dP(Yes)| vs multi"]
+    header = [
+        "config",
+        "what",
+        "items",
+        "items/s",
+        "vs hf",
+        "peak MiB",
+        "cache hits",
+        "max |dP(Yes)| vs multi",
+    ]
     print(text_table(header, rows))
     summary = {}
     res = {k: v.result for k, v in outcomes.items() if v.result}
@@ -168,7 +182,9 @@ def parent(args: argparse.Namespace) -> None:
         )
         (RESULTS / "prefix.md").write_text(
             f"# bench_prefix (WL1-style, {args.users} users x {args.items} items, dtype {args.dtype})\n\n"
-            f"Machine: {info.get('cpu')}\n\n" + markdown_table(header, rows) + "\n\n"
+            f"Machine: {info.get('cpu')}\n\n"
+            + markdown_table(header, rows)
+            + "\n\n"
             + "\n".join(f"- {k}: {v:.2f}x" for k, v in summary.items())
             + "\n"
         )

@@ -24,20 +24,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-from bench_schedule import _limit_prefix_pool, isolated, run_trace  # noqa: E402
-from common import CpuShare, machine_info, wait_for_quiet  # noqa: E402
-from workloads import Item, label_ids, wl1, wl2  # noqa: E402
+from bench_schedule import (  # noqa: E402
+    ANCHORS,
+    _limit_prefix_pool,
+    anchor_qps,
+    isolated,
+    replay,
+    requests_and_arrivals,
+    run_trace,
+)
+from common import machine_info, wait_for_quiet  # noqa: E402
+from workloads import Item, add_trace_args, build_traces, label_ids  # noqa: E402
 
 from po_backend import Engine, ScoreRequest  # noqa: E402
 from po_backend.hf_backend import FCFSLoop, HFScorer  # noqa: E402
@@ -64,41 +68,6 @@ def load_engine(prefill_mode: str = "hybrid") -> Engine:
     )
 
 
-def build_traces(args: argparse.Namespace, tok: Any) -> dict[str, list[Item]]:
-    wanted = args.workloads.split(",")
-    out: dict[str, list[Item]] = {}
-    if "WL1" in wanted:
-        mean = args.wl1_profile
-        out["WL1"] = wl1(
-            tok,
-            users=args.wl1_users,
-            items=args.wl1_items,
-            profile_mean=mean,
-            profile_std=mean // 8,
-            profile_range=(int(mean * 0.8), int(mean * 1.2)),
-            item_tokens=args.wl1_item_tokens,
-        )
-    if "WL2" in wanted:
-        out["WL2"] = wl2(tok, users=args.wl2_requests, history_range=(args.wl2_min, args.wl2_max))
-    return out
-
-
-def requests_and_arrivals(
-    items: list[Item], labels: tuple[int, int], seed: int
-) -> tuple[list[ScoreRequest], list[float]]:
-    """Shuffled requests (users interleave, as independent clients would) and unit-rate Poisson
-    arrival times: a point at QPS q uses arrivals / q, so every point has the same pattern."""
-    rng = random.Random(seed)
-    items = list(items)
-    rng.shuffle(items)
-    reqs = [ScoreRequest(it.ids, labels, cache_prefix_len=len(it.prefix)) for it in items]
-    unit, t = [], 0.0
-    for _ in reqs:
-        unit.append(t)
-        t += rng.expovariate(1.0)
-    return reqs, unit
-
-
 def limit_pool(engine: Engine, items: list[Item], profiles: float) -> int:
     longest = max(len(it.prefix) for it in items)
     tokens = int(profiles * longest) + 64
@@ -107,47 +76,9 @@ def limit_pool(engine: Engine, items: list[Item], profiles: float) -> int:
 
 
 def run_trace_hf(scorer: HFScorer, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
-    """bench_schedule.run_trace for the transformers baseline: its FCFS loop, no cache."""
-    loop = FCFSLoop(scorer, max_queue=1 << 20)
-    n = len(reqs)
-    submitted, finished = [math.nan] * n, [math.nan] * n
-    futs: list[Future] = []
-
-    def stamp(i: int):
-        def done(_: Future) -> None:
-            finished[i] = time.perf_counter()
-
-        return done
-
-    with CpuShare() as cpu:
-        t0 = time.perf_counter()
-        for i, r in enumerate(reqs):
-            if arrivals is not None:
-                delay = t0 + arrivals[i] - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-            submitted[i] = time.perf_counter()
-            f = loop.submit(r)
-            f.add_done_callback(stamp(i))
-            futs.append(f)
-        for f in futs:
-            f.result()
-        loop.shutdown(drain=True)
-    lat = np.array(finished) - np.array(submitted)
-    assert np.isfinite(lat).all(), "a request has no completion time"
-    return {
-        "policy": "hf",
-        "latencies": lat.tolist(),
-        "mean_s": float(lat.mean()),
-        "p50_s": float(np.percentile(lat, 50)),
-        "p99_s": float(np.percentile(lat, 99)),
-        "makespan_s": float(max(finished) - t0),
-        "hit_rate": 0.0,
-        "steps": n,
-        "mean_batch": 1.0,
-        "other_cores": cpu.other_cores,
-        "step_log": [],
-    }
+    """The transformers baseline through its FCFS loop (one request per step, no cache)."""
+    r = replay(FCFSLoop(scorer, max_queue=1 << 20), reqs, arrivals)
+    return {"policy": "hf", **r, "hit_rate": 0.0, "steps": len(reqs), "mean_batch": 1.0, "step_log": []}
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -158,16 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny traces, 2 QPS points")
     ap.add_argument("--workloads", default="WL1,WL2")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--mults", default="0.25,0.5,1,2,4", help="QPS as multiples of po's saturated QPS")
+    ap.add_argument("--anchor", choices=ANCHORS, default="isolated", help="what --mults multiply")
+    ap.add_argument("--mults", default="0.25,0.5,1,2,4", help="QPS as multiples of the anchor QPS")
     ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
     ap.add_argument("--slo-x", type=float, default=4.0, help="P99 SLO = this x mean isolated latency")
-    ap.add_argument("--wl1-users", type=int, default=4)
-    ap.add_argument("--wl1-items", type=int, default=8)
-    ap.add_argument("--wl1-profile", type=int, default=600, help="mean profile tokens (+-20%%)")
-    ap.add_argument("--wl1-item-tokens", type=int, default=80)
-    ap.add_argument("--wl2-requests", type=int, default=6)
-    ap.add_argument("--wl2-min", type=int, default=800)
-    ap.add_argument("--wl2-max", type=int, default=1600)
+    add_trace_args(ap, wl1_items=6, wl2_requests=4)
     ap.add_argument("--cache-profiles", type=float, default=2.0, help="prefix pool size in WL1 profiles")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet-wait", type=float, default=30.0, help="max seconds to wait for an idle CPU")
@@ -195,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"dtype {ours.config.dtype}; JCT profile ready in {time.perf_counter() - t:.1f} s")
     tok = ours.tokenizer
     labels = label_ids(tok)
-    traces = build_traces(args, tok)
+    traces = build_traces(args, tok, tuple(args.workloads.split(",")))
     doc: dict[str, Any] = {
         "machine": info,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -232,10 +158,14 @@ def main(argv: list[str] | None = None) -> None:
         iso = isolated(ours, jct, reqs)
         sat = one("po", reqs, None)
         sat_qps = len(reqs) / sat["makespan_s"]
-        print(f"  isolated mean {iso['mean_s']:.2f} s; saturated po {sat_qps:.3f} req/s")
+        base_qps = anchor_qps(args.anchor, iso, sat_qps)
+        print(
+            f"  isolated mean {iso['mean_s']:.2f} s; saturated po {sat_qps:.3f} req/s; "
+            f"anchor ({args.anchor}) {base_qps:.3f} req/s"
+        )
         runs = []
         for m in [float(x) for x in args.mults.split(",")]:
-            qps = m * sat_qps
+            qps = m * base_qps
             for config in configs:
                 r = one(config, reqs, [u / qps for u in unit])
                 r.update(config=config, mult=m, qps=qps)
@@ -251,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
             "isolated_p99_s": iso["p99_s"],
             "slo_p99_s": args.slo_x * iso["mean_s"],
             "saturated_qps": sat_qps,
+            "anchor": args.anchor,
+            "anchor_qps": base_qps,
             "runs": runs,
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ Text is generated from small word lists so token counts are realistic for a BPE 
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -125,4 +126,49 @@ def wl2(
         )
         body = _text_of_tokens(tok, rng, n - len(head) - len(tail), line)
         out.append(Item(u, 0, (), tuple(head + body + tail)))
+    return out
+
+
+def add_trace_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
+    """The WL1/WL2 size flags every in-process benchmark takes; `defaults` overrides the values
+    below by flag name (wl1_users=6, ...)."""
+    d = {
+        "wl1_users": 4,
+        "wl1_items": 8,
+        "wl1_profile": 600,
+        "wl1_item_tokens": 80,
+        "wl2_requests": 6,
+        "wl2_min": 800,
+        "wl2_max": 1600,
+    }
+    unknown = set(defaults) - set(d)
+    assert not unknown, f"unknown trace arguments {sorted(unknown)}"
+    d.update(defaults)
+    ap.add_argument("--wl1-users", type=int, default=d["wl1_users"])
+    ap.add_argument("--wl1-items", type=int, default=d["wl1_items"], help="WL1 posts per user")
+    ap.add_argument("--wl1-profile", type=int, default=d["wl1_profile"], help="mean profile tokens (+-20%%)")
+    ap.add_argument("--wl1-item-tokens", type=int, default=d["wl1_item_tokens"])
+    ap.add_argument("--wl2-requests", type=int, default=d["wl2_requests"])
+    ap.add_argument("--wl2-min", type=int, default=d["wl2_min"], help="WL2 shortest history tokens")
+    ap.add_argument("--wl2-max", type=int, default=d["wl2_max"], help="WL2 longest history tokens")
+
+
+def build_traces(
+    args: argparse.Namespace, tok: Any, wanted: tuple[str, ...] = ("WL1", "WL2")
+) -> dict[str, list[Item]]:
+    """The workloads in `wanted`, sized by the flags of `add_trace_args`."""
+    out: dict[str, list[Item]] = {}
+    if "WL1" in wanted:
+        mean = args.wl1_profile
+        out["WL1"] = wl1(
+            tok,
+            users=args.wl1_users,
+            items=args.wl1_items,
+            profile_mean=mean,
+            profile_std=mean // 8,
+            profile_range=(int(mean * 0.8), int(mean * 1.2)),
+            item_tokens=args.wl1_item_tokens,
+        )
+    if "WL2" in wanted:
+        out["WL2"] = wl2(tok, users=args.wl2_requests, history_range=(args.wl2_min, args.wl2_max))
     return out

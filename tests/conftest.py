@@ -69,6 +69,15 @@ def build_tiny(kind: str, root: Path, seed: int = 0) -> tuple[Path, torch.nn.Mod
     return path, model.eval()
 
 
+def save_llama(root: Path, **config: int) -> str:
+    """A Llama of the given sizes with HF's default init, saved under `root` (memory tests, where
+    the weights' values do not matter, only the shapes)."""
+    cfg = transformers.LlamaConfig(**config)
+    path = root / "llama"
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, torch.nn.Module]]:
     root = tmp_path_factory.mktemp("tiny")

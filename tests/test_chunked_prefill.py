@@ -7,13 +7,12 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from po_backend import Engine, ScoreRequest
 from po_backend.launch_server import build_parser
 from po_backend.memory import PeakMemory
 from po_backend.runner import SeqPlan, activation_bytes, chunked_activation_bytes
-from tests.conftest import hf_all_logprobs, hf_next_logprobs
+from tests.conftest import hf_all_logprobs, hf_next_logprobs, save_llama
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
@@ -106,7 +105,8 @@ def test_prefill_mode_validated_and_exposed_by_launcher() -> None:
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Enough layers that every layer's K/V (8 KiB per token in fp32) dominates the growth."""
-    cfg = transformers.LlamaConfig(
+    return save_llama(
+        tmp_path_factory.mktemp("deep"),
         vocab_size=2000,
         hidden_size=128,
         intermediate_size=256,
@@ -115,9 +115,6 @@ def deep_model(tmp_path_factory: pytest.TempPathFactory) -> str:
         num_key_value_heads=4,
         max_position_embeddings=8192,
     )
-    path = tmp_path_factory.mktemp("deep") / "llama"
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return str(path)
 
 
 def _kv_bytes_per_token(engine: Engine) -> int:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from po_backend import Engine, ScoreRequest
 from po_backend.memory import PeakMemory
+from tests.conftest import save_llama
 
 
 @pytest.fixture(scope="module")
-def mid_model(tmp_path_factory) -> str:
-    cfg = transformers.LlamaConfig(
+def mid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_llama(
+        tmp_path_factory.mktemp("mid"),
         vocab_size=4000,
         hidden_size=256,
         intermediate_size=768,
@@ -22,9 +23,6 @@ def mid_model(tmp_path_factory) -> str:
         num_key_value_heads=2,
         max_position_embeddings=8192,
     )
-    path = tmp_path_factory.mktemp("mid") / "llama"
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return str(path)
 
 
 @pytest.mark.parametrize("chunk_size", [256, 0])

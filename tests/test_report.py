@@ -66,6 +66,7 @@ def fake_results(tmp_path: Path) -> Path:
     ]
     args = {
         "mults": "0.25,0.5,1,2",
+        "anchor": "isolated",
         "slo_x": 4,
         "wl1_users": 2,
         "wl1_items": 3,
@@ -77,6 +78,7 @@ def fake_results(tmp_path: Path) -> Path:
         "cache_profiles": 2.0,
     }
     wl1 = {"requests": 6, "tokens": 2000, "slo_p99_s": 10.0, "saturated_qps": 4.0, "runs": runs}
+    wl1.update(anchor="isolated", anchor_qps=2.0)
     _write(
         folder,
         "qps",
@@ -142,6 +144,7 @@ def test_report_tables_and_ratios(fake_results: Path) -> None:
     text = out.read_text()
     assert "Fake CPU 9000" in text and "avx2" in text and "torch.float32" in text
     # QPS at the SLO and po's ratio to each baseline.
+    assert "0.25,0.5,1,2 x the isolated throughput" in text  # what the sweep's multiples refer to
     assert "| WL1 | ours po | 5.657 | - |" in text
     assert "| WL1 | ours fcfs + radix cache | 1.414 | 4.00x |" in text
     assert "| WL1 | ours chunked prefill + cache | 2.828 | 2.00x |" in text

@@ -1,5 +1,6 @@
-"""Scheduling policies on a fake executor: a prefix cache of whole declared prefixes (LRU), step
-times from the JCT model, and a fake clock. No model, no threads, no wall clock."""
+"""Scheduling policies on the simulator (`po_backend.simulator`): a prefix cache of whole declared
+prefixes (LRU), step times from the JCT model, and a virtual clock. No model, no threads, no wall
+clock."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from po_backend.jct import JCTModel
 from po_backend.scheduler import Scheduler, SchedulerConfig
+from po_backend.simulator import PrefixLRU
+from po_backend.simulator import simulate as run_trace
 
 JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # a step costs 1 ms per computed token
 
@@ -27,54 +30,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class FakeEngine:
-    """Caches the declared prefix of each request it runs; holds `capacity` prefixes (LRU).
-    `batchable` follows the engine's rule: a token budget, and of requests declaring the same
-    not-yet-cached prefix only the first."""
-
-    def __init__(self, capacity: int = 1, max_batch_tokens: int = 10**9) -> None:
-        self.capacity = capacity
-        self.max_batch_tokens = max_batch_tokens
-        self.cached: list[tuple[int, ...]] = []  # least recently used first
-
-    def cached_len(self, req: Req) -> int:
-        limit = len(req.input_ids) - 1
-        return min(limit, max((_common(p, req.input_ids) for p in self.cached), default=0))
-
-    def batchable(self, cands: Sequence[Req]) -> list[int]:
-        chosen, tokens, computing = [], 0, set()
-        for i, r in enumerate(cands):
-            cached, key = self.cached_len(r), r.input_ids[: r.cache_prefix_len or 0]
-            new = len(r.input_ids) - cached
-            if (len(key) > cached and key in computing) or (chosen and tokens + new > self.max_batch_tokens):
-                continue
-            if len(key) > cached:
-                computing.add(key)
-            chosen.append(i)
-            tokens += new
-        return chosen
-
-    def step(self, reqs: Sequence[Req]) -> list[int]:
-        hits = [self.cached_len(r) for r in reqs]
-        for r in reqs:
-            key = r.input_ids[: r.cache_prefix_len or 0]
-            if key:
-                if key in self.cached:
-                    self.cached.remove(key)
-                self.cached.append(key)
-                del self.cached[: -self.capacity]
-        return hits
 
 
 @dataclass(frozen=True)
@@ -95,29 +50,12 @@ def simulate(
     capacity: int = 1,
     max_batch_tokens: int = 10**9,
 ) -> list[Ran]:
-    """Run the trace to the end: admit arrivals, pick, advance the clock by the JCT of the step."""
-    clock, engine = FakeClock(), FakeEngine(capacity, max_batch_tokens)
-    sched = Scheduler(SchedulerConfig(policy, lam), JCT, clock)
-    pending = sorted(arrivals, key=lambda a: a[0])
-    ran: list[Ran] = []
-    i = steps = 0
-    while i < len(pending) or len(sched):
-        while i < len(pending) and pending[i][0] <= clock.now:
-            sched.add(i, pending[i][1], arrival=pending[i][0])
-            i += 1
-        if not len(sched):
-            clock.now = pending[i][0]
-            continue
-        pick = sched.pick(engine.cached_len, engine.batchable)
-        assert pick is not None
-        start = clock.now
-        hits = engine.step([e.req for e in pick.entries])
-        assert list(hits) == list(pick.n_cached), "the pick priced the step with stale cache state"
-        clock.now += JCT.predict_items(pick.items)
-        for e, h in zip(pick.entries, hits, strict=True):
-            ran.append(Ran(e.req.name, e.arrival, start, clock.now, h, steps))
-        steps += 1
-    return ran
+    """The trace on `po_backend.simulator` with a cache of `capacity` of the trace's longest
+    declared prefixes; results in completion order, by request name."""
+    longest = max((r.cache_prefix_len or 0 for _, r in arrivals), default=0)
+    cache = PrefixLRU(capacity * longest, max_batch_tokens)
+    runs = run_trace(SchedulerConfig(policy, lam), JCT, arrivals, cache)
+    return [Ran(arrivals[r.rid][1].name, r.arrival, r.start, r.end, r.cached, r.step) for r in runs]
 
 
 def _ids(tag: int, n: int) -> tuple[int, ...]:
@@ -230,10 +168,10 @@ def test_remove_and_unknown_policy() -> None:
     sched.add(1, A)
     sched.add(2, B)
     assert sched.remove(1) and not sched.remove(1)
-    eng = FakeEngine()
-    pick = sched.pick(eng.cached_len, eng.batchable)
+    cache = PrefixLRU(100)
+    pick = sched.pick(cache.cached_len, cache.batchable)
     assert pick is not None and [e.req.name for e in pick.entries] == ["B"]
-    assert sched.pick(eng.cached_len, eng.batchable) is None
+    assert sched.pick(cache.cached_len, cache.batchable) is None
     with pytest.raises(AssertionError, match="schedule policy"):
         SchedulerConfig("sjf")
     with pytest.raises(AssertionError, match="fairness_lambda"):

@@ -1,0 +1,140 @@
+"""Trace-driven simulation of the scheduler: the real `Scheduler` and policies, a prefix cache that
+holds whole declared prefixes (LRU by tokens), and step times from a JCT model on a virtual clock.
+
+No model, no threads, no wall clock: the same trace gives the same answer on any machine. It
+separates what a policy does (order, cache hits, batching) from what the machine does (a CPU shared
+with other tenants changes step times by tens of percent between runs, which swamps the
+differences between policies in a measured sweep). Used by the scheduler's unit tests and by
+`benchmarks/bench_schedule.py --simulate`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from po_backend.scheduler import Request, Scheduler, SchedulerConfig
+
+
+class StepModel(Protocol):
+    """Seconds of a step (`po_backend.jct.JCTModel`): what the scheduler predicts, and here also
+    what the simulated step takes."""
+
+    def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
+
+    def predict_items(self, items: Sequence[tuple[int, int]]) -> float: ...
+
+
+class PrefixLRU:
+    """A prefix cache of whole declared prefixes, least recently used evicted first, holding at
+    most `capacity_tokens` tokens. `batchable` follows the engine's rule: a token budget, and of
+    requests declaring the same not-yet-cached prefix only the first (it computes the prefix)."""
+
+    def __init__(self, capacity_tokens: int, max_batch_tokens: int = 10**9) -> None:
+        assert capacity_tokens >= 0 and max_batch_tokens >= 1, (capacity_tokens, max_batch_tokens)
+        self.capacity_tokens = capacity_tokens
+        self.max_batch_tokens = max_batch_tokens
+        self._cached: OrderedDict[tuple[int, ...], None] = OrderedDict()  # least recently used first
+        self._tokens = 0
+
+    def cached_len(self, req: Request) -> int:
+        ids = req.input_ids
+        best = max((_common_len(p, ids) for p in self._cached), default=0)
+        return min(best, len(ids) - 1)  # the last token is always computed (engine.match_limit)
+
+    def batchable(self, cands: Sequence[Request]) -> list[int]:
+        chosen: list[int] = []
+        tokens, computing = 0, set()
+        for i, r in enumerate(cands):
+            cached, key = self.cached_len(r), tuple(r.input_ids[: r.cache_prefix_len or 0])
+            new = len(r.input_ids) - cached
+            if (len(key) > cached and key in computing) or (chosen and tokens + new > self.max_batch_tokens):
+                continue
+            if len(key) > cached:
+                computing.add(key)
+            chosen.append(i)
+            tokens += new
+        return chosen
+
+    def step(self, reqs: Sequence[Request]) -> list[int]:
+        """Run a step: each request's cached tokens before it, then its declared prefix cached."""
+        hits = [self.cached_len(r) for r in reqs]
+        for r in reqs:
+            key = tuple(r.input_ids[: r.cache_prefix_len or 0])
+            if not key or len(key) > self.capacity_tokens:
+                continue
+            if key in self._cached:
+                self._cached.move_to_end(key)
+                continue
+            self._cached[key] = None
+            self._tokens += len(key)
+            while self._tokens > self.capacity_tokens:
+                old, _ = self._cached.popitem(last=False)
+                self._tokens -= len(old)
+        return hits
+
+
+def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class SimRun:
+    """One simulated request: when it arrived, started and ended, and what it found cached."""
+
+    rid: int  # index in the trace
+    arrival: float
+    start: float
+    end: float
+    cached: int
+    step: int  # index of the step it ran in
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(
+    config: SchedulerConfig,
+    model: StepModel,
+    trace: Sequence[tuple[float, Request]],
+    cache: PrefixLRU,
+) -> list[SimRun]:
+    """Run `trace` ((arrival seconds, request), any order) to the end: admit what has arrived,
+    pick, advance the clock by the model's time of the step. Results in completion order."""
+    clock = _Clock()
+    sched = Scheduler(config, model, clock)
+    order = sorted(range(len(trace)), key=lambda i: trace[i][0])
+    out: list[SimRun] = []
+    i = steps = 0
+    while i < len(order) or len(sched):
+        while i < len(order) and trace[order[i]][0] <= clock.now:
+            rid = order[i]
+            sched.add(rid, trace[rid][1], arrival=trace[rid][0])
+            i += 1
+        if not len(sched):
+            clock.now = trace[order[i]][0]
+            continue
+        pick = sched.pick(cache.cached_len, cache.batchable)
+        assert pick is not None, "a non-empty queue gives a pick"
+        start = clock.now
+        hits = cache.step([e.req for e in pick.entries])
+        assert list(hits) == list(pick.n_cached), "the pick priced the step with stale cache state"
+        clock.now += model.predict_items(pick.items)
+        out += [
+            SimRun(e.rid, e.arrival, start, clock.now, h, steps)
+            for e, h in zip(pick.entries, hits, strict=True)
+        ]
+        steps += 1
+    return out
