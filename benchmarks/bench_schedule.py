@@ -509,19 +509,7 @@ def render_sim(report: dict[str, Any], policies: list[str]) -> str:
         for name, w in report["workloads"].items()
         for r in w["runs"]
     ]
-    first = next(iter(report["workloads"].values()))
-    sum_header = ["workload", "policy"] + [f"QPS at P99 <= {x}x isolated" for x in first["at_slo"]]
-    sum_rows = []
-    for name, w in report["workloads"].items():
-        for p in [*policies, "po / fcfs"]:
-            cells = []
-            for sl in w["at_slo"].values():
-                if p == "po / fcfs":
-                    cells.append(sl["po_vs_fcfs"])
-                else:
-                    s = sl["sustained_qps"][p]
-                    cells.append(f"{s['mark']}{s['qps']:.3f} ({s['qps'] / w['anchor_qps']:.2f}x)")
-            sum_rows.append([name, p, *cells])
+    sum_header, sum_rows = slo_rows(report, policies)
     return (
         "# bench_schedule --simulate: the same policies on the simulator (no machine noise)\n\n"
         "`po_backend.simulator`: the real Scheduler and policies, a prefix cache of whole declared prefixes "
@@ -539,6 +527,24 @@ def render_sim(report: dict[str, Any], policies: list[str]) -> str:
 # ---- output ---------------------------------------------------------------------------------
 
 
+def slo_rows(report: dict[str, Any], policies: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The sustained-QPS table: per workload and policy, the QPS at each P99 SLO, and po / fcfs."""
+    first = next(iter(report["workloads"].values()))
+    header = ["workload", "policy"] + [f"QPS at P99 <= {x}x isolated" for x in first["at_slo"]]
+    rows = []
+    for name, w in report["workloads"].items():
+        for p in [*policies, "po / fcfs"]:
+            cells = []
+            for sl in w["at_slo"].values():
+                if p == "po / fcfs":
+                    cells.append(sl["po_vs_fcfs"])
+                else:
+                    q = sl["sustained_qps"][p]
+                    cells.append(f"{q['mark']}{q['qps']:.3f} ({q['qps'] / w['anchor_qps']:.2f}x)")
+            rows.append([name, p, *cells])
+    return header, rows
+
+
 def render(report: dict[str, Any], policies: list[str]) -> dict[str, str]:
     header = [
         "workload",
@@ -553,7 +559,6 @@ def render(report: dict[str, Any], policies: list[str]) -> dict[str, str]:
         "items/step",
     ]
     rows = []
-    summary_rows = []
     for name, w in report["workloads"].items():
         for r in sorted(w["runs"], key=lambda r: (r["qps"], POLICY_ORDER.index(r["policy"]))):
             flag = "*" if r["other_cores"] > 0.5 else ""
@@ -571,19 +576,7 @@ def render(report: dict[str, Any], policies: list[str]) -> dict[str, str]:
                     f"{r['mean_batch']:.1f}",
                 ]
             )
-        slos = list(w["at_slo"])
-        for p in [*policies, "po / fcfs"]:
-            cells = []
-            for x in slos:
-                a = w["at_slo"][x]
-                if p == "po / fcfs":
-                    cells.append(a["po_vs_fcfs"])
-                else:
-                    s = a["sustained_qps"][p]
-                    cells.append(f"{s['mark']}{s['qps']:.3f} ({s['qps'] / w['anchor_qps']:.2f}x)")
-            summary_rows.append([name, p, *cells])
-    first = next(iter(report["workloads"].values()))
-    sum_header = ["workload", "policy"] + [f"QPS at P99 <= {x}x isolated" for x in first["at_slo"]]
+    sum_header, summary_rows = slo_rows(report, policies)
     f = report["jct_fit"]
     o = report["jct_online"]
     lines = [

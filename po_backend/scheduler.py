@@ -45,6 +45,16 @@ CachedLen = Callable[[Request], int]
 Batchable = Callable[[Sequence[Request]], list[int]]
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = "po"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from po_backend.scheduler import Request, Scheduler, SchedulerConfig
+from po_backend.scheduler import Request, Scheduler, SchedulerConfig, common_prefix
 
 
 class StepModel(Protocol):
@@ -41,7 +41,7 @@ class PrefixLRU:
 
     def cached_len(self, req: Request) -> int:
         ids = req.input_ids
-        best = max((_common_len(p, ids) for p in self._cached), default=0)
+        best = max((common_prefix(p, ids) for p in self._cached), default=0)
         return min(best, len(ids) - 1)  # the last token is always computed (engine.match_limit)
 
     def batchable(self, cands: Sequence[Request]) -> list[int]:
@@ -74,15 +74,6 @@ class PrefixLRU:
                 old, _ = self._cached.popitem(last=False)
                 self._tokens -= len(old)
         return hits
-
-
-def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from po_backend.engine import ScoreRequest, ScoreResult
 from po_backend.errors import EmptyPromptError, OverloadedError, PrefillOnlyError
+from po_backend.scheduler import common_prefix
 from po_backend.server.backend import Backend, ServerArgs
 from po_backend.server.errors import ClientGone, add_exception_handlers, bad
 from po_backend.server.metrics import Metrics
@@ -39,7 +40,6 @@ from po_backend.server.protocol import (
 )
 from po_backend.server.translate import (
     biased_top,
-    common_prefix,
     json_logprob,
     parse_bias,
     per_item,

@@ -77,16 +77,6 @@ def biased_top(
     return sorted(cand.items(), key=lambda kv: -kv[1])[:k]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def softmax(xs: Sequence[float], temperature: float = 1.0) -> list[float]:
     m = max(xs)
     w = [math.exp((x - m) / temperature) for x in xs]
