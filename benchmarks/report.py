@@ -126,6 +126,7 @@ def qps_section(
         f"WL2: {a['wl2_requests']} histories of {a['wl2_min']}-{a['wl2_max']} tokens. Prefix pool: "
         f"{qps.get('pool_tokens', '?')} tokens ({a['cache_profiles']:g} WL1 profiles).",
         "",
+        *[f"Note: {n}\n" for n in qps.get("notes", [])],  # e.g. a workload re-run and merged in
         "Highest QPS with P99 <= SLO (log-log interpolation between sweep points; `>=` every point passed, "
         "`<` none did) and po's ratio to each baseline:",
         "",

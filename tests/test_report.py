@@ -82,7 +82,13 @@ def fake_results(tmp_path: Path) -> Path:
     _write(
         folder,
         "qps",
-        {"args": args, "pool_tokens": 700, "jct_fit": {"pearson_r": 0.99}, "workloads": {"WL1": wl1}},
+        {
+            "args": args,
+            "pool_tokens": 700,
+            "jct_fit": {"pearson_r": 0.99},
+            "workloads": {"WL1": wl1},
+            "notes": ["WL1 was re-run"],
+        },
     )
     mib = 1 << 20
     _write(
@@ -145,6 +151,7 @@ def test_report_tables_and_ratios(fake_results: Path) -> None:
     assert "Fake CPU 9000" in text and "avx2" in text and "torch.float32" in text
     # QPS at the SLO and po's ratio to each baseline.
     assert "0.25,0.5,1,2 x the isolated throughput" in text  # what the sweep's multiples refer to
+    assert "Note: WL1 was re-run" in text
     assert "| WL1 | ours po | 5.657 | - |" in text
     assert "| WL1 | ours fcfs + radix cache | 1.414 | 4.00x |" in text
     assert "| WL1 | ours chunked prefill + cache | 2.828 | 2.00x |" in text

@@ -176,3 +176,17 @@ def test_remove_and_unknown_policy() -> None:
         SchedulerConfig("sjf")
     with pytest.raises(AssertionError, match="fairness_lambda"):
         SchedulerConfig("po", -1.0)
+
+
+def test_prefix_lru_evicts_least_recently_used_by_tokens() -> None:
+    a, b, c = (Req(n, _ids(80 + k, 100) + _ids(90 + k, 5), 100) for k, n in enumerate("abc"))
+    cache = PrefixLRU(capacity_tokens=200)
+    assert cache.step([a, b]) == [0, 0]
+    assert cache.step([a]) == [100]  # a is now the most recently used
+    cache.step([c])  # 300 tokens > 200: b, the least recently used, goes
+    assert [cache.cached_len(r) for r in (a, b, c)] == [100, 0, 100]
+    huge = Req("h", _ids(99, 300), 250)
+    cache.step([huge])  # larger than the whole cache: never cached, evicts nothing
+    assert cache.cached_len(huge) == 0 and cache.cached_len(a) == 100
+    # A fully cached prompt still computes its last token.
+    assert cache.cached_len(Req("p", a.input_ids[:100], 100)) == 99
