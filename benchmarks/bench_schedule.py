@@ -478,7 +478,7 @@ def simulate_main(args: argparse.Namespace, policies: list[str], slo_xs: list[fl
         )
         slo = args.slo_x * w["isolated"]["mean_s"]
         at_slo = slo_table(w["runs"], w["isolated"]["mean_s"], slo_xs, policies)
-        w.update(requests=len(reqs), slo_p99_s=slo, at_slo=at_slo, saturated_qps=math.nan)
+        w.update(requests=len(reqs), slo_p99_s=slo, at_slo=at_slo)
         report["workloads"][name] = w
         ratios = ", ".join(f"{x}x: {a['po_vs_fcfs']}" for x, a in at_slo.items())
         print(
