@@ -24,11 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_qps import limit_pool, load_engine  # noqa: E402
-from bench_schedule import (
-    requests_and_arrivals,  # noqa: E402
-    run_trace,  # noqa: E402
-)
+from bench_qps import load_engine  # noqa: E402
+from bench_schedule import limit_pool, requests_and_arrivals, run_trace  # noqa: E402
 from common import machine_info, wait_for_quiet  # noqa: E402
 from workloads import add_trace_args, build_traces, label_ids  # noqa: E402
 

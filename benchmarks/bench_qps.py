@@ -33,15 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_schedule import (  # noqa: E402
     ANCHORS,
-    _limit_prefix_pool,
     anchor_qps,
     isolated,
+    limit_pool,
     replay,
     requests_and_arrivals,
     run_trace,
 )
 from common import machine_info, wait_for_quiet  # noqa: E402
-from workloads import Item, add_trace_args, build_traces, label_ids  # noqa: E402
+from workloads import add_trace_args, build_traces, label_ids  # noqa: E402
 
 from po_backend import Engine, ScoreRequest  # noqa: E402
 from po_backend.hf_backend import FCFSLoop, HFScorer  # noqa: E402
@@ -66,13 +66,6 @@ def load_engine(prefill_mode: str = "hybrid") -> Engine:
     return Engine.from_pretrained(
         "embedded", cache_policy="declared", max_input_len=MAX_INPUT_LEN, prefill_mode=prefill_mode
     )
-
-
-def limit_pool(engine: Engine, items: list[Item], profiles: float) -> int:
-    longest = max(len(it.prefix) for it in items)
-    tokens = int(profiles * longest) + 64
-    _limit_prefix_pool(engine, tokens)
-    return tokens
 
 
 def run_trace_hf(scorer: HFScorer, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:

@@ -69,6 +69,18 @@ def _limit_prefix_pool(engine: Engine, tokens: int) -> None:
     engine.cache = RadixCache(pool)
 
 
+def pool_tokens(items: list[Item], profiles: float) -> int:
+    """A prefix pool of `profiles` times the longest declared prefix (+ slack for a split node)."""
+    return int(profiles * max(len(it.prefix) for it in items)) + 64
+
+
+def limit_pool(engine: Engine, items: list[Item], profiles: float) -> int:
+    """Limit the engine's prefix pool to `pool_tokens(items, profiles)`; returns that size."""
+    tokens = pool_tokens(items, profiles)
+    _limit_prefix_pool(engine, tokens)
+    return tokens
+
+
 class Loop(Protocol):
     """What a replay needs of a serving loop (`EngineLoop`, the transformers `FCFSLoop`)."""
 
@@ -320,9 +332,7 @@ def main() -> None:
     labels = label_ids(tok)
     workloads = build_traces(args, tok, tuple(args.workloads.split(",")))
     if "WL1" in workloads:
-        longest = max(len(it.prefix) for it in workloads["WL1"])
-        pool = int(args.cache_profiles * longest) + 64
-        _limit_prefix_pool(engine, pool)
+        pool = limit_pool(engine, workloads["WL1"], args.cache_profiles)
         print(f"prefix pool limited to {pool} tokens ({args.cache_profiles} WL1 profiles)")
 
     report: dict[str, Any] = {
@@ -421,13 +431,14 @@ def simulate_sweep(
     def summary(runs: list[SimRun]) -> dict[str, Any]:
         lat = np.array([r.end - r.arrival for r in runs])
         cached = sum(r.cached for r in runs)
+        steps = max(r.step for r in runs) + 1
         return {
             "mean_s": float(lat.mean()),
             "p50_s": float(np.percentile(lat, 50)),
             "p99_s": float(np.percentile(lat, 99)),
             "hit_rate": cached / sum(len(r.input_ids) for r in reqs),
-            "steps": max(r.step for r in runs) + 1,
-            "mean_batch": len(runs) / (max(r.step for r in runs) + 1),
+            "steps": steps,
+            "mean_batch": len(runs) / steps,
             "other_cores": 0.0,
         }
 
@@ -457,11 +468,7 @@ def simulate_main(args: argparse.Namespace, policies: list[str], slo_xs: list[fl
         users, posts = (int(x) for x in args.sim_paper.split(","))
         paper = argparse.Namespace(**{**vars(args), "wl1_users": users, "wl1_items": posts})
         traces[f"WL1 {users}x{posts}"] = build_traces(paper, engine.tokenizer, ("WL1",))["WL1"]
-    pool = (
-        int(args.cache_profiles * max(len(it.prefix) for it in traces.get("WL1", []))) + 64
-        if "WL1" in traces
-        else 0
-    )
+    pool = pool_tokens(traces["WL1"], args.cache_profiles) if "WL1" in traces else 0
     mults = [float(x) for x in args.sim_mults.split(",")]
     report: dict[str, Any] = {
         "args": vars(args),
