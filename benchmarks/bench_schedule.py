@@ -47,7 +47,7 @@ from workloads import Item, add_trace_args, build_traces, label_ids  # noqa: E40
 
 from po_backend import Engine, ScoreRequest  # noqa: E402
 from po_backend.cache import KVPool, RadixCache  # noqa: E402
-from po_backend.jct import JCTModel, load_or_profile, pearson_r  # noqa: E402
+from po_backend.jct import CalibratedJCT, JCTModel, load_or_profile, pearson_r  # noqa: E402
 from po_backend.loop import EngineLoop  # noqa: E402
 from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, POLICIES, SchedulerConfig  # noqa: E402
 from po_backend.simulator import PrefixLRU, SimRun, simulate  # noqa: E402
@@ -163,13 +163,14 @@ def requests_and_arrivals(
 
 def run_trace(
     engine: Engine,
-    jct: JCTModel,
+    jct: JCTModel | CalibratedJCT,
     policy: str,
     lam: float,
     reqs: list[ScoreRequest],
     arrivals: list[float] | None,
 ) -> dict[str, Any]:
-    """Replay `reqs` through a fresh EngineLoop on a cold cache, with its step log and stats."""
+    """Replay `reqs` through a fresh EngineLoop on a cold cache, with its step log and stats. A
+    CalibratedJCT carries its online calibration from run to run, as one long-lived server would."""
     engine.flush_cache()
     before = engine.stats()
     loop = EngineLoop(engine, policy=policy, fairness_lambda=lam, jct=jct, max_queue=1 << 20, start=False)
@@ -184,11 +185,19 @@ def run_trace(
         "steps": st.steps,
         "mean_batch": st.mean_batch_items,
         "calibration": st.jct_calibration,
-        "step_log": [[s.predicted_raw, s.predicted, s.seconds, len(s.items)] for s in loop.step_log()],
+        "step_log": step_rows(loop),
     }
 
 
-def isolated(engine: Engine, jct: JCTModel, reqs: list[ScoreRequest]) -> dict[str, Any]:
+def step_rows(loop: EngineLoop) -> list[list[Any]]:
+    """[raw prediction, calibrated prediction, measured s, items, [[n_input, n_cached], ...]] per step."""
+    return [
+        [s.predicted_raw, s.predicted, s.seconds, len(s.items), [list(i) for i in s.items]]
+        for s in loop.step_log()
+    ]
+
+
+def isolated(engine: Engine, jct: JCTModel | CalibratedJCT, reqs: list[ScoreRequest]) -> dict[str, Any]:
     """Each request alone, in trace order, on a cache that starts cold: latency without queueing."""
     engine.flush_cache()
     lat = []
@@ -197,7 +206,12 @@ def isolated(engine: Engine, jct: JCTModel, reqs: list[ScoreRequest]) -> dict[st
             t = time.perf_counter()
             loop.submit(r).result()
             lat.append(time.perf_counter() - t)
-    return {"mean_s": float(np.mean(lat)), "p99_s": float(np.percentile(lat, 99)), "latencies": lat}
+    return {
+        "mean_s": float(np.mean(lat)),
+        "p99_s": float(np.percentile(lat, 99)),
+        "latencies": lat,
+        "step_log": step_rows(loop),
+    }
 
 
 def anchor_qps(anchor: str, iso: dict[str, Any], sat_qps: float) -> float:
@@ -253,16 +267,30 @@ def slo_table(
     return out
 
 
-def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
+def jct_quality(runs: list[dict[str, Any]], model: JCTModel | None = None) -> dict[str, float]:
+    """Predicted vs measured over the runs' steps (in the order they ran): the fitted model, the
+    loop's calibrated predictions, and, given the fitted model, a replay of the same steps with
+    level-only calibration (one EWMA factor, never refitting the shape) for comparison."""
     rows = [s for r in runs for s in r["step_log"]]
     raw, cal, meas = (np.array([s[i] for s in rows]) for i in range(3))
-    return {
+    out = {
         "steps": len(rows),
         "r_raw": pearson_r(raw, meas),
         "r_calibrated": pearson_r(cal, meas),
         "median_rel_error_raw": float(np.median(np.abs(raw / meas - 1))),
         "median_rel_error_calibrated": float(np.median(np.abs(cal / meas - 1))),
     }
+    if model is not None and rows and all(len(s) > 4 for s in rows):
+        level = CalibratedJCT(model, refit_every=1 << 62)
+        pred = []
+        for s in rows:
+            items = [tuple(i) for i in s[4]]
+            pred.append(level.predict_items(items))
+            level.observe(items, s[2])
+        lv = np.array(pred)
+        out["r_level_only"] = pearson_r(lv, meas)
+        out["median_rel_error_level_only"] = float(np.median(np.abs(lv / meas - 1)))
+    return out
 
 
 def main() -> None:
@@ -271,12 +299,21 @@ def main() -> None:
     ap.add_argument("--workloads", default="WL1,WL2")
     ap.add_argument("--policies", default=",".join(POLICY_ORDER))
     ap.add_argument("--anchor", choices=ANCHORS, default="isolated", help="what --mults multiply")
-    ap.add_argument("--mults-wl1", default="0.25,0.5,1,2,4", help="QPS as multiples of the anchor")
-    ap.add_argument("--mults-wl2", default="0.25,0.5,1,2,4")
+    ap.add_argument("--mults-wl1", default="0.5,0.7,1,1.4,2,4", help="QPS as multiples of the anchor")
+    ap.add_argument("--mults-wl2", default="0.5,1,2,4")
     ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
-    ap.add_argument("--slo-x", type=float, default=4.0, help="P99 SLO = this x mean isolated latency")
-    ap.add_argument("--slo-extra", default="2,8", help="further SLO multiples to report")
-    add_trace_args(ap, wl1_users=6, wl1_item_tokens=60, wl2_requests=8, wl2_min=1500, wl2_max=2500)
+    ap.add_argument("--slo-x", type=float, default=8.0, help="P99 SLO = this x mean isolated latency")
+    ap.add_argument("--slo-extra", default="4,16", help="further SLO multiples to report")
+    add_trace_args(
+        ap,
+        wl1_users=6,
+        wl1_items=12,
+        wl1_profile=500,
+        wl1_item_tokens=50,
+        wl2_requests=8,
+        wl2_min=1500,
+        wl2_max=2500,
+    )
     ap.add_argument("--cache-profiles", type=float, default=2.0, help="prefix pool size in WL1 profiles")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reprofile", action="store_true", help="re-time the JCT grid even if persisted")
@@ -341,7 +378,9 @@ def main() -> None:
         "jct_fit": {"profile_seconds": profile_s, "coef": jct.coef, **asdict(q)},
         "workloads": {},
     }
-    all_runs: list[dict[str, Any]] = []
+    # One calibration for the whole benchmark, as one long-lived server would have.
+    cal = CalibratedJCT(jct)
+    all_runs: list[dict[str, Any]] = []  # everything with a step log, in the order it ran
     partial = RESULTS / "schedule.partial.json"
     for name, items in workloads.items():
         reqs, unit = requests_and_arrivals(items, labels, args.seed)
@@ -349,11 +388,12 @@ def main() -> None:
         print(f"\n{name}: {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
 
         wait_for_quiet(args.quiet_wait)
-        iso = isolated(engine, jct, reqs)
+        iso = isolated(engine, cal, reqs)
+        all_runs.append(iso)
         slo = args.slo_x * iso["mean_s"]
         print(f"  isolated: mean {iso['mean_s']:.2f} s, P99 {iso['p99_s']:.2f} s -> P99 SLO {slo:.2f} s")
         wait_for_quiet(args.quiet_wait)
-        sat = run_trace(engine, jct, "po", args.fairness_lambda, reqs, None)
+        sat = run_trace(engine, cal, "po", args.fairness_lambda, reqs, None)
         sat_qps = len(reqs) / sat["makespan_s"]
         print(f"  saturated (po, all at t=0): {sat_qps:.3f} req/s, hit rate {sat['hit_rate']:.0%}")
         all_runs.append(sat)
@@ -366,7 +406,7 @@ def main() -> None:
             arrivals = [u / qps for u in unit]
             for pol in policies:
                 wait_for_quiet(args.quiet_wait)
-                r = run_trace(engine, jct, pol, args.fairness_lambda, reqs, arrivals)
+                r = run_trace(engine, cal, pol, args.fairness_lambda, reqs, arrivals)
                 r.update(mult=m, qps=qps)
                 runs.append(r)
                 print(
@@ -393,7 +433,9 @@ def main() -> None:
             "at_slo": at_slo,
             "jct": jct_quality(runs),
         }
-    report["jct_online"] = jct_quality(all_runs)
+    report["jct_online"] = jct_quality(all_runs, jct)
+    report["jct_online"]["final_gains"] = cal.gains
+    report["jct_online"]["final_level"] = cal.factor
 
     md = render(report, policies)
     print("\n" + md["text"])
@@ -593,6 +635,12 @@ def render(report: dict[str, Any], policies: list[str]) -> dict[str, str]:
         f"{o['r_calibrated']:.3f} calibrated; median rel error {100 * o['median_rel_error_raw']:.0f}% raw, "
         f"{100 * o['median_rel_error_calibrated']:.0f}% calibrated",
     ]
+    if "r_level_only" in o:
+        lines.append(
+            f"Same steps replayed with level-only calibration (one EWMA factor, no shape refit): r = "
+            f"{o['r_level_only']:.3f}, median rel error {100 * o['median_rel_error_level_only']:.0f}%; "
+            f"final shape gains {', '.join(f'{g:.2f}' for g in o['final_gains'])} (FEATURES order)"
+        )
     for name, w in report["workloads"].items():
         lines.append(
             f"{name}: {w['requests']} requests, saturated (all at t=0, po) {w['saturated_qps']:.3f} req/s, "

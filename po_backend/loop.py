@@ -50,7 +50,7 @@ class StepRecord:
     start: float  # loop clock
     seconds: float  # measured wall time of engine.step
     predicted_raw: float  # the fitted JCT model's price of the step, before calibration
-    predicted: float  # what the scheduler used: raw times the calibration factor at the time
+    predicted: float  # what the scheduler used: the calibrated prediction at the time
     items: tuple[tuple[int, int], ...]  # (n_input, n_cached) per request
     policy_score: float
     error: bool = False
@@ -75,7 +75,8 @@ class LoopStats:
     cache_hit_rate: float  # prompt tokens served from the prefix cache (engine lifetime)
     jct_fit_r: float  # held-out Pearson r of the start-up profile fit
     jct_fit_median_abs_error_s: float
-    jct_calibration: float  # measured / predicted step time factor applied to predictions
+    jct_calibration: float  # level correction: measured / shaped prediction, smoothed
+    jct_gains: tuple[float, ...]  # shape correction: multipliers of the profile's coefficients
     jct_online_r: float  # r of calibrated predictions vs measured over recent steps
 
 
@@ -96,18 +97,21 @@ class EngineLoop:
         policy: str = "po",
         fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA,
         max_queue: int = 4096,
-        jct: JCTModel | None = None,
+        jct: JCTModel | CalibratedJCT | None = None,
         calibrate: bool = True,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
     ) -> None:
         """jct: the step-time model; None loads the persisted profile for this model and machine
-        or profiles the engine now (seconds; once per machine). start=False leaves the worker
+        or profiles the engine now (seconds; once per machine). A CalibratedJCT is used as is, so
+        what an earlier loop learned online carries over. start=False leaves the worker
         stopped until `start()` (tests; submitting a burst that is scheduled as a whole)."""
         assert max_queue >= 1, f"max_queue must be >= 1, got {max_queue}"
         self.engine = engine
         self.config = SchedulerConfig(policy, fairness_lambda)
-        self.jct = CalibratedJCT(jct if jct is not None else load_or_profile(engine))
+        if not isinstance(jct, CalibratedJCT):
+            jct = CalibratedJCT(jct if jct is not None else load_or_profile(engine))
+        self.jct = jct
         self.calibrate = calibrate
         self.max_queue = max_queue
         self.clock = clock
@@ -303,7 +307,7 @@ class EngineLoop:
 
     def _run_step(self, jobs: list[_Job], items: list[tuple[int, int]], head_score: float) -> None:
         raw = self.jct.model.predict_items(items)
-        predicted = raw * self.jct.factor
+        predicted = self.jct.predict_items(items)
         start = self.clock()
         t = time.perf_counter()
         try:
@@ -374,6 +378,7 @@ class EngineLoop:
             jct_fit_r=q.pearson_r if q else math.nan,
             jct_fit_median_abs_error_s=q.median_abs_error_s if q else math.nan,
             jct_calibration=self.jct.factor,
+            jct_gains=self.jct.gains,
             jct_online_r=pearson_r([s.predicted for s in ok], [s.seconds for s in ok]),
             **counts,
         )

@@ -72,7 +72,9 @@ def test_evictions_keep_answers_and_pool_bounds(engines) -> None:
     eng = Engine.from_pretrained(
         path, dtype="fp32", chunk_size=32, max_input_len=256, memory_budget=budget, cache_policy="declared"
     )
-    assert eng.cache.pool.num_total == 300
+    # Both engines measure their activation peak as process RSS, which moves by a few pages from
+    # one measurement to the next: what matters is room for two 120-token prefixes, not three.
+    assert 240 <= eng.cache.pool.num_total < 360, eng.cache.pool.num_total
     prompts = []
     for u in range(5):  # five users, two items each, round-robin twice: forces evictions
         prefix = _rand(120, 100 + u)

@@ -117,11 +117,37 @@ def test_shared_prefix_requests_join_the_head_step() -> None:
     items = [Req(f"i{k}", p + _ids(50 + k, 40), 300) for k in range(4)]
     other = Req("x", _ids(59, 400), 0)  # longer than an item: runs last
     ran = simulate("po", [(0.0, r) for r in [*items, other]], capacity=2)
+    assert _steps(ran) == [{"i0"}, {"i1", "i2", "i3"}, {"x"}]
+    assert [r.cached for r in ran if r.step == 1] == [300] * 3
+
+
+def _steps(ran: list[Ran]) -> list[set[str]]:
     steps: dict[int, set[str]] = {}
     for r in ran:
         steps.setdefault(r.step, set()).add(r.name)
-    assert list(steps.values()) == [{"i0"}, {"i1", "i2", "i3"}, {"x"}]
-    assert [r.cached for r in ran if r.step == 1] == [300] * 3
+    return list(steps.values())
+
+
+def test_fcfs_batches_only_the_run_behind_the_head() -> None:
+    """fcfs never lets a later request of a cached prefix overtake an earlier unrelated one (as
+    in SGLang and vLLM); po and lpm pull every waiting request of that prefix into the step."""
+    p = _ids(5, 300)
+    i0, i1, i2, i3 = (Req(f"i{k}", p + _ids(50 + k, 40), 300) for k in range(4))
+    x = Req("x", _ids(59, 400), 0)
+    trace = [(0.0, r) for r in (i0, i1, x, i2, i3)]
+    assert _steps(simulate("fcfs", trace, capacity=2)) == [{"i0"}, {"i1"}, {"x"}, {"i2", "i3"}]
+    for policy in ("po", "lpm"):
+        assert _steps(simulate(policy, trace, capacity=2)) == [{"i0"}, {"i1", "i2", "i3"}, {"x"}], policy
+
+
+def test_fcfs_stops_at_the_first_request_the_batch_leaves_out() -> None:
+    """A request the token budget leaves out must still start before the ones behind it."""
+    p = _ids(8, 300)
+    small = [Req(f"s{k}", p + _ids(80 + k, 20), 300) for k in range(3)]
+    big = Req("big", p + _ids(89, 80), 300)
+    trace = [(0.0, r) for r in (small[0], small[1], big, small[2])]
+    ran = simulate("fcfs", trace, max_batch_tokens=60)
+    assert [r.name for r in ran] == ["s0", "s1", "big", "s2"]
 
 
 def test_batch_respects_the_token_budget() -> None:
