@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--anchor", choices=ANCHORS, default="isolated", help="what --mults multiply")
     ap.add_argument("--mults", default="0.25,0.5,1,2,4", help="QPS as multiples of the anchor QPS")
     ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
-    ap.add_argument("--slo-x", type=float, default=4.0, help="P99 SLO = this x mean isolated latency")
+    ap.add_argument("--slo-x", type=float, default=8.0, help="P99 SLO = this x mean isolated latency")
     add_trace_args(ap, wl1_items=6, wl2_requests=8, wl2_min=1500, wl2_max=2500)
     ap.add_argument("--cache-profiles", type=float, default=2.0, help="prefix pool size in WL1 profiles")
     ap.add_argument("--seed", type=int, default=0)

@@ -267,30 +267,16 @@ def slo_table(
     return out
 
 
-def jct_quality(runs: list[dict[str, Any]], model: JCTModel | None = None) -> dict[str, float]:
-    """Predicted vs measured over the runs' steps (in the order they ran): the fitted model, the
-    loop's calibrated predictions, and, given the fitted model, a replay of the same steps with
-    level-only calibration (one EWMA factor, never refitting the shape) for comparison."""
+def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
     rows = [s for r in runs for s in r["step_log"]]
     raw, cal, meas = (np.array([s[i] for s in rows]) for i in range(3))
-    out = {
+    return {
         "steps": len(rows),
         "r_raw": pearson_r(raw, meas),
         "r_calibrated": pearson_r(cal, meas),
         "median_rel_error_raw": float(np.median(np.abs(raw / meas - 1))),
         "median_rel_error_calibrated": float(np.median(np.abs(cal / meas - 1))),
     }
-    if model is not None and rows and all(len(s) > 4 for s in rows):
-        level = CalibratedJCT(model, refit_every=1 << 62)
-        pred = []
-        for s in rows:
-            items = [tuple(i) for i in s[4]]
-            pred.append(level.predict_items(items))
-            level.observe(items, s[2])
-        lv = np.array(pred)
-        out["r_level_only"] = pearson_r(lv, meas)
-        out["median_rel_error_level_only"] = float(np.median(np.abs(lv / meas - 1)))
-    return out
 
 
 def main() -> None:
@@ -433,9 +419,7 @@ def main() -> None:
             "at_slo": at_slo,
             "jct": jct_quality(runs),
         }
-    report["jct_online"] = jct_quality(all_runs, jct)
-    report["jct_online"]["final_gains"] = cal.gains
-    report["jct_online"]["final_level"] = cal.factor
+    report["jct_online"] = jct_quality(all_runs)
 
     md = render(report, policies)
     print("\n" + md["text"])
@@ -635,12 +619,6 @@ def render(report: dict[str, Any], policies: list[str]) -> dict[str, str]:
         f"{o['r_calibrated']:.3f} calibrated; median rel error {100 * o['median_rel_error_raw']:.0f}% raw, "
         f"{100 * o['median_rel_error_calibrated']:.0f}% calibrated",
     ]
-    if "r_level_only" in o:
-        lines.append(
-            f"Same steps replayed with level-only calibration (one EWMA factor, no shape refit): r = "
-            f"{o['r_level_only']:.3f}, median rel error {100 * o['median_rel_error_level_only']:.0f}%; "
-            f"final shape gains {', '.join(f'{g:.2f}' for g in o['final_gains'])} (FEATURES order)"
-        )
     for name, w in report["workloads"].items():
         lines.append(
             f"{name}: {w['requests']} requests, saturated (all at t=0, po) {w['saturated_qps']:.3f} req/s, "

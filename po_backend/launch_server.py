@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from po_backend.config import PREFILL_MODES
-from po_backend.scheduler import POLICIES
+from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, POLICIES
 from po_backend.server import LoopBackend, ServerArgs, create_app
 
 log = logging.getLogger("po_backend.launch_server")
@@ -65,10 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule-policy",
         choices=POLICIES,
         default="po",
-        help="po: prefix-aware SRJF with JCT calibration (the paper's); fcfs; srjf; lpm: longest prefix match",
+        help="po: prefix-aware SRJF with JCT calibration (the paper's); fcfs: strict arrival order; "
+        "srjf: JCT at arrival; lpm: longest cached prefix first",
     )
     ap.add_argument(
-        "--fairness-lambda", type=float, default=None, help="starvation bound: score = jct - lambda * t_queue"
+        "--fairness-lambda",
+        type=float,
+        default=None,
+        help=f"po's starvation bound: score = jct - lambda * t_queue (seconds; default {DEFAULT_FAIRNESS_LAMBDA:g})",
     )
     ap.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
     ap.add_argument(

@@ -75,8 +75,7 @@ class LoopStats:
     cache_hit_rate: float  # prompt tokens served from the prefix cache (engine lifetime)
     jct_fit_r: float  # held-out Pearson r of the start-up profile fit
     jct_fit_median_abs_error_s: float
-    jct_calibration: float  # level correction: measured / shaped prediction, smoothed
-    jct_gains: tuple[float, ...]  # shape correction: multipliers of the profile's coefficients
+    jct_calibration: float  # measured / predicted step time factor applied to predictions
     jct_online_r: float  # r of calibrated predictions vs measured over recent steps
 
 
@@ -378,7 +377,6 @@ class EngineLoop:
             jct_fit_r=q.pearson_r if q else math.nan,
             jct_fit_median_abs_error_s=q.median_abs_error_s if q else math.nan,
             jct_calibration=self.jct.factor,
-            jct_gains=self.jct.gains,
             jct_online_r=pearson_r([s.predicted for s in ok], [s.seconds for s in ok]),
             **counts,
         )

@@ -78,40 +78,14 @@ def test_calibration_moves_toward_measured() -> None:
     cal = CalibratedJCT(JCTModel.proxy(1.0), alpha=0.2)
     items = [(1000, 0)]
     assert cal.factor == 1.0 and cal.predict(1000, 0) == pytest.approx(1.0)
-    preds = []
-    for _ in range(40):  # the machine is 2x slower than profiled
-        cal.observe(items, 2.0)
-        preds.append(cal.predict(1000, 0))
-    assert all(b >= a - 1e-12 for a, b in zip(preds, preds[1:], strict=False))
+    factors = [cal.observe(items, 2.0) for _ in range(30)]  # the machine is 2x slower than profiled
+    assert all(b > a for a, b in zip(factors, factors[1:], strict=False))
+    assert cal.factor == pytest.approx(2.0, rel=0.01)
     assert cal.predict(1000, 0) == pytest.approx(2.0, rel=0.01)
-    before = cal.predict(1000, 0)
+    before = cal.factor
     cal.observe(items, 1000.0)  # one outlier moves it by a bounded amount (clamped ratio)
-    assert cal.predict(1000, 0) <= before * 4.0**0.2 + 1e-9
+    assert cal.factor <= before * 4.0**0.2 + 1e-9
     assert cal.model.predict(1000, 0) == pytest.approx(1.0)  # the fitted model itself is frozen
-
-
-def test_calibration_learns_the_shape_one_factor_cannot() -> None:
-    """Serving drifts from the profile unevenly: here the per-step overhead is 3x the profiled one
-    and computed tokens cost the same. A single factor must mispredict small or large steps; the
-    refitted gains get both (single-item steps cannot tell the step from the item overhead: only
-    their sum is learned)."""
-    profiled = JCTModel((0.02, 0.01, 1.0, 0.0, 0.05))
-    served = JCTModel((0.06, 0.01, 1.0, 0.0, 0.05))
-    shapes = [[(100, 0)], [(2000, 0)], [(700, 600)], [(1500, 0)], [(300, 200)]]
-    cal = CalibratedJCT(profiled, refit_every=8)
-    level = CalibratedJCT(profiled, refit_every=10**9)  # level only: never refits
-    for k in range(64):
-        items = shapes[k % len(shapes)]
-        cal.observe(items, served.predict_items(items))
-        level.observe(items, served.predict_items(items))
-    for items in shapes:
-        truth = served.predict_items(items)
-        assert cal.predict_items(items) == pytest.approx(truth, rel=0.03), items
-    worst = max(abs(level.predict_items(i) / served.predict_items(i) - 1) for i in shapes)
-    assert worst > 0.1, "one factor should not fit both ends (else the test shows nothing)"
-    g = cal.gains
-    assert 0.02 * g[0] + 0.01 * g[1] == pytest.approx(0.07, rel=0.05)
-    assert g[2] == pytest.approx(1.0, rel=0.02) and g[3] == 1.0  # attention has no profiled cost
 
 
 @pytest.fixture(scope="module")
