@@ -50,7 +50,7 @@ class StepRecord:
     start: float  # loop clock
     seconds: float  # measured wall time of engine.step
     predicted_raw: float  # the fitted JCT model's price of the step, before calibration
-    predicted: float  # what the scheduler used: the calibrated prediction at the time
+    predicted: float  # what the scheduler used: raw times the calibration factor at the time
     items: tuple[tuple[int, int], ...]  # (n_input, n_cached) per request
     policy_score: float
     error: bool = False
@@ -306,7 +306,7 @@ class EngineLoop:
 
     def _run_step(self, jobs: list[_Job], items: list[tuple[int, int]], head_score: float) -> None:
         raw = self.jct.model.predict_items(items)
-        predicted = self.jct.predict_items(items)
+        predicted = raw * self.jct.factor
         start = self.clock()
         t = time.perf_counter()
         try:

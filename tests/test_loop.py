@@ -15,7 +15,7 @@ import pytest
 from po_backend import Engine, OverloadedError, ScoreRequest
 from po_backend import jct as jct_mod
 from po_backend.errors import CancelledError, EmptyPromptError, InvalidTokenError
-from po_backend.jct import JCTModel, JCTSample, ProfileGrid
+from po_backend.jct import CalibratedJCT, JCTModel, JCTSample, ProfileGrid
 from po_backend.loop import EngineLoop, LoopClosedError
 
 LABELS = (3, 17, 101)
@@ -298,3 +298,17 @@ def test_cancelled_future_is_not_an_error(eng: Engine) -> None:
         f.result(0)
     loop.shutdown()
     assert loop.stats().cancelled == 1 and loop.stats().failed == 0
+
+
+def test_calibration_carries_over_to_the_next_loop(eng: Engine) -> None:
+    """A CalibratedJCT handed to a loop is used as is: what one loop learned, the next starts from."""
+    cal = CalibratedJCT(JCT)
+    reqs = _workload(users=1, items=3)
+    with EngineLoop(eng, policy="fcfs", jct=cal) as loop:
+        for r in reqs:
+            loop.submit(r).result()  # one at a time: one step each
+        assert loop.jct is cal
+    learned = (cal.observations, cal.factor)
+    assert learned[0] == len(reqs) and learned[1] != 1.0
+    with EngineLoop(eng, policy="fcfs", jct=cal) as loop:
+        assert loop.jct is cal and loop.stats().jct_calibration == learned[1]
