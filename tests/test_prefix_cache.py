@@ -63,8 +63,11 @@ def test_partial_match_splits_node(engines) -> None:
     eng.cache.check_integrity()
 
 
-def test_evictions_keep_answers_and_pool_bounds(engines) -> None:
+def test_evictions_keep_answers_and_pool_bounds(engines, monkeypatch) -> None:
     path, cold = engines
+    # The activation peak is measured as process RSS, which moves by pages between two engines;
+    # here only the pool arithmetic matters, so the profile run gives the analytic bound each time.
+    monkeypatch.setattr(Engine, "_profile", lambda self, n_tokens: 0)
     probe = Engine.from_pretrained(path, dtype="fp32", chunk_size=32, max_input_len=256, enable_cache=False)
     cfg = probe.model_config
     per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
@@ -72,9 +75,7 @@ def test_evictions_keep_answers_and_pool_bounds(engines) -> None:
     eng = Engine.from_pretrained(
         path, dtype="fp32", chunk_size=32, max_input_len=256, memory_budget=budget, cache_policy="declared"
     )
-    # Both engines measure their activation peak as process RSS, which moves by a few pages from
-    # one measurement to the next: what matters is room for two 120-token prefixes, not three.
-    assert 240 <= eng.cache.pool.num_total < 360, eng.cache.pool.num_total
+    assert eng.cache.pool.num_total == 300
     prompts = []
     for u in range(5):  # five users, two items each, round-robin twice: forces evictions
         prefix = _rand(120, 100 + u)
