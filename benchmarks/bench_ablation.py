@@ -8,9 +8,9 @@
 2. fairness lambda sweep: `po` at `--mult` x saturated QPS for each lambda, mean vs P99 latency,
    with `fcfs` on the same arrivals as the reference point.
 
-(Hybrid prefilling on/off is measured by bench_mil.py: same forward, memory and time.)
+(Hybrid prefilling on/off is measured by bench_mil: same forward, memory and time.)
 
-    flock /tmp/po-bench.lock python benchmarks/bench_ablation.py --out results/report/ablation.json
+    python -m benchmarks.bench_ablation --out benchmarks/results/report/ablation.json [--quick]
 """
 
 from __future__ import annotations
@@ -22,31 +22,29 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_qps import load_engine  # noqa: E402
-from bench_schedule import limit_pool, requests_and_arrivals, run_trace  # noqa: E402
-from common import machine_info, wait_for_quiet  # noqa: E402
-from workloads import add_trace_args, build_traces, label_ids  # noqa: E402
-
-from po_backend import Engine, ScoreRequest  # noqa: E402
-from po_backend.jct import JCTModel, load_or_profile  # noqa: E402
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA  # noqa: E402
-
-
-def cache_counters(engine: Engine) -> tuple[int, int]:
-    s = engine.stats().cache
-    assert s is not None, "the ablation needs the prefix cache"
-    return s.inserted_tokens_total, s.evicted_tokens_total
+from benchmarks import harness
+from benchmarks.workloads import add_trace_args, build_traces, label_ids
+from po_backend.engine import Engine
+from po_backend.jct import JCTModel
+from po_backend.jct_profile import load_or_profile
+from po_backend.request import ScoreRequest
+from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA
 
 
 def suffix_run(
     engine: Engine, jct: JCTModel, reqs: list[ScoreRequest], arrivals: list[float] | None, lam: float
 ) -> dict[str, Any]:
-    ins0, ev0 = cache_counters(engine)
-    r = run_trace(engine, jct, "po", lam, reqs, arrivals)
-    ins1, ev1 = cache_counters(engine)
-    r.update(inserted_tokens=ins1 - ins0, evicted_tokens=ev1 - ev0, items_per_s=len(reqs) / r["makespan_s"])
+    """harness.run_trace under po, with the tokens the prefix cache inserted and evicted meanwhile."""
+    before = engine.stats().cache
+    r = harness.run_trace(engine, jct, "po", lam, reqs, arrivals)
+    after = engine.stats().cache
+    if before is None or after is None:
+        raise RuntimeError("the ablation needs the prefix cache")
+    r.update(
+        inserted_tokens=after.inserted_tokens_total - before.inserted_tokens_total,
+        evicted_tokens=after.evicted_tokens_total - before.evicted_tokens_total,
+        items_per_s=len(reqs) / r["makespan_s"],
+    )
     return r
 
 
@@ -56,9 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lambdas", default=f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10")
     ap.add_argument("--mult", type=float, default=1.0, help="Poisson QPS as a multiple of saturated")
     add_trace_args(ap)
-    ap.add_argument("--cache-profiles", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quiet-wait", type=float, default=30.0)
+    harness.add_sweep_args(ap, quiet_wait=30.0)  # of them: the prefix pool, arrivals, quiet waits
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.quick:
@@ -67,16 +63,17 @@ def main(argv: list[str] | None = None) -> None:
         args.quiet_wait = min(args.quiet_wait, 5.0)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
-    engine = load_engine()
+    tok = harness.tokenizer()
+    items = build_traces(args, tok, ("WL1",))["WL1"]
+    pool = harness.pool_tokens(items, args.cache_profiles)
+    engine = harness.load_engine(pool)
     jct = load_or_profile(engine)
-    items = build_traces(args, engine.tokenizer, ("WL1",))["WL1"]
-    pool = limit_pool(engine, items, args.cache_profiles)
-    reqs, unit = requests_and_arrivals(items, label_ids(engine.tokenizer), args.seed)
+    reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
     # Off: cache all but the last token of every prompt, suffix included.
     reqs_off = [replace(r, cache_prefix_len=len(r.input_ids) - 1) for r in reqs]
     lam = DEFAULT_FAIRNESS_LAMBDA
     doc: dict[str, Any] = {
-        "machine": machine_info(),
+        "machine": harness.machine_info(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "pool_tokens": pool,
         "requests": len(reqs),
@@ -85,15 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(f"WL1: {len(reqs)} requests, prefix pool {pool} tokens")
 
-    wait_for_quiet(args.quiet_wait)
+    harness.wait_for_quiet(args.quiet_wait)
     sat = suffix_run(engine, jct, reqs, None, lam)
     qps = args.mult * sat["items_per_s"]
     arrivals = [u / qps for u in unit]
     doc["qps"] = qps
     for mode, rs in (("on", reqs), ("off", reqs_off)):
-        wait_for_quiet(args.quiet_wait)
+        harness.wait_for_quiet(args.quiet_wait)
         s = sat if mode == "on" else suffix_run(engine, jct, rs, None, lam)
-        wait_for_quiet(args.quiet_wait)
+        harness.wait_for_quiet(args.quiet_wait)
         p = suffix_run(engine, jct, rs, arrivals, lam)
         doc["suffix"][mode] = {"saturated": s, "poisson": p}
         print(
@@ -103,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     for policy, lam_x in [("fcfs", 0.0)] + [("po", float(x)) for x in args.lambdas.split(",")]:
-        wait_for_quiet(args.quiet_wait)
-        r = run_trace(engine, jct, policy, lam_x, reqs, arrivals)
+        harness.wait_for_quiet(args.quiet_wait)
+        r = harness.run_trace(engine, jct, policy, lam_x, reqs, arrivals)
         r.update(lam=lam_x)
         doc["lambda"].append(r)
         print(f"  {policy} lambda {lam_x:g}: mean {r['mean_s']:.2f} s, P99 {r['p99_s']:.2f} s")

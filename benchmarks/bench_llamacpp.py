@@ -1,5 +1,5 @@
 """llama.cpp (through llama-cpp-python) next to ours on the same GGUF file and the same WL1-style
-items: items/s, per-item latency and label agreement. OPTIONAL, never in CI: run_all.py runs it
+items: items/s, per-item latency and label agreement. OPTIONAL, never in CI: run_all runs it
 only with `--llamacpp` and only when `llama_cpp` is importable.
 
 Both run the items one at a time in user order, with prefix reuse on: ours through the radix
@@ -12,7 +12,7 @@ llama-cpp-python is an sdist (~9 min of both cores to compile here); build it on
 wheel (`install_hint()` prints the command with CMAKE_ARGS for this CPU: AMX off, AVX512 only where
 /proc/cpuinfo has it).
 
-    python benchmarks/bench_llamacpp.py --out results/report/llamacpp.json [--quick]
+    python -m benchmarks.bench_llamacpp --out benchmarks/results/report/llamacpp.json [--quick]
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-from common import cpu_flags, machine_info  # noqa: E402
-from workloads import label_ids, wl1  # noqa: E402
+from benchmarks.harness import cpu_flags, load_engine, machine_info, tokenizer
+from benchmarks.workloads import add_trace_args, build_traces, label_ids
 
 WHEELS = Path("~/.cache/prefillonly/wheels").expanduser()
 
@@ -65,18 +66,27 @@ def p_yes(logp_yes: float, logp_no: float) -> float:
     return a / (a + b)
 
 
+def timed(score: Callable[[int], float], n: int) -> dict[str, Any]:
+    """P(Yes) of items 0..n-1 in order, with per-item latency and items/s."""
+    lat, probs = [], []
+    t0 = time.perf_counter()
+    for i in range(n):
+        t = time.perf_counter()
+        probs.append(score(i))
+        lat.append(time.perf_counter() - t)
+    return {"items_per_s": n / (time.perf_counter() - t0), "mean_s": float(np.mean(lat)), "p_yes": probs}
+
+
 def run_llamacpp(
     gguf: Path, prompts: list[tuple[int, ...]], labels: tuple[int, int], n_ctx: int
 ) -> dict[str, Any]:
     import llama_cpp
-    import numpy as np
 
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
     n_vocab = llm.n_vocab()
-    lat, probs = [], []
-    t0 = time.perf_counter()
-    for ids in prompts:
-        t = time.perf_counter()
+
+    def score(i: int) -> float:
+        ids = prompts[i]
         past = list(llm.input_ids[: llm.n_tokens])
         k = 0
         while k < min(len(past), len(ids) - 1) and past[k] == ids[k]:
@@ -85,54 +95,38 @@ def run_llamacpp(
         llm.eval(list(ids[k:]))
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
         logp = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))
-        probs.append(p_yes(float(logp[labels[0]]), float(logp[labels[1]])))
-        lat.append(time.perf_counter() - t)
-    wall = time.perf_counter() - t0
-    return {"items_per_s": len(prompts) / wall, "mean_s": float(np.mean(lat)), "p_yes": probs}
+        return p_yes(float(logp[labels[0]]), float(logp[labels[1]]))
+
+    return timed(score, len(prompts))
 
 
 def run_ours(prompts: list[tuple[int, ...]], prefixes: list[int], labels: tuple[int, int]) -> dict[str, Any]:
-    import numpy as np
+    engine = load_engine()
 
-    from po_backend import Engine
+    def score(i: int) -> float:
+        (res,) = engine.score([list(prompts[i])], labels, cache_prefix_len=prefixes[i])
+        return p_yes(*res.logprobs)
 
-    engine = Engine.from_pretrained("embedded", cache_policy="declared", max_input_len=4096)
-    lat, probs = [], []
-    t0 = time.perf_counter()
-    for ids, pre in zip(prompts, prefixes, strict=True):
-        t = time.perf_counter()
-        (res,) = engine.score([list(ids)], labels, cache_prefix_len=pre)
-        probs.append(p_yes(*res.logprobs))
-        lat.append(time.perf_counter() - t)
-    wall = time.perf_counter() - t0
-    return {"items_per_s": len(prompts) / wall, "mean_s": float(np.mean(lat)), "p_yes": probs}
+    return timed(score, len(prompts))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--users", type=int, default=3)
-    ap.add_argument("--items", type=int, default=8)
-    ap.add_argument("--profile", type=int, default=600)
-    ap.add_argument("--item-tokens", type=int, default=80)
+    add_trace_args(ap, wl1_users=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.quick:
-        args.users, args.items, args.profile, args.item_tokens = 2, 3, 300, 40
+        args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
     doc: dict[str, Any] = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
     if not available():
         doc.update(status="not run: llama-cpp-python not installed", install=install_hint())
         print(doc["status"] + "\n  install: " + doc["install"])
     else:
-        from transformers import AutoTokenizer
+        from po_backend.models.loader import embedded_model_file
 
-        from po_backend.models.loader import embedded_model_file, resolve_model_dir
-
-        tok = AutoTokenizer.from_pretrained(resolve_model_dir("embedded"))
-        mean = args.profile
-        items = wl1(
-            tok, args.users, args.items, mean, mean // 8, (int(mean * 0.8), int(mean * 1.2)), args.item_tokens
-        )
+        tok = tokenizer()
+        items = build_traces(args, tok, ("WL1",))["WL1"]
         prompts = [it.ids for it in items]  # user order: each user's prefix is reused by its items
         labels = label_ids(tok)
         gguf = embedded_model_file()

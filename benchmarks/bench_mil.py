@@ -1,5 +1,6 @@
-"""Maximum input length within a fixed activation-memory budget (paper Table 2), and hybrid
-prefilling on/off (paper Fig. 10: memory and speed of the same forward), on the embedded model.
+"""Maximum input length within a fixed activation-memory budget (paper Table 2), and memory and
+speed of one long prefill per configuration (paper Fig. 10: hybrid prefilling on/off), on the
+embedded model.
 
 Configurations (each (config, n) runs one cold forward in a fresh subprocess, so allocator state
 and the RSS high-water mark never leak between them):
@@ -10,40 +11,32 @@ and the RSS high-water mark never leak between them):
   hybrid       ours, hybrid prefilling (token-wise ops in chunks, attention unchunked)
   chunked      ours, Sarathi-style chunked prefill (attention chunked too, all-layer K/V kept)
 
-Peak = kernel RSS high-water mark above the RSS before the forward (po_backend.memory.PeakMemory).
-The MIL of a configuration is where a least-squares line peak = c0 + c1*n through its measured
-points reaches `--budget-mib`: "measured" when a measured length fits the budget and a longer
-measured one does not (the MIL is bracketed by measurements), "extrapolated" otherwise.
+Peak = kernel RSS high-water mark above the RSS before the forward (po_backend.memory.PeakMemory);
+TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the GEMM peak measured at start. MIL
+= where a least-squares line peak = c0 + c1*n through the measured points reaches `--budget-mib`
+("measured" when measured lengths bracket it, else "extrapolated").
 
-    flock /tmp/po-bench.lock python benchmarks/bench_mil.py --out results/report/mil.json  # ~10 min
+    python -m benchmarks.bench_mil --out benchmarks/results/report/mil.json            # ~10 min
+    python -m benchmarks.bench_mil --quick --out /tmp/mil.json                         # ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks.common` and `po_backend` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+import numpy as np
 import torch
 
-from benchmarks.common import (
-    CpuShare,
-    GiB,
-    MiB,
-    PeakRSS,
-    emit_result,
-    fit_linear,
-    machine_info,
-    run_child,
-    wait_for_quiet,
-)
-from po_backend.config import parse_dtype
+from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, wait_for_quiet
+from po_backend.config import ModelConfig, parse_dtype
+from po_backend.memory import PeakMemory
 from po_backend.models.loader import read_config, resolve_model_dir
 
 CONFIGS = {
@@ -55,6 +48,34 @@ CONFIGS = {
 }
 LABEL_ID = 10539
 WARMUP_TOKENS = 128
+RESULT_MARKER = "@@RESULT "  # a child prints exactly one line starting with this, then JSON
+
+
+def gemm_peak_gflops(dtype: torch.dtype, size: int = 2048, min_seconds: float = 1.0) -> float:
+    """Best achieved GFLOP/s of a square GEMM on this machine: the roof the model's GEMMs can reach.
+    The layout is nn.Linear's, x @ W.t(): on CPUs without native bf16 a plain `a @ b` in bf16
+    takes a ~10x slower path, so the layout matters for the roof."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
+    out = torch.empty(size, size, dtype=dtype)
+    torch.matmul(x, w.t(), out=out)  # warm-up: thread pool, oneDNN kernel selection
+    best, reps, start = float("inf"), 0, time.perf_counter()
+    while reps < 2 or (time.perf_counter() - start < min_seconds and reps < 50):
+        t = time.perf_counter()
+        torch.matmul(x, w.t(), out=out)
+        best, reps = min(best, time.perf_counter() - t), reps + 1
+    return 2.0 * size**3 / best / 1e9
+
+
+def prefill_flops(cfg: ModelConfig, n: int) -> float:
+    """Useful FLOPs of one causal prefill of `n` tokens, the same for every configuration (work a
+    configuration wastes, like hf-default's LM head over all n rows, is not credited):
+    2 per matmul weight per token (q, k, v, o, gate, up, down of every layer), QK^T and PV on half
+    the n x n square (causal), and a 1-row LM head. Elementwise ops (<1% here) are not counted."""
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    attention = 2.0 * 2.0 * (n * n / 2.0) * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return 2.0 * cfg.num_layers * per_layer * n + attention + 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
 def child(config: str, n: int, chunk_size: int, dtype: str) -> dict[str, Any]:
@@ -75,7 +96,7 @@ def child(config: str, n: int, chunk_size: int, dtype: str) -> dict[str, Any]:
 
         prompt: Any = ids
     else:
-        from po_backend import Engine
+        from po_backend.engine import Engine
 
         engine = Engine.from_pretrained(
             "embedded",
@@ -90,9 +111,9 @@ def child(config: str, n: int, chunk_size: int, dtype: str) -> dict[str, Any]:
         def forward(x: Any) -> float:
             return engine.score([x], [LABEL_ID])[0].logprobs[0]
 
-        prompt = ids.tolist()
+        prompt = ids.tolist()  # built outside the timed region
     forward(prompt[:WARMUP_TOKENS])  # thread pool, kernels, first touch of the weights
-    with PeakRSS() as p, CpuShare() as cpu:
+    with PeakMemory("cpu") as p, CpuShare() as cpu:
         t = time.perf_counter()
         logprob = forward(prompt)
         seconds = time.perf_counter() - t
@@ -103,27 +124,42 @@ def child(config: str, n: int, chunk_size: int, dtype: str) -> dict[str, Any]:
         "peak_method": p.method,
         "time_s": seconds,
         "tok_per_s": n / seconds,
+        "tflops": prefill_flops(cfg, n) / seconds / 1e12,
         "logprob": logprob,
         "other_cores": cpu.other_cores,
     }
 
 
+def run_child(args: list[str], timeout: float) -> dict[str, Any]:
+    """`python -m benchmarks.bench_mil --child ...` in a fresh interpreter: its result, or a row
+    saying why there is none (a SIGKILL with no traceback is what the OOM killer leaves)."""
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    cmd = [sys.executable, "-m", "benchmarks.bench_mil", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "detail": f"no result within {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return {"status": "ok", **json.loads(line[len(RESULT_MARKER) :])}
+    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+    oom = proc.returncode in (-9, 137) or "MemoryError" in proc.stderr
+    return {"status": "oom" if oom else "failed", "detail": f"exit {proc.returncode}: {tail}"}
+
+
 def fit_mil(points: list[tuple[int, int]], budget: float) -> dict[str, Any]:
     """MIL from (n, peak bytes) points: the line's crossing of `budget`, and whether measured
     points bracket it."""
-    ns = [n for n, _ in points]
-    c0, c1 = fit_linear(ns, [b for _, b in points])
-    mil = int((budget - c0) / c1) if c1 > 0 else None
+    c1, c0 = np.polyfit([n for n, _ in points], [b for _, b in points], 1)
     fits = [n for n, b in points if b <= budget]
     over = [n for n, b in points if b > budget]
-    bracketed = bool(fits) and bool(over) and max(fits) < min(over)
     return {
         "c0_mib": c0 / MiB,
         "kib_per_token": c1 / 1024,
-        "mil": mil,
-        "kind": "measured" if bracketed else "extrapolated",
+        "mil": int((budget - c0) / c1) if c1 > 0 else None,
+        "kind": "measured" if fits and over and max(fits) < min(over) else "extrapolated",
         "largest_measured_fit": max(fits) if fits else None,
-        "points": ns,
+        "points": [n for n, _ in points],
     }
 
 
@@ -137,52 +173,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quiet-wait", type=float, default=30.0)
     ap.add_argument("--quick", action="store_true", help="lengths 256,512")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="result JSON (required unless --child)")
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        emit_result(child(args.child[0], int(args.child[1]), args.chunk_size, args.dtype))
+        result = child(args.child[0], int(args.child[1]), args.chunk_size, args.dtype)
+        print(RESULT_MARKER + json.dumps(result), flush=True)
         return 0
-    assert args.out is not None, "--out is required"
+    if args.out is None:
+        ap.error("--out is required")
     if args.quick:
         args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
-    lengths = [int(x) for x in args.lengths.split(",")]
+    dtype = parse_dtype(None if args.dtype == "auto" else args.dtype, torch.device("cpu"))
+    # Both dtypes: the CPU decides which one the engine uses (bf16 only where it is native).
+    roofs = {str(dt): gemm_peak_gflops(dt) for dt in (torch.float32, torch.bfloat16)}
+    print("GEMM peak (x @ W.t(), 2048^3): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roofs.items()))
+    roof = roofs[str(dtype)]
     rows: list[dict[str, Any]] = []
-    for n in lengths:
+    for n in [int(x) for x in args.lengths.split(",")]:
         for c in configs:
             wait_for_quiet(args.quiet_wait)
-            res = run_child(
-                [str(Path(__file__).resolve()), "--child", c, str(n), "--chunk-size", str(args.chunk_size)]
-                + ["--dtype", args.dtype],
-                timeout=args.timeout,
-            )
-            row = res.result or {"config": c, "n": n, "status": res.status, "detail": res.detail}
-            row.setdefault("status", res.status)
+            cmd = ["--child", c, str(n), "--chunk-size", str(args.chunk_size), "--dtype", args.dtype]
+            row = {"config": c, "n": n, **run_child(cmd, args.timeout)}
             rows.append(row)
-            if res.result:
-                print(
-                    f"  {c:10s} n={n:6d}: peak {row['peak_bytes'] / MiB:7.1f} MiB, {row['tok_per_s']:6.0f} tok/s"
-                    f"  (other cores {row['other_cores']:.2f})"
-                )
-            else:
-                print(f"  {c:10s} n={n:6d}: {res.status} {res.detail}")
+            if row["status"] != "ok":
+                print(f"  {c:10s} n={n:6d}: {row['status']} {row['detail']}")
+                continue
+            row["gemm_peak_frac"] = row["tflops"] * 1e3 / roof
+            print(
+                f"  {c:10s} n={n:6d}: peak {row['peak_bytes'] / MiB:7.1f} MiB, {row['tok_per_s']:6.0f} tok/s, "
+                f"{row['tflops']:.3f} TFLOP/s ({row['gemm_peak_frac']:.0%} of GEMM peak)  "
+                f"(other cores {row['other_cores']:.2f})"
+            )
     budget = args.budget_mib * MiB
     mil = {}
     for c in configs:
         pts = [(r["n"], r["peak_bytes"]) for r in rows if r["config"] == c and r["status"] == "ok"]
         if len({n for n, _ in pts}) >= 2:
             mil[c] = fit_mil(pts, budget)
-    for c, m in mil.items():
-        print(f"  MIL {c:10s}: {m['mil']} tokens ({m['kind']}), {m['kib_per_token']:.1f} KiB/token")
-    ctx = read_config(resolve_model_dir("embedded")).max_position_embeddings
+            print(
+                f"  MIL {c:10s}: {mil[c]['mil']} tokens ({mil[c]['kind']}), {mil[c]['kib_per_token']:.1f} KiB/token"
+            )
     doc = {
         "machine": machine_info(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "dtype": str(dtype),
+        "gemm_peak_gflops": roofs,
         "configs": {c: CONFIGS[c] for c in configs},
         "budget_mib": args.budget_mib,
-        "model_context": ctx,
+        "model_context": read_config(resolve_model_dir("embedded")).max_position_embeddings,
         "rows": rows,
         "mil": mil,
     }

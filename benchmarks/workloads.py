@@ -23,17 +23,7 @@ WORDS = (
     "review guide tips story video photo update event today best great small quick easy deep "
     "morning evening weekend trip market price recipe garden match score album book film game"
 ).split()
-MERCHANTS = [
-    "grocery",
-    "fuel",
-    "rent",
-    "salary",
-    "restaurant",
-    "online shop",
-    "pharmacy",
-    "utilities",
-    "travel",
-]
+MERCHANTS = "grocery,fuel,rent,salary,restaurant,online shop,pharmacy,utilities,travel".split(",")
 
 
 @dataclass(frozen=True)
@@ -130,19 +120,12 @@ def wl2(
 
 
 def add_trace_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
-    """The WL1/WL2 size flags every in-process benchmark takes; `defaults` overrides the values
+    """The WL1/WL2 size flags the in-process benchmarks take; `defaults` overrides the values
     below by flag name (wl1_users=6, ...)."""
-    d = {
-        "wl1_users": 4,
-        "wl1_items": 8,
-        "wl1_profile": 600,
-        "wl1_item_tokens": 80,
-        "wl2_requests": 6,
-        "wl2_min": 800,
-        "wl2_max": 1600,
-    }
-    unknown = set(defaults) - set(d)
-    assert not unknown, f"unknown trace arguments {sorted(unknown)}"
+    d = dict(wl1_users=4, wl1_items=8, wl1_profile=600, wl1_item_tokens=80, wl2_requests=6, wl2_min=800)
+    d["wl2_max"] = 1600
+    if set(defaults) - set(d):
+        raise ValueError(f"unknown trace arguments {sorted(set(defaults) - set(d))}")
     d.update(defaults)
     ap.add_argument("--wl1-users", type=int, default=d["wl1_users"])
     ap.add_argument("--wl1-items", type=int, default=d["wl1_items"], help="WL1 posts per user")
@@ -159,16 +142,9 @@ def build_traces(
     """The workloads in `wanted`, sized by the flags of `add_trace_args`."""
     out: dict[str, list[Item]] = {}
     if "WL1" in wanted:
-        mean = args.wl1_profile
-        out["WL1"] = wl1(
-            tok,
-            users=args.wl1_users,
-            items=args.wl1_items,
-            profile_mean=mean,
-            profile_std=mean // 8,
-            profile_range=(int(mean * 0.8), int(mean * 1.2)),
-            item_tokens=args.wl1_item_tokens,
-        )
+        mean, users, items = args.wl1_profile, args.wl1_users, args.wl1_items
+        rng = (int(mean * 0.8), int(mean * 1.2))
+        out["WL1"] = wl1(tok, users, items, mean, mean // 8, rng, args.wl1_item_tokens)
     if "WL2" in wanted:
         out["WL2"] = wl2(tok, users=args.wl2_requests, history_range=(args.wl2_min, args.wl2_max))
     return out

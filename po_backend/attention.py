@@ -7,8 +7,10 @@ and SDPA's `enable_gqa` measured 20% slower on CPU.
 
 A cached prefix shared by several items (multi-item scoring) is attended ONCE for all the items'
 queries together, and each item attends causally to itself; the two partial results are merged
-with their log-sum-exps (the split-KV trick of flash-decoding). The prefix K/V are never copied
-per item and no [queries, keys] mask is built.
+with their log-sum-exps (the split-KV trick of flash-decoding). On CPU (fp32/bf16) the prefix K/V
+are not copied per item and no [queries, keys] mask is built. Elsewhere (CUDA, fp16, or a torch
+without the CPU flash op) `attend_items` falls back to `attend` per item, which concatenates the
+prefix K/V with the item's own (a copy of the prefix per item) and builds a [n, prefix + n] mask.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""Frozen configuration records. No I/O here: loaders read files and hand dicts to `from_hf`."""
+"""Frozen configuration records. No I/O here: loaders read files and hand dicts to `from_hf`;
+what the CPU can do comes from `po_backend.cpu`."""
 
 from __future__ import annotations
 
 import math
-import platform
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from po_backend.cpu import cpu_has_fast_bf16
 from po_backend.errors import UnsupportedModelError
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k)
@@ -141,28 +142,6 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def cpu_model() -> str:
-    """The CPU's model name (keys the persisted JCT profile; printed by benchmarks)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-bf16 or AMX make bf16 GEMMs ~3.5x faster than fp32 on CPU; without them bf16 is slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
@@ -204,7 +183,9 @@ class EngineConfig:
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
     max_batch_tokens: int = 8192
     enable_cache: bool = True
-    memory_budget: int | None = None  # bytes beyond the weights; None = a default share
+    # Bytes beyond the weights (activations + prefix-KV pool); None = a quarter of the available
+    # RAM on CPU, 85% of the free GPU memory on CUDA.
+    memory_budget: int | None = None
     # Which leading tokens of a request that declares nothing enter the prefix cache.
     cache_policy: str = "all-but-last-k"  # | "declared" | "none"
     cache_last_k: int = 1
@@ -213,15 +194,25 @@ class EngineConfig:
     # "chunked": Sarathi-style chunked prefill, kept as the baseline the paper compares against:
     # every op, attention included, runs chunk by chunk, so every layer's K/V must stay resident.
     prefill_mode: PrefillMode = "hybrid"
+    # Tokens the prefix-KV pool may hold at most; None = what the memory budget leaves after the
+    # activations (capped at 64 full-length prompts under the default budget).
+    prefix_pool_tokens: int | None = None
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")
-        assert self.cache_policy in policies, (
-            f"cache_policy must be one of {policies}, got {self.cache_policy!r}"
-        )
-        assert self.cache_last_k >= 0, f"cache_last_k must be >= 0, got {self.cache_last_k}"
-        assert self.chunk_size >= 0, f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}"
-        assert self.max_input_len >= 1, f"max_input_len must be >= 1, got {self.max_input_len}"
-        assert self.prefill_mode in PREFILL_MODES, (
-            f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}"
-        )
+        if self.cache_policy not in policies:
+            raise ValueError(f"cache_policy must be one of {policies}, got {self.cache_policy!r}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
+        for name, low in (
+            ("cache_last_k", 0),
+            ("chunk_size", 0),  # 0 = no chunking
+            ("max_input_len", 1),
+            ("max_batch_tokens", 1),
+        ):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.memory_budget is not None and self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be >= 1 byte, got {self.memory_budget}")
+        if self.prefix_pool_tokens is not None and self.prefix_pool_tokens < 1:
+            raise ValueError(f"prefix_pool_tokens must be >= 1, got {self.prefix_pool_tokens}")

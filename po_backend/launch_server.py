@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import uvicorn
+
 from po_backend.config import PREFILL_MODES
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, POLICIES
-from po_backend.server import LoopBackend, ServerArgs, create_app
+from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, POLICIES, SchedulerConfig
+from po_backend.server import EngineOptions, LoopBackend, ServerArgs, create_app
 
 log = logging.getLogger("po_backend.launch_server")
 
@@ -64,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--schedule-policy",
         choices=POLICIES,
-        default="po",
-        help="po: prefix-aware SRJF with JCT calibration (the paper's); fcfs: strict arrival order; "
-        "srjf: JCT at arrival; lpm: longest cached prefix first",
+        default=None,
+        help="po (default): prefix-aware SRJF with JCT calibration (the paper's); fcfs: strict "
+        "arrival order (the only one of --backend hf); srjf: JCT at arrival; lpm: longest cached "
+        "prefix first",
     )
     ap.add_argument(
         "--fairness-lambda",
@@ -104,86 +109,144 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds an idle keep-alive connection stays open",
     )
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+    ap.add_argument(
+        "--rerank-template",
+        default="",
+        help="rerank prompt (text or a file) with {query} before {doc}, optional {instruct}; default: Qwen3-Reranker's format in the chat template",
+    )
+    ap.add_argument(
+        "--classify-labels",
+        default="",
+        help="labels of SGLang/vLLM-style /v1/classify {model, input}, comma-separated (e.g. yes,no)",
+    )
+    ap.add_argument(
+        "--classify-template",
+        default="{input}",
+        help="prompt of /v1/classify around {input} (text or a file)",
+    )
     return ap  # fmt: skip
 
 
-def build_backend(a: argparse.Namespace) -> tuple[LoopBackend, dict[str, Any]]:
-    """The scorer and its scheduling loop for `--backend`, and what /server_info reports."""
-    dtype = None if a.dtype == "auto" else a.dtype
+def server_args(a: argparse.Namespace) -> ServerArgs:
+    """The command line as `ServerArgs`: the one place flags meet the config. Raises ValueError
+    for values or combinations that cannot run."""
+    policy = a.schedule_policy
     if a.backend == "hf":
-        from po_backend.hf_backend import FCFSLoop, HFScorer
+        # The transformers baseline is FCFS only (one prompt per forward, no prefix cache).
+        if policy not in (None, "fcfs"):
+            raise ValueError(f"--backend hf runs FCFS only, got --schedule-policy {policy}")
+        policy = "fcfs"
+    scheduler = SchedulerConfig(policy=policy or "po")
+    if a.fairness_lambda is not None:
+        scheduler = SchedulerConfig(policy=scheduler.policy, fairness_lambda=a.fairness_lambda)
+    engine = EngineOptions(
+        model_path=a.model_path,
+        backend=a.backend,
+        dtype=a.dtype,
+        device=a.device,
+        max_input_len=a.max_input_len,
+        max_batch_tokens=a.max_batch_tokens,
+        memory_budget=a.memory_budget,
+        chunk_size=a.chunk_size,
+        prefill_mode=a.prefill_mode,
+        enable_cache=not a.disable_radix_cache,
+    )
+    return ServerArgs(
+        engine=engine,
+        scheduler=scheduler,
+        max_queue=a.max_queue,
+        served_model_name=a.served_model_name or "",
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key or None,
+        max_body_bytes=a.max_body_bytes,
+        timeout_keep_alive=a.timeout_keep_alive,
+        log_level=a.log_level,
+        rerank_template=_text_or_file(a.rerank_template),
+        classify_labels=tuple(x.strip() for x in a.classify_labels.split(",")) if a.classify_labels else (),
+        classify_template=_text_or_file(a.classify_template),
+    )
+
+
+def _text_or_file(value: str) -> str:
+    """A template flag: the text itself, or the contents of the file it names."""
+    return Path(value).read_text() if value and os.path.isfile(value) else value
+
+
+def build_backend(args: ServerArgs) -> LoopBackend:
+    """The scorer for `args.engine.backend` and the scheduling loop that owns it."""
+    opts, sched = args.engine, args.scheduler
+    if opts.backend == "hf":
+        from po_backend.hf_backend import HFScorer
+        from po_backend.loop import EngineLoop
 
         scorer = HFScorer.from_pretrained(
-            a.model_path, dtype=dtype, device=a.device, max_input_len=a.max_input_len
+            opts.model_path,
+            dtype=opts.overrides().get("dtype"),
+            device=opts.device,
+            max_input_len=opts.max_input_len,
         )
-        loop = FCFSLoop(scorer, max_queue=a.max_queue)
-        info = {
+        loop = EngineLoop(scorer, policy="fcfs", max_queue=args.max_queue)
+        settings = {
             "dtype": str(next(scorer.model.parameters()).dtype),
+            "max_input_len": scorer.max_input_len,
             "schedule_policy": "fcfs",
             "radix_cache": False,
         }
-        return LoopBackend(scorer, loop, scorer.max_input_len), info
+        return LoopBackend(scorer, loop, scorer.max_input_len, settings)
     from po_backend.engine import Engine
     from po_backend.loop import EngineLoop
 
-    engine = Engine.from_pretrained(
-        a.model_path,
-        dtype=dtype,
-        device=a.device,
-        chunk_size=a.chunk_size,
-        max_input_len=a.max_input_len,
-        max_batch_tokens=a.max_batch_tokens,
-        enable_cache=not a.disable_radix_cache,
-        memory_budget=a.memory_budget,
-        prefill_mode=a.prefill_mode,
+    engine = Engine.from_pretrained(opts.model_path, **opts.overrides())
+    loop = EngineLoop(
+        engine, policy=sched.policy, fairness_lambda=sched.fairness_lambda, max_queue=args.max_queue
     )
-    loop_kw: dict[str, Any] = {"policy": a.schedule_policy, "max_queue": a.max_queue}
-    if a.fairness_lambda is not None:
-        loop_kw["fairness_lambda"] = a.fairness_lambda
-    loop = EngineLoop(engine, **loop_kw)
     cfg = engine.config
-    info = {
+    settings = {
         "dtype": str(cfg.dtype),
         "device": str(cfg.device),
         "chunk_size": cfg.chunk_size,
         "prefill_mode": cfg.prefill_mode,
+        "max_input_len": cfg.max_input_len,
         "max_batch_tokens": cfg.max_batch_tokens,
-        "schedule_policy": a.schedule_policy,
+        "schedule_policy": loop.config.policy,
         "fairness_lambda": loop.config.fairness_lambda,
         "radix_cache": cfg.enable_cache,
         "memory_budget": cfg.memory_budget,
     }
-    return LoopBackend(engine, loop, cfg.max_input_len), info
+    return LoopBackend(engine, loop, cfg.max_input_len, settings)
+
+
+def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
+    """How uvicorn serves `app`: every HTTP setting of `args` reaches it here."""
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # seconds; a float works
+        # Above the default so a burst of ~1000 connects is queued by the kernel, not refused.
+        backlog=4096,
+        timeout_graceful_shutdown=30,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        args = server_args(a)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(
-        level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
-    import uvicorn
-
-    backend, info = build_backend(a)
-    model_cfg = getattr(backend.scorer, "model_config", None)
-    hf_cfg = getattr(getattr(backend.scorer, "model", None), "config", None)
-    args = ServerArgs(
-        model_path=a.model_path,
-        served_model_name=a.served_model_name or "",
-        backend=a.backend,
-        host=a.host,
-        port=a.port,
-        api_key=a.api_key,
-        max_body_bytes=a.max_body_bytes,
-        model_type=getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or "",
-        architectures=tuple(getattr(hf_cfg, "architectures", None) or ()),
-        engine_args={"max_queue": a.max_queue, **info},
-    )
+    backend = build_backend(args)
     app = create_app(backend, args)
-    log.info("serving %s (%s backend) on http://%s:%d", a.model_path, a.backend, a.host, a.port)
-    # Backlog above the default so a burst of ~1000 connects is queued by the kernel, not refused.
-    uvicorn.run(
-        app, host=a.host, port=a.port, log_level=a.log_level, backlog=4096, timeout_graceful_shutdown=30
-    )
+    log.info("serving %s (%s backend) on http://%s:%d", args.model_path, args.backend, args.host, args.port)
+    uvicorn.Server(uvicorn_config(app, args)).run()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""The engine loop: one worker thread owns the engine; any thread submits requests and gets futures.
+"""The serving loop: one worker thread owns a scorer; any thread submits requests and gets futures.
+
+The scorer is our `Engine` or the transformers baseline (`hf_backend.HFScorer`): anything with the
+`Scorer` methods. The loop is the only place requests wait and get ordered, for both.
 
     loop = EngineLoop(engine, policy="po")
     fut = loop.submit(req)            # validated now (typed errors raise here), queued, a Future
@@ -24,19 +27,47 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from po_backend.engine import Engine, ScoreRequest, ScoreResult
+from po_backend.engine import Engine
 from po_backend.errors import CancelledError, OverloadedError, PrefillOnlyError
-from po_backend.jct import CalibratedJCT, JCTModel, load_or_profile, pearson_r
+from po_backend.jct import CalibratedJCT, JCTModel, pearson_r
+from po_backend.jct_profile import load_or_profile
+from po_backend.request import ScoreRequest, ScoreResult
 from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STEP_LOG = 4096  # recent steps kept for stats (percentiles, prediction quality)
+
+
+class ScorerStats(Protocol):
+    @property
+    def hit_rate(self) -> float: ...
+
+
+class Scorer(Protocol):
+    """What the loop drives (`Engine`, `HFScorer`). Only the worker thread calls these, except
+    `validate`, which is called by the submitting thread and must only read."""
+
+    def validate(self, req: ScoreRequest) -> None:
+        """Raise a typed error (po_backend.errors) for a request that can never run."""
+
+    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """Run one step over the requests chosen by `batchable`; a result per request, in order."""
+
+    def cached_len(self, req: ScoreRequest) -> int:
+        """Leading tokens of `req` the scorer's cache would serve now (read-only)."""
+
+    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[int]:
+        """Indices of the candidates (the first always included) that can share one step."""
+
+    def stats(self) -> ScorerStats: ...
+
+    def flush_cache(self) -> None: ...
 
 
 class LoopClosedError(OverloadedError):
@@ -49,7 +80,7 @@ class StepRecord:
 
     start: float  # loop clock
     seconds: float  # measured wall time of engine.step
-    predicted_raw: float  # the fitted JCT model's price of the step, before calibration
+    predicted_raw: float  # the fitted JCT model's price of the step, before calibration (nan: no JCT)
     predicted: float  # what the scheduler used: raw times the calibration factor at the time
     items: tuple[tuple[int, int], ...]  # (n_input, n_cached) per request
     policy_score: float
@@ -73,6 +104,7 @@ class LoopStats:
     step_p90_s: float
     step_p99_s: float
     cache_hit_rate: float  # prompt tokens served from the prefix cache (engine lifetime)
+    # nan when the loop has no JCT model (fcfs / lpm without one)
     jct_fit_r: float  # held-out Pearson r of the start-up profile fit
     jct_fit_median_abs_error_s: float
     jct_calibration: float  # measured / predicted step time factor applied to predictions
@@ -87,11 +119,11 @@ class _Job:
 
 
 class EngineLoop:
-    """A scheduler in front of one engine, driven by one worker thread that owns the engine."""
+    """A scheduler in front of one scorer, driven by one worker thread that owns the scorer."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Scorer,
         *,
         policy: str = "po",
         fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA,
@@ -101,16 +133,23 @@ class EngineLoop:
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
     ) -> None:
-        """jct: the step-time model; None loads the persisted profile for this model and machine
-        or profiles the engine now (seconds; once per machine). A CalibratedJCT is used as is, so
-        what an earlier loop learned online carries over. start=False leaves the worker
-        stopped until `start()` (tests; submitting a burst that is scheduled as a whole)."""
-        assert max_queue >= 1, f"max_queue must be >= 1, got {max_queue}"
+        """engine: the scorer this loop owns (an Engine, or any `Scorer`).
+        jct: the step-time model. None: fcfs and lpm run without one (no profile at start); po and
+        srjf load the persisted profile for this engine and machine or profile it now (seconds;
+        once per machine). A CalibratedJCT is used as is, so what an earlier loop learned online
+        carries over. start=False leaves the worker stopped until `start()` (tests; submitting a
+        burst that is scheduled as a whole)."""
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.config = SchedulerConfig(policy, fairness_lambda)
-        if not isinstance(jct, CalibratedJCT):
-            jct = CalibratedJCT(jct if jct is not None else load_or_profile(engine))
-        self.jct = jct
+        if jct is None and self.config.needs_jct:
+            if not isinstance(engine, Engine):
+                raise ValueError(f"policy {policy!r} needs a JCT model: pass jct= for this scorer")
+            jct = load_or_profile(engine)
+        if jct is not None and not isinstance(jct, CalibratedJCT):
+            jct = CalibratedJCT(jct)
+        self.jct: CalibratedJCT | None = jct
         self.calibrate = calibrate
         self.max_queue = max_queue
         self.clock = clock
@@ -118,7 +157,7 @@ class EngineLoop:
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
         self._jobs: dict[int, _Job] = {}  # waiting jobs by rid
         self._running: list[_Job] = []
-        self._calls: deque[tuple[Callable[[Engine], Any], Future[Any]]] = deque()
+        self._calls: deque[tuple[Callable[[Any], Any], Future[Any]]] = deque()
         self._ids = itertools.count()
         self._closing = False
         self._drain = True
@@ -224,8 +263,8 @@ class EngineLoop:
 
         return done
 
-    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
-        """Run fn(engine) on the worker thread between steps (the engine is not thread-safe)."""
+    def call(self, fn: Callable[[Any], T]) -> Future[T]:
+        """Run fn(engine) on the worker thread between steps (the scorer is not thread-safe)."""
         fut: Future[T] = Future()
         with self._cond:
             if self._closing:
@@ -270,7 +309,7 @@ class EngineLoop:
                 self._calls.clear()
             raise
 
-    def _run_call(self, fn: Callable[[Engine], Any], fut: Future[Any]) -> None:
+    def _run_call(self, fn: Callable[[Any], Any], fut: Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
@@ -305,13 +344,16 @@ class EngineLoop:
         return (jobs, items, pick.head_score) if jobs else None
 
     def _run_step(self, jobs: list[_Job], items: list[tuple[int, int]], head_score: float) -> None:
-        raw = self.jct.model.predict_items(items)
-        predicted = raw * self.jct.factor
+        raw = self.jct.model.predict_items(items) if self.jct else math.nan
+        predicted = raw * self.jct.factor if self.jct else math.nan
         start = self.clock()
         t = time.perf_counter()
         try:
             results = self.engine.step([j.req for j in jobs])
-            assert len(results) == len(jobs), f"engine.step returned {len(results)} results for {len(jobs)}"
+            if len(results) != len(jobs):
+                raise RuntimeError(
+                    f"the scorer's step returned {len(results)} results for {len(jobs)} requests"
+                )
         except Exception as e:
             seconds = time.perf_counter() - t
             log.warning("a step of %d requests failed: %r", len(jobs), e)
@@ -323,7 +365,7 @@ class EngineLoop:
                 j.future.set_exception(e)
             return
         seconds = time.perf_counter() - t
-        if self.calibrate:
+        if self.calibrate and self.jct is not None:
             self.jct.observe(items, seconds)
         with self._cond:
             self._running = []
@@ -361,7 +403,7 @@ class EngineLoop:
             n_steps = self._n_steps
         secs = np.array([s.seconds for s in steps if not s.error])
         pct = np.percentile(secs, [50, 90, 99]) if len(secs) else [math.nan] * 3
-        q = self.jct.quality
+        q = self.jct.quality if self.jct else None
         ok = [s for s in steps if not s.error]
         return LoopStats(
             policy=self.config.policy,
@@ -376,7 +418,7 @@ class EngineLoop:
             cache_hit_rate=self.engine.stats().hit_rate,
             jct_fit_r=q.pearson_r if q else math.nan,
             jct_fit_median_abs_error_s=q.median_abs_error_s if q else math.nan,
-            jct_calibration=self.jct.factor,
+            jct_calibration=self.jct.factor if self.jct else math.nan,
             jct_online_r=pearson_r([s.predicted for s in ok], [s.seconds for s in ok]),
             **counts,
         )

@@ -77,12 +77,9 @@ class PeakMemory:
     under-count; callers that size budgets combine it with an analytic bound.
     """
 
-    def __init__(
-        self, device: torch.device | str = "cpu", interval: float = 0.001, force_sampling: bool = False
-    ) -> None:
+    def __init__(self, device: torch.device | str = "cpu", interval: float = 0.001) -> None:
         self.device = torch.device(device)
         self.interval = interval
-        self.force_sampling = force_sampling
         self.peak = 0
         self.base = 0
         self.method = ""
@@ -94,10 +91,6 @@ class PeakMemory:
     def peak_bytes(self) -> int:
         return self.peak
 
-    @property
-    def base_bytes(self) -> int:
-        return self.base
-
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -106,7 +99,7 @@ class PeakMemory:
             self.method = "cuda-allocator"
             return self
         release_free_memory()
-        if not self.force_sampling and _reset_hwm():
+        if _reset_hwm():
             self.method = "clear_refs"
             self.base = rss_bytes()
         else:

@@ -1,28 +1,34 @@
-"""The model runner: one prefill-only forward over a packed batch of sequences.
+"""The model runners: one prefill-only forward over a packed batch of sequences.
 
-Hybrid prefilling: every token-wise op (embedding, norms, QKV/O projections, MLP, residual adds)
-runs over the packed tokens in chunks, writing into buffers allocated once per forward; attention
-runs per sequence over all of its tokens at once. A layer's K/V live in one buffer that the next
-layer overwrites (last-layer-only KV); only tokens the caller asks to cache are copied into the
-prefix pool. The LM head runs only on the rows whose next-token distribution is wanted.
+`HybridRunner` is hybrid prefilling (ours): every token-wise op (embedding, norms, QKV/O
+projections, MLP, residual adds) runs over the packed tokens in chunks, writing into buffers
+allocated once per forward; attention runs per sequence over all of its tokens at once. A layer's
+K/V live in one buffer that the next layer overwrites (last-layer-only KV); only tokens the caller
+asks to cache are copied into the prefix pool. The LM head runs only on the rows whose next-token
+distribution is wanted (the engine does that, on the hidden states returned here).
 
-`prefill_mode="chunked"` is the baseline the paper compares against (Sarathi-style chunked prefill,
-as in vLLM): each sequence runs chunk by chunk through ALL layers, attention included, each chunk
+`ChunkedRunner` is the baseline the paper compares against (Sarathi-style chunked prefill, as in
+vLLM): each sequence runs chunk by chunk through ALL layers, attention included, each chunk
 attending to the K/V of every earlier chunk. Its activations per chunk are small, but the K/V of
 every layer for the whole context must stay resident until the last chunk: that is the memory
 hybrid prefilling avoids.
+
+Both have the same `forward(seqs, pool)` and state their own activation bound; `make_runner`
+picks one from `EngineConfig.prefill_mode`.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from po_backend.attention import attend, attend_items
 from po_backend.cache.kv_pool import KVPool
-from po_backend.config import ModelConfig, PrefillMode
+from po_backend.config import PREFILL_MODES, ModelConfig, PrefillMode
 from po_backend.models.layers import Rotary
 from po_backend.models.llama import LlamaForCausalLM
 
@@ -36,37 +42,55 @@ class SeqPlan:
     start_pos: int = 0  # position of token_ids[0] = number of cached prefix tokens before it
     prefix_slots: torch.Tensor | None = None  # pool slots holding the cached prefix (len start_pos)
     store_slots: torch.Tensor | None = None  # pool slots that receive K/V of token_ids[:len(slots)]
+    # Sequences of one forward with the same group read the same cached prefix (same slots), so
+    # the runner reads its K/V once for all of them; the caller places a group's members next to
+    # each other. None: the prefix (if any) is this sequence's alone.
+    prefix_group: int | None = None
 
     def __post_init__(self) -> None:
         assert self.token_ids.numel() > 0, "a sequence needs at least one token to compute"
         n_prefix = 0 if self.prefix_slots is None else self.prefix_slots.numel()
         assert n_prefix == self.start_pos, f"prefix slots ({n_prefix}) != start_pos ({self.start_pos})"
+        assert self.prefix_group is None or self.start_pos > 0, "a prefix group needs a cached prefix"
         if self.store_slots is not None:
             assert self.store_slots.numel() <= self.token_ids.numel(), "more store slots than tokens"
 
 
-class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        device: torch.device,
-        chunk_size: int,
-        prefill_mode: PrefillMode = "hybrid",
-    ) -> None:
+class Runner(ABC):
+    """What the engine needs of a runner: a forward over packed sequences and the bound on what
+    that forward allocates (it sizes the prefix pool from the rest of the memory budget)."""
+
+    prefill_mode: ClassVar[PrefillMode]
+
+    def __init__(self, model: LlamaForCausalLM, device: torch.device, chunk_size: int) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = device
         self.dtype = model.embed_tokens.dtype
         self.chunk_size = chunk_size
-        self.prefill_mode = prefill_mode
         self.rotary = Rotary(self.cfg.rope.inv_freq(self.cfg.head_dim), device)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
 
-    @torch.inference_mode()
+    @abstractmethod
     def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
         """Final hidden states [m, hidden] at every seq's logit_offsets, concatenated in order."""
-        if self.prefill_mode == "chunked":
-            return self._forward_chunked(seqs, pool)
+
+    @abstractmethod
+    def activation_bound(self, n_tokens: int, prefix_tokens: int = 0) -> int:
+        """Upper bound on what one forward over `n_tokens` packed tokens after up to
+        `prefix_tokens` of cached prefix allocates beyond weights and the prefix pool."""
+
+
+class HybridRunner(Runner):
+    """Hybrid prefilling (see the module doc)."""
+
+    prefill_mode: ClassVar[PrefillMode] = "hybrid"
+
+    def activation_bound(self, n_tokens: int, prefix_tokens: int = 0) -> int:
+        return activation_bytes(self.cfg, self.dtype, n_tokens, self.chunk_size, prefix_tokens)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
         cfg, dev, dt = self.cfg, self.device, self.dtype
         ids, starts, positions = _pack(seqs, dev)
         total = ids.numel()
@@ -110,27 +134,42 @@ class ModelRunner:
         rows = torch.cat([s.logit_offsets.to(dev) + a for s, a in zip(seqs, starts, strict=False)])
         return h.index_select(0, rows)
 
-    def _forward_chunked(self, seqs: list[SeqPlan], pool: KVPool | None) -> torch.Tensor:
-        """Sarathi-style chunked prefill (the baseline mode, see the module doc). Like vLLM, a
-        chunk is a budget of `chunk_size` packed tokens that may span several sequences; every
-        op of every layer, attention included, runs on one chunk before the next starts."""
+
+class ChunkedRunner(Runner):
+    """Sarathi-style chunked prefill (the baseline, see the module doc). Like vLLM, a chunk is a
+    budget of `chunk_size` packed tokens that may span several sequences; every op of every
+    layer, attention included, runs on one chunk before the next starts."""
+
+    prefill_mode: ClassVar[PrefillMode] = "chunked"
+
+    def activation_bound(self, n_tokens: int, prefix_tokens: int = 0) -> int:
+        return chunked_activation_bytes(self.cfg, self.dtype, n_tokens, self.chunk_size, prefix_tokens)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
         cfg, dev, dt = self.cfg, self.device, self.dtype
         ids, starts, positions = _pack(seqs, dev)
         total = ids.numel()
         chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
         kv_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         # A later chunk attends to every earlier token of its sequence, so each sequence keeps the
-        # K/V of EVERY layer until its last chunk. A cached prefix shared by several items is
-        # gathered from the pool once (vLLM's paged blocks are shared the same way).
+        # K/V of EVERY layer until its last chunk. A cached prefix shared by several items (one
+        # prefix group) is gathered from the pool once (vLLM's paged blocks are shared the same way).
         prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for s in seqs:
-            if s.start_pos and id(s.prefix_slots) not in prefix_kv:
+        seq_prefix: list[int | None] = []  # each sequence's key into prefix_kv
+        for i, s in enumerate(seqs):
+            if not s.start_pos:
+                seq_prefix.append(None)
+                continue
+            key = s.prefix_group if s.prefix_group is not None else -1 - i  # ungrouped: its own
+            seq_prefix.append(key)
+            if key not in prefix_kv:
                 assert pool is not None and s.prefix_slots is not None, "a cached prefix needs the pool"
                 k_p = torch.empty(kv_shape[0], s.start_pos, *kv_shape[1:], dtype=dt, device=dev)
                 v_p = torch.empty_like(k_p)
                 for li in range(cfg.num_layers):
                     k_p[li], v_p[li] = pool.read(li, s.prefix_slots)
-                prefix_kv[id(s.prefix_slots)] = (k_p, v_p)
+                prefix_kv[key] = (k_p, v_p)
         own = [
             torch.empty(2, kv_shape[0], s.token_ids.numel(), *kv_shape[1:], dtype=dt, device=dev)
             for s in seqs
@@ -165,8 +204,9 @@ class ModelRunner:
                     m = hi - lo
                     k_own[lo:hi], v_own[lo:hi] = k[r : r + m], v[r : r + m]
                     ctx_k, ctx_v = k_own[:lo], v_own[:lo]  # this sequence's earlier chunks
-                    if seqs[i].start_pos:
-                        k_p, v_p = prefix_kv[id(seqs[i].prefix_slots)]
+                    key = seq_prefix[i]
+                    if key is not None:
+                        k_p, v_p = prefix_kv[key]
                         ctx_k, ctx_v = torch.cat([k_p[li], ctx_k]), torch.cat([v_p[li], ctx_v])
                     attend(
                         q[r : r + m], k_own[lo:hi], v_own[lo:hi], attn[r : r + m], self.scale, ctx_k, ctx_v
@@ -183,25 +223,39 @@ class ModelRunner:
         return out
 
 
+_RUNNERS: dict[str, type[Runner]] = {r.prefill_mode: r for r in (HybridRunner, ChunkedRunner)}
+
+
+def make_runner(
+    model: LlamaForCausalLM, device: torch.device, chunk_size: int, prefill_mode: PrefillMode = "hybrid"
+) -> Runner:
+    """The runner for `prefill_mode` ("hybrid": ours; "chunked": the Sarathi-style baseline)."""
+    if prefill_mode not in _RUNNERS:
+        raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+    return _RUNNERS[prefill_mode](model, device, chunk_size)
+
+
 def _prefix_groups(
     seqs: list[SeqPlan], starts: list[int]
 ) -> list[tuple[torch.Tensor | None, list[tuple[int, int]]]]:
-    """Runs of consecutive sequences that share one cached prefix (the same slots tensor), each
-    with its members' row ranges; sequences without a prefix form groups of their own."""
+    """Runs of consecutive sequences in one prefix group (reading one cached prefix), each with
+    its slots and its members' row ranges; a sequence without a group forms a group of its own."""
     groups: list[tuple[torch.Tensor | None, list[tuple[int, int]]]] = []
+    last: int | None = None  # prefix group of the previous sequence
     for s, a, b in zip(seqs, starts, starts[1:], strict=False):
         prefix = s.prefix_slots if s.start_pos else None
-        if prefix is not None and groups and groups[-1][0] is prefix:
+        if s.prefix_group is not None and s.prefix_group == last:
             groups[-1][1].append((a, b))
         else:
             groups.append((prefix, [(a, b)]))
+        last = s.prefix_group
     return groups
 
 
 def activation_bytes(
     cfg: ModelConfig, dtype: torch.dtype, n_tokens: int, chunk_size: int, prefix_tokens: int = 0
 ) -> int:
-    """Upper bound on what one forward over `n_tokens` packed tokens allocates beyond weights
+    """Upper bound on what one hybrid forward over `n_tokens` packed tokens allocates beyond weights
     and the prefix pool. Mirrors the buffers above; the profile run checks it by measurement."""
     it = torch.empty((), dtype=dtype).element_size()
     chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
@@ -222,7 +276,7 @@ def chunked_activation_bytes(
     cfg: ModelConfig, dtype: torch.dtype, n_tokens: int, chunk_size: int, prefix_tokens: int = 0
 ) -> int:
     """Upper bound on one chunked-prefill forward (prefill_mode="chunked") over `n_tokens` packed
-    tokens after up to `prefix_tokens` of cached prefix. Mirrors `_forward_chunked`: the term
+    tokens after up to `prefix_tokens` of cached prefix. Mirrors `ChunkedRunner.forward`: the term
     that grows with the context is the K/V of every layer."""
     it = torch.empty((), dtype=dtype).element_size()
     n = n_tokens + prefix_tokens

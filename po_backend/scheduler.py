@@ -29,7 +29,7 @@ DEFAULT_FAIRNESS_LAMBDA = 0.2
 
 
 class Request(Protocol):
-    """What the scheduler reads of a request (`po_backend.engine.ScoreRequest` has it)."""
+    """What the scheduler reads of a request (`po_backend.request.ScoreRequest` has it)."""
 
     @property
     def input_ids(self) -> tuple[int, ...]: ...
@@ -44,18 +44,34 @@ class Predictor(Protocol):
     def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
 
 
-CachedLen = Callable[[Request], int]
+CachedLen = Callable[[Request], int]  # tokens the cache serves now (read-only)
+StoreLen = Callable[[Request], int]  # leading tokens the request will keep in the cache
 Batchable = Callable[[Sequence[Request]], list[int]]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def fit_batch(
+    candidates: Sequence[Request], cached_len: CachedLen, store_len: StoreLen, max_batch_tokens: int
+) -> list[int]:
+    """Indices of the candidates (in order, the first always included) that can share one
+    forward: up to max_batch_tokens of new tokens, and of requests that will store the same
+    not-yet-cached prefix only the first, since the others will read it from the cache.
+
+    The engine's `batchable` (cached_len = what its radix cache serves, store_len = what it will
+    keep) and the simulator's both are this rule, so a simulated step batches as a real one."""
+    chosen: list[int] = []
+    tokens = 0
+    computing: set[tuple[int, ...]] = set()
+    for i, r in enumerate(candidates):
+        hit, store = cached_len(r), store_len(r)
+        key = tuple(r.input_ids[:store])
+        new = len(r.input_ids) - hit
+        if (store > hit and key in computing) or (chosen and tokens + new > max_batch_tokens):
+            continue
+        if store > hit:
+            computing.add(key)
+        chosen.append(i)
+        tokens += new
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -64,10 +80,15 @@ class SchedulerConfig:
     fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA
 
     def __post_init__(self) -> None:
-        assert self.policy in POLICIES, f"schedule policy must be one of {POLICIES}, got {self.policy!r}"
-        assert self.fairness_lambda >= 0 and math.isfinite(self.fairness_lambda), (
-            f"fairness_lambda must be a finite number >= 0, got {self.fairness_lambda}"
-        )
+        if self.policy not in POLICIES:
+            raise ValueError(f"schedule policy must be one of {POLICIES}, got {self.policy!r}")
+        if not (self.fairness_lambda >= 0 and math.isfinite(self.fairness_lambda)):
+            raise ValueError(f"fairness_lambda must be a finite number >= 0, got {self.fairness_lambda}")
+
+    @property
+    def needs_jct(self) -> bool:
+        """fcfs and lpm order without predicting step times; srjf and po need a JCT model."""
+        return self.policy not in ("fcfs", "lpm")
 
 
 @dataclass(frozen=True)
@@ -103,9 +124,8 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or SchedulerConfig()
-        assert jct is not None or self.config.policy in ("fcfs", "lpm"), (
-            f"policy {self.config.policy!r} needs a JCT predictor"
-        )
+        if jct is None and self.config.needs_jct:
+            raise ValueError(f"policy {self.config.policy!r} needs a JCT predictor")
         self.jct = jct
         self.clock = clock
         self._waiting: dict[int, Waiting] = {}  # insertion order == rid order
@@ -116,8 +136,10 @@ class Scheduler:
     # ---- queue ------------------------------------------------------------------------------
 
     def add(self, rid: int, req: Request, arrival: float | None = None) -> Waiting:
-        assert rid not in self._waiting, f"request id {rid} is already waiting"
-        assert len(req.input_ids) > 0, "cannot schedule an empty request"
+        if rid in self._waiting:
+            raise ValueError(f"request id {rid} is already waiting")
+        if not req.input_ids:
+            raise ValueError("cannot schedule an empty request")
         w = Waiting(rid, req, self.clock() if arrival is None else arrival)
         self._waiting[rid] = w
         return w
@@ -129,13 +151,6 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self._waiting)
-
-    def __contains__(self, rid: int) -> bool:
-        return rid in self._waiting
-
-    @property
-    def waiting(self) -> list[Waiting]:
-        return list(self._waiting.values())
 
     def pop_all(self) -> list[Waiting]:
         out = list(self._waiting.values())

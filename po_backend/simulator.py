@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from po_backend.scheduler import Request, Scheduler, SchedulerConfig, common_prefix
+from po_backend.request import common_prefix
+from po_backend.scheduler import Request, Scheduler, SchedulerConfig, fit_batch
 
 
 class StepModel(Protocol):
@@ -29,11 +30,15 @@ class StepModel(Protocol):
 
 class PrefixLRU:
     """A prefix cache of whole declared prefixes, least recently used evicted first, holding at
-    most `capacity_tokens` tokens. `batchable` follows the engine's rule: a token budget, and of
-    requests declaring the same not-yet-cached prefix only the first (it computes the prefix)."""
+    most `capacity_tokens` tokens. `batchable` is the engine's rule (`scheduler.fit_batch`): a
+    token budget, and of requests declaring the same not-yet-cached prefix only the first (it
+    computes the prefix)."""
 
     def __init__(self, capacity_tokens: int, max_batch_tokens: int = 10**9) -> None:
-        assert capacity_tokens >= 0 and max_batch_tokens >= 1, (capacity_tokens, max_batch_tokens)
+        if capacity_tokens < 0 or max_batch_tokens < 1:
+            raise ValueError(
+                f"need capacity_tokens >= 0 and max_batch_tokens >= 1, got {capacity_tokens}, {max_batch_tokens}"
+            )
         self.capacity_tokens = capacity_tokens
         self.max_batch_tokens = max_batch_tokens
         self._cached: OrderedDict[tuple[int, ...], None] = OrderedDict()  # least recently used first
@@ -44,19 +49,12 @@ class PrefixLRU:
         best = max((common_prefix(p, ids) for p in self._cached), default=0)
         return min(best, len(ids) - 1)  # the last token is always computed (engine.match_limit)
 
-    def batchable(self, cands: Sequence[Request]) -> list[int]:
-        chosen: list[int] = []
-        tokens, computing = 0, set()
-        for i, r in enumerate(cands):
-            cached, key = self.cached_len(r), tuple(r.input_ids[: r.cache_prefix_len or 0])
-            new = len(r.input_ids) - cached
-            if (len(key) > cached and key in computing) or (chosen and tokens + new > self.max_batch_tokens):
-                continue
-            if len(key) > cached:
-                computing.add(key)
-            chosen.append(i)
-            tokens += new
-        return chosen
+    def store_len(self, req: Request) -> int:
+        """Only declared prefixes enter this cache (the engine's "declared" cache policy)."""
+        return min(req.cache_prefix_len or 0, len(req.input_ids))
+
+    def batchable(self, candidates: Sequence[Request]) -> list[int]:
+        return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
 
     def step(self, reqs: Sequence[Request]) -> list[int]:
         """Run a step: each request's cached tokens before it, then its declared prefix cached."""

@@ -5,7 +5,9 @@ Invariants the compiler guarantees:
   on its own and the ids are joined, so a BPE merge across the shared/private boundary can never
   change the prefix (and silently break cache reuse) from one call to the next.
 - Special tokens (BOS) appear only at the start: later segments are tokenised without them.
-- Each label compiles to the tokens it would be *after this prompt* (see `label_ids`).
+- Each label compiles to the tokens it would be *after this prompt* (see `label_ids`); the rule
+  and the prefills that score labels live in `po_backend.labels`, shared with the server's
+  `/v1/classify`.
 """
 
 from __future__ import annotations
@@ -14,19 +16,23 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
+from po_backend.labels import (
+    ANCHOR_CHARS,
+    ChoicesMethod,
+    LabelTokenError,
+    check_distinct,
+    continuation_score,
+    label_continuations,
+    label_requests,
+)
+from po_backend.labels import label_text as label_text  # re-exported: part of this module's API
 from po_lang.backends import Backend, LabelRequest, ScoreOutcome
 from po_lang.errors import BackendError, LabelError, PromptError
 from po_lang.ir import Prompt, Segment
 
-# The label's tokens are found by tokenising the prompt's tail with and without the label; the
-# tail only has to be long enough for the tokenizer's decision at the boundary to be local.
-ANCHOR_CHARS = 64
 # Stands in for the user message while rendering a chat template, to split it into head and tail.
 PLACEHOLDER = "@@Po_Lang_Content_7f3A@@"  # mixed case: any case change shows
-
-ChoicesMethod = Literal["sum", "mean"]
 
 
 @dataclass(frozen=True)
@@ -172,47 +178,26 @@ class Compiler:
         the next word is " Yes"; after a chat template's "assistant\\n" it is "Yes"), and its ids
         are the tokens that `tail + label` has beyond `tail` alone, so the tokenizer decides.
         """
-        anchor = prompt_text[-ANCHOR_CHARS:]
-        key = ("labels", anchor, spec.labels, spec.leading_space, spec.multi_token)
+        key = ("labels", prompt_text[-ANCHOR_CHARS:], spec.labels, spec.leading_space, spec.multi_token)
         hit = self._memo.get(key)
         if hit is not None:
             return hit  # type: ignore[return-value]
-        base = self.backend.tokenize(anchor, add_special_tokens=False)
-        out: list[tuple[int, ...]] = []
-        for label in spec.labels:
-            text = label_text(label, prompt_text, spec.leading_space)
-            full = self.backend.tokenize(anchor + text, add_special_tokens=False)
-            if full[: len(base)] != base:
-                raise LabelError(
-                    f"label {label!r} merges with the end of the prompt ({anchor[-20:]!r}) into "
-                    "different tokens, so it cannot be scored as a continuation; end the prompt with "
-                    "a separator such as ':' or a newline"
-                )
-            cont = tuple(full[len(base) :])
-            if not cont:
-                raise LabelError(f"label {label!r} tokenises to nothing after this prompt")
-            out.append(cont)
-        result = tuple(out)
-        _check_labels(spec, result)
+
+        def encode(text: str) -> list[int]:
+            return self.backend.tokenize(text, add_special_tokens=False)
+
+        try:
+            result = label_continuations(encode, prompt_text, spec.labels, spec.leading_space)
+            _check_labels(spec, result)
+        except LabelTokenError as e:
+            raise LabelError(str(e)) from e
         self._memo.put(key, result)
         return result
 
 
-def label_text(label: str, prompt_text: str, leading_space: bool | None) -> str:
-    if leading_space is None:
-        leading_space = bool(prompt_text) and not prompt_text[-1].isspace()
-    if leading_space and not label[:1].isspace():
-        return " " + label
-    return label
-
-
 def _check_labels(spec: ClassifySpec, ids: tuple[tuple[int, ...], ...]) -> None:
     if spec.multi_token:
-        seen: dict[tuple[int, ...], str] = {}
-        for label, cont in zip(spec.labels, ids, strict=True):
-            if cont in seen:
-                raise LabelError(f"labels {seen[cont]!r} and {label!r} tokenise identically: {list(cont)}")
-            seen[cont] = label
+        check_distinct(spec.labels, ids)
         return
     for label, cont in zip(spec.labels, ids, strict=True):
         if len(cont) > 1:
@@ -234,13 +219,9 @@ def _check_labels(spec: ClassifySpec, ids: tuple[tuple[int, ...], ...]) -> None:
 def build_requests(
     prompt: CompiledPrompt, label_ids: tuple[tuple[int, ...], ...], spec: ClassifySpec
 ) -> tuple[LabelRequest, ...]:
-    if not spec.multi_token:
-        return (LabelRequest(prompt.ids, tuple(c[0] for c in label_ids), prompt.cache_prefix_len),)
-    n = len(prompt.ids)
-    # One prefill per label: prompt + continuation, reading the continuation tokens' log-probs.
-    # Caching the whole prompt lets the variants after the first reuse it.
+    reqs = label_requests(prompt.ids, label_ids, prompt.cache_prefix_len, spec.multi_token)
     return tuple(
-        LabelRequest(prompt.ids + cont, (), cache_prefix_len=n, logprob_start_len=n - 1) for cont in label_ids
+        LabelRequest(r.input_ids, r.label_token_ids, r.cache_prefix_len, r.logprob_start_len) for r in reqs
     )
 
 
@@ -259,6 +240,5 @@ def label_scores(
         tail = o.input_token_logprobs[-len(cont) :]
         if len(tail) != len(cont) or any(math.isnan(x) for x in tail):
             raise BackendError(f"expected {len(cont)} continuation log-probs, got {list(tail)}")
-        total = math.fsum(tail)
-        scores.append(total / len(cont) if spec.choices_method == "mean" else total)
+        scores.append(continuation_score(tail, spec.choices_method))
     return tuple(scores)

@@ -1,44 +1,115 @@
-"""The in-process backend: `po_backend.Engine`, imported only when first used (it needs torch)."""
+"""The in-process backend: `po_backend.Engine` behind the same `EngineLoop` scheduler as the server.
+
+po_backend is imported only when the first request is scored (it needs torch), so importing
+po_lang stays torch-free and `Local("embedded")` is free to construct (it is the default backend).
+"""
 
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
+from po_backend.scheduler import POLICIES  # torch-free
 from po_lang.backends import LabelRequest, ScoreOutcome
 from po_lang.errors import BackendError
 
+if TYPE_CHECKING:  # annotations only: these import torch, which po_lang must not at import time
+    from po_backend.engine import Engine
+    from po_backend.jct import CalibratedJCT, JCTModel
+    from po_backend.loop import EngineLoop
+
 
 class Local:
-    """Runs `po_backend.Engine.from_pretrained(model, **engine_kwargs)` in this process.
+    """Scores with `po_backend.Engine.from_pretrained(model, **engine_kwargs)` in this process.
 
-    The engine is built on first use so `Local("embedded")` is free to construct (it is the
-    default backend) and importing po_lang never imports torch.
+    Requests go through an in-process `po_backend.loop.EngineLoop`, one worker thread that owns
+    the engine, so a `.map` or `po.rank` batch runs in the order the scheduler picks (`policy`:
+    "po", the prefix-aware SRJF of the design, by default; "fcfs", "srjf" or "lpm"), with requests
+    that share a prefix batched behind the one that caches it, exactly as on the server.
+
+    jct: the step-time predictor the scheduler ranks requests by. None: the new-token proxy
+    (`JCTModel.proxy()`, the paper's r=0.987 proxy); a local caller submits its batch at once, so
+    only the relative cost of requests matters, and the server's start-up profile would cost
+    seconds. Pass `po_backend.jct.load_or_profile(engine)` to rank by the measured model.
+
+    The worker thread stops on `close()`, on leaving a `with` block, when the Local is garbage
+    collected, or at interpreter exit, whichever comes first; a closed Local starts a new loop if
+    it is used again.
     """
 
-    def __init__(self, model: str | os.PathLike[str] = "embedded", **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = "embedded",
+        *,
+        policy: str = "po",
+        jct: JCTModel | CalibratedJCT | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.model = model
+        self.policy = policy
+        self.jct = jct
         self.engine_kwargs = engine_kwargs
-        self._engine: Any = None
+        self._engine: Engine | None = None
+        self._loop: EngineLoop | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._lock = threading.Lock()  # one engine and one loop even if threads race to build them
 
     @classmethod
-    def from_engine(cls, engine: Any) -> Local:
-        """Wrap an engine that is already loaded (tests, or sharing one engine)."""
-        backend = cls(getattr(engine, "model_path", "") or "<engine>")
+    def from_engine(
+        cls, engine: Engine, *, policy: str = "po", jct: JCTModel | CalibratedJCT | None = None
+    ) -> Local:
+        """Wrap an engine that is already loaded (tests, or sharing one engine). The engine is
+        not thread-safe: use it directly only while this Local is not scoring."""
+        backend = cls(getattr(engine, "model_path", "") or "<engine>", policy=policy, jct=jct)
         backend._engine = engine
         return backend
 
     def __repr__(self) -> str:
-        return f"Local({str(self.model)!r})"
+        return f"Local({str(self.model)!r}, policy={self.policy!r})"
 
     @property
-    def engine(self) -> Any:
-        if self._engine is None:
-            from po_backend import Engine  # lazy: torch is imported here, not by po_lang
+    def engine(self) -> Engine:
+        with self._lock:
+            if self._engine is None:
+                from po_backend.engine import Engine  # lazy: torch is imported here, not by po_lang
 
-            self._engine = Engine.from_pretrained(self.model, **self.engine_kwargs)
-        return self._engine
+                self._engine = Engine.from_pretrained(self.model, **self.engine_kwargs)
+            return self._engine
+
+    @property
+    def loop(self) -> EngineLoop:
+        """The running `EngineLoop` (started on first use; its `step_log()` shows the order)."""
+        engine = self.engine
+        with self._lock:
+            if self._loop is None:
+                from po_backend.jct import JCTModel
+                from po_backend.loop import EngineLoop
+
+                jct = JCTModel.proxy() if self.jct is None else self.jct
+                self._loop = EngineLoop(engine, policy=self.policy, jct=jct)
+                # Bound to the loop, not to self: the finalizer must not keep this Local alive.
+                self._finalizer = weakref.finalize(self, _stop, self._loop)
+            return self._loop
+
+    def close(self) -> None:
+        """Stop the loop's worker thread (idempotent). Requests still queued by other threads are
+        cancelled; the step running now completes."""
+        with self._lock:
+            finalizer, self._finalizer, self._loop = self._finalizer, None, None
+        if finalizer is not None:
+            finalizer()
+
+    def __enter__(self) -> Local:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:
@@ -61,12 +132,12 @@ class Local:
         return text
 
     def score(self, requests: Sequence[LabelRequest]) -> list[ScoreOutcome | Exception]:
-        from po_backend import ScoreRequest
+        from po_backend.request import ScoreRequest
 
-        engine = self.engine
+        engine, loop = self.engine, self.loop
         out: list[ScoreOutcome | Exception | None] = [None] * len(requests)
         valid: list[tuple[int, Any]] = []
-        # engine.run validates the whole call and raises on the first bad request; validating
+        # submit_many validates the whole call and raises on the first bad request; validating
         # each one here keeps one bad item from failing the rest.
         for i, r in enumerate(requests):
             req = ScoreRequest(
@@ -82,29 +153,39 @@ class Local:
             else:
                 valid.append((i, req))
         if valid:
-            try:
-                results = engine.run([req for _, req in valid])
-            except Exception:
-                # Unexpected (validation passed): isolate it by running the requests one by one.
-                results = []
-                for _, req in valid:
-                    try:
-                        results.append(engine.run([req])[0])
-                    except Exception as e:
-                        results.append(_wrap(e))
-            for (i, _), res in zip(valid, results, strict=True):
-                out[i] = res if isinstance(res, Exception) else _outcome(res)
+            # All at once: the scheduler sees the whole batch and picks the order and the steps.
+            futures = loop.submit_many([req for _, req in valid])
+            failed: list[tuple[int, Any]] = []
+            for (i, req), fut in zip(valid, futures, strict=True):
+                res = _result(fut)
+                if isinstance(res, Exception) and len(valid) > 1:
+                    failed.append((i, req))  # a step fails as a whole: find the culprit below
+                else:
+                    out[i] = res
+            # Unexpected (validation passed): isolate it by running the failed requests one by one.
+            for i, req in failed:
+                out[i] = _result(loop.submit(req))
         assert all(o is not None for o in out), "every request gets an outcome"
         return out  # type: ignore[return-value]
 
 
-def _outcome(res: Any) -> ScoreOutcome:
+def _result(fut: Future[Any]) -> ScoreOutcome | BackendError:
+    try:
+        res = fut.result()
+    except Exception as e:  # the step failed, or the loop shut down before the request ran
+        return _wrap(e)
     return ScoreOutcome(
         label_logprobs=tuple(res.logprobs),
         input_token_logprobs=tuple(res.input_token_logprobs),
         prompt_tokens=res.prompt_tokens,
         cached_tokens=res.cached_tokens,
     )
+
+
+def _stop(loop: EngineLoop) -> None:
+    # drain=False: at interpreter exit nobody waits for queued work, and a Local's own calls
+    # never leave any (score returns only when all its futures are done).
+    loop.shutdown(drain=False)
 
 
 def _wrap(e: Exception) -> BackendError:

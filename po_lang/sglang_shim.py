@@ -1,68 +1,9 @@
 """Import SGLang's frontend language (`sgl.function`, `select`, `gen`, `RuntimeEndpoint`) without
-SGLang's server runtime, so an unmodified SGLang program can run against our server.
-
-SGLang pins a CUDA torch, so it is installed here with `pip install --no-deps sglang==0.5.23`.
-`import sglang` would then fail: sglang/__init__.py imports the SRT server runtime (orjson,
-torch-only helpers, transformers patches) that a client never uses. `import_sglang_frontend`
-skips that __init__ and stubs the few third-party modules the frontend imports at module level
-but never uses on the RuntimeEndpoint + select/gen path. Only the standard library is imported
-here (never torch); SGLang's own frontend modules are imported when the function is called.
-"""
+SGLang's server runtime. The shim lives in `po_backend.compat.frontend` (torch-free, standard
+library only) so the in-process frontend backend uses the same one; re-exported here."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-import types
+from po_backend.compat.frontend import import_sglang_frontend
 
-# Imported by `sglang.lang` / `sglang.utils` at module level but used only for images (pybase64),
-# notebooks (IPython.display), the async client (aiohttp) and launching SGLang's own server
-# (msgspec): none is on the path of RuntimeEndpoint + select/gen. A stub is installed only when
-# the real module is missing.
-_FRONTEND_ONLY_STUBS: dict[str, dict[str, object]] = {
-    "IPython": {},
-    "IPython.display": {"HTML": None, "display": None},
-    "pybase64": {},
-    "msgspec": {},
-    "msgspec.structs": {},
-    "aiohttp": {},
-}
-
-
-def import_sglang_frontend() -> types.SimpleNamespace:
-    """SGLang's frontend API as a namespace: `function, select, gen, set_default_backend,
-    RuntimeEndpoint`. Raises ImportError when sglang is not installed.
-
-    A bare package module whose __path__ is the installed sglang folder stands in for `sglang`
-    (so its __init__ is skipped); `sglang.lang.*` then import normally from that folder.
-    """
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("sglang is not installed (pip install --no-deps sglang==0.5.23)")
-    if "sglang" not in sys.modules:
-        pkg = types.ModuleType("sglang")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        pkg.__spec__ = spec
-        sys.modules["sglang"] = pkg
-    for name, attrs in _FRONTEND_ONLY_STUBS.items():
-        if name in sys.modules:
-            continue
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            mod = types.ModuleType(name)
-            mod.__dict__.update(attrs)
-            sys.modules[name] = mod
-            parent, _, child = name.rpartition(".")
-            if parent:
-                setattr(sys.modules[parent], child, mod)
-    api = importlib.import_module("sglang.lang.api")
-    endpoint = importlib.import_module("sglang.lang.backend.runtime_endpoint")
-    return types.SimpleNamespace(
-        function=api.function,
-        select=api.select,
-        gen=api.gen,
-        set_default_backend=api.set_default_backend,
-        RuntimeEndpoint=endpoint.RuntimeEndpoint,
-    )
+__all__ = ["import_sglang_frontend"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point for people and CI. Creates .venv, installs everything, then runs a job.
-#   scripts/dev.sh demo     score example prompts on the embedded SmolLM2-135M model
+#   scripts/dev.sh demo     classify and rank with po_lang on the embedded SmolLM2-135M model
 #   scripts/dev.sh test     run the test suite (what .ci/run calls)
 #   scripts/dev.sh bench X  run benchmarks/X.py with the remaining arguments
 #   scripts/dev.sh setup    only install
@@ -40,8 +40,8 @@ setup
 cd "$root"
 case "$cmd" in
     setup) ;;
-    demo) exec "$py" -m po_backend.demo "$@" ;;
+    demo) exec "$py" -m po_lang.demo "$@" ;;
     test) exec "$py" -m pytest -q "$@" ;;
-    bench) name=$1; shift; exec "$py" "benchmarks/$name.py" "$@" ;;
+    bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
     *) echo "unknown command: $cmd (demo|test|bench|setup)" >&2; exit 2 ;;
 esac

@@ -88,7 +88,7 @@ def test_chunked_equals_hybrid(tiny_model) -> None:
 
 
 def test_prefill_mode_validated_and_exposed_by_launcher() -> None:
-    with pytest.raises(AssertionError, match="prefill_mode"):
+    with pytest.raises(ValueError, match="prefill_mode"):
         from po_backend.config import EngineConfig
 
         EngineConfig(dtype=torch.float32, device=torch.device("cpu"), prefill_mode="sarathi")  # type: ignore[arg-type]

@@ -86,3 +86,54 @@ def test_missing_weights(tiny_model, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="yarn"):
         Engine.from_pretrained(tmp_path)
+
+
+def test_config_and_overrides(tiny_model) -> None:
+    """`from_pretrained(path, config, **overrides)`: EngineConfig field names, strings for dtype and
+    device, model-dependent defaults for what is unset, and a bad value is a ValueError."""
+    import torch
+
+    from po_backend.config import EngineConfig
+
+    path, _ = tiny_model("llama")
+    eng = Engine.from_pretrained(path, dtype="fp32", device="cpu", chunk_size=8, max_input_len=300)
+    cfg = eng.config
+    assert (cfg.dtype, cfg.device, cfg.chunk_size, cfg.max_input_len) == (
+        torch.float32,
+        torch.device("cpu"),
+        8,
+        300,
+    )
+    assert cfg.max_batch_tokens == 2048 and cfg.profile_full is False  # defaults for CPU
+    base = EngineConfig(
+        dtype=torch.float32, device=torch.device("cpu"), max_input_len=200, max_batch_tokens=400
+    )
+    again = Engine.from_pretrained(path, base, cache_policy="declared")
+    assert again.config == EngineConfig(
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_input_len=200,
+        max_batch_tokens=400,
+        cache_policy="declared",
+    )
+    with pytest.raises(TypeError, match="max_input_length"):
+        Engine.from_pretrained(path, dtype="fp32", max_input_length=10)
+    for bad in (
+        {"chunk_size": -1},
+        {"cache_policy": "lru"},
+        {"max_batch_tokens": 0},
+        {"prefix_pool_tokens": 0},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Engine.from_pretrained(path, dtype="fp32", **bad)
+
+
+def test_prefix_pool_tokens_caps_the_pool(tiny_model) -> None:
+    path, _ = tiny_model("llama")
+    eng = Engine.from_pretrained(path, dtype="fp32", max_input_len=256, prefix_pool_tokens=100)
+    assert eng.cache is not None and eng.cache.pool.num_total == 100
+    prefix = list(range(1, 81))
+    eng.score([prefix + [5], prefix + [6]], [1], cache_prefix_len=80)
+    assert eng.stats().cached_tokens == 80  # the capped pool still serves a prefix that fits
+    free = Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
+    assert free.cache is not None and free.cache.pool.num_total > 100

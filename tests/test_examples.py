@@ -364,10 +364,13 @@ def test_sglang_select_unreachable_server_is_a_clear_error(capsys: pytest.Captur
 
 
 def test_sglang_shim_does_not_import_torch() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23)")
+    # No ImportError is swallowed: with torch blocked, one means the shim (or what it loads) needs it.
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from po_lang.sglang_shim import import_sglang_frontend\n"
-        "try:\n    sgl = import_sglang_frontend()\nexcept ImportError:\n    sys.exit(0)\n"
+        "sgl = import_sglang_frontend()\n"
         "assert callable(sgl.select) and callable(sgl.function)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

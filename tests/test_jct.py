@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from po_backend import Engine
-from po_backend import jct as jct_mod
-from po_backend.jct import CalibratedJCT, JCTModel, JCTSample, ProfileGrid, features, load_or_profile, profile
+from po_backend import jct_profile as jct_mod
+from po_backend.jct import CalibratedJCT, JCTModel, JCTSample, features
+from po_backend.jct_profile import ProfileGrid, load_model, load_or_profile, profile, save_model
 
 TRUE = (0.004, 0.0015, 0.8, 0.05, 0.01)  # seconds per FEATURES unit
 
@@ -68,8 +69,8 @@ def test_persistence_round_trip(tmp_path) -> None:
     samples = _synthetic(20, noise=0.01)
     model = JCTModel.fit(samples, key={"model_path": "x", "dtype": "torch.float32"})
     path = tmp_path / "jct" / "p.json"
-    model.save(path, samples)
-    back = JCTModel.load(path)
+    save_model(model, path, samples)
+    back = load_model(path)
     assert back == model
     assert len(json.loads(path.read_text())["samples"]) == 20
 
@@ -144,3 +145,18 @@ def test_min_merge_keeps_the_faster_timing_of_each_point() -> None:
     b = [JCTSample(((100, 0),), 1.5), JCTSample(((200, 0),), 1.8), JCTSample(((300, 0),), 5.0)]
     merged = jct_mod.min_merge(a, b)
     assert [s.seconds for s in merged] == [1.0, 1.8, 3.0, 5.0]  # differing shapes: both kept
+
+
+def test_grid_reaches_the_longest_prompt(tiny_engine: Engine) -> None:
+    """The profile times the engine's longest prompt (and its half), not only the dense part:
+    the attention term is fitted where long prompts live instead of extrapolated."""
+    grid = ProfileGrid()
+    assert grid.long_lengths(8192) == [8192, 4096] and grid.long_lengths(2048) == []
+    assert ProfileGrid(long_points=1).long_lengths(32768) == [32768]
+    small = ProfileGrid(lengths=(32, 96), cached_fractions=(0.5, 0.9), batches=())
+    singles = [s.items[0] for s in profile(tiny_engine, small) if len(s.items) == 1]
+    limit = tiny_engine.config.max_input_len  # 512
+    for n in (limit, limit // 2):
+        assert (n, 0) in singles and (n, round(0.9 * n)) in singles  # cold and mostly cached
+        assert (n, round(0.5 * n)) not in singles  # long points skip the other fractions
+    assert jct_mod.profile_key(tiny_engine, small)["lengths"] == [32, 96, 256, 512]

@@ -24,6 +24,7 @@ import pytest
 
 import po_lang as po
 from po_backend import Engine
+from po_lang import demo
 from po_lang.calibration import accuracy, softmax
 
 DATA = Path(__file__).resolve().parent / "data" / "sentiment.jsonl"
@@ -125,3 +126,29 @@ def test_credit_check_histories_are_a_few_hundred_to_1500_tokens(backend: po.Loc
         spec.loader.exec_module(module)
     lengths = [len(backend.tokenize(p.history)) for p in module.applicants(6)]
     assert min(lengths) >= 200 and max(lengths) <= 1600, lengths
+
+
+def test_demo_classifies_and_ranks_sensibly(backend: po.Local) -> None:
+    """What `scripts/dev.sh demo` shows a newcomer holds: calibration makes every review right
+    (the raw model does not), the posts matching the profile rank above the others, and every
+    post after the first reads the shared profile from the cache."""
+    texts = [(text,) for text, _ in demo.REVIEWS]
+    gold = [g for _, g in demo.REVIEWS]
+    raw = demo.sentiment(backend, calibrate=None).map(texts)
+    calibrated = demo.sentiment(backend).map(texts)
+    assert [r.label for r in calibrated] == gold  # type: ignore[union-attr]
+    assert [r.label for r in raw] != gold, "the demo shows what calibration fixes"  # type: ignore[union-attr]
+    ranked = demo.rank_posts(backend)
+    matches = [any(w in r.item for w in ("hiking", "coffee", "espresso", "camping")) for r in ranked]
+    assert matches == [True] * 4 + [False] * 4, [r.item for r in ranked]
+    results = [r.result for r in ranked]
+    assert all(isinstance(r, po.Classification) for r in results)
+    cached = [r.cached_tokens for r in results]  # type: ignore[union-attr]
+    assert max(cached) > 0 and cached.count(max(cached)) == len(results) - 1, cached
+
+
+def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(demo.REVIEWS)}/{len(demo.REVIEWS)} calibrated" in out
+    assert "came from the prefix cache" in out and "launch_server" in out

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import shutil
 import string
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,8 @@ from transformers import PreTrainedTokenizerFast
 
 import po_lang as po
 from po_backend import Engine
+from po_backend.loop import LoopClosedError
+from po_backend.request import ScoreRequest
 from tests.conftest import hf_next_logprobs
 
 # GPT-2-like pre-tokenisation (a word keeps its leading space) so " Yes" and "Yes" differ.
@@ -186,3 +192,94 @@ def test_embedded_sentiment_smoke() -> None:
     for r in results:
         assert isinstance(r, po.Classification) and sum(r.probs.values()) == pytest.approx(1.0)
     assert results[0].probs["positive"] > results[1].probs["positive"]
+
+
+# ---- the local path goes through the scheduler ---------------------------------------------------
+
+LONG_PROFILE = "likes cats and dogs, " * 6  # family A: long shared prefix, submitted first
+SHORT_PROFILE = "hates dogs"  # family B: short shared prefix, submitted second
+POSTS = ["a cat video", "a dog", "cats and dogs", "a movie"]
+
+
+def _families(f: po.Classifier) -> dict[int, str]:
+    """Prompt length -> family, to read the family of each item of a step log."""
+    lengths = {
+        fam: {len(f.compile(profile, post).prompt.ids) for post in POSTS}
+        for fam, profile in (("A", LONG_PROFILE), ("B", SHORT_PROFILE))
+    }
+    assert not lengths["A"] & lengths["B"], "the test needs the families' lengths apart"
+    return {n: fam for fam, ns in lengths.items() for n in ns}
+
+
+def _scheduled_map(engine: Engine, policy: str) -> tuple[list[list[str]], list[po.Classification]]:
+    """Map interleaved rows (A, B, A, B, ...) on a cold cache; the family of every item of every
+    step, in the order the loop ran them, and the results."""
+    engine.flush_cache()
+    with po.Local.from_engine(engine, policy=policy) as local:
+        f = engage(local)
+        rows = [(profile, post) for post in POSTS for profile in (LONG_PROFILE, SHORT_PROFILE)]
+        results = f.map(rows)
+        family = _families(f)
+        steps = [[family[n] for n, _ in s.items] for s in local.loop.step_log()]
+    assert all(isinstance(r, po.Classification) for r in results)
+    return steps, results  # type: ignore[return-value]
+
+
+def test_local_map_is_ordered_by_the_scheduler(engine: Engine) -> None:
+    po_steps, po_results = _scheduled_map(engine, "po")
+    # Prefix-aware SRJF: family B's shorter requests first although A's were submitted first;
+    # each family's first request computes its prefix, the rest share it in one forward.
+    assert po_steps == [["B"], ["B"] * 3, ["A"], ["A"] * 3]
+    fcfs_steps, fcfs_results = _scheduled_map(engine, "fcfs")
+    assert fcfs_steps[0] == ["A"], "fcfs starts with the first submitted request"
+    assert fcfs_steps != po_steps
+    # The order changes nothing in the answers: they equal the engine run directly.
+    engine.flush_cache()
+    with po.Local.from_engine(engine) as local:
+        progs = [
+            engage(local).compile(profile, post)
+            for post in POSTS
+            for profile in (LONG_PROFILE, SHORT_PROFILE)
+        ]
+    reqs = [
+        ScoreRequest(tuple(r.input_ids), tuple(r.label_token_ids), cache_prefix_len=r.cache_prefix_len)
+        for p in progs
+        for r in p.requests
+    ]
+    direct = engine.run(reqs)
+    for res_po, res_fcfs, ref in zip(po_results, fcfs_results, direct, strict=True):
+        assert list(res_po.logprobs.values()) == pytest.approx(ref.logprobs, abs=1e-5)
+        assert list(res_fcfs.logprobs.values()) == pytest.approx(ref.logprobs, abs=1e-5)
+    assert any(r.cached_tokens > 0 for r in po_results), "sharers read the prefix from the cache"
+
+
+def test_local_loop_stops_on_close_and_collection(engine: Engine) -> None:
+    def loop_threads() -> int:
+        return sum(t.name == "po-engine-loop" and t.is_alive() for t in threading.enumerate())
+
+    before = loop_threads()
+    with po.Local.from_engine(engine) as local:
+        engage(local)("likes cats", "a cat video")
+        loop = local.loop
+        assert loop_threads() == before + 1
+    assert loop_threads() == before
+    with pytest.raises(LoopClosedError):
+        loop.submit(ScoreRequest((1, 2, 3), (4,)))
+    assert engage(local)("likes cats", "a dog").prompt_tokens > 0, "a closed Local starts a new loop"
+    assert loop_threads() == before + 1
+    del local
+    gc.collect()
+    assert loop_threads() == before, "the finalizer stops the loop of a collected Local"
+
+
+def test_local_exits_cleanly_without_close(engine: Engine) -> None:
+    """A Local left open at interpreter exit must not hang it (the finalizer stops the loop)."""
+    code = (
+        "import po_lang as po\n"
+        f"local = po.Local({str(engine.model_path)!r}, dtype='fp32', max_input_len=128)\n"
+        "f = po.classify(labels=['Yes', 'No'], backend=local)(lambda p: f'Post: {p}\\nAnswer:')\n"
+        "print(len(f.map([('a',), ('b',)])))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2"

@@ -13,9 +13,10 @@ from concurrent.futures import Future, wait
 import pytest
 
 from po_backend import Engine, OverloadedError, ScoreRequest
-from po_backend import jct as jct_mod
+from po_backend import jct_profile as jct_mod
 from po_backend.errors import CancelledError, EmptyPromptError, InvalidTokenError
-from po_backend.jct import CalibratedJCT, JCTModel, JCTSample, ProfileGrid
+from po_backend.jct import CalibratedJCT, JCTModel, JCTSample
+from po_backend.jct_profile import ProfileGrid
 from po_backend.loop import EngineLoop, LoopClosedError
 
 LABELS = (3, 17, 101)
@@ -275,7 +276,8 @@ def test_default_jct_is_profiled_once_and_persisted(eng: Engine, tmp_path, monke
         # Run the real profiler on a small grid (it must work on this engine) but fit on clean
         # synthetic times: a tiny model's timings are noise and must pass the persistence bar.
         samples = real_profile(
-            engine, ProfileGrid(lengths=(32, 64), cached_fractions=(0.5,), batches=((2, 32, 16),))
+            engine,
+            ProfileGrid(lengths=(32, 64), cached_fractions=(0.5,), batches=((2, 32, 16),), long_points=0),
         )
         assert len(samples) == 6
         return [JCTSample(s.items, 1e-3 + 1e-4 * sum(n - c for n, c in s.items)) for s in samples]
@@ -312,3 +314,40 @@ def test_calibration_carries_over_to_the_next_loop(eng: Engine) -> None:
     assert learned[0] == len(reqs) and learned[1] != 1.0
     with EngineLoop(eng, policy="fcfs", jct=cal) as loop:
         assert loop.jct is cal and loop.stats().jct_calibration == learned[1]
+
+
+def test_fcfs_and_lpm_loops_run_no_profile(eng: Engine, monkeypatch) -> None:
+    def no_profile(*a, **k):
+        raise AssertionError("fcfs and lpm need no JCT model: nothing may be profiled")
+
+    monkeypatch.setattr(jct_mod, "profile", no_profile)
+    monkeypatch.setattr(jct_mod, "load_model", no_profile)
+    reqs = _workload(users=2, items=2)
+    for policy in ("fcfs", "lpm"):
+        with EngineLoop(eng, policy=policy) as loop:
+            results = [f.result(TIMEOUT) for f in loop.submit_many(reqs)]
+            stats = loop.stats()
+        assert loop.jct is None and len(results) == len(reqs)
+        assert stats.completed == len(reqs) and stats.jct_calibration != stats.jct_calibration  # nan
+
+
+def test_the_transformers_baseline_runs_in_the_same_loop(model_path) -> None:
+    """HFScorer is a Scorer: EngineLoop (fcfs) serves it, one request per step, with the answers
+    of its own offline `run`."""
+    from po_backend.hf_backend import HFScorer
+
+    hf = HFScorer.from_pretrained(model_path, dtype="fp32", device="cpu", max_input_len=512)
+    reqs = _workload(seed=3, users=2, items=3)
+    expected = hf.run(reqs)
+    with EngineLoop(hf, policy="fcfs") as loop:
+        got = [f.result(TIMEOUT) for f in loop.submit_many(reqs)]
+        with pytest.raises(EmptyPromptError):
+            loop.submit(ScoreRequest((), LABELS))
+        steps = loop.step_log()
+    for a, b in zip(got, expected, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= TOL
+        assert a.top_logprobs == b.top_logprobs and a.cached_tokens == 0
+    assert [len(s.items) for s in steps] == [1] * len(reqs)
+    assert hf.stats().requests == 2 * len(reqs)
+    with pytest.raises(ValueError, match="needs a JCT model"):
+        EngineLoop(hf, policy="po", start=False)

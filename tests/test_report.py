@@ -1,18 +1,23 @@
 """benchmarks/report.py on small fake results: the tables, QPS-at-SLO ratios, MIL ratios and plots
-it writes (no benchmark runs here)."""
+it writes, and the harness's sustained-QPS analysis (no benchmark runs here)."""
 
 from __future__ import annotations
 
 import json
-import sys
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from report import build_report, ratio_cell  # noqa: E402
+from benchmarks.harness import poisson_arrivals, slo_table, sustained_qps
+from benchmarks.report import (
+    build_report,
+    plot_sweeps,
+    ratio_cell,
+    schedule_sim_markdown,
+    serving_markdown,
+)
 
 MACHINE = {
     "cpu": "Fake CPU 9000",
@@ -180,3 +185,64 @@ def test_ratio_cell_bounds() -> None:
     assert ratio_cell((4.0, ">="), (2.0, ""))[0] == ">= 2.00x"  # po passed every point: lower bound
     assert ratio_cell((4.0, "<"), (2.0, ""))[0] == "<= 2.00x"
     assert ratio_cell((4.0, ">="), (2.0, ">="))[1] is None
+
+
+def _sweep(p99: dict[str, list[float]]) -> dict[str, Any]:
+    """A workload of harness.sweep's shape: configs x QPS 1, 2, 4, 8 with the given P99s."""
+    runs = [
+        {**_run(c, q, v), "p50_s": v / 3, "steps": 4, "mean_batch": 1.5}
+        for c, vs in p99.items()
+        for q, v in zip([1.0, 2.0, 4.0, 8.0], vs, strict=True)
+    ]
+    return {"requests": 6, "isolated_mean_s": 1.25, "slo_p99_s": 10.0, "anchor_qps": 2.0, "runs": runs}
+
+
+def test_sustained_qps_interpolates_and_bounds() -> None:
+    # P99 5 s at 4 QPS, 20 s at 8: the 10 s SLO is halfway in log -> 4 * sqrt(2).
+    assert sustained_qps([(8.0, 20.0), (4.0, 5.0), (2.0, 2.0)], 10.0) == (pytest.approx(4 * 2**0.5), "")
+    assert sustained_qps([(1.0, 1.0), (2.0, 2.0)], 10.0) == (2.0, ">=")  # every point passes
+    assert sustained_qps([(1.0, 11.0), (2.0, 20.0)], 10.0) == (1.0, "<")  # none does
+
+
+def test_slo_table_and_sim_markdown(tmp_path: Path) -> None:
+    w = _sweep({"fcfs": [5, 20, 40, 80], "po": [1, 2, 5, 20]})
+    # SLO 8 x 1.25 s = 10 s: po crosses between 4 and 8 QPS, fcfs between 1 and 2.
+    at = slo_table(w["runs"], w["isolated_mean_s"], [8.0, 64.0])
+    assert at["8"]["sustained_qps"]["po"]["qps"] == pytest.approx(4 * 2**0.5)
+    assert at["8"]["po_vs_fcfs"] == "4.00x"
+    assert at["64"]["po_vs_fcfs"] == "n/a (both bounds)"  # 80 s: both pass every point
+    w["at_slo"] = at
+    args = {"cache_profiles": 2.0, "fairness_lambda": 0.2}
+    doc = {"args": args, "pool_tokens": 700, "jct_source": "a fake fit", "workloads": {"WL1": w}}
+    md = schedule_sim_markdown(doc, ["fcfs", "po"])
+    assert "| WL1 | po | 5.657 (2.83x) | >=8.000 (4.00x) |" in md
+    assert "| WL1 | po / fcfs | 4.00x | n/a (both bounds) |" in md
+    assert "| WL1 | 8 | 8.000 | fcfs* | 40.00 | 80.00 | 50% | 26.67 | 4 | 1.5 |" in md
+    plot_sweeps(doc["workloads"], tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_serving_markdown_ratios_to_hf() -> None:
+    def row(config: str, qps: float, items_per_s: float, mean: float) -> dict[str, Any]:
+        r = {"config": config, "qps": qps, "ok": 4, "calls": 4, "items_per_s": items_per_s, "mean_s": mean}
+        return {**r, "p50_s": mean, "p99_s": 2 * mean, "server_cores": 1.0, "other_cores": 0.0}
+
+    rows = [row("po", 1.0, 1.5, 2.0), row("hf", 1.0, 0.5, 8.0), row("po", 2.0, 2.0, 3.0)]
+    doc = {
+        "machine": {"cpu": "Fake CPU", "cores": 2},
+        "args": {"workload": "wl1", "api": "score"},
+        "workload": {"calls": 4},
+        "results": rows,
+    }
+    md = serving_markdown(doc)
+    assert "# bench_serving: wl1 over /v1/score" in md
+    assert "| po | 1 | 4/4 | 1.50 | 2.00 | 2.00 | 4.00 | - | 3.00x | 4.00x | 1.0 | 0.0 |" in md
+    assert "| po | 2 | 4/4 | 2.00 | 3.00 | 3.00 | 6.00 | - | n/a | n/a | 1.0 | 0.0 |" in md  # no hf at 2
+
+
+def test_poisson_arrivals_scale_with_rate() -> None:
+    unit = poisson_arrivals(200, random.Random(0))
+    fast = poisson_arrivals(200, random.Random(0), rate=4.0)
+    assert unit[0] == 0.0 and all(b > a for a, b in zip(unit, unit[1:], strict=False))
+    assert fast[-1] == pytest.approx(unit[-1] / 4, rel=0.01)  # same draws, a quarter of the gaps
+    assert 150 < unit[-1] < 250  # mean gap 1 s

@@ -198,9 +198,9 @@ def test_remove_and_unknown_policy() -> None:
     pick = sched.pick(cache.cached_len, cache.batchable)
     assert pick is not None and [e.req.name for e in pick.entries] == ["B"]
     assert sched.pick(cache.cached_len, cache.batchable) is None
-    with pytest.raises(AssertionError, match="schedule policy"):
+    with pytest.raises(ValueError, match="schedule policy"):
         SchedulerConfig("sjf")
-    with pytest.raises(AssertionError, match="fairness_lambda"):
+    with pytest.raises(ValueError, match="fairness_lambda"):
         SchedulerConfig("po", -1.0)
 
 

@@ -18,6 +18,7 @@ import pytest
 
 import po_lang as po
 from po_backend import Engine, ScoreRequest
+from po_backend.launch_server import build_parser, server_args, uvicorn_config
 from tests.server_utils import ServerProcess, sglang_frontend_or_reason
 from tests.test_lang_integration import build_tokenizer
 
@@ -404,6 +405,44 @@ def test_info_health_flush_metrics(url: str, model_dir: Path) -> None:
         "po_request_latency_seconds_bucket",
     ):
         assert name in text, name
+
+
+def test_metrics_count_requests_per_endpoint(url: str) -> None:
+    series = 'po_http_requests_total{endpoint="/generate",status="200"}'
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    before = metric(url, series) if series in text else 0.0
+    ok(post(url, "/generate", {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 0}}))
+    assert metric(url, series) == before + 1
+
+
+def test_flags_map_onto_server_args() -> None:
+    flags = ["--model-path", "m", "--dtype", "fp32", "--max-input-len", "300", "--disable-radix-cache"]
+    flags += ["--schedule-policy", "lpm", "--fairness-lambda", "0.5", "--max-queue", "9"]
+    args = server_args(build_parser().parse_args([*flags, "--timeout-keep-alive", "7", "--api-key", "k"]))
+    assert (args.engine.model_path, args.engine.dtype, args.engine.max_input_len) == ("m", "fp32", 300)
+    assert args.engine.overrides() == {
+        "dtype": "fp32",
+        "max_input_len": 300,
+        "chunk_size": 512,
+        "prefill_mode": "hybrid",
+        "enable_cache": False,
+    }
+    assert (args.scheduler.policy, args.scheduler.fairness_lambda, args.max_queue) == ("lpm", 0.5, 9)
+    assert "api_key" not in args.public() and args.public()["schedule_policy"] == "lpm"
+    # --timeout-keep-alive reaches uvicorn.
+    assert uvicorn_config(object(), args).timeout_keep_alive == 7
+    default = server_args(build_parser().parse_args(["--model-path", "m"]))
+    assert default.scheduler.policy == "po" and default.engine.overrides().get("dtype") is None
+    hf = server_args(build_parser().parse_args(["--model-path", "m", "--backend", "hf"]))
+    assert hf.scheduler.policy == "fcfs"
+    with pytest.raises(ValueError, match="FCFS only"):
+        server_args(
+            build_parser().parse_args(["--model-path", "m", "--backend", "hf", "--schedule-policy", "po"])
+        )
+    with pytest.raises(ValueError, match="max_queue"):
+        server_args(build_parser().parse_args(["--model-path", "m", "--max-queue", "0"]))
+    with pytest.raises(ValueError, match="timeout_keep_alive"):
+        server_args(build_parser().parse_args(["--model-path", "m", "--timeout-keep-alive", "0"]))
 
 
 # ---- bad input and load -------------------------------------------------------------------------

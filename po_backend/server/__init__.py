@@ -1,27 +1,37 @@
-"""HTTP server: SGLang's native API, OpenAI completions, our `/v1/classify`, Prometheus metrics.
+"""HTTP server: SGLang's native API, OpenAI completions, scoring (`/v1/score`, our `/v1/classify`),
+health and Prometheus metrics.
 
-Every endpoint turns its body into `ScoreRequest`s, submits them to the scheduling loop (which
-validates them and owns the engine), awaits the futures and formats the results in the shape its
-clients expect. The event loop never runs model code; a client that disconnects cancels its
-requests. `create_app` takes any `Backend`, so `--backend hf` (the transformers baseline) serves
-the same API.
+Every endpoint reads as parse -> run -> format: it turns its body into `ScoreRequest`s, submits
+them to the scheduling loop (which validates them and owns the engine) through `Runtime.run`,
+and formats the results in the shape its clients expect. The event loop never runs model code; a
+client that disconnects cancels its requests. `create_app` takes any `Backend`, so `--backend hf`
+(the transformers baseline) serves the same API.
 
 Shapes follow SGLang 0.5.23 (`/generate` meta_info, `/v1/score`) and OpenAI (`/v1/completions`);
 errors are `{"error": {"message", "type", "param", "code"}}` (what the openai client parses).
 
 Modules, each importing only those above it:
-    protocol    request bodies (pydantic, the edge only)
-    backend     the `Backend` protocol, `LoopBackend`, `ServerArgs`
-    errors      `HTTPError`, error bodies, validation messages, exception handlers
-    translate   pure request/result conversions (per-item fields, logit_bias, log-probs)
-    metrics     Prometheus metrics
-    middleware  API key, body limit, request metrics (pure ASGI)
-    app         `Server` (endpoint logic) and `create_app` (routes)
+    protocol       request bodies (pydantic, the edge only)
+    args           `ServerArgs` (engine options, scheduler config, the HTTP edge's own fields)
+    backend        the `Backend` protocol, `LoopBackend`
+    errors         `HTTPError`, error bodies, validation messages, exception handlers
+    translate      pure request/result conversions (per-item fields, logit_bias, log-probs)
+    metrics        Prometheus metrics
+    middleware     API key, body limit, request metrics (pure ASGI)
+    runtime        `Runtime`: what handlers share (tokens, log-prob entries, run with cancel)
+    API families, one `APIRouter` each:
+      admin          /health, /health_generate, /metrics
+      sglang_native  /generate, /model_info, /server_info, /flush_cache (and get_* aliases)
+      tokenizer      /tokenize, /detokenize, /apply_chat_template
+      openai         /v1/models, /v1/completions
+      scoring        /v1/score, /v1/classify
+    app            `create_app`: the routers, handlers and middleware in one app
 """
 
 from __future__ import annotations
 
 from po_backend.server.app import create_app
-from po_backend.server.backend import Backend, LoopBackend, ServerArgs
+from po_backend.server.args import EngineOptions, ServerArgs
+from po_backend.server.backend import Backend, LoopBackend
 
-__all__ = ["Backend", "LoopBackend", "ServerArgs", "create_app"]
+__all__ = ["Backend", "EngineOptions", "LoopBackend", "ServerArgs", "create_app"]

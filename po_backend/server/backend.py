@@ -1,16 +1,15 @@
-"""What the server needs from a model: the `Backend` protocol, `LoopBackend` (a scorer plus the
-scheduling loop that owns it) and `ServerArgs` (what the info endpoints report, and the HTTP
-edge's own limits)."""
+"""What the server needs from a model: the `Backend` protocol and `LoopBackend` (a scorer plus the
+scheduling loop that owns it)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Protocol
 
-from po_backend.engine import ScoreRequest, ScoreResult
+from po_backend.request import ScoreRequest, ScoreResult
 
 
 class Backend(Protocol):
@@ -19,6 +18,10 @@ class Backend(Protocol):
     tokenizer: Any
     vocab_size: int
     max_input_len: int
+    model_type: str
+    architectures: tuple[str, ...]
+    # The effective engine and loop settings (resolved dtype, device, policy...) for /server_info.
+    settings: Mapping[str, Any]
 
     def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
         """Validate all (typed errors, nothing queued on error) and queue them together; raises
@@ -40,12 +43,22 @@ class LoopBackend:
     """A `Backend` from a scorer (the Engine or the transformers baseline: tokenizer, vocabulary)
     and the scheduling loop that owns it (queue, futures, cancellation, stats)."""
 
-    def __init__(self, scorer: Any, loop: Any, max_input_len: int) -> None:
+    def __init__(
+        self, scorer: Any, loop: Any, max_input_len: int, settings: Mapping[str, Any] | None = None
+    ) -> None:
         self.scorer = scorer
         self.loop = loop
         self.tokenizer = scorer.tokenizer
         self.vocab_size = int(scorer.vocab_size)
         self.max_input_len = int(max_input_len)
+        self.settings = dict(settings or {})
+        # Our engine has its own model config; the transformers baseline has the HF one.
+        model_cfg = getattr(scorer, "model_config", None)
+        hf_cfg = getattr(getattr(scorer, "model", None), "config", None)
+        self.model_type = str(
+            getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
+        )
+        self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
 
     def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
         return self.loop.submit_many(reqs)
@@ -54,7 +67,9 @@ class LoopBackend:
         self.loop.cancel(fut)
 
     def stats(self) -> dict[str, Any]:
-        return _jsonable(self.loop.stats())
+        # The scorer's lifetime counters (requests, tokens, cache) beside the loop's queue figures;
+        # plain counters, so reading them off the loop's thread is safe enough for a report.
+        return {**_jsonable(self.scorer.stats()), **_jsonable(self.loop.stats())}
 
     def flush_cache(self) -> None:
         # The loop owns the engine: the flush must happen between its steps, on its thread.
@@ -62,26 +77,6 @@ class LoopBackend:
 
     def shutdown(self) -> None:
         self.loop.shutdown(drain=True)
-
-
-@dataclass(frozen=True)
-class ServerArgs:
-    """What /model_info and /server_info report, plus the HTTP edge's own limits."""
-
-    model_path: str
-    served_model_name: str = ""
-    backend: str = "prefillonly"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    max_body_bytes: int = 64 << 20
-    model_type: str = ""
-    architectures: tuple[str, ...] = ()
-    engine_args: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model_path
 
 
 def _jsonable(stats: Any) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from po_backend.engine import ScoreResult
+from po_backend.request import ScoreResult
 from po_backend.server.backend import Backend
 
 

@@ -1,0 +1,1 @@
+"""PrefillOnly benchmarks: run each as `python -m benchmarks.NAME` (see README.md, Benchmarks)."""

@@ -1,0 +1,413 @@
+"""The measurement harness the benchmarks share: machine facts and CPU contention, engines with a
+bounded prefix pool, replay of a trace through the serving loop (Poisson arrivals), the isolated /
+saturated / swept measurements, and the sustained-QPS analysis. Rendering lives in report.py."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import random
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from benchmarks.workloads import Item
+from po_backend.cpu import cpu_model
+from po_backend.engine import Engine
+from po_backend.jct import CalibratedJCT, JCTModel, pearson_r
+from po_backend.loop import EngineLoop
+from po_backend.request import ScoreRequest
+from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA
+
+MiB = 1 << 20
+GiB = 1 << 30
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_INPUT_LEN = 4096
+Setup = tuple[Any, str]  # (a scorer EngineLoop can drive, its scheduling policy)
+
+
+# ---- machine --------------------------------------------------------------------------------------
+
+
+def cpu_flags() -> set[str]:
+    try:
+        m = re.search(r"^flags\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        return set()
+    return set(m.group(1).split()) if m else set()
+
+
+def machine_info() -> dict[str, Any]:
+    import transformers  # only for its version string
+
+    flags = cpu_flags()
+    try:
+        m = re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+        mem_kib = int(m.group(1)) if m else 0
+    except OSError:
+        mem_kib = 0
+    return {
+        "cpu": cpu_model(),
+        "arch": platform.machine(),
+        "flags": {
+            f: f in flags
+            for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+        },
+        # AVX512-bf16 or AMX: bf16 GEMMs run natively; elsewhere oneDNN emulates them, ~7x slower.
+        "fast_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "mem_total_gib": round(mem_kib / (1 << 20), 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all cores spent busy since boot. `nice` time counts as idle: niced background
+    work (tests, builds) yields the cores to a benchmark, so it neither slows it much nor should
+    stall it."""
+    t = psutil.cpu_times()
+    return t.user + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+
+
+def _process_seconds(pid: int | None) -> float:
+    """CPU seconds of this process (None) or of process `pid` (0 once it is gone)."""
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return t.user + t.system
+
+
+class CpuShare:
+    """Cores used during a block by this process (`own_cores`), by process `pid` if given (a
+    server this benchmark launched: `pid_cores`) and by everything else (`other_cores`). On a
+    shared machine a run that had other work beside it is slower than the code is.
+
+        with CpuShare() as cpu:
+            work()
+        cpu.own_cores, cpu.other_cores
+    """
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
+
+    def __enter__(self) -> CpuShare:
+        self._start = (time.perf_counter(), _busy_seconds(), _process_seconds(None))
+        self._pid0 = _process_seconds(self.pid) if self.pid is not None else 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        t0, busy0, own0 = self._start
+        wall = max(time.perf_counter() - t0, 1e-9)
+        own = _process_seconds(None) - own0
+        other = _process_seconds(self.pid) - self._pid0 if self.pid is not None else 0.0
+        self.own_cores, self.pid_cores = own / wall, other / wall
+        self.other_cores = max(0.0, _busy_seconds() - busy0 - own - other) / wall
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) -> tuple[float, float]:
+    """Wait until other processes use fewer than `threshold` cores (or `max_wait` seconds pass).
+    Returns (seconds waited, other cores at the last probe)."""
+    start = time.perf_counter()
+    while True:
+        with CpuShare() as cpu:
+            time.sleep(probe)
+        waited = time.perf_counter() - start
+        if cpu.other_cores < threshold or waited >= max_wait:
+            return waited, cpu.other_cores
+
+
+# ---- engines and traces ---------------------------------------------------------------------------
+
+
+def tokenizer(path: str = "embedded") -> Any:
+    """A model's tokenizer without loading the model (the traces decide the pool size)."""
+    from transformers import AutoTokenizer
+
+    from po_backend.models.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+
+
+def pool_tokens(items: Sequence[Item], profiles: float) -> int:
+    """A prefix pool of `profiles` times the longest declared prefix (+ slack for a split node): as
+    in the paper, where 20 users' profiles do not fit next to the model, the cache cannot hold
+    every user (the engine's default pool would hold all of our scaled-down workloads)."""
+    return int(profiles * max(len(it.prefix) for it in items)) + 64
+
+
+def load_engine(prefix_pool_tokens: int | None = None, prefill_mode: str = "hybrid") -> Engine:
+    # "declared": only the prefix a request declares (the user profile) enters the cache: the
+    # paper's suffix discarding (bench_ablation turns it off per request).
+    return Engine.from_pretrained(
+        "embedded",
+        cache_policy="declared",
+        max_input_len=MAX_INPUT_LEN,
+        prefill_mode=prefill_mode,
+        prefix_pool_tokens=prefix_pool_tokens,
+    )
+
+
+def requests_and_arrivals(
+    items: Iterable[Item], labels: tuple[int, int], seed: int
+) -> tuple[list[ScoreRequest], list[float]]:
+    """Shuffled requests (users interleave, as independent clients would) and unit-rate Poisson
+    arrival times: a point at QPS q uses arrivals / q, so every point has the same pattern."""
+    rng = random.Random(seed)
+    items = list(items)
+    rng.shuffle(items)
+    reqs = [ScoreRequest(it.ids, labels, cache_prefix_len=len(it.prefix)) for it in items]
+    return reqs, poisson_arrivals(len(reqs), rng)
+
+
+def poisson_arrivals(n: int, rng: random.Random, rate: float = 1.0) -> list[float]:
+    """Arrival times (seconds from 0) of `n` events of a Poisson process with `rate` per second."""
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---- runs -----------------------------------------------------------------------------------------
+
+
+def latency_summary(lat: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(lat, dtype=float)
+    if a.size == 0:
+        return {"mean_s": math.nan, "p50_s": math.nan, "p99_s": math.nan}
+    return {
+        "mean_s": float(a.mean()),
+        "p50_s": float(np.percentile(a, 50)),
+        "p99_s": float(np.percentile(a, 99)),
+    }
+
+
+def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
+    """Submit `reqs` at `arrivals` (seconds from start; None: all at once, before the worker
+    starts, so the first pick sees the whole burst), wait for every one, drain the loop. Latency
+    = completion - submission, per request. `loop` must be built with start=False."""
+    n = len(reqs)
+    submitted, finished = [math.nan] * n, [math.nan] * n
+
+    def track(i: int, f: Future) -> Future:
+        f.add_done_callback(lambda _: finished.__setitem__(i, time.perf_counter()))
+        return f
+
+    with CpuShare() as cpu:
+        t0 = time.perf_counter()
+        if arrivals is None:
+            futs = [track(i, f) for i, f in enumerate(loop.submit_many(reqs))]
+            submitted = [t0] * n
+            loop.start()
+        else:
+            loop.start()
+            futs = []
+            for i, (a, r) in enumerate(zip(arrivals, reqs, strict=True)):
+                time.sleep(max(0.0, t0 + a - time.perf_counter()))
+                submitted[i] = time.perf_counter()
+                futs.append(track(i, loop.submit(r)))
+        for f in futs:
+            f.result()  # a failed request fails the benchmark
+        loop.shutdown(drain=True)
+    lat = np.array(finished) - np.array(submitted)
+    if not np.isfinite(lat).all():
+        raise RuntimeError("a request has no completion time")
+    return {
+        "latencies": lat.tolist(),
+        **latency_summary(lat),
+        "makespan_s": float(max(finished) - t0),
+        "other_cores": cpu.other_cores,
+    }
+
+
+def run_trace(
+    scorer: Any,
+    jct: JCTModel | CalibratedJCT,
+    policy: str,
+    lam: float,
+    reqs: list[ScoreRequest],
+    arrivals: list[float] | None,
+) -> dict[str, Any]:
+    """Replay `reqs` through a fresh EngineLoop on a cold cache, with its step log and stats. A
+    CalibratedJCT carries its online calibration from run to run, as one long-lived server would."""
+    scorer.flush_cache()
+    before = scorer.stats()
+    loop = EngineLoop(scorer, policy=policy, fairness_lambda=lam, jct=jct, max_queue=1 << 20, start=False)
+    r = replay(loop, reqs, arrivals)
+    after, st = scorer.stats(), loop.stats()
+    prompt = after.prompt_tokens - before.prompt_tokens
+    return {
+        "policy": policy,
+        **r,
+        "hit_rate": (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0,
+        "steps": st.steps,
+        "mean_batch": st.mean_batch_items,
+        "calibration": st.jct_calibration,
+        "step_log": step_rows(loop),
+    }
+
+
+def step_rows(loop: EngineLoop) -> list[list[Any]]:
+    """[raw prediction, calibrated prediction, measured s, items, [[n_input, n_cached], ...]] per step."""
+    return [
+        [s.predicted_raw, s.predicted, s.seconds, len(s.items), [list(i) for i in s.items]]
+        for s in loop.step_log()
+    ]
+
+
+def isolated(engine: Engine, jct: JCTModel | CalibratedJCT, reqs: list[ScoreRequest]) -> dict[str, Any]:
+    """Each request alone, in trace order, on a cache that starts cold: latency without queueing."""
+    engine.flush_cache()
+    lat = []
+    with EngineLoop(engine, policy="fcfs", jct=jct) as loop:
+        for r in reqs:
+            t = time.perf_counter()
+            loop.submit(r).result()
+            lat.append(time.perf_counter() - t)
+    return {"latencies": lat, **latency_summary(lat), "step_log": step_rows(loop)}
+
+
+def add_sweep_args(ap: argparse.ArgumentParser, quiet_wait: float) -> None:
+    """The flags of `sweep` (and of the benchmarks' prefix pool and arrivals)."""
+    ap.add_argument("--workloads", default="WL1,WL2")
+    ap.add_argument(
+        "--anchor", choices=("isolated", "saturated"), default="isolated", help="what --mults multiply"
+    )
+    ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
+    ap.add_argument("--slo-x", type=float, default=8.0, help="P99 SLO = this x mean isolated latency")
+    ap.add_argument("--cache-profiles", type=float, default=2.0, help="prefix pool in WL1 profiles")
+    ap.add_argument("--seed", type=int, default=0, help="arrivals and request order")
+    ap.add_argument(
+        "--quiet-wait", type=float, default=quiet_wait, help="max seconds to wait for an idle CPU"
+    )
+
+
+def sweep(
+    ours: Engine,
+    jct: JCTModel | CalibratedJCT,
+    setups: dict[str, Setup],
+    reqs: list[ScoreRequest],
+    unit: list[float],
+    mults: Sequence[float],
+    args: argparse.Namespace,
+    after_run: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> dict[str, Any]:
+    """One workload: isolated latency of ours (the SLO is `--slo-x` x its mean), saturated
+    throughput of ours under po (all requests at t=0), then Poisson arrivals at `mults` x the
+    anchor QPS (1 / mean isolated latency, or the saturated rate) for every setup, interleaved,
+    on the same unit-rate arrival pattern `unit`. `args`: the flags of `add_sweep_args`."""
+    lam, anchor, slo_x, quiet_wait = args.fairness_lambda, args.anchor, args.slo_x, args.quiet_wait
+    tokens = sum(len(r.input_ids) for r in reqs)
+    print(f"  {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
+    wait_for_quiet(quiet_wait)
+    iso = isolated(ours, jct, reqs)
+    wait_for_quiet(quiet_wait)
+    sat = run_trace(ours, jct, "po", lam, reqs, None)
+    sat_qps = len(reqs) / sat["makespan_s"]
+    base = 1.0 / iso["mean_s"] if anchor == "isolated" else sat_qps
+    print(
+        f"  isolated mean {iso['mean_s']:.2f} s (P99 SLO {slo_x * iso['mean_s']:.2f} s); saturated po "
+        f"{sat_qps:.3f} req/s, hits {sat['hit_rate']:.0%}; anchor ({anchor}) {base:.3f} req/s"
+    )
+    runs: list[dict[str, Any]] = []
+    for m in mults:
+        qps = m * base
+        for name, (scorer, policy) in setups.items():
+            wait_for_quiet(quiet_wait)
+            r = run_trace(scorer, jct, policy, lam, reqs, [u / qps for u in unit])
+            r.update(config=name, mult=m, qps=qps)
+            runs.append(r)
+            print(
+                f"  {m:5.2f}x {qps:6.3f} qps {name:8s} mean {r['mean_s']:6.2f} s  P99 {r['p99_s']:6.2f} s  "
+                f"hits {r['hit_rate']:4.0%}  steps {r['steps']:3d}  other cores {r['other_cores']:.2f}"
+            )
+            if after_run is not None:
+                after_run(runs)
+    return {
+        "requests": len(reqs),
+        "tokens": tokens,
+        "isolated": iso,
+        "isolated_mean_s": iso["mean_s"],
+        "slo_p99_s": slo_x * iso["mean_s"],
+        "saturated": sat,
+        "saturated_qps": sat_qps,
+        "anchor": anchor,
+        "anchor_qps": base,
+        "runs": runs,
+    }
+
+
+# ---- analysis -------------------------------------------------------------------------------------
+
+
+def sustained_qps(points: list[tuple[float, float]], slo: float) -> tuple[float, str]:
+    """Highest QPS with P99 <= slo from (qps, p99) points: interpolated (log-log) between the last
+    passing and the first failing point. The mark is "" (interpolated), ">=" (every point passes:
+    a lower bound) or "<" (even the lowest fails: an upper bound)."""
+    pts = sorted(points)
+    if pts[0][1] > slo:
+        return pts[0][0], "<"
+    for (q0, p0), (q1, p1) in zip(pts, pts[1:], strict=False):
+        if p1 > slo:
+            if p1 <= p0:
+                return q0, ""
+            f = (math.log(slo) - math.log(p0)) / (math.log(p1) - math.log(p0))
+            return math.exp(math.log(q0) + f * (math.log(q1) - math.log(q0))), ""
+    return pts[-1][0], ">="
+
+
+def ratio_cell(a: tuple[float, str], b: tuple[float, str]) -> tuple[str, float | None]:
+    """a / b of two sustained QPS values with their marks. Returns the text and the value (None
+    when both are bounds in the same direction: no ratio can be stated)."""
+    (qa, ma), (qb, mb) = a, b
+    if (ma == "<" and mb == "<") or (ma == ">=" and mb == ">="):
+        return "n/a (both bounds)", None
+    r = qa / qb
+    if ma == "<" or mb == ">=":
+        return f"<= {r:.2f}x", r
+    return f"{'>= ' if ma == '>=' or mb == '<' else ''}{r:.2f}x", r
+
+
+def slo_table(runs: list[dict[str, Any]], iso_mean: float, slo_xs: list[float]) -> dict[str, Any]:
+    """Per P99 SLO (x the mean isolated latency): each config's sustained QPS and po / fcfs."""
+    configs = list(dict.fromkeys(r["config"] for r in runs))
+    out = {}
+    for x in slo_xs:
+        sus = {
+            c: sustained_qps([(r["qps"], r["p99_s"]) for r in runs if r["config"] == c], x * iso_mean)
+            for c in configs
+        }
+        out[f"{x:g}"] = {
+            "slo_p99_s": x * iso_mean,
+            "sustained_qps": {c: {"qps": v, "mark": mk} for c, (v, mk) in sus.items()},
+            "po_vs_fcfs": ratio_cell(sus["po"], sus["fcfs"])[0] if {"po", "fcfs"} <= set(sus) else "n/a",
+        }
+    return out
+
+
+def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Predicted vs measured step time over the step logs of `runs` (none was used to fit)."""
+    rows = [s for r in runs for s in r["step_log"]]
+    raw, cal, meas = (np.array([s[i] for s in rows]) for i in range(3))
+    return {
+        "steps": len(rows),
+        "r_raw": pearson_r(raw, meas),
+        "r_calibrated": pearson_r(cal, meas),
+        "median_rel_error_raw": float(np.median(np.abs(raw / meas - 1))),
+        "median_rel_error_calibrated": float(np.median(np.abs(cal / meas - 1))),
+    }

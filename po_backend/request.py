@@ -1,0 +1,70 @@
+"""The request vocabulary: what a client asks to score and what it gets back.
+
+Torch-free on purpose: the server, the scheduler, the JCT model, the simulator and clients import
+it without pulling in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from po_backend.errors import EmptyPromptError, InvalidRequestError, InvalidTokenError, PromptTooLongError
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One prompt to score. Only `input_ids` is required."""
+
+    input_ids: tuple[int, ...]
+    label_token_ids: tuple[int, ...] = ()
+    top_k: int = 0  # also return the k most likely next tokens
+    # >= 0: also return log P(prompt[i] | prompt[:i]) for i in (logprob_start_len, n); sgl.select
+    # and multi-token labels score continuations this way. -1: no prompt-token log-probs.
+    logprob_start_len: int = -1
+    # Leading tokens worth keeping in the prefix cache (shared prefix); None = engine policy.
+    cache_prefix_len: int | None = None
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    logprobs: list[float]  # full-vocabulary log P(label | prompt), aligned with label_token_ids
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, log-prob)
+    input_token_logprobs: list[float] = field(default_factory=list)  # see logprob_start_len
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> None:
+    """Every check a request must pass before any work; shared by all executors so they reject
+    the same requests with the same typed errors."""
+    n = len(req.input_ids)
+    if n == 0:
+        raise EmptyPromptError("the prompt is empty (0 tokens)")
+    if n > max_input_len:
+        raise PromptTooLongError(f"the prompt has {n} tokens, more than max_input_len={max_input_len}")
+    for ids, what in ((req.input_ids, "prompt"), (req.label_token_ids, "label")):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidTokenError(f"{what} token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if not 0 <= req.top_k <= vocab_size:
+        raise InvalidRequestError(f"top_k must be in [0, {vocab_size}], got {req.top_k}")
+    if not -1 <= req.logprob_start_len < n:
+        raise InvalidRequestError(
+            f"logprob_start_len must be in [-1, {n - 1}] for a {n}-token prompt, got {req.logprob_start_len}"
+        )
+    if req.cache_prefix_len is not None and not 0 <= req.cache_prefix_len <= n:
+        raise InvalidRequestError(f"cache_prefix_len must be in [0, {n}], got {req.cache_prefix_len}")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share: the prefix a request built after another declares
+    as cacheable (`cache_prefix_len`)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,156 @@
+"""OpenAI's API: `/v1/models` and the legacy `/v1/completions` (`max_tokens` 0 or 1, `logprobs`,
+`logit_bias`, `echo`), so the openai client and lm-eval-style loglikelihood scripts work."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.server.errors import bad
+from po_backend.server.protocol import CompletionRequest
+from po_backend.server.runtime import Runtime, RuntimeDep, sse
+from po_backend.server.translate import biased_top, json_logprob, parse_bias
+
+router = APIRouter()
+
+MAX_OPENAI_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One /v1/completions call, parsed: its prompts (ids, and text when sent as text)."""
+
+    prompts: tuple[tuple[tuple[int, ...], str | None], ...]
+    max_tokens: int
+    bias: dict[int, float]
+    requests: tuple[ScoreRequest, ...]
+
+
+@router.get("/v1/models")
+async def models(rt: RuntimeDep) -> dict[str, Any]:
+    card = {
+        "id": rt.args.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "prefillonly",
+        "root": rt.args.model_path,
+        "max_model_len": rt.backend.max_input_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep) -> Response:
+    call = parse_completion(rt, body)
+    results = await rt.run(request, call.requests)
+    choices = [
+        completion_choice(rt, i, ids, text, body, call.max_tokens, call.bias, req, res)
+        for i, ((ids, text), req, res) in enumerate(zip(call.prompts, call.requests, results, strict=True))
+    ]
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    completion_tokens = call.max_tokens * len(results)
+    out = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model or rt.args.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    if body.stream:
+        events = [{**{k: v for k, v in out.items() if k != "usage"}, "choices": [c]} for c in choices]
+        if (body.stream_options or {}).get("include_usage"):
+            events.append({**{k: v for k, v in out.items() if k != "choices"}, "choices": []})
+        return sse(events)
+    return JSONResponse(out)
+
+
+def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
+    max_tokens = 1 if body.max_tokens is None else body.max_tokens
+    if max_tokens not in (0, 1):
+        raise bad(
+            f"max_tokens must be 0 or 1 on this prefill-only server (it never decodes), got {max_tokens}"
+        )
+    if body.n not in (None, 1) or body.best_of not in (None, 1):
+        raise bad("n and best_of must be 1 on the prefill-only server")
+    if body.suffix is not None:
+        raise bad("suffix is not supported")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_OPENAI_LOGPROBS:
+        raise bad(f"logprobs must be in [0, {MAX_OPENAI_LOGPROBS}], got {body.logprobs}")
+    bias = parse_bias(body.logit_bias, rt.backend.vocab_size, "logit_bias")
+    p = body.prompt
+    if isinstance(p, str):
+        prompts: list[tuple[tuple[int, ...], str | None]] = [(rt.encode_prompt(p), p)]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [(rt.encode_prompt(x), x) for x in p]  # type: ignore[arg-type]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts = [(tuple(x), None) for x in p]  # type: ignore[arg-type]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [(tuple(p), None)]  # type: ignore[arg-type]
+    else:
+        raise bad("prompt must be a string, a list of strings, token ids or a list of token-id lists")
+    echo_logprobs = body.echo and body.logprobs is not None
+    requests = tuple(
+        ScoreRequest(
+            ids,
+            tuple(bias),
+            top_k=(body.logprobs or 0) + len(bias) + 1,
+            logprob_start_len=0 if echo_logprobs else -1,
+        )
+        for ids, _ in prompts
+    )
+    return Completion(tuple(prompts), max_tokens, bias, requests)
+
+
+def completion_choice(
+    rt: Runtime, index: int, prompt_ids: tuple[int, ...], prompt_text: str | None, body: CompletionRequest,
+    max_tokens: int, bias: dict[int, float], req: ScoreRequest, res: ScoreResult,
+) -> dict[str, Any]:  # fmt: skip
+    k = body.logprobs
+    top = biased_top(res, req.label_token_ids, bias, max(k or 0, 1))
+    out_ids = [top[0][0]] if max_tokens == 1 else []
+    out_text = rt.decode(out_ids, skip_special_tokens=True) if out_ids else ""
+    text = out_text
+    finish = "stop" if out_ids and out_ids[0] == rt.eos_token_id else "length"
+    logprobs = None
+    if body.echo:
+        if prompt_text is None:
+            prompt_text = rt.decode(prompt_ids)
+        text = prompt_text + out_text
+    if k is not None:
+        tokens: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float | None] | None] = []
+        if body.echo:
+            tokens += list(prompt_ids)
+            values += [None, *res.input_token_logprobs]
+            tops += [None] * len(prompt_ids)  # per-position alternatives are not computed
+        chosen = dict(top)
+        for t in out_ids:
+            tokens.append(t)
+            values.append(chosen[t])
+            row = {rt.token_text(tt) or "": json_logprob(v) for tt, v in top[:k]}
+            row.setdefault(rt.token_text(t) or "", json_logprob(chosen[t]))
+            tops.append(row)
+        texts = [rt.token_text(t) or "" for t in tokens]
+        offsets, pos = [], 0
+        for s in texts:
+            offsets.append(pos)
+            pos += len(s)
+        logprobs = {
+            "tokens": texts,
+            "token_logprobs": [json_logprob(v) for v in values],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -1,0 +1,321 @@
+"""Rerank APIs over yes/no label scoring: SGLang's `/v1/rerank`, vLLM/Jina's `/rerank` and
+Cohere's `/v2/rerank`.
+
+Every document becomes one prompt of the reranker template (Qwen3-Reranker's format by default:
+a judge instruction, `<Instruct>`, `<Query>`, `<Document>`, answer "yes" or "no"), and its score is
+P(yes) / (P(yes) + P(no)) from the next-token distribution. The template puts the query before the
+document, so everything up to the document is the same for all of a call's documents: it is
+declared as the cache prefix, and the scheduler runs the documents as one multi-item forward over
+it (the first document computes and caches it when it is new). The same text prefix is what the
+SGLang router's cache_aware policy sees, so one query's calls stay on one worker.
+
+`--rerank-template` replaces the template: any text with `{query}` before `{doc}` (and optionally
+`{instruct}` before `{query}`); other braces are literal. By default the user turn is wrapped in
+the model's chat template (with the judge line as the system turn), or left plain when the model
+has none.
+"""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from po_backend.labels import (
+    LabelIds,
+    LabelTokenError,
+    check_distinct,
+    continuation_score,
+    label_continuations,
+    label_requests,
+    single_tokens,
+)
+from po_backend.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.server.errors import bad
+from po_backend.server.runtime import Runtime, RuntimeDep
+from po_backend.server.translate import softmax
+
+router = APIRouter()
+
+SYSTEM = (
+    "Judge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".'
+)
+USER = "<Instruct>: {instruct}\n<Query>: {query}\n<Document>: {doc}"
+# Qwen3-Reranker's default instruction, used when a call sends none.
+DEFAULT_INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
+ANSWERS = ("yes", "no")
+PLACEHOLDERS = ("{instruct}", "{query}", "{doc}")
+
+
+# ---- request bodies -----------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    # Rerank clients (the router, Cohere, LiteLLM, Dify) add their own keys; none change the answer.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"
+    text: str | None = None
+
+
+class DocumentObject(BaseModel):
+    """vLLM/Jina's `{"text": ...}` document."""
+
+    model_config = ConfigDict(extra="ignore")
+    text: str
+
+
+Document = str | DocumentObject | list[TextPart]
+
+
+class SGLangRerankBody(_Body):
+    """SGLang's `V1RerankReqInput` (text only)."""
+
+    query: str | list[TextPart]
+    documents: list[Document]
+    instruct: str | None = None
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    model: str | None = None
+
+
+class CohereRerankBody(_Body):
+    """vLLM/Jina's `RerankRequest` and Cohere's v2 rerank: `top_n` 0 or absent returns all."""
+
+    query: str
+    documents: list[Document]
+    model: str | None = None
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool = True  # vLLM always returns them; Jina and Cohere v1 default to it
+    max_tokens_per_doc: int | None = Field(default=None, ge=1)  # Cohere: truncate longer documents
+    instruct: str | None = None  # ours (and SGLang's), for instruction-tuned rerankers
+
+
+# ---- the template -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RerankTemplate:
+    """A reranker prompt with `{instruct}`, `{query}` and `{doc}` placeholders, split around them.
+
+    `add_special_tokens` is False when the text already starts with the tokenizer's BOS (a chat
+    template that writes it), so it is not doubled.
+    """
+
+    text: str
+    add_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        check_template(self.text)
+
+    def prompt_parts(self, instruct: str, query: str) -> tuple[str, str]:
+        """(everything before the document with the query filled in, everything after it)."""
+        before, after = self.text.split("{doc}")
+        return before.replace("{instruct}", instruct).replace("{query}", query), after
+
+
+def check_template(text: str) -> None:
+    """`{query}` and `{doc}` once each, query first; `{instruct}` at most once, before the query
+    (so the text before the document is the same for all of a query's documents)."""
+    counts = {p: text.count(p) for p in PLACEHOLDERS}
+    if counts["{query}"] != 1 or counts["{doc}"] != 1 or counts["{instruct}"] > 1:
+        raise ValueError(
+            "a rerank template needs {query} and {doc} exactly once (and {instruct} at most once), "
+            f"got {counts}"
+        )
+    if text.index("{query}") > text.index("{doc}"):
+        raise ValueError("a rerank template must put {query} before {doc} (the shared cache prefix)")
+    if counts["{instruct}"] and text.index("{instruct}") > text.index("{query}"):
+        raise ValueError("a rerank template must put {instruct} before {query}")
+
+
+def default_template(tokenizer: Any) -> RerankTemplate:
+    """Qwen3-Reranker's turns in the model's chat template; plain text for models without one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if getattr(tokenizer, "chat_template", None):
+        for messages in (
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+            # Templates that refuse a system turn get the judge line at the top of the user turn.
+            [{"role": "user", "content": SYSTEM + "\n" + USER}],
+        ):
+            try:
+                # enable_thinking=False: Qwen3's template then writes the empty think block that
+                # Qwen3-Reranker was trained with; other templates ignore the variable.
+                text = tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+                )
+            except Exception:  # jinja raises whatever the template's author chose
+                continue
+            if isinstance(text, str) and all(text.count(p) == 1 for p in PLACEHOLDERS):
+                return RerankTemplate(text, add_special_tokens=not (bos and text.startswith(bos)))
+    return RerankTemplate(SYSTEM + "\n" + USER + "\nAnswer:")
+
+
+_TEMPLATES: weakref.WeakKeyDictionary[Runtime, RerankTemplate] = weakref.WeakKeyDictionary()
+
+
+def template_for(rt: Runtime) -> RerankTemplate:
+    """The server's template (its flag, or the default for its tokenizer), built once."""
+    tpl = _TEMPLATES.get(rt)
+    if tpl is None:
+        text = getattr(rt.args, "rerank_template", "")
+        tpl = _TEMPLATES[rt] = RerankTemplate(text) if text else default_template(rt.tokenizer)
+    return tpl
+
+
+# ---- parse --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RerankCall:
+    """One call's prefills: per document, its answers' tokens and the requests that score them."""
+
+    label_ids: LabelIds
+    multi_token: bool
+    requests: tuple[tuple[ScoreRequest, ...], ...]  # one group per document
+
+
+def document_text(doc: Document) -> str:
+    if isinstance(doc, str):
+        return doc
+    if isinstance(doc, DocumentObject):
+        return doc.text
+    if any(p.type != "text" or p.text is None for p in doc):
+        raise bad("only text documents are supported (no image or video parts)")
+    return " ".join(p.text or "" for p in doc)
+
+
+def build_call(rt: Runtime, query: str, docs: Sequence[str], instruct: str | None) -> RerankCall:
+    """Each document's prompt tokenised whole (the tokens a direct computation would use); the
+    part before the document, up to its last non-space character, declared as the cache prefix
+    (a BPE merge across the join could only shorten the shared ids, never make them differ)."""
+    if not query.strip():
+        raise bad("query must be a non-empty string")
+    if not docs:
+        raise bad("documents must be a non-empty list")
+    if any(not d.strip() for d in docs):
+        raise bad("each document must be a non-empty string")
+    tpl = template_for(rt)
+    before, after = tpl.prompt_parts(DEFAULT_INSTRUCT if instruct is None else instruct, query)
+    head = before.rstrip()
+    shared = rt.encode(head, add_special_tokens=tpl.add_special_tokens)
+    texts = [before + d + after for d in docs]
+    try:
+        label_ids = label_continuations(
+            lambda s: rt.encode(s, add_special_tokens=False), texts[0], ANSWERS, None
+        )
+        check_distinct(ANSWERS, label_ids)
+    except LabelTokenError as e:
+        raise bad(f"the rerank template's end does not fit the answers yes/no: {e}") from e
+    multi = single_tokens(label_ids) is None
+    groups = []
+    for text in texts:
+        ids = rt.encode(text, add_special_tokens=tpl.add_special_tokens)
+        groups.append(label_requests(ids, label_ids, common_prefix(shared, ids), multi))
+    return RerankCall(label_ids, multi, tuple(groups))
+
+
+def relevance(call: RerankCall, group: Sequence[ScoreResult]) -> float:
+    """P(yes) / (P(yes) + P(no)) (Qwen3-Reranker's score), from log-probs so it never divides
+    by an underflowed zero."""
+    if not call.multi_token:
+        scores = list(group[0].logprobs)
+    else:
+        scores = [
+            continuation_score(r.input_token_logprobs[-len(c) :], "sum")
+            for c, r in zip(call.label_ids, group, strict=True)
+        ]
+    return softmax(scores)[0]
+
+
+@dataclass(frozen=True)
+class Ranked:
+    index: int
+    score: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+async def rerank(
+    rt: Runtime, request: Request, query: str, docs: Sequence[str], instruct: str | None
+) -> list[Ranked]:
+    """Each document's relevance, in the documents' order; all submitted together."""
+    call = build_call(rt, query, docs, instruct)
+    results = await rt.run(request, [r for g in call.requests for r in g])
+    out = []
+    pos = 0
+    for i, g in enumerate(call.requests):
+        group = results[pos : pos + len(g)]
+        pos += len(g)
+        out.append(
+            Ranked(i, relevance(call, group), group[0].prompt_tokens, sum(r.cached_tokens for r in group))
+        )
+    return out
+
+
+def top(ranked: Sequence[Ranked], n: int | None) -> list[Ranked]:
+    """Best first (ties in document order); the n best when n is set."""
+    if n:
+        return heapq.nlargest(n, ranked, key=lambda r: r.score)
+    return sorted(ranked, key=lambda r: -r.score)
+
+
+# ---- endpoints ----------------------------------------------------------------------------------
+
+
+@router.post("/v1/rerank")
+async def sglang_rerank(body: SGLangRerankBody, request: Request, rt: RuntimeDep) -> JSONResponse:
+    """SGLang's shape: a JSON list of `{score, document?, index, meta_info}`, best first (the
+    SGLang router builds its own reply from exactly this)."""
+    query = body.query if isinstance(body.query, str) else document_text(body.query)
+    docs = [document_text(d) for d in body.documents]
+    ranked = await rerank(rt, request, query, docs, body.instruct)
+    out = []
+    for r in top(ranked, body.top_n):
+        item: dict[str, Any] = {"score": r.score, "index": r.index}
+        if body.return_documents:
+            item["document"] = docs[r.index]
+        item["meta_info"] = {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
+        out.append(item)
+    return JSONResponse(out)
+
+
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep) -> dict[str, Any]:
+    """vLLM/Jina's and Cohere v2's shape: `{id, model, usage, results: [{index, relevance_score,
+    document?}]}`, best first."""
+    docs = [document_text(d) for d in body.documents]
+    if body.max_tokens_per_doc is not None:
+        docs = [_truncate(rt, d, body.max_tokens_per_doc) for d in docs]
+    ranked = await rerank(rt, request, body.query, docs, body.instruct)
+    results = []
+    for r in top(ranked, body.top_n):
+        item: dict[str, Any] = {"index": r.index, "relevance_score": r.score}
+        if body.return_documents:
+            item["document"] = {"text": docs[r.index]}
+        results.append(item)
+    tokens = sum(r.prompt_tokens for r in ranked)
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}",
+        "model": body.model or rt.args.model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "results": results,
+    }
+
+
+def _truncate(rt: Runtime, doc: str, max_tokens: int) -> str:
+    """Cohere's `max_tokens_per_doc`: the document's first tokens, as text."""
+    ids = rt.encode(doc, add_special_tokens=False)
+    return doc if len(ids) <= max_tokens else rt.decode(ids[:max_tokens])

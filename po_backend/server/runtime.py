@@ -1,0 +1,139 @@
+"""What every endpoint shares: `Runtime` (the backend, the settings, the metrics; tokenizing, token
+text, log-prob entries; submitting a call's requests and awaiting them with cancel-on-disconnect),
+the `RuntimeDep` that hands it to a handler, and the SSE response."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.responses import StreamingResponse
+
+from po_backend.errors import EmptyPromptError, OverloadedError
+from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.server.args import ServerArgs
+from po_backend.server.backend import Backend
+from po_backend.server.errors import ClientGone, bad
+from po_backend.server.metrics import Metrics
+from po_backend.server.translate import json_logprob
+
+VERSION = "prefillonly-0.1.0"
+
+
+class Runtime:
+    """One app's backend, settings and metrics, and the steps its handlers share."""
+
+    def __init__(self, backend: Backend, args: ServerArgs) -> None:
+        self.backend = backend
+        self.args = args
+        self.metrics = Metrics(backend)
+        self._token_text: dict[int, str] = {}
+
+    # ---- tokens ---------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        if self.backend.tokenizer is None:
+            raise bad("this model has no tokenizer: send input_ids instead of text")
+        return self.backend.tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.backend.tokenizer, "eos_token_id", None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_prompt(self, text: str) -> tuple[int, ...]:
+        """A prompt's ids; empty text is an empty prompt even though the tokenizer would give it
+        a BOS (scoring the distribution after BOS alone is never what was meant)."""
+        if not text:
+            raise EmptyPromptError("the prompt is empty (empty text)")
+        return self.encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token: int) -> str | None:
+        """One token decoded on its own (SGLang's `return_text_in_logprobs`), memoised."""
+        if self.backend.tokenizer is None:
+            return None
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.backend.tokenizer.decode([token])
+        return text
+
+    def entry(self, logprob: float | None, token: int, with_text: bool) -> list[Any]:
+        """SGLang's log-prob entry: [log-prob, token id, token text or None]."""
+        return [json_logprob(logprob), token, self.token_text(token) if with_text else None]
+
+    # ---- running requests -----------------------------------------------------------------------
+
+    async def run(self, request: Request, reqs: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """Submit together (one multi-item batch for the scheduler) and await, cancelling all if
+        the client disconnects first."""
+        if not reqs:
+            return []
+        try:
+            # Validation and a queue push: fast and thread-safe, fine on the event loop.
+            futs = self.backend.submit_many(reqs)
+        except OverloadedError:
+            self.metrics.rejected.inc(len(reqs))
+            raise
+        waiters = asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({waiters, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if waiters in done:
+                results = waiters.result()
+                self.metrics.observe(results)
+                return results
+            raise ClientGone()
+        finally:
+            watcher.cancel()
+            if not waiters.done():
+                waiters.cancel()
+                # Nobody awaits it any more: take its outcome so asyncio does not log it.
+                waiters.add_done_callback(_discard_outcome)
+                unfinished = [f for f in futs if not f.done()]
+                for f in unfinished:
+                    self.backend.cancel(f)
+                self.metrics.cancelled.inc(len(unfinished))
+
+
+async def get_runtime(request: Request) -> Runtime:
+    # async: FastAPI would run a plain function in its thread pool for every request.
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def sse(events: Sequence[dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events, one per result, then `[DONE]` (SGLang's and OpenAI's stream end)."""
+
+    async def gen() -> AsyncIterator[bytes]:
+        for e in events:
+            yield b"data: " + json.dumps(e).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def _discard_outcome(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client disconnects. The body is already read, so the next ASGI message
+    the server gives this request is the disconnect (uvicorn also sends it once the response has
+    been sent, by which time nobody waits on this)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

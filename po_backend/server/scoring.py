@@ -1,0 +1,367 @@
+"""Scoring APIs: SGLang's `/v1/score` (label-token probabilities for query + item), vLLM's
+`/generative_scoring` (the same over token ids, in vLLM's shape), and `/v1/classify` in two forms
+told apart by their required key: SGLang/vLLM's `{model, input}` (labels and prompt template fixed
+at launch by `--classify-labels` / `--classify-template`) and ours, `{prompt, labels}` (also at
+`/v1/classify_labels`). Label strings become tokens after each prompt by `po_backend.labels`, the
+same rule as po_lang's `@po.classify`."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from po_backend.labels import (
+    LabelIds,
+    LabelTokenError,
+    check_distinct,
+    continuation_score,
+    label_continuations,
+    label_requests,
+    single_tokens,
+)
+from po_backend.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.server.errors import bad
+from po_backend.server.protocol import ClassifyRequest, ScoreRequestBody
+from po_backend.server.runtime import Runtime, RuntimeDep
+from po_backend.server.translate import json_logprob, softmax
+
+router = APIRouter()
+
+# Prompt tokens decoded to find where a token-id prompt's labels begin (only the tail matters).
+_TAIL_TOKENS = 32
+
+
+def _validate(model: type[BaseModel], raw: dict[str, Any]) -> Any:
+    """A body chosen after parsing, validated with the same 400 as a declared one."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
+
+
+class LaunchClassifyBody(BaseModel):
+    """SGLang/vLLM's `ClassifyRequest`: one text, a list of texts, or one prompt's token ids."""
+
+    model_config = ConfigDict(extra="ignore")
+    input: str | list[str] | list[int]
+    model: str | None = None
+
+
+class GenerativeScoringBody(BaseModel):
+    """vLLM's `GenerativeScoringRequest`: prompt = query ids + item ids (item first when asked),
+    the query tokenised with special tokens, items without."""
+
+    model_config = ConfigDict(extra="ignore")
+    query: str | list[int]
+    items: list[str] | list[list[int]] = Field(min_length=1)
+    label_token_ids: list[int] = Field(min_length=1)
+    apply_softmax: bool = True
+    item_first: bool = False
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+@router.post("/v1/score")
+async def score(body: ScoreRequestBody, request: Request, rt: RuntimeDep) -> JSONResponse:
+    reqs = parse_score(rt, body)
+    results = await rt.run(request, reqs)
+    if body.apply_softmax:
+        scores = [softmax(r.logprobs, body.temperature) for r in results]
+    else:
+        scores = [[math.exp(x) for x in r.logprobs] for r in results]
+    tokens = sum(r.prompt_tokens for r in results)
+    out: dict[str, Any] = {
+        "scores": scores,
+        "model": body.model or rt.args.model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        "object": "scoring",
+    }
+    if body.return_token_logprobs:
+        out["token_logprobs"] = [[json_logprob(x) for x in r.logprobs] for r in results]
+    return JSONResponse(out)
+
+
+@router.post("/v1/classify")
+async def classify_any(
+    raw: Annotated[dict[str, Any], Body()], request: Request, rt: RuntimeDep
+) -> dict[str, Any]:
+    """SGLang/vLLM's form when the body has `input` (what their clients and the router send),
+    ours otherwise; the two share no required key, so the choice is never ambiguous."""
+    if "input" in raw:
+        return await classify_input(_validate(LaunchClassifyBody, raw), request, rt)
+    return await classify(_validate(ClassifyRequest, raw), request, rt)
+
+
+@router.post("/v1/classify_labels")
+async def classify(body: ClassifyRequest, request: Request, rt: RuntimeDep) -> dict[str, Any]:
+    items, data, total = await run_classify(rt, request, body)
+    return {
+        "object": "classification",
+        "model": body.model or rt.args.model_name,
+        "data": [classification(i, it, g, body) for i, (it, g) in enumerate(zip(items, data, strict=True))],
+        "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0},
+    }
+
+
+async def classify_input(body: LaunchClassifyBody, request: Request, rt: RuntimeDep) -> dict[str, Any]:
+    """SGLang's `ClassifyResponse`: per input the best label, the probabilities in the launch
+    labels' order, their number."""
+    labels = list(getattr(rt.args, "classify_labels", ()) or ())
+    if not labels:
+        raise bad(
+            "this server has no classification labels: launch it with --classify-labels A,B[,...] "
+            "(and --classify-template), or send our {prompt, labels} form"
+        )
+    inner = launch_classify_request(rt, body, labels)
+    items, data, total = await run_classify(rt, request, inner)
+    out = []
+    for i, (it, group) in enumerate(zip(items, data, strict=True)):
+        c = classification(i, it, group, inner)
+        probs = [c["probs"][label] for label in labels]
+        out.append({"index": i, "label": c["label"], "probs": probs, "num_classes": len(labels)})
+    return {
+        "id": f"classify-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": body.model or rt.args.model_name,
+        "data": out,
+        "usage": {
+            "prompt_tokens": total,
+            "total_tokens": total,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
+
+
+@router.post("/generative_scoring")
+async def generative_scoring(body: GenerativeScoringBody, request: Request, rt: RuntimeDep) -> dict[str, Any]:
+    """vLLM's generative scoring: per item the probability of the first label token (softmax over
+    the labels by default, full vocabulary with apply_softmax=false)."""
+    reqs = parse_generative(rt, body)
+    results = await rt.run(request, reqs)
+    data = []
+    for i, r in enumerate(results):
+        p = softmax(r.logprobs)[0] if body.apply_softmax else math.exp(r.logprobs[0])
+        data.append({"index": i, "object": "score", "score": p})
+    tokens = sum(r.prompt_tokens for r in results)
+    return {
+        "id": f"generative-scoring-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": body.model or rt.args.model_name,
+        "data": data,
+        # vLLM counts the one sampled token per item; a prefill-only server samples none.
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+    }
+
+
+async def run_classify(
+    rt: Runtime, request: Request, body: ClassifyRequest
+) -> tuple[list[ClassifyItem], list[list[ScoreResult]], int]:
+    """The prompts parsed, their results grouped per prompt, the prompt tokens in all."""
+    items = parse_classify(rt, body)
+    results = await rt.run(request, [r for it in items for r in it.requests])
+    groups = []
+    pos = 0
+    for it in items:
+        groups.append(results[pos : pos + len(it.requests)])
+        pos += len(it.requests)
+    return items, groups, sum(r.prompt_tokens for r in results)
+
+
+# ---- /v1/score ----------------------------------------------------------------------------------
+
+
+def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
+    """One request per item: query + item (item + query with item_first), the shared part marked
+    as the cache prefix."""
+    if (
+        body.query_embed_overrides is not None
+        or body.item_embed_overrides is not None
+        or body.embed_override_token_id is not None
+    ):
+        raise bad("embedding overrides are not supported by the prefill-only server")
+    if body.return_pooled_hidden_states:
+        raise bad("return_pooled_hidden_states is not supported for causal LM scoring")
+    if body.score_extraction_token is not None:
+        raise bad("score_extraction_token is not supported by the prefill-only server")
+    if not math.isfinite(body.temperature) or body.temperature <= 0:
+        raise bad("temperature must be finite and greater than zero")
+    if body.temperature != 1.0 and not body.apply_softmax:
+        raise bad("temperature requires apply_softmax=True")
+    if body.label_token_ids is None or not body.label_token_ids:
+        raise bad("label_token_ids must be a nonempty list")
+    if body.items is None:
+        raise bad("items must be provided")
+    items = [body.items] if isinstance(body.items, str) else list(body.items)
+    labels = _score_labels(body.label_token_ids, len(items))
+    query = body.query
+    if query is None:
+        query = [] if items and isinstance(items[0], list) else ""
+    if isinstance(query, str):
+        if items and not all(isinstance(x, str) for x in items):
+            raise bad("a text query needs text items")
+        return _text_score_requests(rt, query, items, labels, body.item_first)  # type: ignore[arg-type]
+    if items and not all(isinstance(x, list) for x in items):
+        raise bad("a token-id query needs token-id items")
+    reqs = []
+    for item, label_ids in zip(items, labels, strict=True):
+        q, it = tuple(query), tuple(item)  # type: ignore[arg-type]
+        ids = it + q if body.item_first else q + it
+        shared_len = len(it) if body.item_first else len(q)
+        reqs.append(ScoreRequest(ids, label_ids, cache_prefix_len=shared_len or None))
+    return reqs
+
+
+def _score_labels(label_token_ids: list[int] | list[list[int]], n_items: int) -> list[tuple[int, ...]]:
+    """The label tokens of each item: one list for all, or one list per item."""
+    if isinstance(label_token_ids[0], list):
+        if len(label_token_ids) != n_items:
+            raise bad("label_token_ids must have one list per item")
+        labels = [tuple(x) for x in label_token_ids]  # type: ignore[arg-type]
+    else:
+        labels = [tuple(label_token_ids)] * n_items  # type: ignore[arg-type]
+    for ls in labels:
+        if not ls:
+            raise bad("each item must have a nonempty label_token_ids list")
+        if len(set(ls)) != len(ls):
+            raise bad("label_token_ids must not contain duplicate tokens")
+    return labels
+
+
+def _text_score_requests(
+    rt: Runtime, query: str, items: Sequence[str], labels: Sequence[tuple[int, ...]], item_first: bool
+) -> list[ScoreRequest]:
+    prefix_ids = rt.encode(query) if not item_first else None
+    reqs = []
+    for item, label_ids in zip(items, labels, strict=True):
+        ids = rt.encode_prompt(f"{item}{query}" if item_first else f"{query}{item}")
+        # The shared part's tokens (the query, or the item with item_first) are the cache prefix;
+        # a BPE merge across the join can only shorten it.
+        shared = prefix_ids if prefix_ids is not None else rt.encode(item)
+        reqs.append(ScoreRequest(ids, label_ids, cache_prefix_len=common_prefix(shared, ids)))
+    return reqs
+
+
+def parse_generative(rt: Runtime, body: GenerativeScoringBody) -> list[ScoreRequest]:
+    """vLLM joins token ids, not strings; the query's ids are the shared part and the cache
+    prefix (unless the item comes first)."""
+    [labels] = _score_labels(body.label_token_ids, 1)
+    q = tuple(body.query) if isinstance(body.query, list) else rt.encode(body.query, body.add_special_tokens)
+    reqs = []
+    for item in body.items:
+        it = tuple(item) if isinstance(item, list) else rt.encode(item, add_special_tokens=False)
+        ids = it + q if body.item_first else q + it
+        reqs.append(
+            ScoreRequest(ids, labels, cache_prefix_len=(len(it) if body.item_first else len(q)) or None)
+        )
+    return reqs
+
+
+# ---- /v1/classify -------------------------------------------------------------------------------
+
+
+def launch_classify_request(rt: Runtime, body: LaunchClassifyBody, labels: list[str]) -> ClassifyRequest:
+    """The launch labels over the launch template (`{input}` placeholder): the template's text
+    before the input, up to its last non-space character, is tokenised once and cached (a space
+    left at its end would tokenise apart from the word after it). Token ids are taken as the
+    whole prompt, the template not applied."""
+    if isinstance(body.input, list) and body.input and all(isinstance(x, int) for x in body.input):
+        return ClassifyRequest(prompt=body.input, labels=labels)
+    texts = [body.input] if isinstance(body.input, str) else list(body.input)
+    if not texts:
+        raise bad("input is empty")
+    template = getattr(rt.args, "classify_template", "") or "{input}"
+    before, after = template.split("{input}", 1)
+    k = len(before.rstrip())
+    return ClassifyRequest(
+        prompt=[before + str(t) + after for t in texts], labels=labels, shared_prefix_len=k or None
+    )
+
+
+@dataclass(frozen=True)
+class ClassifyItem:
+    """One prompt of a /v1/classify call: its ids, each label's tokens after it, its prefills."""
+
+    ids: tuple[int, ...]
+    label_ids: LabelIds
+    multi_token: bool
+    requests: tuple[ScoreRequest, ...]
+
+
+def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
+    if any(not x.strip() for x in body.labels) or len(set(body.labels)) != len(body.labels):
+        raise bad("labels must be distinct non-empty strings")
+    prompts = _classify_prompts(rt, body)
+    if not prompts:
+        raise bad("prompt is empty")
+
+    def encode(text: str) -> tuple[int, ...]:
+        return rt.encode(text, add_special_tokens=False)
+
+    items = []
+    for ids, text, shared in prompts:
+        tail = text if text is not None else rt.decode(ids[-_TAIL_TOKENS:])
+        try:
+            label_ids = label_continuations(encode, tail, body.labels, body.leading_space)
+            check_distinct(body.labels, label_ids)
+        except LabelTokenError as e:
+            raise bad(str(e)) from e
+        # One next-token distribution when every label is its own single token; otherwise one
+        # prefill per label over prompt + label (the prompt cached by the first).
+        multi = single_tokens(label_ids) is None
+        items.append(ClassifyItem(ids, label_ids, multi, label_requests(ids, label_ids, shared, multi)))
+    return items
+
+
+def _classify_prompts(
+    rt: Runtime, body: ClassifyRequest
+) -> list[tuple[tuple[int, ...], str | None, int | None]]:
+    """(ids, text or None, shared prefix tokens) per prompt."""
+    p, k = body.prompt, body.shared_prefix_len
+    if isinstance(p, str) or (p and all(isinstance(x, str) for x in p)):
+        texts: list[str] = [p] if isinstance(p, str) else list(p)  # type: ignore[list-item]
+        if k is None:
+            return [(rt.encode_prompt(t), t, None) for t in texts]
+        out = []
+        for t in texts:
+            # The shared part is tokenised on its own so its ids are an exact prefix whatever
+            # follows (a merge across the boundary would break cache reuse).
+            head = rt.encode(t[:k])
+            out.append((head + rt.encode(t[k:], add_special_tokens=False), t, len(head)))
+        return out
+    rows = [p] if p and all(isinstance(x, int) for x in p) else p
+    return [(tuple(r), None, k) for r in rows]  # type: ignore[union-attr,arg-type]
+
+
+def classification(
+    index: int, it: ClassifyItem, group: Sequence[ScoreResult], body: ClassifyRequest
+) -> dict[str, Any]:
+    """One prompt's answer: the best label, probabilities over the labels, log-scores."""
+    if not it.multi_token:
+        scores = list(group[0].logprobs)
+    else:
+        scores = [
+            continuation_score(r.input_token_logprobs[-len(c) :], body.choices_method)
+            for c, r in zip(it.label_ids, group, strict=True)
+        ]
+    best = max(range(len(scores)), key=lambda j: scores[j])
+    return {
+        "index": index,
+        "label": body.labels[best],
+        "probs": dict(zip(body.labels, softmax(scores), strict=True)),
+        "logprobs": {label: json_logprob(s) for label, s in zip(body.labels, scores, strict=True)},
+        "label_token_ids": [list(c) for c in it.label_ids],
+        "prompt_tokens": len(it.ids),
+        "cached_tokens": sum(r.cached_tokens for r in group),
+    }

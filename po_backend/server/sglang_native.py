@@ -1,0 +1,295 @@
+"""SGLang's native API: `/generate` (the next token and log-probs; never decodes further), the
+model and server info endpoints, `/flush_cache`. Shapes follow SGLang 0.5.23's `GenerateReqInput`
+and `meta_info`, so `sgl.RuntimeEndpoint` and SGLang's router speak to us unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from po_backend.errors import PrefillOnlyError
+from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.server.errors import bad
+from po_backend.server.protocol import GenerateRequest, SamplingParams
+from po_backend.server.runtime import VERSION, Runtime, RuntimeDep, sse
+from po_backend.server.translate import biased_top, parse_bias, per_item, unique
+
+router = APIRouter()
+
+# Fields of SGLang's GenerateReqInput a prefill-only text server cannot honour: 400 when set.
+_UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+                "custom_logit_processor", "session_params")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GenItem:
+    """One prompt of a /generate call, parsed."""
+
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    return_logprob: bool
+    logprob_start_len: int  # SGLang's: the first position whose log-prob is returned
+    top_logprobs_num: int
+    token_ids_logprob: tuple[int, ...] | None
+    bias: dict[int, float]
+    skip_special_tokens: bool
+    with_text: bool  # return_text_in_logprobs
+    rid: str
+    request: ScoreRequest
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, rt: RuntimeDep) -> Response:
+    t0 = time.perf_counter()
+    items, single = parse_generate(rt, body)
+    results = await rt.run(request, [it.request for it in items])
+    latency = time.perf_counter() - t0
+    out = [format_generate(rt, it, r, latency) for it, r in zip(items, results, strict=True)]
+    if body.stream:
+        return sse([{**o, "index": i} for i, o in enumerate(out)])
+    return JSONResponse(out[0] if single else out)
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(rt: RuntimeDep) -> dict[str, Any]:
+    args, backend = rt.args, rt.backend
+    tok_dir = await asyncio.to_thread(tokenizer_dir, backend.tokenizer)
+    return {
+        # Local folders only: the SGLang router loads the tokenizer these name and would go to
+        # the hub for anything else ("embedded", a .gguf file).
+        "model_path": args.model_path if os.path.isdir(args.model_path) else tok_dir or args.model_path,
+        "tokenizer_path": tok_dir,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": backend.model_type,
+        "architectures": list(backend.architectures),
+        "served_model_name": args.model_name,
+        "max_input_len": backend.max_input_len,
+        "vocab_size": backend.vocab_size,
+        "backend": args.backend,
+    }
+
+
+def tokenizer_dir(tokenizer: Any) -> str | None:
+    """A local folder holding the tokenizer as tokenizer.json: the one it was loaded from (a GGUF
+    or the embedded model's conversion folder included), else a copy saved there once (a
+    sentencepiece-only folder); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    src = Path(str(getattr(tokenizer, "name_or_path", "") or "")).resolve()
+    if (src / "tokenizer.json").is_file():
+        return str(src)
+    if not getattr(tokenizer, "is_fast", False) or not src.is_dir():
+        return None
+    target = src / "po-tokenizer"  # next to the weights: the folder the tokenizer came from
+    if not (target / "tokenizer.json").is_file():
+        try:
+            tokenizer.save_pretrained(target)
+        except OSError:  # a read-only model folder: nothing the router could load
+            return None
+    return str(target)
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+def server_info(rt: RuntimeDep) -> dict[str, Any]:
+    # Sync, so FastAPI runs it in its thread pool: stats() takes the engine loop's lock.
+    backend = rt.backend
+    # The effective settings (resolved dtype, device, policy) override what was asked for.
+    info = {
+        **rt.args.public(),
+        "model_type": backend.model_type,
+        "architectures": list(backend.architectures),
+    }
+    info.update(backend.settings)
+    return {**info, "internal_states": [backend.stats()], "version": VERSION}
+
+
+@router.post("/flush_cache")
+@router.get("/flush_cache")
+async def flush_cache(rt: RuntimeDep) -> Response:
+    try:
+        await asyncio.to_thread(rt.backend.flush_cache)
+    except PrefillOnlyError as e:
+        return PlainTextResponse(f"Cache not flushed: {e}\n", status_code=400)
+    return PlainTextResponse("Cache flushed.\n")
+
+
+# ---- /generate: parse ---------------------------------------------------------------------------
+
+
+def parse_generate(rt: Runtime, body: GenerateRequest) -> tuple[list[GenItem], bool]:
+    """The call's prompts as `GenItem`s, and whether it was a single prompt (not a batch)."""
+    for name in _UNSUPPORTED:
+        if getattr(body, name) is not None:
+            raise bad(f"{name} is not supported by the prefill-only server")
+    if (body.text is None) == (body.input_ids is None):
+        raise bad("send exactly one of text and input_ids")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        texts = [body.text] if single else list(body.text)
+        prompts = [rt.encode_prompt(t) for t in texts]  # type: ignore[arg-type]
+    else:
+        ids = body.input_ids or []
+        single = not ids or not isinstance(ids[0], list)
+        prompts = [tuple(ids)] if single else [tuple(x) for x in ids]  # type: ignore[arg-type]
+    n = len(prompts)
+    if n == 0:
+        raise bad("the batch is empty")
+    hidden = body.return_hidden_states
+    if any(hidden if isinstance(hidden, list) else [hidden]):
+        raise bad("return_hidden_states is not supported by the prefill-only server")
+    sampling = per_item(body.sampling_params, n, "sampling_params", SamplingParams())
+    want_logprob = per_item(body.return_logprob, n, "return_logprob", False)
+    starts = per_item(body.logprob_start_len, n, "logprob_start_len", -1)
+    tops = per_item(body.top_logprobs_num, n, "top_logprobs_num", 0)
+    token_ids = body.token_ids_logprob
+    if token_ids and isinstance(token_ids[0], list):
+        id_lists = per_item(token_ids, n, "token_ids_logprob", None)
+    else:
+        id_lists = [token_ids] * n
+    prefix = per_item(body.cache_prefix_len, n, "cache_prefix_len", None)
+    rids = per_item(body.rid, n, "rid", None)
+    return [
+        _parse_item(
+            rt,
+            body,
+            prompts[i],
+            sampling[i],
+            bool(want_logprob[i]),
+            starts[i],
+            int(tops[i]),
+            id_lists[i],
+            prefix[i],
+            rids[i],
+        )  # fmt: skip
+        for i in range(n)
+    ], single
+
+
+def _parse_item(
+    rt: Runtime, body: GenerateRequest, ids: tuple[int, ...], sp: SamplingParams, want_logprob: bool,
+    start: int, top_n: int, token_ids: list[int] | None, cache_prefix_len: int | None, rid: str | None,
+) -> GenItem:  # fmt: skip
+    max_new = 1 if sp.max_new_tokens is None else sp.max_new_tokens
+    if max_new not in (0, 1):
+        raise bad(
+            f"max_new_tokens must be 0 or 1 on this prefill-only server (it scores the next "
+            f"token and never decodes), got {max_new}"
+        )
+    _check_sampling(sp, max_new)
+    if top_n < 0:
+        raise bad(f"top_logprobs_num must be >= 0, got {top_n}")
+    if want_logprob and not -1 <= start < max(len(ids), 1):
+        raise bad(
+            f"logprob_start_len must be in [-1, {len(ids) - 1}] for a {len(ids)}-token prompt, got {start}"
+        )
+    ids_lp = tuple(token_ids) if token_ids is not None else None
+    bias = parse_bias(sp.logit_bias, rt.backend.vocab_size, "logit_bias")
+    top_k = top_n if want_logprob else 0
+    if max_new == 1:
+        top_k = max(top_k, 1 + len(bias))  # enough unbiased candidates for the argmax
+    # The engine returns log-probs of the positions after its start; SGLang's list begins at the
+    # start position itself.
+    engine_start = max(start - 1, 0) if want_logprob and start >= 0 else -1
+    request = ScoreRequest(
+        ids,
+        unique((ids_lp or ()) + tuple(bias)),
+        top_k=top_k,
+        logprob_start_len=engine_start,
+        cache_prefix_len=cache_prefix_len,
+    )
+    return GenItem(
+        ids=ids,
+        max_new_tokens=max_new,
+        return_logprob=want_logprob,
+        logprob_start_len=start,
+        top_logprobs_num=top_n,
+        token_ids_logprob=ids_lp,
+        bias=bias,
+        skip_special_tokens=sp.skip_special_tokens is not False,
+        with_text=body.return_text_in_logprobs,
+        rid=rid or uuid.uuid4().hex,
+        request=request,
+    )
+
+
+def _check_sampling(sp: SamplingParams, max_new_tokens: int) -> None:
+    for name in ("regex", "json_schema", "ebnf", "structural_tag"):
+        if getattr(sp, name) is not None:
+            raise bad(
+                f"sampling_params.{name}: constrained decoding is not supported by the prefill-only server"
+            )
+    if sp.n not in (None, 1):
+        raise bad(f"sampling_params.n must be 1 on the prefill-only server, got {sp.n}")
+    if sp.beam_width not in (None, 0, 1):
+        raise bad("sampling_params.beam_width: beam search is not supported by the prefill-only server")
+    if (sp.min_new_tokens or 0) > max_new_tokens:
+        raise bad(f"min_new_tokens={sp.min_new_tokens} exceeds max_new_tokens={max_new_tokens}")
+
+
+# ---- /generate: format --------------------------------------------------------------------------
+
+
+def format_generate(rt: Runtime, it: GenItem, res: ScoreResult, latency: float) -> dict[str, Any]:
+    """SGLang's response for one prompt: text, output_ids and meta_info."""
+    out_ids: list[int] = []
+    text = ""
+    finish: dict[str, Any] = {"type": "length", "length": it.max_new_tokens}
+    req = it.request
+    if it.max_new_tokens == 1:
+        (token, _), *_ = biased_top(res, req.label_token_ids, it.bias, 1)
+        out_ids = [token]
+        if rt.backend.tokenizer is not None:
+            text = rt.decode([token], skip_special_tokens=it.skip_special_tokens)
+        if token == rt.eos_token_id:
+            finish = {"type": "stop", "matched": token}
+    meta: dict[str, Any] = {
+        "id": it.rid,
+        "finish_reason": finish,
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": len(out_ids),
+        "cached_tokens": res.cached_tokens,
+        "e2e_latency": latency,
+    }
+    if it.return_logprob:
+        meta.update(_logprob_meta(rt, it, res, out_ids))
+    return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+
+def _logprob_meta(rt: Runtime, it: GenItem, res: ScoreResult, out_ids: list[int]) -> dict[str, Any]:
+    with_text = it.with_text
+    lp = dict(zip(it.request.label_token_ids, res.logprobs, strict=True))
+    lp.update(res.top_logprobs)
+    inputs: list[list[Any]] = []
+    if it.logprob_start_len >= 0:
+        start = it.logprob_start_len
+        values: list[float | None] = list(res.input_token_logprobs)
+        if start == 0:
+            values = [None, *values]  # the first prompt token has no log-prob
+        inputs = [rt.entry(v, t, with_text) for v, t in zip(values, it.ids[start:], strict=True)]
+    top_row = [rt.entry(v, t, with_text) for t, v in res.top_logprobs[: it.top_logprobs_num]]
+    ids_row = [rt.entry(lp[t], t, with_text) for t in it.token_ids_logprob or ()]
+    return {
+        "input_token_logprobs": inputs,
+        # Not computed by the engine (it scores the prompt's own tokens only).
+        "input_top_logprobs": [None] * len(inputs) if it.top_logprobs_num else [],
+        "input_token_ids_logprobs": [None] * len(inputs) if it.token_ids_logprob else [],
+        "output_token_logprobs": [rt.entry(lp.get(t), t, with_text) for t in out_ids],
+        "output_top_logprobs": [top_row] if it.top_logprobs_num else [],
+        # One row, the next-token distribution, also with max_new_tokens=0 (SGLang's /v1/score
+        # reads it that way).
+        "output_token_ids_logprobs": [ids_row] if it.token_ids_logprob is not None else [],
+    }

@@ -1,0 +1,202 @@
+"""Our server behind the real SGLang router (`pip install sglang-router`, its Rust gateway) on
+loopback, with the cache_aware and round_robin policies: every endpoint the router forwards
+answers through it what the server answers directly, and the router loads the tokenizer our
+/model_info names from local disk."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_utils import REPO_ROOT, ServerProcess, free_port
+from tests.test_rerank import build_tokenizer
+
+pytest.importorskip("sglang_router", reason="pip install sglang-router")
+
+QUERY = "which pets like to play"
+DOCS = ["cats like to play with a ball", "tax news for the year", "dogs play in the park"]
+PROMPT = "<|im_start|>user\nwhich pets like to play<|im_end|>\n<|im_start|>assistant\n"
+
+
+class RouterProcess:
+    """`python -m sglang_router.launch_router` in front of `workers`; health checks and the
+    worker start-up poll every second so registration takes seconds, not the default 30."""
+
+    def __init__(self, workers: list[str], policy: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
+        self.args += ["--policy", policy, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self.args += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "120"]
+        self.args += ["--health-check-interval-secs", "1", "--log-level", "info"]
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.args, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log_text(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> RouterProcess:
+        """Ready once a worker answers through it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/get_model_info", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"router not ready after {timeout:.0f}s:\n{self.log_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src, _ = tiny_model("llama")
+    path = tmp_path_factory.mktemp("router") / "llama-tok"
+    shutil.copytree(src, path)
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[str]:
+    flags = ["--model-path", str(model_dir), "--dtype", "fp32", "--max-input-len", "256"]
+    flags += ["--classify-labels", "yes,no", "--classify-template", "Classify the post:\n{input}\nAnswer:"]
+    proc = ServerProcess([*flags, "--served-model-name", "tiny"]).start()
+    try:
+        yield proc.wait_ready().url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module", params=["cache_aware", "round_robin"])
+def router(request: pytest.FixtureRequest, server: str) -> Iterator[RouterProcess]:
+    proc = RouterProcess([server], request.param)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def ok(resp: httpx.Response) -> Any:
+    assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.text}"
+    return resp.json()
+
+
+def both(router: RouterProcess, server: str, method: str, path: str, body: Any = None) -> tuple[Any, Any]:
+    """The same call through the router and directly."""
+    kw: dict[str, Any] = {"timeout": 60.0} | ({"json": body} if body is not None else {})
+    return (
+        ok(httpx.request(method, router.url + path, **kw)),
+        ok(httpx.request(method, server + path, **kw)),
+    )
+
+
+def test_model_info_names_a_local_tokenizer_the_router_loads(
+    router: RouterProcess, server: str, model_dir: Path
+) -> None:
+    via, direct = both(router, server, "GET", "/get_model_info")
+    assert via == direct
+    assert Path(direct["tokenizer_path"]) == model_dir.resolve()
+    assert (Path(direct["tokenizer_path"]) / "tokenizer.json").is_file()
+    # The router answers /v1/tokenize itself, with the tokenizer it loaded from that folder.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = ok(httpx.post(router.url + "/v1/tokenize", json={"model": "tiny", "prompt": QUERY}, timeout=30))
+    assert out["tokens"] in (tok.encode(QUERY), tok.encode(QUERY, add_special_tokens=False))
+
+
+def test_server_info(router: RouterProcess, server: str) -> None:
+    """sglang-router 0.3.2 answers /get_server_info itself (a summary of its workers) rather
+    than forwarding it; the worker's own answer stays one hop away."""
+    via = ok(httpx.get(router.url + "/get_server_info", timeout=30))
+    assert via.get("workers_count") == 1, via
+    direct = ok(httpx.get(server + "/get_server_info", timeout=30))
+    assert direct["schedule_policy"] == "po" and "internal_states" in direct
+
+
+def test_rerank(router: RouterProcess, server: str) -> None:
+    # No `instruct`: sglang-router 0.3.2 forwards query, documents, model, return_documents only
+    # (its requests get the template's default instruction).
+    body = {"query": QUERY, "documents": DOCS}
+    reply, direct = both(router, server, "POST", "/v1/rerank", body)
+    # The router rebuilds its reply from SGLang's list that we answer: {"object": "rerank",
+    # "results": [...]} with the same order, scores (as f32), documents, meta_info.
+    assert reply["object"] == "rerank"
+    via = reply["results"]
+    assert [r["index"] for r in via] == [r["index"] for r in direct]
+    assert [r["score"] for r in via] == pytest.approx([r["score"] for r in direct], abs=1e-6)
+    assert [r.get("document") for r in via] == [DOCS[r["index"]] for r in direct]
+    # The second call reads the query from the cache: only the prompt sizes must agree.
+    assert [r["meta_info"]["prompt_tokens"] for r in via] == [r["meta_info"]["prompt_tokens"] for r in direct]
+
+
+def test_classify(router: RouterProcess, server: str) -> None:
+    """The router forwards SGLang/vLLM's {model, input} classify body unchanged."""
+    body = {"model": "tiny", "input": ["a cat video", "tax news"]}
+    via, direct = both(router, server, "POST", "/v1/classify", body)
+    assert [d["label"] for d in via["data"]] == [d["label"] for d in direct["data"]]
+    assert [d["probs"] for d in via["data"]] == [pytest.approx(d["probs"], abs=1e-6) for d in direct["data"]]
+    assert {d["num_classes"] for d in via["data"]} == {2}
+
+
+def test_flush_cache_reaches_the_worker(router: RouterProcess, server: str) -> None:
+    body = {"query": "a new query about dogs", "documents": DOCS}
+    ok(httpx.post(server + "/v1/rerank", json=body, timeout=60))
+    warm = ok(httpx.post(server + "/v1/rerank", json=body, timeout=60))
+    assert min(r["meta_info"]["cached_tokens"] for r in warm) > 0
+    r = httpx.post(router.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    cold = ok(httpx.post(server + "/v1/rerank", json=body, timeout=60))
+    assert min(r["meta_info"]["cached_tokens"] for r in cold) == 0
+
+
+def _stable_generate(out: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in out["meta_info"].items() if k not in ("id", "e2e_latency", "cached_tokens")}
+    return {**out, "meta_info": meta}
+
+
+def test_generate(router: RouterProcess, server: str) -> None:
+    """Needs the server to accept the keys the router adds (model, background, no_logs, ...)."""
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": 1},
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+    }
+    via, direct = both(router, server, "POST", "/generate", body)
+    assert _stable_generate(via) == _stable_generate(direct)
+    assert len(direct["output_ids"]) == 1
+
+
+def test_completions(router: RouterProcess, server: str) -> None:
+    """Needs the server to accept the keys the router adds (no_stop_trim, ignore_eos, ...)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "logprobs": 3}
+    via, direct = both(router, server, "POST", "/v1/completions", body)
+    for out in (via, direct):
+        out.pop("id"), out.pop("created")
+    assert via == direct
