@@ -19,6 +19,12 @@ from po_lang.sglang_shim import import_sglang_frontend
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def error_message(resp: httpx.Response) -> str:
+    """The message of either of SGLang's error shapes (flat on /v1/*, nested on native routes)."""
+    body = resp.json()
+    return str(body["error"]["message"] if "error" in body else body["message"])
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

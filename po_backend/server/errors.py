@@ -1,6 +1,11 @@
-"""HTTP errors: `HTTPError` and `bad` for handlers to raise, the `{"error": {...}}` body (what the
-openai client parses), readable messages for pydantic validation failures, and the exception
-handlers that map engine errors to 400/503."""
+"""HTTP errors: `HTTPError` and `bad` for handlers to raise, SGLang's error bodies, readable messages
+for pydantic validation failures, and the exception handlers that map engine errors to 400/503.
+
+SGLang answers in two shapes and its clients parse the one their endpoint uses: OpenAI-style routes
+(`/v1/*`, and vLLM's `/rerank`, `/v2/rerank`, `/generative_scoring`) a flat
+`{"object": "error", "message", "type", "param", "code"}` (the openai client reads `message` from
+the body itself when there is no `error` key); native routes (`/generate`, `/tokenize`, ...)
+`{"error": {"message": ...}}` (we add `type` and `code` inside, which SGLang's readers ignore)."""
 
 from __future__ import annotations
 
@@ -34,12 +39,17 @@ def bad(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
-def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
-    return {"object": "error", "error": {"message": message, "type": kind, "param": None, "code": status}}
+_OPENAI_STYLE = ("/v1/", "/rerank", "/v2/", "/generative_scoring")
 
 
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind), status_code=status)
+def error_body(status: int, message: str, kind: str, path: str = "") -> dict[str, Any]:
+    if path.startswith(_OPENAI_STYLE):
+        return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, message: str, kind: str, path: str = "") -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind, path), status_code=status)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
@@ -75,31 +85,35 @@ def add_exception_handlers(app: FastAPI) -> None:
     failures as 503, a disconnected client as 499, anything else as 500."""
 
     @app.exception_handler(HTTPError)
-    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.kind)
+    async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.kind, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc), "BadRequestError")
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _validation_message(exc), "BadRequestError", request.url.path)
 
     @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, f"{type(exc).__name__}: {exc}", "BadRequestError")
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, f"{type(exc).__name__}: {exc}", "BadRequestError", request.url.path)
 
     @app.exception_handler(OverloadedError)
-    async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
-        return error_response(503, f"overloaded: {exc}", "ServiceUnavailableError")
+    async def _overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+        return error_response(503, f"overloaded: {exc}", "ServiceUnavailableError", request.url.path)
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     @app.exception_handler(PrefillOnlyError)
-    async def _engine_error(_: Request, exc: PrefillOnlyError) -> JSONResponse:
+    async def _engine_error(request: Request, exc: PrefillOnlyError) -> JSONResponse:
         log.warning("engine error: %s: %s", type(exc).__name__, exc)
-        return error_response(503, f"{type(exc).__name__}: {exc}", "ServiceUnavailableError")
+        return error_response(
+            503, f"{type(exc).__name__}: {exc}", "ServiceUnavailableError", request.url.path
+        )
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+        return error_response(
+            500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError", request.url.path
+        )

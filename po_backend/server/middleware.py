@@ -40,7 +40,10 @@ class ApiKeyMiddleware:
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         if auth != self.expected:
             body = error_body(
-                401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError"
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                "AuthenticationError",
+                scope["path"],
             )
             await _send_json(send, 401, body)
             return
@@ -61,7 +64,7 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         too_large = error_body(
-            413, f"request body larger than {self.max_bytes} bytes", "PayloadTooLargeError"
+            413, f"request body larger than {self.max_bytes} bytes", "PayloadTooLargeError", scope["path"]
         )
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:

@@ -85,6 +85,8 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
         raise bad("n and best_of must be 1 on the prefill-only server")
     if body.suffix is not None:
         raise bad("suffix is not supported")
+    if body.return_hidden_states:
+        raise bad("return_hidden_states is not supported by the prefill-only server")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_OPENAI_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_OPENAI_LOGPROBS}], got {body.logprobs}")
     bias = parse_bias(body.logit_bias, rt.backend.vocab_size, "logit_bias")

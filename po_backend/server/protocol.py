@@ -1,23 +1,43 @@
 """Request bodies of the HTTP API (pydantic, used at the edge only).
 
 Field names follow SGLang 0.5.23 (`/generate`, `/v1/score`, `/tokenize`) and OpenAI
-(`/v1/completions`), so their clients work unchanged. Models forbid unknown keys: a misspelt
-parameter is a 400, never silently ignored. Fields that SGLang or OpenAI clients send but a
-prefill-only server cannot honour are declared so their defaults pass; the server rejects them
-when set (see `app.py`).
+(`/v1/completions`), so their clients work unchanged. Like SGLang (pydantic models) and vLLM,
+request bodies accept unknown top-level keys and ignore them (logged at debug): the SGLang router
+and client libraries add fields of their own. Nested `sampling_params` stay strict, since a
+misspelt sampling parameter there would silently change nothing. Fields that SGLang or OpenAI
+clients send but a prefill-only server cannot honour are declared so their defaults pass; the
+handlers reject them with a 400 when set.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger(__name__)
 
 IntList = list[int]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class TolerantBody(BaseModel):
+    """A top-level request body: unknown keys are ignored, as SGLang and vLLM do."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict) and log.isEnabledFor(logging.DEBUG):
+            unknown = sorted(str(k) for k in data if k not in cls.model_fields)
+            if unknown:
+                log.debug("%s: ignoring unknown fields %s", cls.__name__, unknown)
+        return data
 
 
 class SamplingParams(_Strict):
@@ -53,7 +73,7 @@ class SamplingParams(_Strict):
     custom_params: dict[str, Any] | None = None
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(TolerantBody):
     """SGLang's `GenerateReqInput`, the subset that means something without decoding.
 
     Per-item fields take one value for the whole batch or a list with one value per prompt.
@@ -89,9 +109,16 @@ class GenerateRequest(_Strict):
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
+    # What the SGLang router adds to every forwarded /generate (its defaults pass; `background`,
+    # `return_bytes` and `return_entropy` set to true ask for what we cannot do: 400).
+    model: str | None = None
+    background: bool = False
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
 
-class ScoreRequestBody(_Strict):
+class ScoreRequestBody(TolerantBody):
     """SGLang's `/v1/score`: prompt = query + item (item + query with `item_first`)."""
 
     query: str | IntList | None = None
@@ -110,7 +137,7 @@ class ScoreRequestBody(_Strict):
     score_extraction_token: str | None = None
 
 
-class CompletionRequest(_Strict):
+class CompletionRequest(TolerantBody):
     """OpenAI's legacy completions: `max_tokens` 0 or 1 here; `logprobs` up to 20."""
 
     model: str | None = None
@@ -131,9 +158,14 @@ class CompletionRequest(_Strict):
     stream_options: dict[str, Any] | None = None
     suffix: str | None = None
     user: str | None = None
+    # SGLang's completion extensions (the router sends them with these defaults).
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
 
 
-class ClassifyRequest(_Strict):
+class ClassifyRequest(TolerantBody):
     """Ours: label probabilities for prompt(s).
 
     `shared_prefix_len`: leading characters (text prompts) or tokens (token-id prompts) that the
@@ -151,7 +183,7 @@ class ClassifyRequest(_Strict):
     model: str | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(TolerantBody):
     # SGLang names the field `prompt`; po_lang's client sends `prompt` and `text` (same value).
     model: str | None = None
     prompt: str | list[str] | None = None
@@ -159,12 +191,12 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(TolerantBody):
     model: str | None = None
     tokens: IntList | list[IntList]
     skip_special_tokens: bool = True
 
 
-class ChatTemplateRequest(_Strict):
+class ChatTemplateRequest(TolerantBody):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True

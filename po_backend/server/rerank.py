@@ -39,6 +39,7 @@ from po_backend.labels import (
 )
 from po_backend.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server.errors import bad
+from po_backend.server.protocol import TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import softmax
 
@@ -58,11 +59,6 @@ PLACEHOLDERS = ("{instruct}", "{query}", "{doc}")
 # ---- request bodies -----------------------------------------------------------------------------
 
 
-class _Body(BaseModel):
-    # Rerank clients (the router, Cohere, LiteLLM, Dify) add their own keys; none change the answer.
-    model_config = ConfigDict(extra="ignore")
-
-
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str = "text"
@@ -79,7 +75,7 @@ class DocumentObject(BaseModel):
 Document = str | DocumentObject | list[TextPart]
 
 
-class SGLangRerankBody(_Body):
+class SGLangRerankBody(TolerantBody):
     """SGLang's `V1RerankReqInput` (text only)."""
 
     query: str | list[TextPart]
@@ -90,7 +86,7 @@ class SGLangRerankBody(_Body):
     model: str | None = None
 
 
-class CohereRerankBody(_Body):
+class CohereRerankBody(TolerantBody):
     """vLLM/Jina's `RerankRequest` and Cohere's v2 rerank: `top_n` 0 or absent returns all."""
 
     query: str

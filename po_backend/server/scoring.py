@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from po_backend.labels import (
     LabelIds,
@@ -30,7 +30,7 @@ from po_backend.labels import (
 )
 from po_backend.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server.errors import bad
-from po_backend.server.protocol import ClassifyRequest, ScoreRequestBody
+from po_backend.server.protocol import ClassifyRequest, ScoreRequestBody, TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import json_logprob, softmax
 
@@ -48,19 +48,17 @@ def _validate(model: type[BaseModel], raw: dict[str, Any]) -> Any:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
 
 
-class LaunchClassifyBody(BaseModel):
+class LaunchClassifyBody(TolerantBody):
     """SGLang/vLLM's `ClassifyRequest`: one text, a list of texts, or one prompt's token ids."""
 
-    model_config = ConfigDict(extra="ignore")
     input: str | list[str] | list[int]
     model: str | None = None
 
 
-class GenerativeScoringBody(BaseModel):
+class GenerativeScoringBody(TolerantBody):
     """vLLM's `GenerativeScoringRequest`: prompt = query ids + item ids (item first when asked),
     the query tokenised with special tokens, items without."""
 
-    model_config = ConfigDict(extra="ignore")
     query: str | list[int]
     items: list[str] | list[list[int]] = Field(min_length=1)
     label_token_ids: list[int] = Field(min_length=1)

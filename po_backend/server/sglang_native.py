@@ -151,6 +151,9 @@ def parse_generate(rt: Runtime, body: GenerateRequest) -> tuple[list[GenItem], b
     hidden = body.return_hidden_states
     if any(hidden if isinstance(hidden, list) else [hidden]):
         raise bad("return_hidden_states is not supported by the prefill-only server")
+    for flag in ("background", "return_bytes", "return_entropy"):
+        if getattr(body, flag):
+            raise bad(f"{flag}=true is not supported by the prefill-only server")
     sampling = per_item(body.sampling_params, n, "sampling_params", SamplingParams())
     want_logprob = per_item(body.return_logprob, n, "return_logprob", False)
     starts = per_item(body.logprob_start_len, n, "logprob_start_len", -1)
