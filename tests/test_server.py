@@ -5,6 +5,7 @@ a tiny BPE tokenizer. Expected answers come from the in-process engine on the sa
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import shutil
@@ -82,8 +83,10 @@ def engine(model_dir: Path) -> Engine:
     return Engine.from_pretrained(model_dir, dtype="fp32", max_input_len=MAX_INPUT_LEN)
 
 
-def post(url: str, path: str, body: Any, **kw: Any) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=60.0, **kw)
+def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None, **kw: Any) -> httpx.Response:
+    # ASCII-escaped JSON, as most clients send it: lone surrogates travel as "\ud800" escapes.
+    headers = {"content-type": "application/json", **(headers or {})}
+    return httpx.post(url + path, content=json.dumps(body).encode(), headers=headers, timeout=60.0, **kw)
 
 
 def ok(resp: httpx.Response) -> Any:
@@ -455,6 +458,14 @@ BAD = [
         "unknown field 'sampling_params.bogus_key'",
     ),
     ("/generate", {"text": "hi", "background": True}, "background=true is not supported"),
+    ("/generate", {"text": "a\ud800"}, "lone UTF-16 surrogate"),
+    ("/generate", {"text": "hi", "rid": "\udfff"}, "lone UTF-16 surrogate"),
+    ("/v1/completions", {"prompt": ["ok", "b\ud800"]}, "lone UTF-16 surrogate"),
+    ("/tokenize", {"prompt": "\ud800"}, "lone UTF-16 surrogate"),
+    ("/v1/score", {"query": "a", "items": ["\ud800"], "label_token_ids": [1]}, "lone UTF-16 surrogate"),
+    ("/generate", {"input_ids": ["1", "2"]}, "input_ids"),
+    ("/generate", {"input_ids": [True, 5]}, "input_ids"),
+    ("/v1/score", {"query": [1, 2], "items": [[3]], "label_token_ids": [True]}, "label_token_ids"),
     ("/v1/completions", {"prompt": "hi", "return_hidden_states": True}, "return_hidden_states"),
     ("/generate", {"input_ids": [5] * (MAX_INPUT_LEN + 1)}, f"more than max_input_len={MAX_INPUT_LEN}"),
     ("/generate", {"input_ids": []}, "empty"),

@@ -146,20 +146,20 @@ class LocalRuntime:
         with self._tok_lock:
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def token_text(self, tid: int) -> str:
+    def token_text(self, token_id: int) -> str:
         """One token decoded on its own (SGLang's `return_text_in_logprobs`), memoised."""
-        text = self._token_text.get(tid)
+        text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[tid] = self.decode([tid])
+            text = self._token_text[token_id] = self.decode([token_id])
         return text
 
-    def entry(self, logprob: float | None, tid: int) -> list[Any]:
+    def entry(self, logprob: float | None, token_id: int) -> list[Any]:
         """SGLang's (logprob, token id, text) triple, as the server's /generate writes it."""
         if logprob is not None and not math.isnan(logprob):
             logprob = max(float(logprob), LOGPROB_FLOOR)
         else:
             logprob = None
-        return [logprob, tid, self.token_text(tid)]
+        return [logprob, token_id, self.token_text(token_id)]
 
     # ---- running ------------------------------------------------------------------------------
 

@@ -88,11 +88,11 @@ class PrefillOnlyBackend(_sgl.BaseBackend):  # type: ignore[misc]
         """`sgl.gen` with max_tokens 0 (just prefill) or 1 (the most likely next token)."""
         self._no_images(s)
         sp = sampling_params
-        mnt = 1 if sp.max_new_tokens is None else int(sp.max_new_tokens)
-        if mnt not in (0, 1):
+        max_new = 1 if sp.max_new_tokens is None else int(sp.max_new_tokens)
+        if max_new not in (0, 1):
             raise InvalidRequestError(
                 f"max_new_tokens must be 0 or 1 on this prefill-only engine (it scores the next token "
-                f"and never decodes), got {mnt}: use sgl.gen(..., max_tokens=1) or sgl.select"
+                f"and never decodes), got {max_new}: use sgl.gen(..., max_tokens=1) or sgl.select"
             )
         for name in ("regex", "json_schema", "dtype"):
             if getattr(sp, name, None) is not None:
@@ -101,29 +101,31 @@ class PrefillOnlyBackend(_sgl.BaseBackend):  # type: ignore[misc]
                 )
         if sp.n not in (None, 1):
             raise InvalidRequestError(f"n must be 1 on the prefill-only engine, got {sp.n}")
-        if (sp.min_new_tokens or 0) > mnt:
-            raise InvalidRequestError(f"min_new_tokens={sp.min_new_tokens} exceeds max_new_tokens={mnt}")
+        if (sp.min_new_tokens or 0) > max_new:
+            raise InvalidRequestError(f"min_new_tokens={sp.min_new_tokens} exceeds max_new_tokens={max_new}")
         t0 = time.perf_counter()
         ids = self._prompt(s.text_)
-        ret = bool(sp.return_logprob)
+        want_logprob = bool(sp.return_logprob)
         start = -1 if sp.logprob_start_len is None else int(sp.logprob_start_len)
         tops = int(sp.top_logprobs_num or 0)
         if tops < 0:
             raise InvalidRequestError(f"top_logprobs_num must be >= 0, got {tops}")
-        if ret and not -1 <= start < len(ids):
+        if want_logprob and not -1 <= start < len(ids):
             raise InvalidRequestError(
                 f"logprob_start_len must be in [-1, {len(ids) - 1}] for a {len(ids)}-token prompt, got {start}"
             )
-        top_k = tops if ret else 0
-        if mnt == 1:
+        top_k = tops if want_logprob else 0
+        if max_new == 1:
             top_k = max(top_k, 1)
-        req = ScoreRequest(ids, (), top_k=top_k, logprob_start_len=_engine_start(start) if ret else -1)
+        req = ScoreRequest(
+            ids, (), top_k=top_k, logprob_start_len=_engine_start(start) if want_logprob else -1
+        )
         (res,) = self.runtime.run([req])
-        out_ids = [res.top_logprobs[0][0]] if mnt == 1 else []
+        out_ids = [res.top_logprobs[0][0]] if max_new == 1 else []
         skip = _sgl.global_config.skip_special_tokens_in_output
         text = self.runtime.decode(out_ids, skip_special_tokens=skip) if out_ids else ""
         eos = getattr(self.runtime.tokenizer, "eos_token_id", None)
-        finish: dict[str, Any] = {"type": "length", "length": mnt}
+        finish: dict[str, Any] = {"type": "length", "length": max_new}
         if out_ids and out_ids[0] == eos:
             finish = {"type": "stop", "matched": out_ids[0]}
         meta: dict[str, Any] = {
@@ -134,7 +136,7 @@ class PrefillOnlyBackend(_sgl.BaseBackend):  # type: ignore[misc]
             "cached_tokens": res.cached_tokens,
             "e2e_latency": time.perf_counter() - t0,
         }
-        if ret:
+        if want_logprob:
             top = dict(res.top_logprobs)
             meta["input_token_logprobs"] = self._input_rows(ids, start, res) if start >= 0 else []
             meta["output_token_logprobs"] = [self.runtime.entry(top[t], t) for t in out_ids]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +114,10 @@ def add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error")
+        # The detail (which may quote the request or our internals) goes to the log only; the
+        # client gets an id to quote when reporting it.
+        error_id = uuid.uuid4().hex[:16]
+        log.exception("internal error %s on %s %s", error_id, request.method, request.url.path)
         return error_response(
-            500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError", request.url.path
+            500, f"internal server error (error id {error_id})", "InternalServerError", request.url.path
         )

@@ -30,7 +30,7 @@ from po_backend.labels import (
 )
 from po_backend.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server.errors import bad
-from po_backend.server.protocol import ClassifyRequest, ScoreRequestBody, TolerantBody
+from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import json_logprob, softmax
 
@@ -51,7 +51,7 @@ def _validate(model: type[BaseModel], raw: dict[str, Any]) -> Any:
 class LaunchClassifyBody(TolerantBody):
     """SGLang/vLLM's `ClassifyRequest`: one text, a list of texts, or one prompt's token ids."""
 
-    input: str | list[str] | list[int]
+    input: str | list[str] | IntList
     model: str | None = None
 
 
@@ -59,9 +59,9 @@ class GenerativeScoringBody(TolerantBody):
     """vLLM's `GenerativeScoringRequest`: prompt = query ids + item ids (item first when asked),
     the query tokenised with special tokens, items without."""
 
-    query: str | list[int]
-    items: list[str] | list[list[int]] = Field(min_length=1)
-    label_token_ids: list[int] = Field(min_length=1)
+    query: str | IntList
+    items: list[str] | list[IntList] = Field(min_length=1)
+    label_token_ids: IntList = Field(min_length=1)
     apply_softmax: bool = True
     item_first: bool = False
     add_special_tokens: bool = True

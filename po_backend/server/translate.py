@@ -42,14 +42,14 @@ def parse_bias(bias: dict[str, float] | None, vocab_size: int, where: str) -> di
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:
-            tid = int(key)
+            token_id = int(key)
         except ValueError:
             raise bad(f"{where} keys must be token ids, got {key!r}") from None
-        if not 0 <= tid < vocab_size:
-            raise bad(f"{where} token id {tid} is outside the vocabulary [0, {vocab_size})")
+        if not 0 <= token_id < vocab_size:
+            raise bad(f"{where} token id {token_id} is outside the vocabulary [0, {vocab_size})")
         if not math.isfinite(value) or not -100 <= value <= 100:
-            raise bad(f"{where} values must be in [-100, 100], got {value} for token {tid}")
-        out[tid] = float(value)
+            raise bad(f"{where} values must be in [-100, 100], got {value} for token {token_id}")
+        out[token_id] = float(value)
     return out
 
 
