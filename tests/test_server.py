@@ -464,6 +464,8 @@ BAD = [
     ("/tokenize", {"prompt": "\ud800"}, "lone UTF-16 surrogate"),
     ("/v1/score", {"query": "a", "items": ["\ud800"], "label_token_ids": [1]}, "lone UTF-16 surrogate"),
     ("/generate", {"input_ids": ["1", "2"]}, "input_ids"),
+    ("/v1/classify", {"prompt": [[-1, 5]], "labels": ["a", "b"]}, "outside the vocabulary"),
+    ("/v1/classify", {"prompt": [[2**40]], "labels": ["a", "b"]}, "outside the vocabulary"),
     ("/generate", {"input_ids": [True, 5]}, "input_ids"),
     ("/v1/score", {"query": [1, 2], "items": [[3]], "label_token_ids": [True]}, "label_token_ids"),
     ("/v1/completions", {"prompt": "hi", "return_hidden_states": True}, "return_hidden_states"),

@@ -339,6 +339,11 @@ def _classify_prompts(
             out.append((head + rt.encode(t[k:], add_special_tokens=False), t, len(head)))
         return out
     rows = [p] if p and all(isinstance(x, int) for x in p) else p
+    vocab = rt.backend.vocab_size
+    for r in rows:  # before anything decodes them (the tokenizer overflows on ids like 2**40)
+        bad_ids = [t for t in r if not 0 <= t < vocab]  # type: ignore[union-attr,operator]
+        if bad_ids:
+            raise bad(f"prompt token ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}")
     return [(tuple(r), None, k) for r in rows]  # type: ignore[union-attr,arg-type]
 
 
