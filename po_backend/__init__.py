@@ -25,7 +25,21 @@ _EXPORTS = {
     "UnsupportedModelError": "po_backend.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CapacityError",
+    "EmptyPromptError",
+    "Engine",
+    "InvalidRequestError",
+    "InvalidTokenError",
+    "ModelNotFoundError",
+    "OverloadedError",
+    "PrefillOnlyError",
+    "PromptTooLongError",
+    "ScoreRequest",
+    "ScoreResult",
+    "UnsupportedModelError",
+]
+assert sorted(__all__) == sorted(_EXPORTS), "__all__ and _EXPORTS must name the same things"
 
 if TYPE_CHECKING:
     from po_backend.engine import Engine

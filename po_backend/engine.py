@@ -375,21 +375,43 @@ class Engine:
         prompt-logprob span never materialises [n, vocab] at once."""
         n = len(req.input_ids)
         targets = torch.tensor(req.input_ids[n - hidden.shape[0] + 1 :], dtype=torch.int64)
-        span: list[torch.Tensor] = []
+        span = PromptSpan(req)
         for a in range(0, hidden.shape[0], LOGIT_ROWS):
             logits = self.model.final_logits(hidden[a : a + LOGIT_ROWS])
             logp = torch.log_softmax(logits, dim=-1)
-            t = targets[a : a + LOGIT_ROWS].to(logp.device)
-            span.append(logp[: t.numel()].gather(1, t[:, None]).squeeze(1))
-        prompt_logprobs = torch.cat(span).tolist() if req.logprob_start_len >= 0 else []
-        return score_result(req, logp[-1], prompt_logprobs, cached)
+            span.add(logp, targets[a : a + LOGIT_ROWS])
+        return score_result(req, logp[-1], span, cached)
 
 
-def score_result(
-    req: ScoreRequest, last: torch.Tensor, prompt_logprobs: list[float], cached: int
-) -> ScoreResult:
+class PromptSpan:
+    """What a request asked of its prompt positions, gathered block by block from log-softmax
+    rows (each row predicts the next prompt token; the row after the last target is the
+    next-token distribution and belongs to no position)."""
+
+    def __init__(self, req: ScoreRequest) -> None:
+        self.req = req
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.ids: list[list[float]] = []
+
+    def add(self, logp: torch.Tensor, targets: torch.Tensor) -> None:
+        if self.req.logprob_start_len < 0:
+            return
+        rows = logp[: targets.numel()]
+        self.logprobs += rows.gather(1, targets.to(rows.device)[:, None]).squeeze(1).tolist()
+        if self.req.input_top_k:
+            values, ids = rows.topk(self.req.input_top_k, dim=-1)
+            self.top += [
+                list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+        if self.req.input_token_ids:
+            cols = torch.tensor(self.req.input_token_ids, dtype=torch.int64, device=rows.device)
+            self.ids += rows[:, cols].tolist()
+
+
+def score_result(req: ScoreRequest, last: torch.Tensor, span: PromptSpan, cached: int) -> ScoreResult:
     """The result of one request from the log-softmax of its last position (labels, top-k) and its
-    prompt-token log-probs; the engine and the transformers baseline both answer through it."""
+    prompt positions; the engine and the transformers baseline both answer through it."""
     labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=last.device)
     top: list[tuple[int, float]] = []
     if req.top_k:
@@ -398,7 +420,9 @@ def score_result(
     return ScoreResult(
         logprobs=last[labels].tolist(),
         top_logprobs=top,
-        input_token_logprobs=prompt_logprobs,
+        input_token_logprobs=span.logprobs,
+        input_top_logprobs=span.top,
+        input_token_ids_logprobs=span.ids,
         prompt_tokens=len(req.input_ids),
         cached_tokens=cached,
     )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from po_backend.config import default_device, parse_dtype
-from po_backend.engine import EngineStats, load_tokenizer, score_result
+from po_backend.engine import EngineStats, PromptSpan, load_tokenizer, score_result
 from po_backend.models.loader import resolve_model_dir
 from po_backend.request import ScoreRequest, ScoreResult, validate_request
 
@@ -96,12 +96,10 @@ class HFScorer:
         x = torch.tensor([ids], dtype=torch.int64, device=self.device)
         logits = self.model(x, logits_to_keep=n - first, use_cache=False).logits[0].float()
         logp = torch.log_softmax(logits, dim=-1)  # rows: positions first..n-1
-        prompt_logprobs: list[float] = []
-        if req.logprob_start_len >= 0:
-            targets = torch.tensor(ids[first + 1 :], dtype=torch.int64, device=logp.device)
-            prompt_logprobs = logp[:-1].gather(1, targets[:, None]).squeeze(1).tolist()
+        span = PromptSpan(req)
+        span.add(logp, torch.tensor(ids[first + 1 :], dtype=torch.int64))
         c = self._counts
         c["requests"] += 1
         c["forwards"] += 1
         c["prompt"] += n
-        return score_result(req, logp[-1], prompt_logprobs, cached=0)
+        return score_result(req, logp[-1], span, cached=0)

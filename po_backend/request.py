@@ -26,6 +26,11 @@ class ScoreRequest:
     logprob_start_len: int = -1
     # Leading tokens worth keeping in the prefix cache (shared prefix); None = engine policy.
     cache_prefix_len: int | None = None
+    # At the same prompt positions as the prompt-token log-probs: the k most likely tokens, and
+    # the log-probs of these token ids (SGLang's input_top_logprobs / input_token_ids_logprobs,
+    # OpenAI's echo with logprobs). Bounded per position, so a long span stays cheap.
+    input_top_k: int = 0
+    input_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class ScoreResult:
     logprobs: list[float]  # full-vocabulary log P(label | prompt), aligned with label_token_ids
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, log-prob)
     input_token_logprobs: list[float] = field(default_factory=list)  # see logprob_start_len
+    # One row per prompt-token log-prob above: (token id, log-prob) of the top `input_top_k`, and
+    # the log-probs of `input_token_ids` in their order.
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
@@ -45,12 +54,18 @@ def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> 
         raise EmptyPromptError("the prompt is empty (0 tokens)")
     if n > max_input_len:
         raise PromptTooLongError(f"the prompt has {n} tokens, more than max_input_len={max_input_len}")
-    for ids, what in ((req.input_ids, "prompt"), (req.label_token_ids, "label")):
+    for ids, what in (
+        (req.input_ids, "prompt"),
+        (req.label_token_ids, "label"),
+        (req.input_token_ids, "input_token_ids"),
+    ):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidTokenError(f"{what} token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     if not 0 <= req.top_k <= vocab_size:
         raise InvalidRequestError(f"top_k must be in [0, {vocab_size}], got {req.top_k}")
+    if not 0 <= req.input_top_k <= vocab_size:
+        raise InvalidRequestError(f"input_top_k must be in [0, {vocab_size}], got {req.input_top_k}")
     if not -1 <= req.logprob_start_len < n:
         raise InvalidRequestError(
             f"logprob_start_len must be in [-1, {n - 1}] for a {n}-token prompt, got {req.logprob_start_len}"

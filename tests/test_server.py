@@ -509,7 +509,9 @@ def test_unknown_top_level_keys_are_ignored(url: str) -> None:
     # What the SGLang router and client libraries add; SGLang and vLLM ignore unknown keys too.
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}, "bogus": 1, "cache_salt": "x"}
     assert ok(post(url, "/generate", body))["meta_info"]["prompt_tokens"] > 0
-    assert ok(post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "top_k": 5, "bogus": 1}))["choices"]
+    assert ok(post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "top_k": 5, "bogus": 1}))[
+        "choices"
+    ]
 
 
 def test_malformed_json_is_400(url: str) -> None:

@@ -76,6 +76,11 @@ class ServerArgs:
     # Rerank prompt with {query} before {doc} (and optional {instruct}); "" = Qwen3-Reranker's
     # turns in the model's chat template (po_backend/server/rerank.py).
     rerank_template: str = ""
+    # Per-call limits, checked before any tokenizing. Top log-probs per position are capped like
+    # vLLM's max_logprobs (a full-vocabulary list per item would be a response of gigabytes).
+    max_top_logprobs: int = 20
+    max_items_per_request: int = 1024  # prompts (or documents) in one call
+    max_labels: int = 64  # labels in one classify call
     # SGLang/vLLM-style /v1/classify: the labels and the prompt around {input}.
     classify_labels: tuple[str, ...] = ()
     classify_template: str = "{input}"
@@ -96,6 +101,9 @@ class ServerArgs:
             )
         if self.classify_template.count("{input}") != 1:
             raise ValueError("classify_template needs {input} exactly once")
+        for name in ("max_top_logprobs", "max_items_per_request", "max_labels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if not 0 <= self.port <= 65535:

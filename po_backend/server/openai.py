@@ -108,6 +108,7 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
             tuple(bias),
             top_k=(body.logprobs or 0) + len(bias) + 1,
             logprob_start_len=0 if echo_logprobs else -1,
+            input_top_k=(body.logprobs or 0) if echo_logprobs else 0,
         )
         for ids, _ in prompts
     )
@@ -136,7 +137,13 @@ def completion_choice(
         if body.echo:
             tokens += list(prompt_ids)
             values += [None, *res.input_token_logprobs]
-            tops += [None] * len(prompt_ids)  # per-position alternatives are not computed
+            # The first token has no context: null, as OpenAI and vLLM answer there.
+            tops.append(None)
+            rows = res.input_top_logprobs or [[] for _ in res.input_token_logprobs]  # logprobs=0
+            for t, v, row in zip(prompt_ids[1:], res.input_token_logprobs, rows, strict=True):
+                alt = {rt.token_text(tt) or "": json_logprob(vv) for tt, vv in row[:k]}
+                alt.setdefault(rt.token_text(t) or "", json_logprob(v))  # OpenAI includes the token itself
+                tops.append(alt)
         chosen = dict(top)
         for t in out_ids:
             tokens.append(t)

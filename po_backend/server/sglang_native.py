@@ -193,8 +193,10 @@ def _parse_item(
             f"token and never decodes), got {max_new}"
         )
     _check_sampling(sp, max_new)
-    if top_n < 0:
-        raise bad(f"top_logprobs_num must be >= 0, got {top_n}")
+    if not 0 <= top_n <= rt.args.max_top_logprobs:
+        raise bad(
+            f"top_logprobs_num must be in [0, {rt.args.max_top_logprobs}] (--max-top-logprobs), got {top_n}"
+        )
     if want_logprob and not -1 <= start < max(len(ids), 1):
         raise bad(
             f"logprob_start_len must be in [-1, {len(ids) - 1}] for a {len(ids)}-token prompt, got {start}"
@@ -213,6 +215,10 @@ def _parse_item(
         top_k=top_k,
         logprob_start_len=engine_start,
         cache_prefix_len=cache_prefix_len,
+        # The same figures at the prompt positions (SGLang's input_top_logprobs and
+        # input_token_ids_logprobs).
+        input_top_k=top_n if engine_start >= 0 else 0,
+        input_token_ids=(ids_lp or ()) if engine_start >= 0 else (),
     )
     return GenItem(
         ids=ids,
@@ -277,19 +283,29 @@ def _logprob_meta(rt: Runtime, it: GenItem, res: ScoreResult, out_ids: list[int]
     lp = dict(zip(it.request.label_token_ids, res.logprobs, strict=True))
     lp.update(res.top_logprobs)
     inputs: list[list[Any]] = []
+    input_top: list[list[list[Any]] | None] = []
+    input_ids_rows: list[list[list[Any]] | None] = []
     if it.logprob_start_len >= 0:
         start = it.logprob_start_len
         values: list[float | None] = list(res.input_token_logprobs)
+        input_top = [[rt.entry(v, t, with_text) for t, v in row] for row in res.input_top_logprobs]
+        ids = it.token_ids_logprob or ()
+        input_ids_rows = [
+            [rt.entry(v, t, with_text) for t, v in zip(ids, row, strict=True)]
+            for row in res.input_token_ids_logprobs
+        ]
         if start == 0:
-            values = [None, *values]  # the first prompt token has no log-prob
+            # The first prompt token has no context, so no distribution (SGLang: None there too).
+            values = [None, *values]
+            input_top = [None, *input_top]
+            input_ids_rows = [None, *input_ids_rows]
         inputs = [rt.entry(v, t, with_text) for v, t in zip(values, it.ids[start:], strict=True)]
     top_row = [rt.entry(v, t, with_text) for t, v in res.top_logprobs[: it.top_logprobs_num]]
     ids_row = [rt.entry(lp[t], t, with_text) for t in it.token_ids_logprob or ()]
     return {
         "input_token_logprobs": inputs,
-        # Not computed by the engine (it scores the prompt's own tokens only).
-        "input_top_logprobs": [None] * len(inputs) if it.top_logprobs_num else [],
-        "input_token_ids_logprobs": [None] * len(inputs) if it.token_ids_logprob else [],
+        "input_top_logprobs": input_top if it.top_logprobs_num else [],
+        "input_token_ids_logprobs": input_ids_rows if it.token_ids_logprob else [],
         "output_token_logprobs": [rt.entry(lp.get(t), t, with_text) for t in out_ids],
         "output_top_logprobs": [top_row] if it.top_logprobs_num else [],
         # One row, the next-token distribution, also with max_new_tokens=0 (SGLang's /v1/score
