@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,15 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
     return Completion(tuple(prompts), max_tokens, bias, requests)
 
 
+def _alternatives(rt: Runtime, pairs: Sequence[tuple[int, float]]) -> dict[str, float | None]:
+    """OpenAI's top_logprobs row, keyed by token text, best first. Two tokens may decode to the
+    same text: the key keeps the more likely one's log-prob."""
+    row: dict[str, float | None] = {}
+    for token, logprob in pairs:
+        row.setdefault(rt.token_text(token) or "", json_logprob(logprob))
+    return row
+
+
 def completion_choice(
     rt: Runtime, index: int, prompt_ids: tuple[int, ...], prompt_text: str | None, body: CompletionRequest,
     max_tokens: int, bias: dict[int, float], req: ScoreRequest, res: ScoreResult,
@@ -141,14 +151,14 @@ def completion_choice(
             tops.append(None)
             rows = res.input_top_logprobs or [[] for _ in res.input_token_logprobs]  # logprobs=0
             for t, v, row in zip(prompt_ids[1:], res.input_token_logprobs, rows, strict=True):
-                alt = {rt.token_text(tt) or "": json_logprob(vv) for tt, vv in row[:k]}
+                alt = _alternatives(rt, row[:k])
                 alt.setdefault(rt.token_text(t) or "", json_logprob(v))  # OpenAI includes the token itself
                 tops.append(alt)
         chosen = dict(top)
         for t in out_ids:
             tokens.append(t)
             values.append(chosen[t])
-            row = {rt.token_text(tt) or "": json_logprob(v) for tt, v in top[:k]}
+            row = _alternatives(rt, top[:k])
             row.setdefault(rt.token_text(t) or "", json_logprob(chosen[t]))
             tops.append(row)
         texts = [rt.token_text(t) or "" for t in tokens]
