@@ -614,3 +614,25 @@ def _close(a: Any, b: Any, tol: float = 1e-4) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return abs(a - b) <= tol
     return a == b
+
+
+def test_vllm_tokenize_detokenize_and_model_card(url: str, engine: Engine) -> None:
+    ids = list(engine.tokenizer.encode("a cat video"))
+    for path in ("/tokenize", "/v1/tokenize"):
+        out = ok(post(url, path, {"model": "tiny", "prompt": "a cat video"}))
+        assert out["tokens"] == ids and out["count"] == len(ids) and out["max_model_len"] == MAX_INPUT_LEN
+    assert ok(post(url, "/v1/detokenize", {"model": "tiny", "tokens": ids}))[
+        "prompt"
+    ] == engine.tokenizer.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(url, "/v1/tokenize", {"messages": messages})
+    if getattr(engine.tokenizer, "chat_template", None):
+        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ok(r)["tokens"] == engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        assert r.status_code == 400 and "no chat template" in error_message(r)
+    assert post(url, "/v1/tokenize", {"messages": messages, "prompt": "x"}).status_code == 400
+    card = ok(httpx.get(url + "/v1/models/tiny"))
+    assert card["id"] == "tiny" and card["object"] == "model"
+    r = httpx.get(url + "/v1/models/other-model")
+    assert r.status_code == 404 and r.json()["object"] == "error" and "other-model" in r.json()["message"]

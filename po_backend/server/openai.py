@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from po_backend.request import ScoreRequest, ScoreResult
-from po_backend.server.errors import bad
+from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import CompletionRequest
 from po_backend.server.runtime import Runtime, RuntimeDep, sse
 from po_backend.server.translate import biased_top, json_logprob, parse_bias
@@ -33,9 +33,8 @@ class Completion:
     requests: tuple[ScoreRequest, ...]
 
 
-@router.get("/v1/models")
-async def models(rt: RuntimeDep) -> dict[str, Any]:
-    card = {
+def _model_card(rt: Runtime) -> dict[str, Any]:
+    return {
         "id": rt.args.model_name,
         "object": "model",
         "created": int(time.time()),
@@ -43,7 +42,19 @@ async def models(rt: RuntimeDep) -> dict[str, Any]:
         "root": rt.args.model_path,
         "max_model_len": rt.backend.max_input_len,
     }
-    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models")
+async def models(rt: RuntimeDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(rt)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, rt: RuntimeDep) -> dict[str, Any]:
+    # {model_id:path}: served names may hold slashes ("org/name"), as OpenAI's ids do.
+    if model_id not in (rt.args.model_name, rt.args.model_path):
+        raise HTTPError(404, f"The model '{model_id}' does not exist", "NotFoundError")
+    return _model_card(rt)
 
 
 @router.post("/v1/completions")

@@ -214,9 +214,12 @@ class ClassifyRequest(TolerantBody):
 
 class TokenizeRequest(TolerantBody):
     # SGLang names the field `prompt`; po_lang's client sends `prompt` and `text` (same value).
+    # vLLM's chat form sends `messages` (the chat template is applied, then tokenized).
     model: str | None = None
     prompt: str | list[str] | None = None
     text: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
 
