@@ -4,7 +4,10 @@
         --host 127.0.0.1 --port 30000 [--schedule-policy po] [--api-key KEY]
 
 `--backend hf` serves the same API from plain transformers (FCFS, no prefix cache): the baseline
-for side-by-side benchmarks. Also installed as the console script `po-launch-server`.
+for side-by-side benchmarks. Also installed as the console scripts `prefillonly serve MODEL` and
+`po-launch-server`. The flags SGLang users paste are accepted under SGLang's names and mapped onto
+ours in `server_args` (the one place flags meet the config); what a prefill-only engine cannot do
+(`--tp-size 2`, `--dp-size 2`, ...) is a clear usage error.
 """
 
 from __future__ import annotations
@@ -49,15 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     ap.add_argument(
         "--max-input-len",
+        "--context-length",
+        dest="max_input_len",
         type=int,
         default=None,
         help="longest prompt in tokens (default: the model's context)",
     )
     ap.add_argument(
         "--max-batch-tokens",
+        "--max-prefill-tokens",
+        dest="max_batch_tokens",
         type=int,
         default=None,
         help="new tokens per forward (default: max(max-input-len, 2048))",
+    )
+    ap.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="SGLang's: share of the memory available at start for activations + prefix cache "
+        "(instead of --memory-budget)",
     )
     ap.add_argument(
         "--memory-budget",
@@ -67,11 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--schedule-policy",
-        choices=POLICIES,
+        choices=(*POLICIES, *SGLANG_POLICIES),
         default=None,
         help="po (default): prefix-aware SRJF with JCT calibration (the paper's); fcfs: strict "
         "arrival order (the only one of --backend hf); srjf: JCT at arrival; lpm: longest cached "
-        "prefix first",
+        "prefix first. SGLang's lof (every answer is one token: arrival order) maps to fcfs and "
+        "dfs-weight (prefix-tree order) to lpm, with a warning; random is refused",
     )
     ap.add_argument(
         "--fairness-lambda",
@@ -82,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
     ap.add_argument(
         "--chunk-size",
+        "--chunked-prefill-size",
+        dest="chunk_size",
         type=int,
         default=512,
         help="tokens per chunk of the non-attention work (hybrid prefilling)",
@@ -93,12 +110,62 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid: the paper's hybrid prefilling; chunked: Sarathi-style chunked prefill (baseline)",
     )
     ap.add_argument(
-        "--max-queue", type=int, default=4096, help="queued prompts before requests get 503 'overloaded'"
+        "--max-queue",
+        "--max-queued-requests",
+        dest="max_queue",
+        type=int,
+        default=4096,
+        help="queued prompts before requests get 503 'overloaded'",
+    )
+    ap.add_argument(
+        "--max-top-logprobs",
+        type=int,
+        default=20,
+        help="top log-probs per position (like vLLM's max_logprobs)",
+    )
+    ap.add_argument(
+        "--max-items-per-request", type=int, default=1024, help="prompts or documents in one call"
+    )
+    ap.add_argument("--max-labels", type=int, default=64, help="labels in one classify call")
+    # SGLang flags that change nothing here, accepted so pasted command lines run.
+    ap.add_argument("--enable-metrics", action="store_true", help="accepted: /metrics is always on")
+    ap.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted: no model code is ever loaded from the model folder",
+    )
+    ap.add_argument(
+        "--random-seed", type=int, default=None, help="accepted: answers are greedy (deterministic)"
+    )
+    ap.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="must be the model's own folder (the tokenizer is read from there)",
+    )
+    ap.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="1 only (one device per worker)",
+    )
+    ap.add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="1 only: run N workers behind the SGLang router instead",
     )
     ap.add_argument(
         "--max-body-bytes", type=parse_bytes, default=64 << 20, help="larger request bodies get 413"
     )
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, which keeps the key out of `ps`)",
+    )
     ap.add_argument(
         "--served-model-name", default=None, help="model name in API responses (default: the model path)"
     )
@@ -127,10 +194,46 @@ def build_parser() -> argparse.ArgumentParser:
     return ap  # fmt: skip
 
 
+API_KEY_ENV = "PREFILLONLY_API_KEY"
+
+# SGLang's scheduling policies we do not implement, and ours that give the same order here.
+SGLANG_POLICIES = ("lof", "dfs-weight", "random")
+_POLICY_MAP = {"lof": "fcfs", "dfs-weight": "lpm"}
+
+
+def _sglang_flags(a: argparse.Namespace) -> str | None:
+    """SGLang's flags mapped onto ours, in place; the policy SGLang's name maps to. Raises
+    ValueError for what a prefill-only worker cannot do."""
+    if a.tp_size != 1:
+        raise ValueError(
+            f"--tp-size {a.tp_size}: tensor parallelism is not supported (one device per worker)"
+        )
+    if a.dp_size != 1:
+        raise ValueError(
+            f"--dp-size {a.dp_size}: run N workers behind the SGLang router instead (see README, Scaling out)"
+        )
+    if a.tokenizer_path and os.path.realpath(a.tokenizer_path) != os.path.realpath(a.model_path):
+        raise ValueError("--tokenizer-path must be the model's own folder: the tokenizer is read from there")
+    if a.trust_remote_code:
+        log.warning("--trust-remote-code: ignored, our model code is our own (Llama, Qwen2, Qwen3)")
+    if a.mem_fraction_static is not None:
+        if a.memory_budget is not None:
+            raise ValueError("give --memory-budget or --mem-fraction-static, not both")
+        if not 0 < a.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {a.mem_fraction_static}")
+    policy = a.schedule_policy
+    if policy == "random":
+        raise ValueError("--schedule-policy random is not supported (use po, fcfs, srjf or lpm)")
+    if policy in _POLICY_MAP:
+        log.warning("--schedule-policy %s: runs as %s on a prefill-only server", policy, _POLICY_MAP[policy])
+        policy = _POLICY_MAP[policy]
+    return policy
+
+
 def server_args(a: argparse.Namespace) -> ServerArgs:
     """The command line as `ServerArgs`: the one place flags meet the config. Raises ValueError
     for values or combinations that cannot run."""
-    policy = a.schedule_policy
+    policy = _sglang_flags(a)
     if a.backend == "hf":
         # The transformers baseline is FCFS only (one prompt per forward, no prefix cache).
         if policy not in (None, "fcfs"):
@@ -147,6 +250,7 @@ def server_args(a: argparse.Namespace) -> ServerArgs:
         max_input_len=a.max_input_len,
         max_batch_tokens=a.max_batch_tokens,
         memory_budget=a.memory_budget,
+        memory_fraction=a.mem_fraction_static,
         chunk_size=a.chunk_size,
         prefill_mode=a.prefill_mode,
         enable_cache=not a.disable_radix_cache,
@@ -158,7 +262,10 @@ def server_args(a: argparse.Namespace) -> ServerArgs:
         served_model_name=a.served_model_name or "",
         host=a.host,
         port=a.port,
-        api_key=a.api_key or None,
+        api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_top_logprobs=a.max_top_logprobs,
+        max_items_per_request=a.max_items_per_request,
+        max_labels=a.max_labels,
         max_body_bytes=a.max_body_bytes,
         timeout_keep_alive=a.timeout_keep_alive,
         log_level=a.log_level,
@@ -197,7 +304,16 @@ def build_backend(args: ServerArgs) -> LoopBackend:
     from po_backend.engine import Engine
     from po_backend.loop import EngineLoop
 
-    engine = Engine.from_pretrained(opts.model_path, **opts.overrides())
+    overrides = opts.overrides()
+    if opts.memory_fraction is not None:  # SGLang's --mem-fraction-static, resolved now
+        import torch
+
+        from po_backend.config import default_device
+        from po_backend.memory import available_bytes
+
+        device = torch.device(opts.device) if opts.device else default_device()
+        overrides["memory_budget"] = int(opts.memory_fraction * available_bytes(device))
+    engine = Engine.from_pretrained(opts.model_path, **overrides)
     loop = EngineLoop(
         engine, policy=sched.policy, fairness_lambda=sched.fairness_lambda, max_queue=args.max_queue
     )

@@ -99,9 +99,11 @@ def tok_id(engine: Engine, text: str) -> int:
     return t
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, default: float | None = None) -> float:
     text = httpx.get(url + "/metrics", timeout=10.0).text
     m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    if m is None and default is not None:
+        return default  # a labelled series appears at its first increment
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
 
@@ -636,3 +638,61 @@ def test_vllm_tokenize_detokenize_and_model_card(url: str, engine: Engine) -> No
     assert card["id"] == "tiny" and card["object"] == "model"
     r = httpx.get(url + "/v1/models/other-model")
     assert r.status_code == 404 and r.json()["object"] == "error" and "other-model" in r.json()["message"]
+
+
+def _families(url: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10.0).text)}
+
+
+def test_sglang_metric_names_and_labels(url: str) -> None:
+    """SGLang's Grafana dashboards query these series by name and `model_name`."""
+    before = _families(url)
+    ok(post(url, "/generate", {"text": PROFILE + POSTS[0], "sampling_params": {"max_new_tokens": 1}}))
+    after = _families(url)
+    kinds = {
+        "sglang:prompt_tokens": "counter",
+        "sglang:generation_tokens": "counter",
+        "sglang:cached_tokens": "counter",
+        "sglang:num_requests": "counter",
+        "sglang:e2e_request_latency_seconds": "histogram",
+        "sglang:time_to_first_token_seconds": "histogram",
+        "sglang:num_queue_reqs": "gauge",
+        "sglang:num_running_reqs": "gauge",
+        "sglang:cache_hit_rate": "gauge",
+        "sglang:token_usage": "gauge",
+        "sglang:gen_throughput": "gauge",
+    }
+    for name, kind in kinds.items():
+        fam = after[name]
+        assert fam.type == kind, name
+        assert all(s.labels.get("model_name") == "tiny" for s in fam.samples), name
+
+    def total(fams: dict[str, Any], name: str, suffix: str = "_total") -> float:
+        return sum(s.value for s in fams[name].samples if s.name == name + suffix)
+
+    assert total(after, "sglang:num_requests") == total(before, "sglang:num_requests") + 1
+    assert total(after, "sglang:generation_tokens") == total(before, "sglang:generation_tokens") + 1
+    assert total(after, "sglang:prompt_tokens") > total(before, "sglang:prompt_tokens")
+    e2e = "sglang:e2e_request_latency_seconds"
+    assert total(after, e2e, "_count") == total(before, e2e, "_count") + 1
+
+
+def test_api_key_edges_and_auth_failures_counted(servers: dict[str, ServerProcess]) -> None:
+    url = servers["guarded"].url
+    body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 0}}
+    assert httpx.get(url + "/health_generate").status_code == 401  # runs the model: needs the key
+    assert httpx.get(url + "/health_generate", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    ok(post(url, "/generate", body, headers={"Authorization": f"bearer {KEY}"}))  # scheme: any case
+    assert post(url, "/generate", body, headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+    before = metric(url, 'po_http_requests_total{endpoint="/generate",status="401"}', default=0.0)
+    assert post(url, "/generate", body).status_code == 401
+    assert metric(url, 'po_http_requests_total{endpoint="/generate",status="401"}') == before + 1
+    assert (
+        post(
+            url, "/generate", {"input_ids": [1] * 3000}, headers={"Authorization": f"Bearer {KEY}"}
+        ).status_code
+        == 413
+    )
+    assert metric(url, 'po_http_requests_total{endpoint="/generate",status="413"}') >= 1

@@ -42,10 +42,10 @@ def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
     # From the routers themselves: FastAPI may keep an included router as one opaque route.
     routes = [*app.routes, *(r for router in ROUTERS for r in router.routes)]
     paths = {r.path for r in routes if hasattr(r, "path")}  # type: ignore[attr-defined]
-    # Each add wraps the previous: auth ends up outermost (401 before a body is read), then the
-    # body limit, then metrics around the endpoints.
-    app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, paths=paths)
+    # Each add wraps the previous: metrics end up outermost (401s and 413s are counted too), then
+    # auth (401 before a body is read), then the body limit around the endpoints.
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, paths=paths)
     return app

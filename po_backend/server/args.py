@@ -26,6 +26,7 @@ class EngineOptions:
     max_input_len: int | None = None  # default: the model's context
     max_batch_tokens: int | None = None
     memory_budget: int | None = None  # bytes beyond the weights
+    memory_fraction: float | None = None  # or this share of the memory available at start
     chunk_size: int = 512
     prefill_mode: str = "hybrid"
     enable_cache: bool = True

@@ -1,12 +1,17 @@
-"""Prometheus metrics of one app: HTTP requests and latency, scored prompts and tokens, cache hits,
-cancellations and 503s, and gauges read from the backend at scrape time."""
+"""Prometheus metrics of one app.
+
+SGLang's own series first, with its names, types and labels (`model_name`, `engine_type`, and
+`is_streaming` / `cache_source` where SGLang has them), so SGLang's Grafana dashboards and alerts
+work on a PrefillOnly server unchanged: one scored prompt is one request whose single output token
+is its first token. Then ours (`po_*`): HTTP status counts per endpoint (401/413 included), the
+prefix cache in tokens, scheduler queue figures and the JCT model's quality."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -19,9 +24,37 @@ class Metrics:
 
     WINDOW_S = 10.0  # tokens/s is measured over this sliding window
 
-    def __init__(self, backend: Backend) -> None:
+    # SGLang's buckets (sglang/srt/observability/metrics_collector.py), so dashboards' quantiles
+    # read the same bins.
+    LATENCY_BUCKETS = (
+        0.1,
+        0.2,
+        0.4,
+        0.6,
+        0.8,
+        1,
+        2,
+        4,
+        6,
+        8,
+        10,
+        20,
+        40,
+        60,
+        80,
+        100,
+        200,
+        400,
+        600,
+        1200,
+        1800,
+        2400,
+    )
+
+    def __init__(self, backend: Backend, model_name: str = "") -> None:
         self.backend = backend
         r = self.registry = CollectorRegistry()
+        self._sglang_series(r, model_name)
         self.requests = Counter("po_http_requests", "HTTP requests", ["endpoint", "status"], registry=r)
         self.latency = Histogram(
             "po_request_latency_seconds",
@@ -55,10 +88,70 @@ class Metrics:
         Gauge(
             "po_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r
         ).set_function(self._hit_rate)
+        Gauge(
+            "po_jct_online_r", "Pearson r of calibrated JCT predictions vs measured step times", registry=r
+        ).set_function(lambda: self._stat("jct_online_r"))
+        Gauge(
+            "po_jct_calibration", "Measured / predicted step time factor the JCT model applies", registry=r
+        ).set_function(lambda: self._stat("jct_calibration"))
         self._lock = threading.Lock()
         self._window: deque[tuple[float, int]] = deque()  # (time, prompt tokens finished then)
         self._tokens = 0
         self._cached = 0
+
+    def _sglang_series(self, r: CollectorRegistry, model_name: str) -> None:
+        base = {"model_name": model_name, "engine_type": "unified"}
+        stream = {**base, "is_streaming": "false"}  # every answer is one token: nothing streams
+
+        def counter(name: str, doc: str, labels: dict[str, str]) -> Counter:
+            return Counter(name, doc, list(labels), registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, list(stream), buckets=self.LATENCY_BUCKETS, registry=r).labels(
+                **stream
+            )
+
+        def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+            Gauge(name, doc, list(base), registry=r).labels(**base).set_function(read)
+
+        self.sgl_prompt_tokens = counter(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", stream
+        )
+        self.sgl_generation_tokens = counter(
+            "sglang:generation_tokens", "Number of generation tokens processed.", stream
+        )
+        self.sgl_cached_tokens = counter(
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens.",
+            {**base, "cache_source": "device"},  # the prefix pool lives with the model
+        )
+        self.sgl_requests = counter("sglang:num_requests", "Number of requests processed.", stream)
+        self.sgl_aborted = counter("sglang:num_aborted_requests", "Number of requests aborted.", base)
+        self.sgl_e2e = histogram(
+            "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds"
+        )
+        self.sgl_ttft = histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds."
+        )
+        gauge("sglang:num_running_reqs", "The number of running requests.", lambda: self._stat("running"))
+        gauge(
+            "sglang:num_queue_reqs",
+            "The number of requests in the waiting queue.",
+            lambda: self._stat("queued"),
+        )
+        gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", self._hit_rate)
+        gauge("sglang:token_usage", "The token usage.", self._token_usage)
+        # SGLang's decode throughput; for a prefill-only server the prompt tokens it scores.
+        gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.tokens_per_second)
+
+    def _token_usage(self) -> float:
+        """Share of the prefix pool's slots in use (SGLang: of the KV cache)."""
+        try:
+            cache = self.backend.stats().get("cache") or {}
+            total = float(cache.get("total_slots", 0) or 0)
+            return 1.0 - float(cache.get("free_slots", 0)) / total if total else 0.0
+        except Exception:  # a scrape must not fail because a stat is missing
+            return 0.0
 
     def _stat(self, key: str) -> float:
         try:
@@ -66,10 +159,19 @@ class Metrics:
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 
-    def observe(self, results: Sequence[ScoreResult]) -> None:
+    def observe(self, results: Sequence[ScoreResult], seconds: float = 0.0, output_tokens: int = 0) -> None:
+        """A finished call: its prompts' results, the call's wall time (each prompt's end-to-end
+        latency and, with one output token, its time to first token) and its output tokens."""
         now = time.monotonic()
         tokens = sum(r.prompt_tokens for r in results)
         cached = sum(r.cached_tokens for r in results)
+        self.sgl_requests.inc(len(results))
+        self.sgl_prompt_tokens.inc(tokens)
+        self.sgl_cached_tokens.inc(cached)
+        self.sgl_generation_tokens.inc(output_tokens)
+        for _ in results:
+            self.sgl_e2e.observe(seconds)
+            self.sgl_ttft.observe(seconds)
         self.prompts.inc(len(results))
         self.prompt_tokens.inc(tokens)
         self.cached_tokens.inc(cached)

@@ -3,6 +3,7 @@ would hide client disconnects from the handlers."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -24,21 +25,27 @@ async def _send_json(send: Callable[..., Awaitable[None]], status: int, body: di
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` (SGLang and the openai client send it this way).
-    /health and /metrics stay open for load balancers and scrapers, as in SGLang."""
+    """401 unless `Authorization: Bearer <key>` (SGLang and the openai client send it this way;
+    the scheme is case-insensitive, as HTTP says). Exactly /health, /ready and /metrics stay open
+    for load balancers and scrapers, as in SGLang; /health_generate runs the model, so it needs
+    the key. The key is compared in constant time."""
 
-    OPEN = ("/health", "/metrics")
+    OPEN = frozenset({"/health", "/ready", "/metrics"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(self.OPEN) or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["path"] in self.OPEN or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if auth != self.expected:
+        if not self._authorized(auth):
             body = error_body(
                 401,
                 "invalid or missing API key (send 'Authorization: Bearer <key>')",

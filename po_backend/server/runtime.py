@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
 
@@ -29,7 +30,7 @@ class Runtime:
     def __init__(self, backend: Backend, args: ServerArgs) -> None:
         self.backend = backend
         self.args = args
-        self.metrics = Metrics(backend)
+        self.metrics = Metrics(backend, args.model_name)
         self._token_text: dict[int, str] = {}
 
     # ---- tokens ---------------------------------------------------------------------------------
@@ -72,9 +73,12 @@ class Runtime:
 
     # ---- running requests -----------------------------------------------------------------------
 
-    async def run(self, request: Request, reqs: Sequence[ScoreRequest]) -> list[ScoreResult]:
+    async def run(
+        self, request: Request, reqs: Sequence[ScoreRequest], output_tokens: int = 0
+    ) -> list[ScoreResult]:
         """Submit together (one multi-item batch for the scheduler) and await, cancelling all if
-        the client disconnects first."""
+        the client disconnects first. `output_tokens`: what the call answers with in all (for
+        SGLang's generation-token counter)."""
         if not reqs:
             return []
         try:
@@ -83,13 +87,14 @@ class Runtime:
         except OverloadedError:
             self.metrics.rejected.inc(len(reqs))
             raise
+        t0 = time.perf_counter()
         waiters = asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({waiters, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if waiters in done:
                 results = waiters.result()
-                self.metrics.observe(results)
+                self.metrics.observe(results, time.perf_counter() - t0, output_tokens)
                 return results
             raise ClientGone()
         finally:
@@ -102,6 +107,7 @@ class Runtime:
                 for f in unfinished:
                     self.backend.cancel(f)
                 self.metrics.cancelled.inc(len(unfinished))
+                self.metrics.sgl_aborted.inc(len(unfinished))
 
 
 async def get_runtime(request: Request) -> Runtime:
