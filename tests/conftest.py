@@ -108,3 +108,13 @@ def hf_all_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, -1)
+
+
+@pytest.fixture(scope="session")
+def tokenized_llama(
+    tiny_model: Callable[[str], tuple[Path, torch.nn.Module]], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny Llama with a trained tokenizer (tests/tiny_tokenizer.py): text end to end."""
+    from tests.tiny_tokenizer import tokenized_copy
+
+    return tokenized_copy(tiny_model("llama")[0], tmp_path_factory.mktemp("tokenized"))

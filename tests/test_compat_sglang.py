@@ -6,7 +6,6 @@ Tiny random-weight Llama with a tiny BPE tokenizer, fp32."""
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from po_backend.errors import EmptyPromptError, InvalidRequestError
 from po_backend.jct import JCTModel
 from tests.conftest import hf_next_logprobs
 from tests.server_utils import ServerProcess, sglang_frontend_or_reason
-from tests.test_lang_integration import build_tokenizer
 
 MAX_INPUT_LEN = 256
 PROFILE = "User profile:\nlikes cats and dogs\n"
@@ -36,12 +34,8 @@ REVIEWS = ["a cat video", "tax news", "a dog and a cat"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src, _ = tiny_model("llama")
-    path = tmp_path_factory.mktemp("compat") / "llama-tok"
-    shutil.copytree(src, path)
-    build_tokenizer(path)
-    return path
+def model_dir(tokenized_llama: Path) -> Path:
+    return tokenized_llama
 
 
 @pytest.fixture(scope="module")

@@ -3,69 +3,24 @@
 from __future__ import annotations
 
 import gc
-import shutil
-import string
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
 
 import po_lang as po
 from po_backend import Engine
 from po_backend.loop import LoopClosedError
 from po_backend.request import ScoreRequest
 from tests.conftest import hf_next_logprobs
-
-# GPT-2-like pre-tokenisation (a word keeps its leading space) so " Yes" and "Yes" differ.
-PATTERN = r"<\|\w+\|>| ?[^\W\d]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+"
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "User profile:\nlikes cats and dogs\n",
-    "Post: a cat video\nWill the user engage? Answer: Yes",
-    "Will the user engage? Answer: No",
-    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n",
-    "<|im_start|>assistant\nYes",
-    "<|im_start|>assistant\nNo",
-    "Review: the movie was great.\nSentiment: positive negative",
-]
-
-
-def build_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """A BPE tokenizer trained on a few lines (vocab < 300, the tiny model's size): frequent words
-    are one token, the rest split into pieces, a BOS is added, ChatML special tokens exist."""
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(PATTERN), behavior="isolated")
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=list(string.printable),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", unk_token="<unk>", eos_token="<|im_end|>"
-    )
-    fast.chat_template = CHATML
-    fast.save_pretrained(path)
-    return fast
+from tests.tiny_tokenizer import CHATML, PATTERN, build_tokenizer  # noqa: F401  (re-exported)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    src, _ = tiny_model("llama")
-    path = tmp_path_factory.mktemp("lang") / "llama-tok"
-    shutil.copytree(src, path)  # the shared fixture folder stays tokenizer-free
-    build_tokenizer(path)
-    eng = Engine.from_pretrained(path, dtype="fp32", max_input_len=128)
+def engine(tokenized_llama: Path) -> Engine:
+    eng = Engine.from_pretrained(tokenized_llama, dtype="fp32", max_input_len=128)
     assert eng.tokenizer is not None and len(eng.tokenizer) <= eng.vocab_size
     return eng
 

@@ -3,7 +3,6 @@ echo with logprobs), computed, never null, against transformers on the same weig
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ from po_backend import Engine, ScoreRequest
 from po_backend.hf_backend import HFScorer
 from tests.conftest import hf_all_logprobs
 from tests.server_utils import ServerProcess
-from tests.test_lang_integration import build_tokenizer
 
 TOP = 3
 WATCH = (5, 17, 40)  # token ids whose log-probs are asked at every position
@@ -24,12 +22,8 @@ PROMPT = "User profile:\nlikes cats and dogs\nPost: a cat video\nAnswer:"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src, _ = tiny_model("llama")
-    path = tmp_path_factory.mktemp("prompt-lp") / "llama-tok"
-    shutil.copytree(src, path)
-    build_tokenizer(path)
-    return path
+def model_dir(tokenized_llama: Path) -> Path:
+    return tokenized_llama
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ formats, not from the server's code."""
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +14,11 @@ from typing import Any
 import cohere
 import httpx
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
 
 from po_backend import Engine
 from po_backend.server import EngineOptions, ServerArgs
 from tests.server_utils import ServerProcess
-from tests.test_lang_integration import CHATML, PATTERN
+from tests.tiny_tokenizer import tokenized_copy
 
 MAX_INPUT_LEN = 512
 SYSTEM = (
@@ -43,33 +40,13 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(PATTERN), behavior="isolated")
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=[chr(c) for c in range(32, 127)] + ["\n"],
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", unk_token="<unk>", eos_token="<|im_end|>"
-    )
-    fast.chat_template = CHATML
-    fast.save_pretrained(path)
-    return fast
+# The tiny BPE's alphabet here: printable ASCII and the newline.
+ALPHABET = tuple(chr(c) for c in range(32, 127)) + ("\n",)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src, _ = tiny_model("llama")
-    path = tmp_path_factory.mktemp("rerank") / "llama-tok"
-    shutil.copytree(src, path)
-    build_tokenizer(path)
-    return path
+def model_dir(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tokenized_copy(tiny_model("llama")[0], tmp_path_factory.mktemp("rerank"), CORPUS, ALPHABET)
 
 
 @pytest.fixture(scope="module")

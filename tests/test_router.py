@@ -5,7 +5,6 @@ answers through it what the server answers directly, and the router loads the to
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,8 @@ import httpx
 import pytest
 
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
-from tests.test_rerank import build_tokenizer
+from tests.test_rerank import ALPHABET, CORPUS
+from tests.tiny_tokenizer import tokenized_copy
 
 pytest.importorskip("sglang_router", reason="pip install sglang-router")
 
@@ -73,12 +73,8 @@ class RouterProcess:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src, _ = tiny_model("llama")
-    path = tmp_path_factory.mktemp("router") / "llama-tok"
-    shutil.copytree(src, path)
-    build_tokenizer(path)
-    return path
+def model_dir(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tokenized_copy(tiny_model("llama")[0], tmp_path_factory.mktemp("rerank"), CORPUS, ALPHABET)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,6 @@ import po_lang as po
 from po_backend import Engine, ScoreRequest
 from po_backend.launch_server import build_parser, server_args, uvicorn_config
 from tests.server_utils import ServerProcess, error_message, sglang_frontend_or_reason
-from tests.test_lang_integration import build_tokenizer
 
 KEY = "sk-test-key"
 MAX_INPUT_LEN = 256
@@ -34,12 +32,8 @@ POSTS = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src, _ = tiny_model("llama")
-    path = tmp_path_factory.mktemp("server") / "llama-tok"
-    shutil.copytree(src, path)
-    build_tokenizer(path)
-    return path
+def model_dir(tokenized_llama: Path) -> Path:
+    return tokenized_llama
 
 
 @pytest.fixture(scope="module")
