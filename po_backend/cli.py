@@ -1,6 +1,6 @@
 """`prefillonly`: the command-line entry point (vLLM's `vllm serve MODEL` shape).
 
-    prefillonly serve MODEL [server flags]     # = python -m po_backend.launch_server --model-path MODEL ...
+prefillonly serve MODEL [server flags]     # = python -m po_backend.launch_server --model-path MODEL ...
 """
 
 from __future__ import annotations

@@ -40,6 +40,22 @@ class EngineStats:
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @classmethod
+    def from_counts(
+        cls, counts: dict[str, int], cache: CacheStats | None = None, pool_bytes: int = 0, budget: int = 0
+    ) -> EngineStats:
+        """From a scorer's running counts (requests, forwards, prompt, computed, cached tokens)."""
+        return cls(
+            requests=counts["requests"],
+            forwards=counts["forwards"],
+            prompt_tokens=counts["prompt"],
+            computed_tokens=counts["computed"],
+            cached_tokens=counts["cached"],
+            cache=cache,
+            pool_bytes=pool_bytes,
+            activation_budget_bytes=budget,
+        )
+
 
 @dataclass
 class _Work:
@@ -183,16 +199,11 @@ class Engine:
         return pm.peak
 
     def stats(self) -> EngineStats:
-        c = self._counts
-        return EngineStats(
-            requests=c["requests"],
-            forwards=c["forwards"],
-            prompt_tokens=c["prompt"],
-            computed_tokens=c["computed"],
-            cached_tokens=c["cached"],
+        return EngineStats.from_counts(
+            self._counts,
             cache=self.cache.stats() if self.cache else None,
             pool_bytes=self.cache.pool.nbytes if self.cache else 0,
-            activation_budget_bytes=self.activation_budget,
+            budget=self.activation_budget,
         )
 
     def flush_cache(self) -> None:

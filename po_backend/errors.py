@@ -39,6 +39,11 @@ class OverloadedError(PrefillOnlyError):
     """The engine's queue is full (HTTP 503)."""
 
 
+class DrainingError(OverloadedError):
+    """The server is shutting down and takes no more work (HTTP 503 with Retry-After: another
+    worker, or this one restarted, can serve the request)."""
+
+
 class CancelledError(PrefillOnlyError):
     """The request was cancelled before it ran."""
 

@@ -29,7 +29,7 @@ class HFScorer:
         self.model_path = model_path
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self._counts = {"requests": 0, "forwards": 0, "prompt": 0}
+        self._counts = {"requests": 0, "forwards": 0, "prompt": 0, "computed": 0, "cached": 0}
 
     @classmethod
     def from_pretrained(
@@ -65,17 +65,7 @@ class HFScorer:
         return [self.score(r) for r in requests]
 
     def stats(self) -> EngineStats:
-        c = self._counts
-        return EngineStats(
-            requests=c["requests"],
-            forwards=c["forwards"],
-            prompt_tokens=c["prompt"],
-            computed_tokens=c["prompt"],
-            cached_tokens=0,
-            cache=None,
-            pool_bytes=0,
-            activation_budget_bytes=0,
-        )
+        return EngineStats.from_counts(self._counts)
 
     def flush_cache(self) -> None:
         """Nothing is cached: kept so both backends answer /flush_cache alike."""
@@ -102,4 +92,5 @@ class HFScorer:
         c["requests"] += 1
         c["forwards"] += 1
         c["prompt"] += n
+        c["computed"] += n  # no cache: every prompt token is computed
         return score_result(req, logp[-1], span, cached=0)

@@ -13,17 +13,22 @@ ours in `server_args` (the one place flags meet the config); what a prefill-only
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from po_backend.config import PREFILL_MODES
+from po_backend.errors import DrainingError
 from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, POLICIES, SchedulerConfig
 from po_backend.server import EngineOptions, LoopBackend, ServerArgs, create_app
 
@@ -175,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=65.0,
         help="seconds an idle keep-alive connection stays open",
     )
+    ap.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds to finish queued work; what is still queued then gets 503 + Retry-After",
+    )
+    ap.add_argument(
+        "--timeout-request-read",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's headers and body before it is cut off",
+    )
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     ap.add_argument(
         "--rerank-template",
@@ -268,6 +285,8 @@ def server_args(a: argparse.Namespace) -> ServerArgs:
         max_labels=a.max_labels,
         max_body_bytes=a.max_body_bytes,
         timeout_keep_alive=a.timeout_keep_alive,
+        shutdown_timeout=a.shutdown_timeout,
+        timeout_request_read=a.timeout_request_read,
         log_level=a.log_level,
         rerank_template=_text_or_file(a.rerank_template),
         classify_labels=tuple(x.strip() for x in a.classify_labels.split(",")) if a.classify_labels else (),
@@ -333,6 +352,49 @@ def build_backend(args: ServerArgs) -> LoopBackend:
     return LoopBackend(engine, loop, cfg.max_input_len, settings)
 
 
+class ReadDeadlineH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a read deadline: a client gets `read_timeout` seconds from
+    connecting (or from the first byte of its next request) to deliver the whole request, headers
+    and body; a slow or stalled sender is then disconnected instead of holding a connection for
+    minutes. Idle keep-alive connections stay under uvicorn's own keep-alive timeout, and a
+    request that arrived whole waits as long as its answer takes."""
+
+    read_timeout = 30.0
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._deadline is None and self.conn.their_state is h11.IDLE:
+            self._arm()  # the first bytes of a next request on a kept-alive connection
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        self._disarm()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.read_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            log.info("closing a connection that sent no whole request in %.0f s", self.read_timeout)
+            self.transport.close()
+
+
 def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
     """How uvicorn serves `app`: every HTTP setting of `args` reaches it here."""
     return uvicorn.Config(
@@ -343,8 +405,41 @@ def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
         timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # seconds; a float works
         # Above the default so a burst of ~1000 connects is queued by the kernel, not refused.
         backlog=4096,
-        timeout_graceful_shutdown=30,
+        # Past our own deadline (DrainingServer answers what is still queued with 503s): only
+        # then would uvicorn cut connections.
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + SHUTDOWN_MARGIN_S,
+        h11_max_incomplete_event_size=64 * 1024,  # headers larger than this are refused
+        http=type("H11Protocol", (ReadDeadlineH11,), {"read_timeout": args.timeout_request_read}),
     )
+
+
+SHUTDOWN_MARGIN_S = 10  # the step running at the deadline finishes and its answers go out
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain that never drops a request: on SIGTERM it stops accepting
+    (uvicorn closes the listening socket), new calls on open connections get 503 + Retry-After,
+    queued work runs until `--shutdown-timeout`, and whatever is still queued then is answered
+    503 + Retry-After before uvicorn's own (later) graceful timeout could cut a connection."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Any, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.runtime.draining:
+            self.runtime.draining = True
+            log.info("draining: %.0f s to finish queued work", self.shutdown_timeout)
+            timer = threading.Timer(self.shutdown_timeout, self._deadline)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+    def _deadline(self) -> None:
+        n = self.runtime.backend.abandon_waiting(DrainingError("the server is shutting down"))
+        if n:
+            log.warning("shutdown deadline: %d queued requests answered 503 (Retry-After)", n)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -362,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     backend = build_backend(args)
     app = create_app(backend, args)
     log.info("serving %s (%s backend) on http://%s:%d", args.model_path, args.backend, args.host, args.port)
-    uvicorn.Server(uvicorn_config(app, args)).run()
+    DrainingServer(uvicorn_config(app, args), app.state.runtime, args.shutdown_timeout).run()
 
 
 if __name__ == "__main__":

@@ -204,6 +204,20 @@ class EngineLoop:
     def closed(self) -> bool:
         return self._closing
 
+    @property
+    def alive(self) -> bool:
+        """The worker thread runs (or has not been started yet): what a liveness probe asks."""
+        return not self._started or self._thread.is_alive()
+
+    def abandon_waiting(self, error: BaseException) -> int:
+        """Fail every queued request with `error` now (the step running completes); how many.
+        A server at its shutdown deadline answers them (503, retry elsewhere) instead of leaving
+        them to be cut off."""
+        with self._cond:
+            n = len(self._jobs)
+            self._fail_waiting(error)
+            return n
+
     # ---- submitting -------------------------------------------------------------------------
 
     def submit(self, req: ScoreRequest) -> Future[ScoreResult]:

@@ -1,5 +1,6 @@
-"""Operations endpoints: `/health` (liveness, open without the API key), `/health_generate` (a
-one-token forward through the loop) and Prometheus `/metrics`."""
+"""Operations endpoints: `/health` (liveness) and `/ready` (readiness), open without the API key
+for load balancers and orchestrators; `/health_generate` (a one-token forward through the loop);
+Prometheus `/metrics`."""
 
 from __future__ import annotations
 
@@ -14,8 +15,18 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> Response:
-    return Response(status_code=200)
+async def health(rt: RuntimeDep) -> Response:
+    """200 while the scoring loop runs; 503 once it died or the server is draining (a router
+    then stops sending here)."""
+    return Response(status_code=200 if rt.healthy() else 503)
+
+
+@router.get("/ready")
+async def ready(rt: RuntimeDep) -> Response:
+    """200 when a call would be queued now: healthy and the queue has room."""
+    stats = rt.backend.stats()
+    room = float(stats.get("queued", 0) or 0) < rt.args.max_queue
+    return Response(status_code=200 if rt.healthy() and room else 503)
 
 
 @router.get("/health_generate")

@@ -73,6 +73,8 @@ class ServerArgs:
     api_key: str | None = None
     max_body_bytes: int = 64 << 20
     timeout_keep_alive: float = 65.0  # seconds an idle keep-alive connection stays open
+    shutdown_timeout: float = 30.0  # on SIGTERM: seconds to finish queued work, then 503s
+    timeout_request_read: float = 30.0  # seconds a client may take to send headers and body
     log_level: str = "info"
     # Rerank prompt with {query} before {doc} (and optional {instruct}); "" = Qwen3-Reranker's
     # turns in the model's chat template (po_backend/server/rerank.py).
@@ -111,6 +113,10 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        for name in ("shutdown_timeout", "timeout_request_read"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if not (math.isfinite(self.timeout_keep_alive) and self.timeout_keep_alive > 0):
             raise ValueError(
                 f"timeout_keep_alive must be a positive number of seconds, got {self.timeout_keep_alive}"

@@ -36,6 +36,14 @@ class Backend(Protocol):
 
     def flush_cache(self) -> None: ...
 
+    def alive(self) -> bool:
+        """The scoring loop runs (what /health reports)."""
+        ...
+
+    def abandon_waiting(self, error: BaseException) -> int:
+        """Fail every queued request with `error` (a shutdown deadline); how many."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -74,6 +82,12 @@ class LoopBackend:
     def flush_cache(self) -> None:
         # The loop owns the engine: the flush must happen between its steps, on its thread.
         self.loop.flush_cache()
+
+    def alive(self) -> bool:
+        return bool(self.loop.alive)
+
+    def abandon_waiting(self, error: BaseException) -> int:
+        return int(self.loop.abandon_waiting(error))
 
     def shutdown(self) -> None:
         self.loop.shutdown(drain=True)

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from po_backend.errors import InvalidRequestError, OverloadedError, PrefillOnlyError
+from po_backend.errors import DrainingError, InvalidRequestError, OverloadedError, PrefillOnlyError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ class ClientGone(Exception):
 def bad(message: str) -> HTTPError:
     return HTTPError(400, message)
 
+
+RETRY_AFTER_S = 1  # seconds a 503's Retry-After asks for
 
 _OPENAI_STYLE = ("/v1/", "/rerank", "/v2/", "/generative_scoring")
 
@@ -99,7 +101,17 @@ def add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OverloadedError)
     async def _overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
-        return error_response(503, f"overloaded: {exc}", "ServiceUnavailableError", request.url.path)
+        # Retry-After: a full queue or a draining server is temporary; clients and the router
+        # back off and retry (elsewhere) instead of failing the request.
+        draining = isinstance(exc, DrainingError)
+        resp = error_response(
+            503,
+            f"{'unavailable' if draining else 'overloaded'}: {exc}",
+            "ServiceUnavailableError",
+            request.url.path,
+        )
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return resp
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, exc: ClientGone) -> Response:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from po_backend.request import ScoreRequest, ScoreResult
 from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import CompletionRequest
 from po_backend.server.runtime import Runtime, RuntimeDep, sse
-from po_backend.server.translate import biased_top, json_logprob, parse_bias
+from po_backend.server.translate import biased_top, envelope, json_logprob, parse_bias
 
 router = APIRouter()
 
@@ -59,26 +58,17 @@ async def model(model_id: str, rt: RuntimeDep) -> dict[str, Any]:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep) -> Response:
-    call = parse_completion(rt, body)
+    call = await rt.parse(parse_completion, rt, body)
     results = await rt.run(request, call.requests, call.max_tokens * len(call.requests))
     choices = [
         completion_choice(rt, i, ids, text, body, call.max_tokens, call.bias, req, res)
         for i, ((ids, text), req, res) in enumerate(zip(call.prompts, call.requests, results, strict=True))
     ]
     prompt_tokens = sum(r.prompt_tokens for r in results)
-    completion_tokens = call.max_tokens * len(results)
-    out = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.model or rt.args.model_name,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+    model = body.model or rt.args.model_name
+    out = envelope(
+        "cmpl", "text_completion", model, "choices", choices, prompt_tokens, call.max_tokens * len(results)
+    )
     if body.stream:
         events = [{**{k: v for k, v in out.items() if k != "usage"}, "choices": [c]} for c in choices]
         if (body.stream_options or {}).get("include_usage"):
@@ -103,6 +93,8 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
         raise bad(f"logprobs must be in [0, {MAX_OPENAI_LOGPROBS}], got {body.logprobs}")
     bias = parse_bias(body.logit_bias, rt.backend.vocab_size, "logit_bias")
     p = body.prompt
+    if not isinstance(p, str) and p and not isinstance(p[0], int):
+        rt.check_items(len(p), "prompts")
     if isinstance(p, str):
         prompts: list[tuple[tuple[int, ...], str | None]] = [(rt.encode_prompt(p), p)]
     elif p and all(isinstance(x, str) for x in p):

@@ -200,6 +200,7 @@ def build_call(rt: Runtime, query: str, docs: Sequence[str], instruct: str | Non
         raise bad("query must be a non-empty string")
     if not docs:
         raise bad("documents must be a non-empty list")
+    rt.check_items(len(docs), "documents")
     if any(not d.strip() for d in docs):
         raise bad("each document must be a non-empty string")
     tpl = template_for(rt)
@@ -247,7 +248,7 @@ async def rerank(
     rt: Runtime, request: Request, query: str, docs: Sequence[str], instruct: str | None
 ) -> list[Ranked]:
     """Each document's relevance, in the documents' order; all submitted together."""
-    call = build_call(rt, query, docs, instruct)
+    call = await rt.parse(build_call, rt, query, docs, instruct)
     results = await rt.run(request, [r for g in call.requests for r in g])
     out = []
     pos = 0

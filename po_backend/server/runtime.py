@@ -7,21 +7,29 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
-from po_backend.errors import EmptyPromptError, OverloadedError
+from po_backend.errors import DrainingError, EmptyPromptError, OverloadedError
 from po_backend.request import ScoreRequest, ScoreResult
 from po_backend.server.args import ServerArgs
 from po_backend.server.backend import Backend
-from po_backend.server.errors import ClientGone, bad
+from po_backend.server.errors import ClientGone, HTTPError, bad
 from po_backend.server.metrics import Metrics
 from po_backend.server.translate import json_logprob
 
 VERSION = "prefillonly-0.1.0"
+
+# A text longer than this many characters per allowed token cannot fit max_input_len with any
+# tokenizer we load (their longest tokens are ~16 characters): refused before tokenizing, so a
+# 60 MB string costs a length check, not a minute of tokenizer time.
+MAX_CHARS_PER_TOKEN = 32
+
+T = TypeVar("T")
 
 
 class Runtime:
@@ -32,6 +40,30 @@ class Runtime:
         self.args = args
         self.metrics = Metrics(backend, args.model_name)
         self._token_text: dict[int, str] = {}
+        # Parsing a call tokenizes: CPU work of up to a few hundred ms for a large batch. It runs
+        # here, off the event loop, which keeps answering /health and other clients meanwhile.
+        self._parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="po-parse")
+        # Set on SIGTERM (launch_server): new calls get 503 + Retry-After, queued ones still run.
+        self.draining = False
+
+    def healthy(self) -> bool:
+        """Liveness: the scoring loop runs and the server is not shutting down."""
+        return self.backend.alive() and not self.draining
+
+    async def parse(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (a handler's parse step) on the parse pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, fn, *args)
+
+    def check_items(self, n: int, what: str) -> None:
+        """The per-call item limit, checked on the parsed body before anything is tokenized (a
+        call over it could never be served, so it is a 413, not a 503 to retry)."""
+        if n > self.args.max_items_per_request:
+            raise HTTPError(
+                413,
+                f"{n} {what} in one call, more than the limit of {self.args.max_items_per_request} "
+                "(--max-items-per-request): split the call",
+                "PayloadTooLargeError",
+            )
 
     # ---- tokens ---------------------------------------------------------------------------------
 
@@ -46,6 +78,12 @@ class Runtime:
         return getattr(self.backend.tokenizer, "eos_token_id", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        limit = MAX_CHARS_PER_TOKEN * self.backend.max_input_len
+        if len(text) > limit:
+            raise bad(
+                f"the text has {len(text)} characters: it cannot fit max_input_len="
+                f"{self.backend.max_input_len} tokens (refused before tokenizing above {limit} characters)"
+            )
         return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
@@ -81,6 +119,8 @@ class Runtime:
         SGLang's generation-token counter)."""
         if not reqs:
             return []
+        if self.draining:
+            raise DrainingError("the server is shutting down")
         try:
             # Validation and a queue push: fast and thread-safe, fine on the event loop.
             futs = self.backend.submit_many(reqs)

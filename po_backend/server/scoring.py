@@ -8,8 +8,6 @@ same rule as po_lang's `@po.classify`."""
 from __future__ import annotations
 
 import math
-import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -32,7 +30,7 @@ from po_backend.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server.errors import bad
 from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
-from po_backend.server.translate import json_logprob, softmax
+from po_backend.server.translate import envelope, json_logprob, softmax
 
 router = APIRouter()
 
@@ -70,7 +68,7 @@ class GenerativeScoringBody(TolerantBody):
 
 @router.post("/v1/score")
 async def score(body: ScoreRequestBody, request: Request, rt: RuntimeDep) -> JSONResponse:
-    reqs = parse_score(rt, body)
+    reqs = await rt.parse(parse_score, rt, body)
     results = await rt.run(request, reqs)
     if body.apply_softmax:
         scores = [softmax(r.logprobs, body.temperature) for r in results]
@@ -119,55 +117,36 @@ async def classify_input(body: LaunchClassifyBody, request: Request, rt: Runtime
             "this server has no classification labels: launch it with --classify-labels A,B[,...] "
             "(and --classify-template), or send our {prompt, labels} form"
         )
-    inner = launch_classify_request(rt, body, labels)
+    inner = await rt.parse(launch_classify_request, rt, body, labels)
     items, data, total = await run_classify(rt, request, inner)
     out = []
     for i, (it, group) in enumerate(zip(items, data, strict=True)):
         c = classification(i, it, group, inner)
         probs = [c["probs"][label] for label in labels]
         out.append({"index": i, "label": c["label"], "probs": probs, "num_classes": len(labels)})
-    return {
-        "id": f"classify-{uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": body.model or rt.args.model_name,
-        "data": out,
-        "usage": {
-            "prompt_tokens": total,
-            "total_tokens": total,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        },
-    }
+    return envelope("classify", "list", body.model or rt.args.model_name, "data", out, total)
 
 
 @router.post("/generative_scoring")
 async def generative_scoring(body: GenerativeScoringBody, request: Request, rt: RuntimeDep) -> dict[str, Any]:
     """vLLM's generative scoring: per item the probability of the first label token (softmax over
     the labels by default, full vocabulary with apply_softmax=false)."""
-    reqs = parse_generative(rt, body)
+    reqs = await rt.parse(parse_generative, rt, body)
     results = await rt.run(request, reqs)
     data = []
     for i, r in enumerate(results):
         p = softmax(r.logprobs)[0] if body.apply_softmax else math.exp(r.logprobs[0])
         data.append({"index": i, "object": "score", "score": p})
     tokens = sum(r.prompt_tokens for r in results)
-    return {
-        "id": f"generative-scoring-{uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": body.model or rt.args.model_name,
-        "data": data,
-        # vLLM counts the one sampled token per item; a prefill-only server samples none.
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-    }
+    # vLLM counts the one sampled token per item; a prefill-only server samples none.
+    return envelope("generative-scoring", "list", body.model or rt.args.model_name, "data", data, tokens)
 
 
 async def run_classify(
     rt: Runtime, request: Request, body: ClassifyRequest
 ) -> tuple[list[ClassifyItem], list[list[ScoreResult]], int]:
     """The prompts parsed, their results grouped per prompt, the prompt tokens in all."""
-    items = parse_classify(rt, body)
+    items = await rt.parse(parse_classify, rt, body)
     results = await rt.run(request, [r for it in items for r in it.requests])
     groups = []
     pos = 0
@@ -202,6 +181,7 @@ def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
     if body.items is None:
         raise bad("items must be provided")
     items = [body.items] if isinstance(body.items, str) else list(body.items)
+    rt.check_items(len(items), "items")
     labels = _score_labels(body.label_token_ids, len(items))
     query = body.query
     if query is None:
@@ -255,6 +235,7 @@ def parse_generative(rt: Runtime, body: GenerativeScoringBody) -> list[ScoreRequ
     """vLLM joins token ids, not strings; the query's ids are the shared part and the cache
     prefix (unless the item comes first)."""
     [labels] = _score_labels(body.label_token_ids, 1)
+    rt.check_items(len(body.items), "items")
     q = tuple(body.query) if isinstance(body.query, list) else rt.encode(body.query, body.add_special_tokens)
     reqs = []
     for item in body.items:
@@ -279,6 +260,7 @@ def launch_classify_request(rt: Runtime, body: LaunchClassifyBody, labels: list[
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     if not texts:
         raise bad("input is empty")
+    rt.check_items(len(texts), "inputs")
     template = getattr(rt.args, "classify_template", "") or "{input}"
     before, after = template.split("{input}", 1)
     k = len(before.rstrip())
@@ -298,6 +280,10 @@ class ClassifyItem:
 
 
 def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
+    if len(body.labels) > rt.args.max_labels:
+        raise bad(f"{len(body.labels)} labels, more than the limit of {rt.args.max_labels} (--max-labels)")
+    if not isinstance(body.prompt, str) and body.prompt and not isinstance(body.prompt[0], int):
+        rt.check_items(len(body.prompt), "prompts")
     if any(not x.strip() for x in body.labels) or len(set(body.labels)) != len(body.labels):
         raise bad("labels must be distinct non-empty strings")
     prompts = _classify_prompts(rt, body)

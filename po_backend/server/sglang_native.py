@@ -49,7 +49,7 @@ class GenItem:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, rt: RuntimeDep) -> Response:
     t0 = time.perf_counter()
-    items, single = parse_generate(rt, body)
+    items, single = await rt.parse(parse_generate, rt, body)
     results = await rt.run(request, [it.request for it in items], sum(it.max_new_tokens for it in items))
     latency = time.perf_counter() - t0
     out = [format_generate(rt, it, r, latency) for it, r in zip(items, results, strict=True)]
@@ -140,11 +140,13 @@ def parse_generate(rt: Runtime, body: GenerateRequest) -> tuple[list[GenItem], b
     if body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else list(body.text)
+        rt.check_items(len(texts), "prompts")
         prompts = [rt.encode_prompt(t) for t in texts]  # type: ignore[arg-type]
     else:
         ids = body.input_ids or []
         single = not ids or not isinstance(ids[0], list)
         prompts = [tuple(ids)] if single else [tuple(x) for x in ids]  # type: ignore[arg-type]
+        rt.check_items(len(prompts), "prompts")
     n = len(prompts)
     if n == 0:
         raise bad("the batch is empty")

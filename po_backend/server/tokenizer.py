@@ -31,6 +31,7 @@ async def tokenize(body: TokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
     if isinstance(prompt, str):
         ids = list(rt.encode(prompt, body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
+    rt.check_items(len(prompt), "prompts")
     lists = [list(rt.encode(p, body.add_special_tokens)) for p in prompt]
     return {"tokens": lists, "count": [len(x) for x in lists], "max_model_len": max_len}
 

@@ -5,6 +5,8 @@ No tokenizer and no I/O; bad input raises a 400 `HTTPError`."""
 from __future__ import annotations
 
 import math
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,3 +84,22 @@ def softmax(xs: Sequence[float], temperature: float = 1.0) -> list[float]:
     w = [math.exp((x - m) / temperature) for x in xs]
     s = math.fsum(w)
     return [x / s for x in w]
+
+
+def envelope(
+    id_prefix: str, kind: str, model: str, key: str, data: Any, prompt_tokens: int, completion_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's response envelope (`id`, `object`, `created`, `model`, the payload under `key`,
+    `usage`), shared by completions and the vLLM-style list answers."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        key: data,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }

@@ -1,0 +1,176 @@
+"""The server against hostile or unlucky clients: limits checked before any tokenizing, health
+that tells the truth, slow senders cut off, SIGTERM that answers every accepted request (200, or
+503 with Retry-After), and 500s that leak nothing. Each case leaves the server answering as before."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.server import EngineOptions, ServerArgs, create_app
+from tests.server_utils import ServerProcess, error_message
+
+MAX_INPUT_LEN = 256
+BODY = {
+    "text": "User profile:\nlikes cats\nPost: a cat video\nAnswer:",
+    "sampling_params": {"max_new_tokens": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tokenized_llama: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        [
+            "--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", str(MAX_INPUT_LEN),
+            "--max-items-per-request", "8", "--max-labels", "4", "--timeout-request-read", "1",
+            "--log-level", "warning",
+        ]
+    )  # fmt: skip
+    proc.start()
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def answer(url: str) -> Any:
+    r = httpx.post(url + "/generate", json=BODY, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["text"]
+
+
+def test_limits_are_checked_before_tokenizing(server: ServerProcess) -> None:
+    url = server.url
+    before = answer(url)
+    t0 = time.monotonic()
+    r = httpx.post(url + "/generate", json={"text": "hello " * 2_000_000}, timeout=30)
+    assert r.status_code == 400 and "before tokenizing" in error_message(r)
+    assert time.monotonic() - t0 < 10  # a length check, not minutes of tokenizer time
+    r = httpx.post(
+        url + "/v1/score", json={"query": "a", "items": ["b"] * 9, "label_token_ids": [5]}, timeout=30
+    )
+    assert r.status_code == 413 and "--max-items-per-request" in error_message(r)
+    r = httpx.post(url + "/generate", json={"input_ids": [[5, 6]] * 9}, timeout=30)
+    assert r.status_code == 413 and "9 prompts" in error_message(r)
+    r = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": ["d"] * 9}, timeout=30)
+    assert r.status_code == 413
+    r = httpx.post(url + "/v1/classify", json={"prompt": "x", "labels": list("abcde")}, timeout=30)
+    assert r.status_code == 400 and "--max-labels" in error_message(r)
+    assert httpx.get(url + "/health").status_code == 200
+    assert answer(url) == before
+
+
+def test_health_and_ready(server: ServerProcess) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").status_code == 200
+
+
+def test_slow_sender_is_disconnected(server: ServerProcess) -> None:
+    before = answer(server.url)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")  # headers never end
+        s.settimeout(10)
+        t0 = time.monotonic()
+        assert s.recv(1024) == b""  # closed by the server, not by our timeout
+        assert time.monotonic() - t0 < 8
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
+        s.settimeout(10)
+        assert s.recv(1024) == b""  # the body never completes
+    assert answer(server.url) == before
+
+
+def test_sigterm_answers_every_accepted_request(tokenized_llama: Path) -> None:
+    """A burst that needs longer than --shutdown-timeout, then SIGTERM: each request gets 200, or
+    503 with Retry-After; never a 500, never a dropped connection."""
+    proc = ServerProcess(
+        [
+            "--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", str(MAX_INPUT_LEN),
+            "--max-batch-tokens", str(MAX_INPUT_LEN), "--schedule-policy", "fcfs", "--shutdown-timeout", "0.2",
+            "--log-level", "warning",
+        ]
+    )  # fmt: skip
+    proc.start()
+    proc.wait_ready()
+    n = 300
+
+    async def burst() -> list[Any]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as client:
+
+            async def one(i: int) -> Any:
+                ids = [(i * 7 + j) % 250 + 3 for j in range(MAX_INPUT_LEN - 1)]  # no shared prefix
+                return await client.post(proc.url + "/generate", json={"input_ids": ids})
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+            await asyncio.sleep(0.5)  # all sent and queued
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = asyncio.run(burst())
+    finally:
+        code = proc.proc.wait(timeout=60) if proc.proc else None
+        proc.stop()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    statuses = [r.status_code for r in results]
+    assert set(statuses) <= {200, 503}, statuses
+    assert all(r.headers.get("retry-after") for r in results if r.status_code == 503)
+    assert statuses.count(200) > 0
+    assert statuses.count(503) > 0  # ~2 s of queued work against a 0.2 s deadline
+    # uvicorn re-raises the signal once its graceful shutdown is done: a clean exit by SIGTERM.
+    assert code in (0, -signal.SIGTERM)
+    print(f"SIGTERM burst: {statuses.count(200)} x 200, {statuses.count(503)} x 503")
+
+
+class _FailingBackend:
+    """A backend whose scoring raises an unexpected error with a secret in its message."""
+
+    tokenizer = None
+    vocab_size = 100
+    max_input_len = 64
+    model_type = "llama"
+    architectures = ("LlamaForCausalLM",)
+    settings: dict[str, Any] = {}
+
+    def submit_many(self, reqs: list[ScoreRequest]) -> list[Future[ScoreResult]]:
+        raise RuntimeError("secret: /etc/internal/path")
+
+    def cancel(self, fut: Future[ScoreResult]) -> None: ...
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def flush_cache(self) -> None: ...
+    def alive(self) -> bool:
+        return True
+
+    def abandon_waiting(self, error: BaseException) -> int:
+        return 0
+
+    def shutdown(self) -> None: ...
+
+
+def test_500_body_carries_an_id_not_the_exception() -> None:
+    app = create_app(_FailingBackend(), ServerArgs(engine=EngineOptions(model_path="m")))  # type: ignore[arg-type]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/generate", json={"input_ids": [1, 2, 3]})
+        assert r.status_code == 500
+        message = error_message(r)
+        assert "secret" not in r.text and "error id" in message
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert r.status_code == 500 and r.json()["object"] == "error" and "secret" not in r.text
