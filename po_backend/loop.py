@@ -159,6 +159,7 @@ class EngineLoop:
         self._running: list[_Job] = []
         self._calls: deque[tuple[Callable[[Any], Any], Future[Any]]] = deque()
         self._ids = itertools.count()
+        self._calls_ids = itertools.count()
         self._closing = False
         self._drain = True
         self._counts = dict.fromkeys(("submitted", "completed", "failed", "cancelled", "rejected"), 0)
@@ -239,11 +240,12 @@ class EngineLoop:
                     f"(max_queue={self.max_queue}); retry later"
                 )
             now = self.clock()
+            call = next(self._calls_ids)  # one client call: its requests share one fairness credit
             for r in reqs:
                 rid = next(self._ids)
                 fut: Future[ScoreResult] = Future()
                 self._jobs[rid] = _Job(rid, r, fut, now)
-                self._sched.add(rid, r, now)
+                self._sched.add(rid, r, now, call=call)
                 fut.add_done_callback(self._on_done(rid))
                 futures.append(fut)
             self._counts["submitted"] += len(reqs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -98,6 +99,7 @@ class Waiting:
     rid: int  # unique, increasing with submission: the final tie-breaker of every policy
     req: Request
     arrival: float  # scheduler clock
+    call: int = -1  # the client call it came in (submitted together); -1: a call of its own
 
 
 @dataclass(frozen=True)
@@ -129,25 +131,35 @@ class Scheduler:
         self.jct = jct
         self.clock = clock
         self._waiting: dict[int, Waiting] = {}  # insertion order == rid order
+        self._call_waiting: Counter[int] = Counter()  # waiting requests per client call
         # srjf's JCT "at arrival": set at the first pick after arrival (the first moment the loop
         # may read the cache; the cache cannot change between an arrival and that pick).
         self._arrival_jct: dict[int, float] = {}
 
     # ---- queue ------------------------------------------------------------------------------
 
-    def add(self, rid: int, req: Request, arrival: float | None = None) -> Waiting:
+    def add(self, rid: int, req: Request, arrival: float | None = None, call: int = -1) -> Waiting:
         if rid in self._waiting:
             raise ValueError(f"request id {rid} is already waiting")
         if not req.input_ids:
             raise ValueError("cannot schedule an empty request")
-        w = Waiting(rid, req, self.clock() if arrival is None else arrival)
+        w = Waiting(rid, req, self.clock() if arrival is None else arrival, call)
         self._waiting[rid] = w
+        if call >= 0:
+            self._call_waiting[call] += 1
         return w
 
     def remove(self, rid: int) -> bool:
-        """Drop a waiting request (cancelled); False if it is not waiting (running or done)."""
+        """Drop a waiting request (cancelled, or picked); False if it is not waiting."""
         self._arrival_jct.pop(rid, None)
-        return self._waiting.pop(rid, None) is not None
+        w = self._waiting.pop(rid, None)
+        if w is None:
+            return False
+        if w.call >= 0:
+            self._call_waiting[w.call] -= 1
+            if not self._call_waiting[w.call]:
+                del self._call_waiting[w.call]
+        return True
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -156,6 +168,7 @@ class Scheduler:
         out = list(self._waiting.values())
         self._waiting.clear()
         self._arrival_jct.clear()
+        self._call_waiting.clear()
         return out
 
     # ---- policy -----------------------------------------------------------------------------
@@ -187,7 +200,11 @@ class Scheduler:
                 score = self._arrival_jct[w.rid]
             else:  # po: Algorithm 1, recomputed against the current cache at every step
                 wait = max(0.0, now - w.arrival)
-                score = self._predict(w.req, n_cached(w)) - cfg.fairness_lambda * wait
+                # The starvation credit belongs to a client call, not to each of its items: a call
+                # of 150 items ages like one request, so its early arrival cannot hand all 150
+                # priority over a short call that came a moment later.
+                siblings = self._call_waiting.get(w.call, 1) if w.call >= 0 else 1
+                score = self._predict(w.req, n_cached(w)) - cfg.fairness_lambda * wait / siblings
             keyed.append((score, w.arrival, w.rid, w))
         keyed.sort(key=lambda k: k[:3])  # ties: earlier arrival, then submission order
         return keyed, cached

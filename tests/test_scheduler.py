@@ -216,3 +216,27 @@ def test_prefix_lru_evicts_least_recently_used_by_tokens() -> None:
     assert cache.cached_len(huge) == 0 and cache.cached_len(a) == 100
     # A fully cached prompt still computes its last token.
     assert cache.cached_len(Req("p", a.input_ids[:100], 100)) == 99
+
+
+def test_a_short_call_does_not_wait_behind_a_whole_earlier_batch() -> None:
+    """150 items of one call queued at t=0, a 9-token call at t=3: the fairness credit belongs to
+    the call, so the short call runs next instead of after every item the early arrival favours."""
+    clock = FakeClock()
+    sched = Scheduler(SchedulerConfig("po", 0.2), JCT, clock)
+    for i in range(150):
+        sched.add(i, Req(f"big{i}", tuple(range(i * 1000, i * 1000 + 300))), 0.0, call=0)
+    clock.now = 3.0
+    sched.add(150, Req("small", tuple(range(9))), 3.0, call=1)
+    picked: list[str] = []
+    for _ in range(3):
+        pick = sched.pick(lambda r: 0, lambda cands: list(range(min(10, len(cands)))))
+        assert pick is not None
+        picked += [e.req.name for e in pick.entries]
+    assert "small" in picked[:10]  # in the first step, not after 15 steps of the batch
+    # Without calls (each item its own call) the early items' credit wins, as before.
+    sched = Scheduler(SchedulerConfig("po", 0.2), JCT, clock)
+    for i in range(150):
+        sched.add(i, Req(f"big{i}", tuple(range(i * 1000, i * 1000 + 300))), 0.0)
+    sched.add(150, Req("small", tuple(range(9))), 3.0)
+    first = sched.pick(lambda r: 0, lambda cands: list(range(min(10, len(cands)))))
+    assert first is not None and "small" not in [e.req.name for e in first.entries]
