@@ -26,7 +26,9 @@ Long jobs get interrupted, so:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import fcntl
 import hashlib
 import json
 import os
@@ -216,19 +218,55 @@ def _parse_record(raw: bytes) -> dict[str, Any] | None:
     return rec
 
 
+@contextlib.contextmanager
+def exclusive(out: Path) -> Iterator[None]:
+    """One run per output at a time: two runs on one file would delete each other's journal.
+    An advisory lock on `<output>.lock`, released by the OS even when the run is killed."""
+    lock_path = out.with_name(out.name + ".lock")
+    with lock_path.open("a") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                f"another run is labeling into {out} (it holds {lock_path}); wait for it"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def remove_stale_temporaries(out: Path) -> int:
+    """Temporary files a killed run left behind (`write_atomic`'s, never renamed); call with the
+    lock held, so none of them belongs to a live run."""
+    stale = list(out.parent.glob(out.name + ".*.tmp"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return len(stale)
+
+
 def write_atomic(path: Path, lines: Sequence[str]) -> None:
-    """Replace `path` with `lines` so that no reader or crash ever sees a partial file."""
+    """Replace `path` with `lines` so that no reader or crash ever sees a partial file. The file
+    gets the mode a plain `open` would (0666 less the umask): mkstemp's 0600 is for the
+    temporary only."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.writelines(lines)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -338,6 +376,25 @@ def label_file(
     max_rows: int | None = None,
     gold_field: str | None = None,
     progress: bool = True,
+    fresh: bool = False,
+) -> Summary:
+    out, journal_path = output_paths(path)
+    with exclusive(out):
+        if fresh:
+            out.unlink(missing_ok=True)
+            journal_path.unlink(missing_ok=True)
+        remove_stale_temporaries(out)
+        return _label_locked(path, fn, setup, batch_size, max_rows, gold_field, progress)
+
+
+def _label_locked(
+    path: Path,
+    fn: po.Classifier,
+    setup: Setup,
+    batch_size: int,
+    max_rows: int | None,
+    gold_field: str | None,
+    progress: bool,
 ) -> Summary:
     out, journal_path = output_paths(path)
     fp = setup.fingerprint
@@ -506,9 +563,6 @@ def main(argv: Sequence[str] | None = None, *, backend: po.Backend | None = None
                 raise UsageError(f"--calibrate {cal_path}: no such file (or use 'none' / 'content-free')")
             calibrate = "fit:" + fit_calibration(fn, cal_path, args.text_field, args.label_field)
         setup = Setup(labels, args.text_field, instruction, args.item_prefix, calibrate)
-        if args.fresh:
-            for p in output_paths(args.path):
-                p.unlink(missing_ok=True)
         summary = label_file(
             args.path,
             fn,
@@ -517,6 +571,7 @@ def main(argv: Sequence[str] | None = None, *, backend: po.Backend | None = None
             max_rows=args.max_rows,
             gold_field=args.gold_field,
             progress=not args.no_progress,
+            fresh=args.fresh,
         )
     except po.BackendError as e:
         print(f"error: {e}\nprogress is saved: rerun the same command to resume", file=sys.stderr)

@@ -7,6 +7,8 @@ import csv
 import importlib.util
 import json
 import math
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -375,3 +377,23 @@ def test_sglang_shim_does_not_import_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_label_data_one_run_per_file_user_umask_no_stale_temporaries(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "data.jsonl", reviews(6))
+    out, _ = label_data.output_paths(path)
+    stale = out.with_name(out.name + ".abc123.tmp")  # what a run killed inside write_atomic leaves
+    stale.write_text("half")
+    fake = po.Fake(seed=5)
+    old = os.umask(0o027)
+    try:
+        # While another run holds the file, a second run refuses (it would delete its journal).
+        with label_data.exclusive(out):
+            assert run([str(path)], fake) == 2
+        assert not out.exists()
+        assert run([str(path)], fake) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640  # 0666 less the umask, not mkstemp's 0600
+    assert not stale.exists() and not list(tmp_path.glob("*.tmp"))
+    assert len(read_output(out)) == 6
