@@ -1,0 +1,195 @@
+"""A bounded loopback soak of one server: mixed small and big calls, client disconnects, cache
+flushes, oversized and malformed bodies, `/health` probed throughout, then SIGTERM mid-load.
+
+    python -m benchmarks.bench_soak [--duration 300] [--model-path embedded]
+
+Reports requests sent / answered / 4xx / 5xx / lost (no answer at all: must be 0, like 5xx),
+the server's peak RSS against its memory budget, P99 latency of small calls while big ones run,
+and `/health` latency. Writes benchmarks/results/soak.{json,md}. Loopback only, bounded in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+from benchmarks import harness
+
+WORDS = "user likes hiking coffee camping photos tax news betting stocks cats dogs trail guide".split()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def call(rng: random.Random, big: bool) -> tuple[str, Any, str]:
+    """(path, body, kind) of one call; a few are deliberately bad."""
+    roll = rng.random()
+    if roll < 0.03:
+        return "/generate", b'{"text": "broken', "malformed"
+    if roll < 0.05:
+        return "/generate", {"text": "x" * (5 << 20)}, "oversized"  # over --max-body-bytes 4 MiB
+    if big:
+        profile = "User profile: " + text(rng, 400) + "\nWill the user like this post?\n"
+        items = [f"Post: {text(rng, 20)}\nAnswer:" for _ in range(40)]
+        return "/v1/score", {"query": profile, "items": items, "label_token_ids": [5, 6]}, "big"
+    return "/generate", {"text": text(rng, 12), "sampling_params": {"max_new_tokens": 1}}, "small"
+
+
+async def soak(url: str, duration: float, seed: int) -> tuple[list[dict[str, Any]], list[float]]:
+    rng = random.Random(seed)
+    records: list[dict[str, Any]] = []
+    health: list[float] = []
+    end = time.monotonic() + duration
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def one(path: str, body: Any, kind: str, abandon: bool) -> None:
+            t0 = time.monotonic()
+            rec: dict[str, Any] = {"kind": kind, "t": t0, "status": None, "abandoned": abandon}
+            records.append(rec)
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            try:
+                req = client.post(path, content=content, headers={"content-type": "application/json"})
+                r = await (asyncio.wait_for(req, 0.05) if abandon else req)
+                rec["status"], rec["latency"] = r.status_code, time.monotonic() - t0
+            except TimeoutError:
+                rec["status"] = "abandoned"  # the client hung up: nobody is owed an answer
+            except httpx.HTTPError as e:
+                rec["status"] = f"lost: {type(e).__name__}"
+
+        async def probe() -> None:
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                try:
+                    await client.get("/health", timeout=10)
+                    health.append(time.monotonic() - t0)
+                except httpx.HTTPError:
+                    health.append(float("inf"))
+                await asyncio.sleep(0.5)
+
+        tasks = [asyncio.ensure_future(probe())]
+        while time.monotonic() < end:
+            path, body, kind = call(rng, big=rng.random() < 0.15)
+            tasks.append(asyncio.ensure_future(one(path, body, kind, abandon=rng.random() < 0.05)))
+            if rng.random() < 0.01:
+                tasks.append(asyncio.ensure_future(one("/flush_cache", {}, "flush", False)))
+            await asyncio.sleep(rng.expovariate(6.0))  # ~6 calls/s, Poisson
+        await asyncio.gather(*tasks)
+    return records, health
+
+
+async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]:
+    """A burst of `n` small calls, SIGTERM while they are queued: each gets 200 or 503."""
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=n)) as client:
+        body = {"text": "a short prompt to score", "sampling_params": {"max_new_tokens": 1}}
+        tasks = [asyncio.ensure_future(client.post("/generate", json=body)) for _ in range(n)]
+        await asyncio.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+    return Counter(str(r.status_code) if isinstance(r, httpx.Response) else "lost" for r in out)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--model-path", default="embedded")
+    ap.add_argument("--duration", type=float, default=300.0)
+    ap.add_argument("--memory-budget", default="1GiB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=harness.RESULTS / "soak.json")
+    args = ap.parse_args(argv)
+    with socket.socket() as sock:  # a free loopback port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "po_backend.launch_server",
+        "--model-path",
+        args.model_path,
+        "--port",
+        str(port),
+    ]
+    cmd += ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=harness.REPO_ROOT)
+    try:
+        wait_healthy(url, proc)
+        peak = [0]
+        watcher = psutil.Process(proc.pid)
+
+        async def run() -> tuple[list[dict[str, Any]], list[float]]:
+            async def sample() -> None:
+                while proc.poll() is None:
+                    peak[0] = max(peak[0], watcher.memory_info().rss)
+                    await asyncio.sleep(0.2)
+
+            sampler = asyncio.ensure_future(sample())
+            try:
+                return await soak(url, args.duration, args.seed)
+            finally:
+                sampler.cancel()
+
+        records, health = asyncio.run(run())
+        drained = asyncio.run(drain(url, proc, 200))
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    statuses = Counter(str(r["status"]) for r in records)
+    lost = sum(n for s, n in statuses.items() if s.startswith("lost"))
+    small = [r["latency"] for r in records if r["kind"] == "small" and r["status"] == 200]
+    summary = {
+        "machine": harness.machine_info(),
+        "duration_s": args.duration,
+        "requests_sent": len(records),
+        "statuses": dict(statuses),
+        "answered": sum(n for s, n in statuses.items() if s.isdigit()),
+        "4xx": sum(n for s, n in statuses.items() if s.startswith("4")),
+        "5xx": sum(n for s, n in statuses.items() if s.startswith("5")),
+        "lost": lost,
+        "abandoned_by_client": statuses.get("abandoned", 0),
+        "peak_rss_mib": peak[0] / 2**20,
+        "memory_budget": args.memory_budget,
+        "small_p50_s": float(np.percentile(small, 50)) if small else None,
+        "small_p99_s": float(np.percentile(small, 99)) if small else None,
+        "health_p50_ms": float(np.percentile(health, 50)) * 1e3 if health else None,
+        "health_max_ms": max(health) * 1e3 if health else None,
+        "sigterm_burst": dict(drained),
+        "exit_code": code,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
