@@ -21,14 +21,8 @@ from po_backend.errors import EmptyPromptError, InvalidRequestError
 from po_backend.jct import JCTModel
 from tests.conftest import hf_next_logprobs
 from tests.server_utils import ServerProcess, sglang_frontend_or_reason
+from tests.test_server import MAX_INPUT_LEN, POSTS, PROFILE  # the same prompts as the server tests
 
-MAX_INPUT_LEN = 256
-PROFILE = "User profile:\nlikes cats and dogs\n"
-POSTS = [
-    "Post: a cat video\nWill the user engage? Answer:",
-    "Post: a dog\nAnswer:",
-    "Post: tax news\nAnswer:",
-]
 CHOICES = [" Yes", " No", " maybe so"]
 REVIEWS = ["a cat video", "tax news", "a dog and a cat"]
 
