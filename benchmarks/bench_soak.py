@@ -50,13 +50,20 @@ def call(rng: random.Random, big: bool) -> tuple[str, Any, str]:
     return "/generate", {"text": text(rng, 12), "sampling_params": {"max_new_tokens": 1}}, "small"
 
 
-async def soak(url: str, duration: float, seed: int) -> tuple[list[dict[str, Any]], list[float]]:
+async def soak(
+    url: str, duration: float, seed: int, rate: float, big_share: float
+) -> tuple[list[dict[str, Any]], list[float]]:
     rng = random.Random(seed)
     records: list[dict[str, Any]] = []
     health: list[float] = []
     end = time.monotonic() + duration
-    limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    # No client-side connection limit: a pool that is full of slow calls would queue the next
+    # ones (and the probes) in the client and charge that wait to the server.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client,
+        httpx.AsyncClient(base_url=url, timeout=10) as prober,
+    ):
 
         async def one(path: str, body: Any, kind: str, abandon: bool) -> None:
             t0 = time.monotonic()
@@ -76,7 +83,7 @@ async def soak(url: str, duration: float, seed: int) -> tuple[list[dict[str, Any
             while time.monotonic() < end:
                 t0 = time.monotonic()
                 try:
-                    await client.get("/health", timeout=10)
+                    await prober.get("/health")
                     health.append(time.monotonic() - t0)
                 except httpx.HTTPError:
                     health.append(float("inf"))
@@ -84,11 +91,11 @@ async def soak(url: str, duration: float, seed: int) -> tuple[list[dict[str, Any
 
         tasks = [asyncio.ensure_future(probe())]
         while time.monotonic() < end:
-            path, body, kind = call(rng, big=rng.random() < 0.15)
+            path, body, kind = call(rng, big=rng.random() < big_share)
             tasks.append(asyncio.ensure_future(one(path, body, kind, abandon=rng.random() < 0.05)))
             if rng.random() < 0.01:
                 tasks.append(asyncio.ensure_future(one("/flush_cache", {}, "flush", False)))
-            await asyncio.sleep(rng.expovariate(6.0))  # ~6 calls/s, Poisson
+            await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         await asyncio.gather(*tasks)
     return records, health
 
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--memory-budget", default="1GiB")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=4.0, help="calls per second (Poisson)")
+    ap.add_argument("--big-share", type=float, default=0.1, help="share of calls that are 40-item scorings")
     ap.add_argument("--out", type=Path, default=harness.RESULTS / "soak.json")
     args = ap.parse_args(argv)
     with socket.socket() as sock:  # a free loopback port
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
 
             sampler = asyncio.ensure_future(sample())
             try:
-                return await soak(url, args.duration, args.seed)
+                return await soak(url, args.duration, args.seed, args.rate, args.big_share)
             finally:
                 sampler.cancel()
 
@@ -170,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {
         "machine": harness.machine_info(),
         "duration_s": args.duration,
+        "rate": args.rate,
+        "big_share": args.big_share,
         "requests_sent": len(records),
         "statuses": dict(statuses),
         "answered": sum(n for s, n in statuses.items() if s.isdigit()),
