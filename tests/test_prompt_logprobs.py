@@ -101,6 +101,15 @@ def test_top_logprobs_num_is_capped(server: str) -> None:
     body = {"text": PROMPT, "return_logprob": True, "top_logprobs_num": 49152}
     r = httpx.post(server + "/generate", json=body, timeout=60)
     assert r.status_code == 400 and "max-top-logprobs" in r.json()["error"]["message"]
+    # Asked ids at every prompt position are bounded too (ids x positions values).
+    body = {
+        "input_ids": [5] * 200,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "token_ids_logprob": list(range(250)) * 30,
+    }
+    r = httpx.post(server + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and "token_ids_logprob" in r.json()["error"]["message"]
 
 
 def test_openai_echo_logprobs_with_the_real_client(server: str, engine: Engine, hf: torch.nn.Module) -> None:

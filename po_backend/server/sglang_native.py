@@ -24,6 +24,8 @@ from po_backend.server.translate import biased_top, parse_bias, per_item, unique
 
 router = APIRouter()
 
+MAX_INPUT_ID_CELLS = 1 << 20  # token_ids_logprob values at prompt positions, per prompt
+
 # Fields of SGLang's GenerateReqInput a prefill-only text server cannot honour: 400 when set.
 _UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
                 "custom_logit_processor", "session_params")  # fmt: skip
@@ -204,6 +206,12 @@ def _parse_item(
             f"logprob_start_len must be in [-1, {len(ids) - 1}] for a {len(ids)}-token prompt, got {start}"
         )
     ids_lp = tuple(token_ids) if token_ids is not None else None
+    if want_logprob and start >= 0 and ids_lp and len(ids_lp) * (len(ids) - start) > MAX_INPUT_ID_CELLS:
+        # One value per (prompt position, asked id): bounded like the top log-probs are.
+        raise bad(
+            f"token_ids_logprob asks {len(ids_lp)} ids at {len(ids) - start} prompt positions, more than "
+            f"{MAX_INPUT_ID_CELLS} values: ask fewer ids or a later logprob_start_len"
+        )
     bias = parse_bias(sp.logit_bias, rt.backend.vocab_size, "logit_bias")
     top_k = top_n if want_logprob else 0
     if max_new == 1:
