@@ -2,7 +2,7 @@
 # One entry point for people and CI. Creates .venv, installs everything, then runs a job.
 #   scripts/dev.sh demo     classify and rank with po_lang on the embedded SmolLM2-135M model
 #   scripts/dev.sh test     run the test suite (what .ci/run calls)
-#   scripts/dev.sh bench X  run benchmarks/X.py with the remaining arguments
+#   scripts/dev.sh bench X  run python -m benchmarks.X with the remaining arguments
 #   scripts/dev.sh setup    only install
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
