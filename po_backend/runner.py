@@ -30,7 +30,7 @@ from po_backend.attention import attend, attend_items
 from po_backend.cache.kv_pool import KVPool
 from po_backend.config import PREFILL_MODES, ModelConfig, PrefillMode
 from po_backend.models.layers import Rotary
-from po_backend.models.llama import LlamaForCausalLM
+from po_backend.models.llama import HEAD_CHUNK_ELEMS, LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ def activation_bytes(
     # measured 0.5-1 KB/token above the buffers on a 256-wide model; bound it generously.
     per_token += it * (cfg.hidden_size + 2 * kv) + 64
     scratch = it * chunk * (cfg.hidden_size + 3 * cfg.intermediate_size)
-    head = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)  # one block of logits + log-softmax
+    head = _head_bytes(cfg, it)
     prefix = it * 2 * prefix_tokens * kv  # one layer's prefix K/V gathered from the pool
     return per_token * n_tokens + scratch + head + prefix
 
@@ -288,12 +288,20 @@ def chunked_activation_bytes(
     attention = it * 4 * n * kv + chunk * n * (1 + 4)
     scratch = it * chunk * (2 * cfg.hidden_size + 3 * q + 2 * kv + cfg.head_dim + 3 * cfg.intermediate_size)
     per_token = it * (cfg.hidden_size + cfg.head_dim) + 64  # output rows, ids, positions, cos/sin
-    head = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)
+    head = _head_bytes(cfg, it)
     return resident_kv + attention + scratch + per_token * n_tokens + head
 
 
 # Rows of the LM head computed at once: bounds the [rows, vocab] logits of long logprob spans.
 LOGIT_ROWS = 64
+
+
+def _head_bytes(cfg: ModelConfig, it: int) -> int:
+    """One block of fp32 logits and their log-softmax, the block's hidden rows, and the fp32 head
+    weights `final_logits` upcasts at a time plus one chunk's output."""
+    logits = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)
+    upcast = 4 * HEAD_CHUNK_ELEMS + 4 * LOGIT_ROWS * (cfg.hidden_size + HEAD_CHUNK_ELEMS // cfg.hidden_size)
+    return logits + upcast
 
 
 def _pack(seqs: list[SeqPlan], dev: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -102,3 +103,24 @@ def test_embedded_bf16_close_to_fp32(embedded_fp32: Engine) -> None:
         worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
     print(f"embedded bf16 vs fp32: max |d logprob| = {worst:.3f}")
     assert worst < 0.5
+
+
+@pytest.mark.embedded
+def test_bf16_scores_do_not_tie() -> None:
+    """A bf16 head rounded every logit to 8 mantissa bits, so P(Yes) over the labels (a function of
+    the Yes-No logit difference) took few values: 10 posts for one profile got 6 distinct ones,
+    five posts tied at 0.5927. The scored rows' norm and head now run in fp32: every post its own
+    score, close to fp32's."""
+    engines = {d: Engine.from_pretrained("embedded", dtype=d) for d in ("bf16", "fp32")}
+    tok = engines["fp32"].tokenizer
+    yes, no = tok.encode(" Yes")[0], tok.encode(" No")[0]
+    profile = tok.encode("User profile: likes hiking, coffee and camping.\nWill the user like this post?\n")
+    posts = ["trail guide", "espresso beans", "betting tips", "celebrity news", "camping stove",
+             "stock market", "sunrise photos", "a cat video", "tax changes", "hiking boots"]  # fmt: skip
+    reqs = [ScoreRequest(tuple(profile + tok.encode(f"Post: {p}\nAnswer:")), (yes, no)) for p in posts]
+    p_yes = {
+        d: [1 / (1 + math.exp(r.logprobs[1] - r.logprobs[0])) for r in e.run(reqs)]
+        for d, e in engines.items()
+    }
+    assert len(set(p_yes["bf16"])) == len(posts)
+    assert max(abs(a - b) for a, b in zip(p_yes["bf16"], p_yes["fp32"], strict=True)) < 0.1

@@ -99,6 +99,10 @@ class DecoderLayer(nn.Module):
         h.add_(x)
 
 
+# Head weights upcast to fp32 at a time by `final_logits` (16 MiB): its memory whatever the vocabulary.
+HEAD_CHUNK_ELEMS = 1 << 22
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our parameter name, shard of a fused parameter)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -156,7 +160,19 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [m, hidden] at the scored positions only -> logits [m, vocab] in fp32."""
-        x = torch.empty_like(h)
-        rms_norm(h, self.norm, self.cfg.rms_norm_eps, out=x)
-        return torch.matmul(x, self.lm_head.t()).float()
+        """h [m, hidden] at the scored positions only -> logits [m, vocab], computed in fp32.
+
+        A bf16 head rounds its outputs to 8 mantissa bits (a logit near 16 moves in steps of
+        0.125), so different prompts get identical probabilities and rankings tie. The scored rows
+        are few, so the final norm and the head run in fp32; the head's weight is upcast
+        `HEAD_CHUNK_ELEMS` at a time, which bounds the extra memory for any vocabulary."""
+        x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        rms_norm(h.float(), self.norm.float(), self.cfg.rms_norm_eps, out=x)
+        if self.lm_head.dtype == torch.float32:
+            return torch.matmul(x, self.lm_head.t())
+        vocab, hidden = self.lm_head.shape
+        out = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
+        rows = max(1, HEAD_CHUNK_ELEMS // hidden)
+        for a in range(0, vocab, rows):
+            out[:, a : a + rows] = torch.matmul(x, self.lm_head[a : a + rows].float().t())
+        return out
