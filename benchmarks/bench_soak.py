@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 
 from benchmarks import harness
+from po_backend.launch_cluster import wait_until
 
 WORDS = "user likes hiking coffee camping photos tax news betting stocks cats dogs trail guide".split()
 
@@ -111,20 +112,6 @@ async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]
     return Counter(str(r.status_code) if isinstance(r, httpx.Response) else "lost" for r in out)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--model-path", default="embedded")
@@ -151,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd += ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=harness.REPO_ROOT)
     try:
-        wait_healthy(url, proc)
+        wait_until(url + "/health", [proc], 600)
         peak = [0]
         watcher = psutil.Process(proc.pid)
 

@@ -7,7 +7,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import httpx
 import psutil
 import pytest
 
+from po_backend.launch_cluster import wait_until
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 
 pytest.importorskip("sglang_router")
@@ -30,19 +30,13 @@ def cluster(tokenized_llama: Path) -> Iterator[tuple[str, subprocess.Popen[bytes
     cmd += ["--workers", "2", "--port", str(port), "--dtype", "fp32", "--max-input-len", "256"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "launch_cluster exited"
-        try:
-            if httpx.get(url + "/get_model_info", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
     try:
+        wait_until(url + "/get_model_info", [proc], 180)
         yield url, proc
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a test failed before its SIGTERM: leave no worker behind
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
             proc.kill()
 
 
