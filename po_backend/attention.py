@@ -7,19 +7,39 @@ and SDPA's `enable_gqa` measured 20% slower on CPU.
 
 A cached prefix shared by several items (multi-item scoring) is attended ONCE for all the items'
 queries together, and each item attends causally to itself; the two partial results are merged
-with their log-sum-exps (the split-KV trick of flash-decoding). On CPU (fp32/bf16) the prefix K/V
-are not copied per item and no [queries, keys] mask is built. Elsewhere (CUDA, fp16, or a torch
-without the CPU flash op) `attend_items` falls back to `attend` per item, which concatenates the
-prefix K/V with the item's own (a copy of the prefix per item) and builds a [n, prefix + n] mask.
+with their log-sum-exps (the split-KV trick of flash-decoding). So on every device the prefix
+K/V are never copied per item and no [queries, keys] mask is built. What returns a partial
+attention with its log-sum-exp depends on the device (`lse_attention`):
+- CPU (fp32/bf16): torch's CPU flash kernel.
+- CUDA: the memory-efficient SDPA kernel, which returns the log-sum-exp for any dtype.
+- Anything else (fp16 on CPU, MPS, a torch without those ops, a shape the CUDA kernel rejects):
+  plain torch ops over blocks of query rows, at most `FALLBACK_BLOCK_ELEMS` scores at a time, so
+  its memory is a constant the activation bound counts (`fallback_scratch_bytes`).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
 # The CPU flash kernel returns the log-sum-exp needed to merge partial attentions.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# CUDA's memory-efficient kernel does too (compute_log_sumexp=True), in fp32, fp16 and bf16.
+_EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+
+# Scores the plain-torch fallback holds per block ([query heads of one KV head, rows, keys]):
+# 16 MiB in fp32, whatever the prefix length.
+FALLBACK_BLOCK_ELEMS = 1 << 22
+
+# (q [n, heads, d], k/v [m, kv_heads, d], causal, scale) -> (out [n, heads, d] fp32, lse [n, heads] fp32)
+LseAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def _causal_after_prefix(n_q: int, n_prefix: int, device: torch.device) -> torch.Tensor:
@@ -58,7 +78,9 @@ def attend(
     """Causal attention of one sequence after an optional prefix, written into `out`.
 
     q: [n, heads, d]; k, v: [n, kv_heads, d] (the sequence's own tokens); prefix_k/v:
-    [p, kv_heads, d]; out: [n, heads * d]. Works on any device.
+    [p, kv_heads, d]; out: [n, heads * d]. Works on any device. With a prefix it concatenates the
+    K/V and builds a [n, p + n] mask: the chunked baseline's way (its bound counts both); items
+    over a shared prefix use `attend_items`.
     """
     n, heads, d = q.shape
     mask = None
@@ -73,18 +95,100 @@ def attend(
         o3[:, hs].copy_(o.squeeze(0).transpose(0, 1))
 
 
-def _flash_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head: (out [n, heads, d] fp32, lse [n, heads] fp32)."""
+def _empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, heads, d = q.shape
     out = torch.empty(n, heads, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(n, heads, dtype=torch.float32, device=q.device)
+    return out, torch.empty(n, heads, dtype=torch.float32, device=q.device)
+
+
+def cpu_flash_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention with its log-sum-exp from torch's CPU flash kernel (CPU, fp32/bf16)."""
+    out, lse = _empty_partial(q)
     for hs, qj, kj, vj in _per_kv_head(q, k, v):
         o, s = _CPU_FLASH(qj, kj, vj, 0.0, causal, scale=scale)
         out[:, hs] = o.squeeze(0).transpose(0, 1)
         lse[:, hs] = s.squeeze(0).transpose(0, 1)
     return out, lse
+
+
+def efficient_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention with its log-sum-exp from CUDA's memory-efficient SDPA kernel, the one
+    `F.scaled_dot_product_attention` dispatches to for these (expanded K/V) inputs. A causal call
+    has as many queries as keys, where the kernel's top-left triangle is the right one."""
+    n = q.shape[0]
+    out, lse = _empty_partial(q)
+    for hs, qj, kj, vj in _per_kv_head(q, k, v):
+        o, s, _, _ = _EFFICIENT(qj, kj, vj, None, True, 0.0, causal, scale=scale)
+        out[:, hs] = o.squeeze(0).transpose(0, 1)
+        # The kernel pads the log-sum-exp's query axis to a multiple of 32 (not on ROCm).
+        lse[:, hs] = s[0, :, :n].transpose(0, 1)
+    return out, lse
+
+
+def torch_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention with its log-sum-exp in plain torch ops, for any device and dtype.
+
+    Blocks of query rows keep the scores of one KV head's query heads within
+    `FALLBACK_BLOCK_ELEMS` (fp32 softmax); K/V are read in place, never copied. A causal call
+    (as many queries as keys) reads only the keys up to each block's last row."""
+    n, heads, d = q.shape
+    m, kv_heads = k.shape[0], k.shape[1]
+    g = heads // kv_heads
+    out, lse = _empty_partial(q)
+    rows = max(1, FALLBACK_BLOCK_ELEMS // (g * max(m, 1)))
+    for j in range(kv_heads):
+        hs = slice(j * g, (j + 1) * g)
+        kj, vj = k[:, j], v[:, j]  # [m, d] views
+        for a in range(0, n, rows):
+            b = min(a + rows, n)
+            keys = b if causal else m
+            # A KV head's g query heads are rows of one matrix product: a batched product would
+            # broadcast (copy) the K/V to every query head.
+            qb = q[a:b, hs].reshape((b - a) * g, d)
+            s = torch.matmul(qb, kj[:keys].t()).float().mul_(scale).view(b - a, g, keys)
+            if causal:
+                later = torch.ones(b - a, keys, dtype=torch.bool, device=q.device).triu_(a + 1)
+                s.masked_fill_(later[:, None, :], -torch.inf)
+            block_lse = torch.logsumexp(s, dim=-1)  # [r, g]
+            p = s.sub_(block_lse[..., None]).exp_().view((b - a) * g, keys)
+            out[a:b, hs] = torch.matmul(p.to(vj.dtype), vj[:keys]).view(b - a, g, d)
+            lse[a:b, hs] = block_lse
+    return out, lse
+
+
+def _efficient_or_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        return efficient_lse(q, k, v, causal, scale)
+    except (RuntimeError, NotImplementedError) as e:  # a head size or GPU the kernel does not take
+        log.warning("memory-efficient attention unavailable (%s); using the plain torch fallback", e)
+        return torch_lse(q, k, v, causal, scale)
+
+
+def lse_attention(device: torch.device, dtype: torch.dtype) -> LseAttention:
+    """The partial-attention-with-log-sum-exp implementation for tensors on `device` of `dtype`."""
+    if device.type == "cpu" and _CPU_FLASH is not None and dtype in (torch.float32, torch.bfloat16):
+        return cpu_flash_lse
+    if device.type == "cuda" and _EFFICIENT is not None:
+        return _efficient_or_torch
+    return torch_lse
+
+
+def fallback_scratch_bytes(device: torch.device, dtype: torch.dtype, group: int, keys: int) -> int:
+    """What `torch_lse` allocates beyond the partial outputs when `device`/`dtype` may use it, for
+    `group` query heads per KV head and up to `keys` keys: one block of fp32 scores (at least one
+    query row; exponentiated in place), its copy in `dtype`, and a causal mask block."""
+    if lse_attention(device, dtype) is cpu_flash_lse:
+        return 0
+    it = torch.empty((), dtype=dtype).element_size()
+    return max(FALLBACK_BLOCK_ELEMS, group * keys) * (4 + it + 1)
 
 
 def attend_items(
@@ -96,18 +200,19 @@ def attend_items(
     bounds: list[tuple[int, int]],
     prefix_k: torch.Tensor,
     prefix_v: torch.Tensor,
+    partial: LseAttention | None = None,
 ) -> None:
     """Items that share one cached prefix: item i (rows bounds[i] of q/k/v/out) attends to the
-    whole prefix and causally to its own tokens only, never to another item."""
-    if _CPU_FLASH is None or q.device.type != "cpu" or q.dtype == torch.float16:
-        for a, b in bounds:
-            attend(q[a:b], k[a:b], v[a:b], out[a:b], scale, prefix_k, prefix_v)
-        return
+    whole prefix and causally to its own tokens only, never to another item.
+
+    partial: the partial-attention implementation; None picks the device's (`lse_attention`)."""
+    if partial is None:
+        partial = lse_attention(q.device, q.dtype)
     lo, hi = bounds[0][0], bounds[-1][1]
-    o_pre, lse_pre = _flash_lse(q[lo:hi], prefix_k, prefix_v, False, scale)
+    o_pre, lse_pre = partial(q[lo:hi], prefix_k, prefix_v, False, scale)
     heads = q.shape[1]
     for a, b in bounds:
-        o_own, lse_own = _flash_lse(q[a:b], k[a:b], v[a:b], True, scale)
+        o_own, lse_own = partial(q[a:b], k[a:b], v[a:b], True, scale)
         lp = lse_pre[a - lo : b - lo]
         m = torch.maximum(lp, lse_own)
         w_pre, w_own = torch.exp(lp - m), torch.exp(lse_own - m)

@@ -88,13 +88,20 @@ def label_requests(
 ) -> tuple[ScoreRequest, ...]:
     """The prefills that score the labels after `prompt_ids`. Single-token: one request reading
     the labels' next-token log-probs. Multi-token: one per label over prompt + continuation,
-    reading the continuation tokens' log-probs; the whole prompt is marked for the cache so the
-    labels after the first compute only their own tokens."""
+    reading the continuation tokens' log-probs, all submitted together as items over the prompt.
+
+    Each continuation request declares the prompt minus its last token as its cache prefix: the
+    most an item can read from the cache, since the last prompt token's hidden state gives the
+    first label token's log-prob (`logprob_start_len` = n - 1) and so is computed in every item.
+    Declaring exactly the shareable part lets the engine compute it once for the whole group
+    (and, where it groups waiting requests by a shared prefix, in the same forward as the items)
+    without storing a token no item can read."""
     if not multi_token:
         return (ScoreRequest(prompt_ids, tuple(c[0] for c in label_ids), cache_prefix_len=cache_prefix_len),)
     n = len(prompt_ids)
     return tuple(
-        ScoreRequest(prompt_ids + cont, (), logprob_start_len=n - 1, cache_prefix_len=n) for cont in label_ids
+        ScoreRequest(prompt_ids + cont, (), logprob_start_len=n - 1, cache_prefix_len=max(n - 1, 0))
+        for cont in label_ids
     )
 
 

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from po_backend.attention import attend, attend_items
+from po_backend.attention import attend, attend_items, fallback_scratch_bytes
 from po_backend.cache.kv_pool import KVPool
 from po_backend.config import PREFILL_MODES, ModelConfig, PrefillMode
 from po_backend.models.layers import Rotary
@@ -44,7 +44,10 @@ class SeqPlan:
     store_slots: torch.Tensor | None = None  # pool slots that receive K/V of token_ids[:len(slots)]
     # Sequences of one forward with the same group read the same cached prefix (same slots), so
     # the runner reads its K/V once for all of them; the caller places a group's members next to
-    # each other. None: the prefix (if any) is this sequence's alone.
+    # each other. None: the prefix (if any) is this sequence's alone. HybridRunner only: the
+    # prefix slots may be another sequence's store_slots in the SAME forward (every layer's
+    # store_slots are written before that layer's attention), so a shared prefix and its items
+    # can run as one forward; ChunkedRunner reads prefixes before computing anything.
     prefix_group: int | None = None
 
     def __post_init__(self) -> None:
@@ -87,7 +90,7 @@ class HybridRunner(Runner):
     prefill_mode: ClassVar[PrefillMode] = "hybrid"
 
     def activation_bound(self, n_tokens: int, prefix_tokens: int = 0) -> int:
-        return activation_bytes(self.cfg, self.dtype, n_tokens, self.chunk_size, prefix_tokens)
+        return activation_bytes(self.cfg, self.dtype, n_tokens, self.chunk_size, prefix_tokens, self.device)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
@@ -253,10 +256,17 @@ def _prefix_groups(
 
 
 def activation_bytes(
-    cfg: ModelConfig, dtype: torch.dtype, n_tokens: int, chunk_size: int, prefix_tokens: int = 0
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    n_tokens: int,
+    chunk_size: int,
+    prefix_tokens: int = 0,
+    device: torch.device | None = None,
 ) -> int:
     """Upper bound on what one hybrid forward over `n_tokens` packed tokens allocates beyond weights
-    and the prefix pool. Mirrors the buffers above; the profile run checks it by measurement."""
+    and the prefix pool. Mirrors the buffers above; the profile run checks it by measurement.
+    `device` (default CPU) decides whether items over a prefix may use attention's plain-torch
+    fallback, whose score blocks are a constant."""
     it = torch.empty((), dtype=dtype).element_size()
     chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
     q, kv = cfg.q_size, cfg.kv_size
@@ -269,6 +279,10 @@ def activation_bytes(
     scratch = it * chunk * (cfg.hidden_size + 3 * cfg.intermediate_size)
     head = _head_bytes(cfg, it)
     prefix = it * 2 * prefix_tokens * kv  # one layer's prefix K/V gathered from the pool
+    if prefix_tokens:
+        group = cfg.num_heads // cfg.num_kv_heads
+        dev = device or torch.device("cpu")
+        prefix += fallback_scratch_bytes(dev, dtype, group, prefix_tokens + n_tokens)
     return per_token * n_tokens + scratch + head + prefix
 
 

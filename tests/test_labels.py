@@ -1,0 +1,55 @@
+"""Multi-token labels: every label's continuation is an item over the prompt, submitted together,
+the prompt computed once; the scores are transformers' (fp32) and today's one-label-at-a-time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from po_backend import Engine
+from po_backend.labels import continuation_score, label_requests
+from tests.conftest import hf_all_logprobs
+
+PROMPT = tuple(range(3, 26))  # 23 tokens
+# Two labels share their first tokens, one is a single token, one is long.
+LABELS = ((5, 9, 2), (5, 9, 7), (11,), (3, 4, 5, 6))
+
+
+def test_continuations_declare_the_shareable_prompt() -> None:
+    reqs = label_requests(PROMPT, LABELS, cache_prefix_len=4, multi_token=True)
+    n = len(PROMPT)
+    assert [r.input_ids for r in reqs] == [PROMPT + c for c in LABELS]
+    for r in reqs:
+        # The last prompt token's hidden state scores the first label token: every item computes
+        # it, so the prefix the items share (and the cache keeps) is the prompt minus that token.
+        assert r.logprob_start_len == n - 1 and r.cache_prefix_len == n - 1 and r.label_token_ids == ()
+    (single,) = label_requests(PROMPT, ((7,), (8,)), cache_prefix_len=4, multi_token=False)
+    assert single.input_ids == PROMPT and single.label_token_ids == (7, 8) and single.cache_prefix_len == 4
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "chunked"])
+def test_multi_token_labels_prompt_once(tiny_model, mode: str) -> None:
+    path, hf = tiny_model("llama")
+    engine = Engine.from_pretrained(path, dtype="fp32", chunk_size=8, prefill_mode=mode)
+    before = engine.stats()
+    results = engine.run(label_requests(PROMPT, LABELS, None, multi_token=True))
+    after = engine.stats()
+    n = len(PROMPT)
+    forwards = after.forwards - before.forwards
+    # One forward where the engine computes a prefix shared by waiting requests with its items;
+    # at most two (the prompt cached by the first label, the rest as items over it) otherwise.
+    print(f"{len(LABELS)} multi-token labels: {forwards} forward(s)")
+    assert 1 <= forwards <= 2
+    # The prompt's first n - 1 tokens computed once; each item its last prompt token and label.
+    assert after.computed_tokens - before.computed_tokens == n - 1 + sum(1 + len(c) for c in LABELS)
+
+    alone = Engine.from_pretrained(path, dtype="fp32", chunk_size=8, prefill_mode=mode, enable_cache=False)
+    for cont, r in zip(LABELS, results, strict=True):
+        ids = list(PROMPT + cont)
+        ref = hf_all_logprobs(hf, ids)[n - 1 : -1].gather(1, torch.tensor(cont)[:, None]).squeeze(1)
+        got = r.input_token_logprobs[-len(cont) :]
+        assert torch.allclose(torch.tensor(got), ref, atol=1e-4)
+        (today,) = alone.run(label_requests(PROMPT, (cont,), None, multi_token=True))
+        assert continuation_score(got, "sum") == pytest.approx(
+            continuation_score(today.input_token_logprobs[-len(cont) :], "sum"), abs=1e-4
+        )
