@@ -1,16 +1,23 @@
-"""Attention over whole sequences (never chunked: the fused SDPA kernel stays fast and its
-memory is O(n)), optionally after a cached prefix whose K/V come from the prefix cache.
+"""Attention over whole sequences (never chunked: the fused kernels stay fast and their memory is
+O(n)), optionally after a cached prefix whose K/V come from the prefix cache.
+
+Which kernel: bf16 on a CPU with AVX512-BF16 and no AMX runs `po_backend.attention_cpu` (a C++
+kernel on the bf16 dot-product units, built on first use; ~4-5x SDPA there, issue 17), for head
+dims that are multiples of 64. Everything else, and any CPU where that kernel cannot be built,
+runs torch's `scaled_dot_product_attention` as below.
 
 Grouped-query attention runs one SDPA call per KV head with that head broadcast (`expand`, no
 copy) over its query heads: materialising repeated K/V cost 2x the attention output in memory,
 and SDPA's `enable_gqa` measured 20% slower on CPU.
 
-A cached prefix shared by several items (multi-item scoring) is attended ONCE for all the items'
+A cached prefix shared by several items (multi-item scoring) is never copied per item. The bf16
+CPU kernel takes prefix and items in one call (each query's online softmax runs on from the
+prefix into its own item). Elsewhere the prefix is attended ONCE for all the items'
 queries together, and each item attends causally to itself; the two partial results are merged
 with their log-sum-exps (the split-KV trick of flash-decoding). So on every device the prefix
 K/V are never copied per item and no [queries, keys] mask is built. What returns a partial
 attention with its log-sum-exp depends on the device (`lse_attention`):
-- CPU (fp32/bf16): torch's CPU flash kernel.
+- CPU (fp32/bf16): torch's CPU flash kernel, or the bf16 kernel where it runs (`cpu_lse`).
 - CUDA: the memory-efficient SDPA kernel, which returns the log-sum-exp for any dtype.
 - Anything else (fp16 on CPU, MPS, a torch without those ops, a shape the CUDA kernel rejects):
   plain torch ops over blocks of query rows, at most `FALLBACK_BLOCK_ELEMS` scores at a time, so
@@ -24,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from po_backend import attention_cpu
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +91,9 @@ def attend(
     K/V and builds a [n, p + n] mask: the chunked baseline's way (its bound counts both); items
     over a shared prefix use `attend_items`.
     """
+    if attention_cpu.supported(q):
+        attention_cpu.attend(q, k, v, out, scale, prefix_k, prefix_v)
+        return
     n, heads, d = q.shape
     mask = None
     if prefix_k is not None and prefix_k.shape[0] > 0:
@@ -111,6 +123,16 @@ def cpu_flash_lse(
         out[:, hs] = o.squeeze(0).transpose(0, 1)
         lse[:, hs] = s.squeeze(0).transpose(0, 1)
     return out, lse
+
+
+def cpu_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU partial attention with its log-sum-exp: the bf16 kernel where it runs, else torch's
+    CPU flash kernel."""
+    if attention_cpu.supported(q):
+        return attention_cpu.lse_partial(q, k, v, causal, scale)
+    return cpu_flash_lse(q, k, v, causal, scale)
 
 
 def efficient_lse(
@@ -175,7 +197,7 @@ def _efficient_or_torch(
 def lse_attention(device: torch.device, dtype: torch.dtype) -> LseAttention:
     """The partial-attention-with-log-sum-exp implementation for tensors on `device` of `dtype`."""
     if device.type == "cpu" and _CPU_FLASH is not None and dtype in (torch.float32, torch.bfloat16):
-        return cpu_flash_lse
+        return cpu_lse
     if device.type == "cuda" and _EFFICIENT is not None:
         return _efficient_or_torch
     return torch_lse
@@ -185,7 +207,7 @@ def fallback_scratch_bytes(device: torch.device, dtype: torch.dtype, group: int,
     """What `torch_lse` allocates beyond the partial outputs when `device`/`dtype` may use it, for
     `group` query heads per KV head and up to `keys` keys: one block of fp32 scores (at least one
     query row; exponentiated in place), its copy in `dtype`, and a causal mask block."""
-    if lse_attention(device, dtype) is cpu_flash_lse:
+    if lse_attention(device, dtype) is cpu_lse:
         return 0
     it = torch.empty((), dtype=dtype).element_size()
     return max(FALLBACK_BLOCK_ELEMS, group * keys) * (4 + it + 1)
@@ -205,7 +227,12 @@ def attend_items(
     """Items that share one cached prefix: item i (rows bounds[i] of q/k/v/out) attends to the
     whole prefix and causally to its own tokens only, never to another item.
 
-    partial: the partial-attention implementation; None picks the device's (`lse_attention`)."""
+    partial: the partial-attention implementation; None picks the device's: the bf16 CPU kernel
+    in one call (each query's online softmax runs on from the prefix into its own item, nothing
+    to merge), else `lse_attention`."""
+    if partial is None and attention_cpu.supported(q):
+        attention_cpu.attend_items(q, k, v, out, scale, bounds, prefix_k, prefix_v)
+        return
     if partial is None:
         partial = lse_attention(q.device, q.dtype)
     lo, hi = bounds[0][0], bounds[-1][1]

@@ -1,63 +1,49 @@
-"""CPU attention as tiles of GEMMs in the model dtype with an online softmax (flash-attention-2
-style, written in torch ops), plus the decision of when to use it instead of SDPA.
+"""CPU attention in bf16 on the AVX512-BF16 dot-product units (issue 17), through a small C++
+kernel (`csrc/attention_bf16.cpp`) built on first use, and the decision of when to use it.
 
-Why: torch's CPU `scaled_dot_product_attention` only spends its FLOPs in bf16 matrix units where
-oneDNN's brgemm has AMX; on AVX512-bf16 CPUs without AMX (AMD EPYC) its bf16 runs at fp32 speed
-(issue 17). Here every score and every output row is one `torch.bmm` on bf16 tensors, which
-oneDNN runs on whatever bf16 units the CPU has (AMX, AVX512-bf16); only the softmax is
-elementwise. On an AMX Xeon SDPA's own kernel uses AMX and measured ~2.2x faster than these
-tiles (1 core, 2k-4k tokens), so `choose` picks the tiles only for bf16 on CPUs with
-AVX512-bf16 and no AMX; `PO_CPU_ATTENTION=tiles|sdpa` overrides the choice.
+Why: torch's CPU `scaled_dot_product_attention` spends its bf16 FLOPs in matrix units only where
+oneDNN has AMX; on AVX512-BF16 CPUs without AMX (AMD EPYC) its bf16 runs at fp32 speed, and
+attention is most of a long prefill. An earlier version of this module ran tiles of torch bf16
+GEMMs with an fp32 online softmax: 2x SDPA here, but still far from the GEMM peak (Python per-op
+cost, scores rounded to bf16 by the GEMM, elementwise passes over the score tiles). The kernel
+keeps the scores in fp32 registers between the two dot-product passes.
 
-Layout, the same contract as `po_backend.attention.attend`/`attend_items`: q [n, heads, d];
-k, v [n, kv_heads, d]; a cached prefix prefix_k/v [p, kv_heads, d] that every query sees;
-out [n, heads * d]. Grouped-query attention stacks a KV head's g query heads as rows of ONE GEMM
-(rows ordered token-major, head-minor) instead of repeating K/V.
+Build: `torch.utils.cpp_extension.load` compiles the kernel into a per-user cache
+(`$PREFILLONLY_CACHE` or `~/.cache/prefillonly`, under `ext/<torch version>/`) the first time a
+bf16 attention runs on a CPU with avx512_bf16; later processes load the cached library. No
+install step compiles anything: without a compiler, or if the build fails, one warning is logged
+and attention stays on SDPA (`po_backend.attention`).
 
-Tiles: a block of `q_block` query tokens (g * q_block GEMM rows) against at most `kv_block`
-keys at a time; the key block holding the diagonal goes first, so every row has a finite
-maximum from the first block on (no NaN for fully masked rows), and blocks strictly above the
-diagonal are never computed. The softmax denominator comes out of the P @ V GEMM itself, from a
-column of ones appended to V: one elementwise pass fewer, and it sums exactly the rounded
-probabilities the numerator used. Scores are rounded to bf16 by the GEMM (torch's CPU matmul has
-no fp32 output for bf16 inputs); they are shifted by their row max before `exp`, so the error
-that matters is relative to the distance from the max (see the test's tolerance).
-Extra memory per call: heads-first copies of K and V (+ the ones column) and one
-[kv_heads, g * q_block, kv_block] score tile, independent of the sequence length squared.
+Used for: bf16 on a CPU with avx512_bf16 and no AMX (with AMX, SDPA's own kernel uses AMX), head
+dims that are multiples of 64. Everything else (fp32, AVX2-only CPUs, fp16, other devices)
+keeps SDPA. `PO_CPU_ATTENTION=kernel|sdpa` overrides the choice (`kernel` still needs the CPU
+and the build).
+
+Contract (as `po_backend.attention`): q [n, heads, d]; k, v [n, kv_heads, d] (the sequence's own
+tokens, causal); a prefix prefix_k/v [p, kv_heads, d] that every query sees; strided views are
+read in place (the runner's q/k/v are views of one packed buffer).
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import logging
 import os
-from dataclasses import dataclass
+import shutil
+import time
+from pathlib import Path
 from typing import Literal
 
 import torch
 
-CpuAttention = Literal["tiles", "sdpa"]
+log = logging.getLogger(__name__)
+
+CpuAttention = Literal["kernel", "sdpa"]
 _ENV = "PO_CPU_ATTENTION"
-# Padding of V's last dim after the ones column: GEMM N dims that are multiples of 16 keep
-# oneDNN's bf16 kernels on their full-width path (AMX tiles and AVX-512 registers are 16 wide).
-_V_PAD = 16
-
-
-@dataclass(frozen=True)
-class TileSizes:
-    """Query tokens and keys per tile. 128 x 2048 gives GEMMs large enough that Python's per-op
-    cost stays small while a bf16 score tile (3 x 384 x 2048, 4.5 MiB) stays near the caches;
-    on a Xeon it was as fast as any of 64-256 x 1k-4k within the (large) noise of a shared CPU."""
-
-    q_block: int = 128
-    kv_block: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.q_block < 1 or self.kv_block < self.q_block:
-            raise ValueError(f"need 1 <= q_block <= kv_block, got {self}")
-
-
-DEFAULT_TILES = TileSizes()
+_SOURCE = Path(__file__).parent / "csrc" / "attention_bf16.cpp"
+_STALE_LOCK_S = 600.0  # a build takes ~10 s; a lock this old belongs to a dead process
+_EMPTY_I32 = torch.empty(0, dtype=torch.int32)  # no item starts: plain causal
+_NO_LSE = torch.empty(0, 0)  # the kernel's log-sum-exp output, when none is wanted
 
 
 @functools.cache
@@ -74,106 +60,89 @@ def cpu_flags() -> frozenset[str]:
 
 
 def choose(dtype: torch.dtype, device: torch.device, flags: frozenset[str] | None = None) -> CpuAttention:
-    """Which CPU attention to run: "tiles" (this module) or "sdpa" (po_backend.attention).
+    """Which attention the CPU runs for `dtype`: "kernel" (this module, if it builds) or "sdpa".
 
-    Tiles only pay where bf16 GEMMs have units that SDPA leaves unused: bf16 on a CPU with
-    AVX512-bf16 but no AMX (with AMX, SDPA's own kernel uses AMX and measured faster; without
-    AVX512-bf16, bf16 GEMMs are emulated and the engine runs fp32 anyway). Not a CPU: SDPA.
-    The environment variable PO_CPU_ATTENTION=tiles|sdpa overrides the choice (CPU only).
-    """
-    if device.type != "cpu":
+    The kernel only pays where bf16 dot-product units exist that SDPA leaves unused: bf16 on a CPU
+    with AVX512-BF16 and no AMX. PO_CPU_ATTENTION=kernel|sdpa overrides (CPU, bf16 only: the
+    kernel has no other dtype)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
         return "sdpa"
     forced = os.environ.get(_ENV, "auto")
-    if forced in ("tiles", "sdpa"):
-        return forced  # type: ignore[return-value]
-    if forced != "auto":
-        raise ValueError(f"{_ENV} must be auto, tiles or sdpa, got {forced!r}")
+    if forced not in ("auto", "kernel", "sdpa"):
+        raise ValueError(f"{_ENV} must be auto, kernel or sdpa, got {forced!r}")
     f = cpu_flags() if flags is None else flags
-    if dtype == torch.bfloat16 and "avx512_bf16" in f and "amx_bf16" not in f:
-        return "tiles"
-    return "sdpa"
+    if "avx512_bf16" not in f:
+        return "sdpa"  # the kernel's instructions do not exist here, whatever the override says
+    if forced != "auto":
+        return forced  # type: ignore[return-value]
+    return "sdpa" if "amx_bf16" in f else "kernel"
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[L, kv_heads, d] -> contiguous [kv_heads, L, d]."""
-    return x.permute(1, 0, 2).contiguous()
+def _build_dir() -> Path:
+    env = os.environ.get("PREFILLONLY_CACHE")
+    root = Path(env) if env else Path.home() / ".cache" / "prefillonly"
+    # A library built against one torch must not be loaded by another.
+    return root / "ext" / f"torch-{torch.__version__.replace('+', '-')}"
 
 
-def _values_with_ones(v: torch.Tensor) -> torch.Tensor:
-    """[L, kv_heads, d] -> [kv_heads, L, d + _V_PAD]: V, then a column of ones, then zeros."""
-    L, kv_heads, d = v.shape
-    va = torch.zeros(kv_heads, L, d + _V_PAD, dtype=v.dtype, device=v.device)
-    va[..., :d].copy_(v.permute(1, 0, 2))
-    va[..., d] = 1
-    return va
-
-
-def _grouped_queries(q: torch.Tensor, kv_heads: int, scale: float) -> torch.Tensor:
-    """[n, heads, d] -> [kv_heads, n * g, d] scaled: row t * g + h is token t, query head h of
-    the group. The scale is folded in here (exact for d = 64: a power of two)."""
-    n, heads, d = q.shape
-    g = heads // kv_heads
-    qg = torch.empty(kv_heads, n, g, d, dtype=q.dtype, device=q.device)
-    torch.mul(q.view(n, kv_heads, g, d).permute(1, 0, 2, 3), scale, out=qg)
-    return qg.view(kv_heads, n * g, d)
+def _ninja_on_path() -> None:
+    """torch builds with the `ninja` found on PATH; a venv's pip-installed ninja (a declared
+    dependency) is not on PATH unless the venv is activated, so add its directory."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 @functools.cache
-def _diagonal_mask(bq: int, g: int, device: torch.device) -> torch.Tensor:
-    """[bq * g, bq] True where the key is after the query token (masked)."""
-    return torch.ones(bq, bq, dtype=torch.bool, device=device).triu(1).repeat_interleave(g, 0)
+def load_kernel() -> bool:
+    """Build (first time) and load the kernel; False, with one warning, if that fails."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("no C++ compiler: bf16 CPU attention stays on torch SDPA (slower)")
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        build = _build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        # torch waits without a timeout while another process's build holds this lock; a build
+        # killed midway leaves it behind, which would hang every later process here.
+        lock = build / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            log.warning("removing a stale build lock %s", lock)
+            lock.unlink(missing_ok=True)
+        cpp_extension.load(
+            name="po_attention_bf16",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # a compiler error, a missing header, ninja absent, a locked dir
+        log.warning("building the bf16 CPU attention kernel failed; attention stays on SDPA: %s", e)
+        return False
+    return hasattr(torch.ops.po_attn, "fwd")
 
 
-def _attend_grouped(
-    qg: torch.Tensor,
-    kh: torch.Tensor,
-    va: torch.Tensor,
-    out: torch.Tensor,
-    g: int,
-    pk: torch.Tensor | None,
-    pva: torch.Tensor | None,
-    tiles: TileSizes,
-) -> None:
-    """The tile loop on heads-first inputs: qg [kvh, n*g, d], kh [kvh, n, d], va [kvh, n, d+pad],
-    pk/pva the same for the prefix; writes out [n, heads * d]."""
-    kvh, rows, d = qg.shape
-    n = rows // g
-    o4 = out.view(n, kvh, g, d)
-    for i0 in range(0, n, tiles.q_block):
-        i1 = min(i0 + tiles.q_block, n)
-        bq = i1 - i0
-        qb = qg[:, i0 * g : i1 * g]
-        # (keys, values, mask) in processing order: the block ending at the diagonal first.
-        blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        for hi in range(i1, 0, -tiles.kv_block):
-            lo = max(0, hi - tiles.kv_block)
-            blocks.append(
-                (kh[:, lo:hi], va[:, lo:hi], _diagonal_mask(bq, g, qg.device) if hi == i1 else None)
-            )
-        if pk is not None and pva is not None:
-            for lo in range(0, pk.shape[1], tiles.kv_block):
-                hi = min(lo + tiles.kv_block, pk.shape[1])
-                blocks.append((pk[:, lo:hi], pva[:, lo:hi], None))
-        acc: torch.Tensor | None = None  # [kvh, bq*g, d+pad] fp32: sum of p*v | sum of p | 0
-        m: torch.Tensor | None = None  # [kvh, bq*g, 1] fp32 running row max
-        for kb, vb, mask in blocks:
-            s = torch.bmm(qb, kb.transpose(1, 2))
-            if mask is not None:
-                s[..., s.shape[-1] - bq :].masked_fill_(mask, -math.inf)
-            mb = s.amax(-1, keepdim=True)
-            if m is None:
-                s.sub_(mb).exp_()
-                acc, m = torch.bmm(s, vb).float(), mb.float()
-                continue
-            assert acc is not None
-            m_new = torch.maximum(m, mb.float())
-            # Maxima of rounded scores are exact in the score dtype: no extra rounding here.
-            s.sub_(m_new.to(s.dtype)).exp_()
-            acc.mul_(torch.exp(m - m_new)).add_(torch.bmm(s, vb))
-            m = m_new
-        assert acc is not None
-        res = acc[..., :d].div_(acc[..., d : d + 1])
-        o4[i0:i1].copy_(res.view(kvh, bq, g, d).permute(1, 0, 2, 3))
+def supported(q: torch.Tensor) -> bool:
+    """Whether the kernel can take these queries (device, dtype, head dim) and is built."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and q.shape[-1] % 64 == 0
+        and choose(q.dtype, q.device) == "kernel"
+        and load_kernel()
+    )
+
+
+def _empty_kv(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, like.shape[1], like.shape[2])
 
 
 def attend(
@@ -184,21 +153,18 @@ def attend(
     scale: float,
     prefix_k: torch.Tensor | None = None,
     prefix_v: torch.Tensor | None = None,
-    tiles: TileSizes = DEFAULT_TILES,
 ) -> None:
-    """Causal attention of one sequence after an optional prefix, written into `out` (same
-    contract as po_backend.attention.attend)."""
+    """Causal attention of one sequence after an optional prefix, into out [n, heads * d]."""
     n, heads, d = q.shape
-    kvh = k.shape[1]
-    if heads % kvh:
-        raise ValueError(f"{heads} query heads are not a multiple of {kvh} KV heads")
-    pk = pva = None
-    if prefix_k is not None and prefix_k.shape[0] > 0:
-        if prefix_v is None:
-            raise ValueError("prefix_k given without prefix_v")
-        pk, pva = _heads_first(prefix_k), _values_with_ones(prefix_v)
-    qg = _grouped_queries(q, kvh, scale)
-    _attend_grouped(qg, _heads_first(k), _values_with_ones(v), out, heads // kvh, pk, pva, tiles)
+    if n == 0:
+        return
+    if prefix_k is None or prefix_k.shape[0] == 0:
+        prefix_k = prefix_v = _empty_kv(k)
+    elif prefix_v is None:
+        raise ValueError("prefix_k given without prefix_v")
+    torch.ops.po_attn.fwd(
+        q, prefix_k, prefix_v, k, v, _EMPTY_I32, out.view(n, heads, d), _NO_LSE, scale, False
+    )
 
 
 def attend_items(
@@ -210,20 +176,50 @@ def attend_items(
     bounds: list[tuple[int, int]],
     prefix_k: torch.Tensor,
     prefix_v: torch.Tensor,
-    tiles: TileSizes = DEFAULT_TILES,
 ) -> None:
-    """Items sharing one cached prefix (same contract as po_backend.attention.attend_items):
-    item i (rows bounds[i]) attends to the whole prefix and causally to its own rows only. The
-    prefix is laid out heads-first once for all items, never copied per item; each item's
-    queries continue one online softmax from its own keys into the prefix's."""
-    heads, kvh = q.shape[1], k.shape[1]
-    if heads % kvh:
-        raise ValueError(f"{heads} query heads are not a multiple of {kvh} KV heads")
-    pk = pva = None
-    if prefix_k.shape[0] > 0:
-        pk, pva = _heads_first(prefix_k), _values_with_ones(prefix_v)
-    for a, b in bounds:
-        qg = _grouped_queries(q[a:b], kvh, scale)
-        _attend_grouped(
-            qg, _heads_first(k[a:b]), _values_with_ones(v[a:b]), out[a:b], heads // kvh, pk, pva, tiles
-        )
+    """Items sharing one cached prefix: item i (rows bounds[i]) attends to the whole prefix and
+    causally to its own rows only. One kernel call per run of adjacent items (the runner's items
+    are one run): each query's online softmax runs on from the prefix into its own item's keys,
+    so there are no partial outputs to merge, and the prefix is packed once per call."""
+    n, heads, d = q.shape
+    if prefix_k.shape[0] == 0:
+        prefix_k = prefix_v = _empty_kv(k)
+    o3 = out.view(n, heads, d)
+    run: list[tuple[int, int]] = []
+    for a, b in [*bounds, (-1, -1)]:
+        if run and a != run[-1][1]:  # flush a run of adjacent items
+            lo, hi = run[0][0], run[-1][1]
+            starts = torch.repeat_interleave(
+                torch.tensor([x - lo for x, _ in run], dtype=torch.int32),
+                torch.tensor([y - x for x, y in run]),
+            )
+            torch.ops.po_attn.fwd(
+                q[lo:hi], prefix_k, prefix_v, k[lo:hi], v[lo:hi], starts, o3[lo:hi], _NO_LSE, scale, False
+            )
+            run = []
+        if a < 0:
+            break
+        if not 0 <= a < b <= n:
+            raise ValueError(f"item bounds must be non-empty ranges of the {n} rows, got {(a, b)}")
+        run.append((a, b))
+
+
+def lse_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A partial attention with its log-sum-exp (`po_backend.attention.LseAttention`): out
+    [n, heads, d] fp32 and lse [n, heads] fp32. Causal: k/v are the queries' own tokens."""
+    n, heads, d = q.shape
+    out = torch.empty(n, heads, d, dtype=torch.float32)
+    lse = torch.empty(n, heads, dtype=torch.float32)
+    if n == 0:
+        return out, lse
+    empty = _empty_kv(k)
+    if causal:
+        torch.ops.po_attn.fwd(q, empty, empty, k, v, _EMPTY_I32, out, lse, scale, True)
+    elif k.shape[0] == 0:
+        out.zero_()
+        lse.fill_(-torch.inf)
+    else:
+        torch.ops.po_attn.fwd(q, k, v, empty, empty, _EMPTY_I32, out, lse, scale, True)
+    return out, lse

@@ -278,7 +278,9 @@ def activation_bytes(
     per_token += it * (cfg.hidden_size + 2 * kv) + 64
     scratch = it * chunk * (cfg.hidden_size + 3 * cfg.intermediate_size)
     head = _head_bytes(cfg, it)
-    prefix = it * 2 * prefix_tokens * kv  # one layer's prefix K/V gathered from the pool
+    # One layer's prefix K/V gathered from the pool, and the bf16 CPU kernel's packed copy of it
+    # (its packed copy of the items' own K/V is within the per-token copies above).
+    prefix = it * 4 * prefix_tokens * kv
     if prefix_tokens:
         group = cfg.num_heads // cfg.num_kv_heads
         dev = device or torch.device("cpu")

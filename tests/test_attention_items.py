@@ -19,6 +19,7 @@ from po_backend.attention import (
     attend,
     attend_items,
     cpu_flash_lse,
+    cpu_lse,
     efficient_lse,
     fallback_scratch_bytes,
     lse_attention,
@@ -112,12 +113,13 @@ def test_fallback_low_precision_close_to_fp32(dtype: torch.dtype) -> None:
 
 def test_dispatch_by_device_and_dtype(monkeypatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert lse_attention(cpu, torch.float32) is cpu_flash_lse
-    assert lse_attention(cpu, torch.bfloat16) is cpu_flash_lse
+    # CPU: torch's flash kernel, or the bf16 kernel where it runs (tests/test_attention_cpu.py)
+    assert lse_attention(cpu, torch.float32) is cpu_lse
+    assert lse_attention(cpu, torch.bfloat16) is cpu_lse
     assert lse_attention(cpu, torch.float16) is torch_lse
     assert lse_attention(torch.device("mps"), torch.float16) is torch_lse
-    assert lse_attention(cuda, torch.bfloat16) not in (cpu_flash_lse, torch_lse)
-    assert fallback_scratch_bytes(cpu, torch.float32, 3, 100) == 0  # CPU flash: no score blocks
+    assert lse_attention(cuda, torch.bfloat16) not in (cpu_lse, cpu_flash_lse, torch_lse)
+    assert fallback_scratch_bytes(cpu, torch.float32, 3, 100) == 0  # CPU kernels: no score blocks
     assert fallback_scratch_bytes(cpu, torch.float16, 3, 100) > 0
     assert fallback_scratch_bytes(cuda, torch.float16, 3, 100) > 0  # if the kernel rejects a shape
     monkeypatch.setattr(attention, "_CPU_FLASH", None)  # a torch without the CPU flash op
