@@ -38,8 +38,11 @@ class Rotary:
         """Rotate x [n, heads, head_dim] in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s."""
         x1, x2 = x.chunk(2, dim=-1)
         # transformers computes x*cos + rotate_half(x)*sin in the model dtype; the same
-        # products in the same order keep bf16 results identical to it.
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
+        # products, each rounded, in the same order keep bf16 results bit-identical to it.
+        # Two half-size temporaries instead of six: fewer passes over a memory-bound op.
+        r1 = x1 * cos
+        t = x2 * sin
+        r1.sub_(t)
+        torch.mul(x1, sin, out=t)
+        x2.mul_(cos).add_(t)
         x1.copy_(r1)
-        x2.copy_(r2)
