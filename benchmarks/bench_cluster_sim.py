@@ -1,0 +1,365 @@
+"""Past one machine, by simulation: sustained QPS at a P99 bound for 1..64 workers behind the
+SGLang router's cache_aware policy vs round robin, on a paper-shaped trace.
+
+`po_backend.cluster_sim`: every worker is the simulator's engine (the real Scheduler under `po`, a
+prefix cache of whole declared prefixes, LRU, sized from a KV memory budget; step times from the
+JCT model fitted on our engine: the measured run's fit in results/schedule.json, else this
+machine's persisted profile). The trace is the paper's WL1 (1,000 users x 50 posts; its 14k-token
+profiles scaled by 1/8 to our model: ~1.75k tokens, posts 100-200) with Poisson arrivals in a random
+user order. Per (router, N): the highest QPS with P99 <= the bound (bracket, then bisection), and at
+that rate the hit rate (tokens read from a cache or a batch-mate / input tokens) and the imbalance
+(items on the busiest worker / mean). The bound: `--slo-x` x the mean isolated latency (one worker,
+one request at a time, in trace order), as in bench_schedule.
+
+    python -m benchmarks.bench_cluster_sim            # ~3-5 min
+    python -m benchmarks.bench_cluster_sim --quick    # ~20 s: 200 users x 20 posts, 1..8 workers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+from benchmarks.harness import RESULTS
+from po_backend.cluster_sim import (
+    ROUTER_POLICIES,
+    ClusterResult,
+    IndexedPrefixLRU,
+    LinearStepModel,
+    RouterConfig,
+    TraceShape,
+    max_qps_at_p99,
+    p99,
+    paper_trace,
+    simulate_cluster,
+)
+from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
+
+GiB = 1 << 30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="200 users x 20 posts, 1..8 workers (~20 s)")
+    ap.add_argument("--workers", default="1,2,4,8,16,32,64")
+    ap.add_argument("--routers", default="cache_aware,round_robin", help=f"of {','.join(ROUTER_POLICIES)}")
+    ap.add_argument("--users", type=int, default=1000)
+    ap.add_argument("--posts", type=int, default=50)
+    ap.add_argument("--scale", type=float, default=8.0, help="the paper's token lengths / this")
+    ap.add_argument(
+        "--pool-gib",
+        type=float,
+        default=1.0,
+        help="prefix-KV memory per worker; 1 GiB holds ~26 of our profiles, as an 80 GB GPU holds ~30 "
+        "of the paper's 14k-token profiles for an 8B model",
+    )
+    ap.add_argument("--max-batch-tokens", type=int, default=8192, help="the engine's default")
+    ap.add_argument("--slo-x", type=float, default=8.0, help="P99 bound = this x mean isolated latency")
+    ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="leave the requests of this first fraction of the trace out of the P99 (every user's first, "
+        "cold, request falls early in the trace); 0 = the whole trace, as bench_schedule",
+    )
+    ap.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops within this ratio")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jct", type=Path, default=RESULTS / "schedule.json", help="bench_schedule's results")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cluster_sim.json", help=".md and .png beside it")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.users, args.posts, args.workers = 200, 20, "1,2,4,8"
+    return args
+
+
+def step_model(path: Path) -> tuple[LinearStepModel, str]:
+    """The JCT model of our engine: the fit of the last measured bench_schedule run, else this
+    machine's persisted profile of the embedded model (profiled now if there is none)."""
+    if path.is_file():
+        return LinearStepModel(json.loads(path.read_text())["jct_fit"]["coef"]), f"the fit in {path.name}"
+    from benchmarks.harness import load_engine
+    from po_backend.jct_profile import load_or_profile
+
+    return LinearStepModel(load_or_profile(load_engine()).coef), "this machine's persisted JCT profile"
+
+
+def kv_bytes_per_token() -> tuple[int, str]:
+    """What one cached token of the embedded model costs (K and V of every layer) at the CPU dtype."""
+    import torch
+
+    from po_backend.cache.kv_pool import KVPool
+    from po_backend.config import ModelConfig, parse_dtype
+    from po_backend.models.loader import resolve_model_dir
+
+    cfg = ModelConfig.from_hf(json.loads((resolve_model_dir("embedded") / "config.json").read_text()))
+    dtype = parse_dtype(None, torch.device("cpu"))
+    return KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype), str(dtype)
+
+
+MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
+
+
+def measured(res: ClusterResult, since: float) -> list[float]:
+    return [r.end - r.arrival for r in res.runs if r.arrival >= since]
+
+
+def summary(res: ClusterResult, qps: float, since: float, span_s: float, slo: float) -> dict[str, Any]:
+    lat = measured(res, since)
+    return {
+        "qps": qps,
+        "p99_s": p99(lat),
+        "mean_s": sum(lat) / len(lat),
+        "span_over_bound": span_s / slo,
+        "hit_rate": res.hit_rate,
+        "imbalance": res.imbalance,
+        "items_per_worker": [w.items for w in res.workers],
+        "busy_share": [w.busy_s / max(r.end for r in res.runs) for w in res.workers],
+        "balanced_by_load": res.balanced_by_load,
+        "by_match": res.by_match,
+        "mean_batch": len(lat) / sum(w.steps for w in res.workers),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    t0 = time.perf_counter()
+    routers = [r for r in args.routers.split(",") if r]
+    if not routers or set(routers) - set(ROUTER_POLICIES):
+        raise SystemExit(f"--routers must be a subset of {ROUTER_POLICIES}, got {args.routers!r}")
+    workers = sorted({int(n) for n in args.workers.split(",")})
+    if workers[0] < 1:
+        raise SystemExit(f"--workers must be >= 1, got {args.workers!r}")
+    model, source = step_model(args.jct)
+    per_token, dtype = kv_bytes_per_token()
+    pool = int(args.pool_gib * GiB) // per_token
+    shape = TraceShape(users=args.users, posts=args.posts, scale=args.scale, seed=args.seed)
+    reqs, unit = paper_trace(shape)
+    prefixes = {r.input_ids[: r.cache_prefix_len] for r in reqs}
+    mean_prefix = sum(map(len, prefixes)) / len(prefixes)
+    tokens = sum(len(r.input_ids) for r in reqs)
+    print(
+        f"trace: {len(reqs)} requests ({args.users} users x {args.posts} posts), mean prompt "
+        f"{tokens / len(reqs):.0f} tokens, mean profile {mean_prefix:.0f}; step times: {source}, coef {model.coef}"
+    )
+    print(
+        f"prefix pool per worker: {args.pool_gib:g} GiB / {per_token} B per token ({dtype}) = {pool} tokens "
+        f"= {pool / mean_prefix:.0f} profiles (of {args.users} users)"
+    )
+    sched = SchedulerConfig("po", args.fairness_lambda)
+
+    def cache() -> IndexedPrefixLRU:
+        return IndexedPrefixLRU(pool, args.max_batch_tokens)
+
+    iso = simulate_cluster(
+        sched, model, [(1e6 * i, r) for i, r in enumerate(reqs)], 1, RouterConfig("round_robin"), cache
+    )
+    iso_mean = sum(iso.latencies) / len(reqs)
+    slo = args.slo_x * iso_mean
+    print(
+        f"isolated (1 worker, one request at a time): mean {iso_mean:.3f} s, hits {iso.hit_rate:.1%}; "
+        f"P99 bound {slo:.2f} s"
+    )
+
+    if not 0.0 <= args.warmup < 1.0:
+        raise SystemExit(f"--warmup must be in [0, 1), got {args.warmup}")
+    skip = unit[int(args.warmup * len(unit))] if args.warmup > 0 else 0.0  # unit-rate seconds
+    rows: list[dict[str, Any]] = []
+    for policy in routers:
+        guess = 1.0 / iso_mean
+        prev_n = 1
+        for n in workers:
+            guess *= n / prev_n
+            best: dict[float, ClusterResult] = {}
+
+            def run(
+                qps: float, n: int = n, policy: str = policy, best: dict[float, ClusterResult] = best
+            ) -> float:
+                trace = [(u / qps, r) for u, r in zip(unit, reqs, strict=True)]
+                res = simulate_cluster(
+                    sched, model, trace, n, RouterConfig(policy, seed=args.seed), cache, slo, skip / qps
+                )
+                if not res.complete:
+                    return math.inf
+                best[qps] = res
+                return p99(measured(res, skip / qps))
+
+            t = time.perf_counter()
+            one = next((r for r in rows if r["workers"] == 1), None) if n == 1 else None
+            if one is not None:  # one worker: every router sends everything to it, the same run
+                row = {**one, "router": policy}
+                if policy != "cache_aware":
+                    row.update(balanced_by_load=0, by_match=0)
+            else:
+                qps, runs = max_qps_at_p99(run, slo, guess, rel_tol=args.rel_tol)
+                if qps <= 0:
+                    raise RuntimeError(f"{policy} x {n}: no rate found within the P99 bound")
+                row = {
+                    "router": policy,
+                    "workers": n,
+                    "sustained_qps": qps,
+                    "runs": runs,
+                    **summary(best[qps], qps, skip / qps, unit[-1] / qps, slo),
+                }
+            qps, runs = row["sustained_qps"], row["runs"]
+            rows.append(row)
+            guess, prev_n = qps, n
+            print(
+                f"  {policy:12s} N={n:3d}: {qps:8.3f} qps ({qps / n:.3f} per worker), P99 {row['p99_s']:6.2f} s, "
+                f"hits {row['hit_rate']:5.1%}, imbalance {row['imbalance']:.3f}, load-balanced "
+                f"{row['balanced_by_load']}, {runs} runs in {time.perf_counter() - t:.1f} s"
+            )
+    doc = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "jct_source": source,
+        "coef": model.coef,
+        "kv_bytes_per_token": per_token,
+        "dtype": dtype,
+        "pool_tokens": pool,
+        "mean_profile_tokens": mean_prefix,
+        "requests": len(reqs),
+        "isolated_mean_s": iso_mean,
+        "isolated_hit_rate": iso.hit_rate,
+        "slo_p99_s": slo,
+        "router_defaults": {
+            k: getattr(RouterConfig(), k)
+            for k in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+        },
+        "rows": rows,
+        "seconds": time.perf_counter() - t0,
+    }
+    md = markdown(doc)
+    print("\n" + md)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    args.out.with_suffix(".md").write_text(md)
+    plot(doc, args.out.with_suffix(".png"))
+    print(
+        f"wrote {args.out}, {args.out.with_suffix('.md').name}, {args.out.with_suffix('.png').name} "
+        f"in {doc['seconds']:.0f} s"
+    )
+    return 0
+
+
+def table_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """Per (router, N): sustained QPS, per worker, scaling efficiency (QPS / (N x its 1-worker
+    QPS)), ratio to round robin at the same N, hit rate, imbalance, P99 and mean at that rate."""
+    by = {(r["router"], r["workers"]): r for r in doc["rows"]}
+    out = []
+    for r in doc["rows"]:
+        one = by.get((r["router"], 1))
+        rr = by.get(("round_robin", r["workers"]))
+        eff = f"{r['sustained_qps'] / (r['workers'] * one['sustained_qps']):.2f}" if one else "-"
+        vs_rr = f"{r['sustained_qps'] / rr['sustained_qps']:.2f}x" if rr else "-"
+        out.append(
+            [
+                r["router"],
+                str(r["workers"]),
+                f"{r['sustained_qps']:.3f}",
+                f"{r['sustained_qps'] / r['workers']:.3f}",
+                eff,
+                vs_rr,
+                f"{r['hit_rate']:.1%}",
+                f"{r['imbalance']:.3f}",
+                f"{r['p99_s']:.1f}",
+                f"{r['mean_s']:.2f}",
+                f"{r['mean_batch']:.2f}",
+                f"{r['span_over_bound']:.0f}" + ("" if r["span_over_bound"] >= MIN_SPAN else " †"),
+            ]
+        )
+    return out
+
+
+HEADER = (
+    "router | workers | QPS at P99 bound | per worker | efficiency | vs round robin | hit rate | "
+    "imbalance (max/mean items) | P99 s | mean s | items/step | trace / bound"
+)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    a = doc["args"]
+    d = doc["router_defaults"]
+    return (
+        "# bench_cluster_sim: N workers behind the router, simulated\n\n"
+        f"`po_backend.cluster_sim`: {doc['requests']} requests ({a['users']} users x {a['posts']} posts, the "
+        f"paper's WL1 with token lengths / {a['scale']:g}: mean profile {doc['mean_profile_tokens']:.0f} tokens, "
+        f"posts 100-200), Poisson arrivals, users interleaved (seed {a['seed']}). Each worker: the real "
+        f"Scheduler (`po`, lambda {a['fairness_lambda']}), a prefix pool of {a['pool_gib']:g} GiB = "
+        f"{doc['pool_tokens']} tokens ({doc['kv_bytes_per_token']} B/token, {doc['dtype']}; "
+        f"~{doc['pool_tokens'] / doc['mean_profile_tokens']:.0f} profiles), step times from the JCT model "
+        f"({doc['jct_source']}). Router cache_aware as sglang-router's (cache_threshold {d['cache_threshold']}, "
+        f"balance thresholds {d['balance_abs_threshold']} / {d['balance_rel_threshold']}). P99 bound "
+        f"{doc['slo_p99_s']:.2f} s = {a['slo_x']:g} x the isolated mean latency {doc['isolated_mean_s']:.3f} s. "
+        "Efficiency = QPS / (N x the same router's 1-worker QPS); hit rate = input tokens read from a "
+        "cache or a batch-mate instead of computed; trace / bound = how many P99 bounds the trace lasts at "
+        f"that rate († below {MIN_SPAN:g}: the run is one burst, not a sustained rate; more users needed). "
+        + (
+            f"The P99 leaves out the requests of the first {a['warmup']:.0%} of the trace (warm-up).\n\n"
+            if a.get("warmup")
+            else "The P99 is over the whole trace, every user's first (cold) request included.\n\n"
+        )
+        + report.markdown_table(HEADER, table_rows(doc))
+        + "\n"
+    )
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Sustained QPS vs workers (log-log, with linear scaling from each router's one worker), and
+    hit rate and imbalance vs workers."""
+    plt = report._plt()
+    from matplotlib import ticker
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    routers = list(dict.fromkeys(r["router"] for r in doc["rows"]))
+    for name in routers:
+        pts = sorted((r["workers"], r) for r in doc["rows"] if r["router"] == name)
+        ns = [n for n, _ in pts]
+        line = ax.plot(ns, [r["sustained_qps"] for _, r in pts], marker="o", label=name)[0]
+        if ns[0] == 1 and name == routers[0]:  # one worker is the same run for every router
+            ax.plot(
+                ns,
+                [pts[0][1]["sustained_qps"] * n for n in ns],
+                ls=":",
+                color="grey",
+                label="linear: N x 1 worker",
+            )
+        ax2.plot(
+            ns, [r["hit_rate"] for _, r in pts], marker="o", color=line.get_color(), label=f"{name} hit rate"
+        )
+        ax2.plot(
+            ns,
+            [r["imbalance"] - 1 for _, r in pts],
+            marker="s",
+            ls="--",
+            color=line.get_color(),
+            label=f"{name} imbalance - 1",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers")
+    ax.set_ylabel(f"QPS at P99 <= {doc['slo_p99_s']:.1f} s")
+    ax.set_title("sustained QPS vs workers (simulated)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax2.set_xscale("log", base=2)
+    for axis in (ax.xaxis, ax2.xaxis):  # 1, 2, 4 ... not 2^0, 2^1
+        axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax2.set_xlabel("workers")
+    ax2.set_ylabel("fraction")
+    ax2.set_title("hit rate; imbalance (max/mean items) - 1")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""N simulated engines behind a router (`po_backend.cluster_sim`): one worker is `simulate`, the
+fast cache and step model answer as the simulator's, cache_aware keeps a user on one worker until
+the load is imbalanced, round robin spreads, nothing is lost. Small traces, no clock, no model."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+
+import pytest
+
+from po_backend.cluster_sim import (
+    ApproxTree,
+    IndexedPrefixLRU,
+    LinearStepModel,
+    RouterConfig,
+    TraceShape,
+    max_qps_at_p99,
+    p99,
+    paper_trace,
+    simulate_cluster,
+)
+from po_backend.jct import JCTModel
+from po_backend.request import ScoreRequest
+from po_backend.scheduler import SchedulerConfig
+from po_backend.simulator import PrefixLRU, simulate
+
+MODEL = JCTModel((0.002, 0.0005, 1.0, 0.3, 0.05))  # seconds: per step, item, ktok, Mtok^2, cached ktok
+PO = SchedulerConfig("po")
+
+
+def user_trace(
+    users: int, posts: int, *, profile: int = 60, post: int = 12, seed: int = 0
+) -> list[ScoreRequest]:
+    """users x posts requests, each its user's profile (declared) + a post, users interleaved."""
+    rng = random.Random(seed)
+    reqs = []
+    for u in range(users):
+        prefix = (1000 + u,) + tuple(rng.randrange(5000) for _ in range(profile - 1))
+        for _ in range(posts):
+            reqs.append(
+                ScoreRequest(
+                    prefix + tuple(rng.randrange(5000) for _ in range(post)), (1, 2), cache_prefix_len=profile
+                )
+            )
+    rng.shuffle(reqs)
+    return reqs
+
+
+def poisson(n: int, qps: float, seed: int = 1) -> list[float]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(qps)
+    return out
+
+
+def users_of(reqs: list[ScoreRequest]) -> list[int]:
+    return [r.input_ids[0] for r in reqs]
+
+
+@pytest.mark.parametrize("router", ["cache_aware", "round_robin", "power_of_two"])
+@pytest.mark.parametrize("policy", ["po", "fcfs"])
+def test_one_worker_is_simulate(router: str, policy: str) -> None:
+    reqs = user_trace(5, 8)
+    trace = list(zip(poisson(len(reqs), 20.0), reqs, strict=True))
+    config = SchedulerConfig(policy)
+    want = simulate(config, MODEL, trace, PrefixLRU(130, 400))
+    got = simulate_cluster(config, MODEL, trace, 1, RouterConfig(router), lambda: PrefixLRU(130, 400))
+    assert list(got.runs) == want
+    assert max(r.step for r in want) + 1 < len(want), "the trace must batch some steps to test batching"
+    # The indexed cache is the same cache: same runs.
+    fast = simulate_cluster(config, MODEL, trace, 1, RouterConfig(router), lambda: IndexedPrefixLRU(130, 400))
+    assert list(fast.runs) == want
+
+
+def test_indexed_cache_answers_as_prefix_lru() -> None:
+    rng = random.Random(3)
+    reqs = user_trace(9, 6, profile=20, post=5, seed=3)
+    ref, fast = PrefixLRU(70, 10**9), IndexedPrefixLRU(70, 10**9)
+    for _ in range(200):
+        batch = rng.sample(reqs, rng.randint(1, 4))
+        assert [fast.cached_len(r) for r in reqs] == [ref.cached_len(r) for r in reqs]
+        assert fast.batchable(batch) == ref.batchable(batch)
+        assert fast.step(batch) == ref.step(batch)
+    assert 1 < len(fast) < 9, "the cache must both hold and evict for this to test anything"
+
+
+def test_linear_step_model_predicts_as_jct_model() -> None:
+    fast = LinearStepModel(MODEL.coef)
+    for items in ([(100, 0)], [(2000, 1700), (180, 0), (50, 49)], [(7, 3)] * 9):
+        assert fast.predict_items(items) == pytest.approx(MODEL.predict_items(items), rel=1e-12)
+    assert fast.predict(300, 300, 2) == pytest.approx(MODEL.predict(300, 300, 2), rel=1e-12)
+    with pytest.raises(ValueError):
+        fast.predict(10, 11)
+    with pytest.raises(ValueError):
+        LinearStepModel((1.0, -1.0, 0.0, 0.0, 0.0))
+
+
+def test_approx_tree_matches_and_sizes_tenants() -> None:
+    tree = ApproxTree(3)
+    tree.insert((1, 2, 3, 4), 0)
+    tree.insert((1, 2, 5), 1)  # splits the edge after (1, 2)
+    assert tree.match((1, 2, 3, 9)) == (3, 0)
+    assert tree.match((1, 2, 5, 6)) == (3, 1)
+    assert tree.match((7,)) == (0, -1)
+    assert tree.size == [4, 3, 0]  # tenant 1 holds (1, 2) and (5,)
+    assert tree.smallest() == 2
+    tree.insert((1, 2), 0)  # already held: nothing new
+    assert tree.size[0] == 4
+    assert tree.match((1, 2)) == (2, 0)  # (1, 2) most recently sent to 0
+
+
+def test_cache_aware_keeps_each_user_on_one_worker_round_robin_spreads() -> None:
+    reqs = user_trace(8, 10)
+    trace = list(zip(poisson(len(reqs), 5.0), reqs, strict=True))  # light load: balanced
+
+    def placement(router: str) -> dict[int, set[int]]:
+        res = simulate_cluster(PO, MODEL, trace, 4, RouterConfig(router), lambda: IndexedPrefixLRU(400))
+        where: dict[int, set[int]] = defaultdict(set)
+        for u, w in zip(users_of(reqs), res.worker_of, strict=True):
+            where[u].add(w)
+        return where
+
+    aff = placement("cache_aware")
+    assert all(len(ws) == 1 for ws in aff.values()), aff
+    assert {w for ws in aff.values() for w in ws} == {0, 1, 2, 3}, "new users go to the emptiest tree"
+    rr = placement("round_robin")
+    assert all(len(ws) >= 3 for ws in rr.values()), rr
+
+
+def test_affinity_reuses_more_than_round_robin() -> None:
+    reqs = user_trace(8, 10)
+    trace = list(zip(poisson(len(reqs), 5.0), reqs, strict=True))
+    # Each worker's pool holds 2 profiles: 2 users per worker fit only when they stay put.
+    hit = {
+        r: simulate_cluster(PO, MODEL, trace, 4, RouterConfig(r), lambda: IndexedPrefixLRU(130)).hit_rate
+        for r in ("cache_aware", "round_robin")
+    }
+    assert hit["cache_aware"] > 0.6 > hit["round_robin"], hit
+
+
+@pytest.mark.parametrize("router", ["cache_aware", "round_robin", "power_of_two"])
+def test_nothing_lost(router: str) -> None:
+    reqs = user_trace(6, 7)
+    trace = list(zip(poisson(len(reqs), 200.0), reqs, strict=True))  # overloaded: long queues
+    res = simulate_cluster(PO, MODEL, trace, 3, RouterConfig(router), lambda: IndexedPrefixLRU(130, 300))
+    assert sorted(r.rid for r in res.runs) == list(range(len(reqs)))
+    assert all(0 <= w < 3 for w in res.worker_of)
+    assert sum(w.items for w in res.workers) == len(reqs)
+    assert all(r.arrival <= r.start < r.end for r in res.runs)
+    by_worker = defaultdict(list)  # a worker runs one step at a time
+    for r, w in ((r, res.worker_of[r.rid]) for r in res.runs):
+        by_worker[w].append((r.start, r.end, r.step))
+    for steps in by_worker.values():
+        spans = sorted(set(steps))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_imbalance_threshold_moves_a_hot_user() -> None:
+    reqs = user_trace(1, 30)  # one user, all at once: affinity would pile everything on one worker
+    trace = [(0.0, r) for r in reqs]
+    stay = simulate_cluster(PO, MODEL, trace, 2, RouterConfig("cache_aware"), lambda: IndexedPrefixLRU(400))
+    assert set(stay.worker_of) == {0} and stay.balanced_by_load == 0  # default threshold 64 > 30
+    low = RouterConfig("cache_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
+    moved = simulate_cluster(PO, MODEL, trace, 2, low, lambda: IndexedPrefixLRU(400))
+    assert moved.balanced_by_load > 0
+    counts = [moved.worker_of.count(w) for w in (0, 1)]
+    assert min(counts) >= 10, counts  # the outstanding gap stays within the threshold
+    assert moved.imbalance < stay.imbalance
+
+
+def test_give_up_only_when_p99_is_past_the_bound() -> None:
+    reqs = user_trace(6, 10)
+    trace = list(zip(poisson(len(reqs), 60.0), reqs, strict=True))
+    full = simulate_cluster(PO, MODEL, trace, 2, RouterConfig("round_robin"), lambda: IndexedPrefixLRU(130))
+    worst = p99(full.latencies)
+    assert full.complete
+    over = simulate_cluster(
+        PO,
+        MODEL,
+        trace,
+        2,
+        RouterConfig("round_robin"),
+        lambda: IndexedPrefixLRU(130),
+        give_up_over=worst * 0.5,
+    )
+    assert not over.complete and len(over.runs) < len(reqs)
+    within = simulate_cluster(
+        PO,
+        MODEL,
+        trace,
+        2,
+        RouterConfig("round_robin"),
+        lambda: IndexedPrefixLRU(130),
+        give_up_over=worst * 1.01,
+    )
+    assert within.complete and list(within.runs) == list(full.runs)
+
+
+def test_p99_is_numpys() -> None:
+    np = pytest.importorskip("numpy")
+    vals = [random.Random(5).expovariate(1.0) for _ in range(137)]
+    assert p99(vals) == pytest.approx(float(np.percentile(vals, 99)))
+
+
+def test_max_qps_at_p99_finds_the_crossing() -> None:
+    qps, runs = max_qps_at_p99(lambda q: q * q, slo_s=4.0, guess=0.3, rel_tol=0.01)
+    assert 2.0 / 1.01 <= qps <= 2.0 and runs < 24
+    qps, _ = max_qps_at_p99(lambda q: math.inf, slo_s=4.0, guess=1.0, max_runs=5)
+    assert qps == 0.0
+
+
+def test_paper_trace_shape() -> None:
+    shape = TraceShape(users=12, posts=5, seed=4)
+    reqs, arrivals = paper_trace(shape)
+    again, _ = paper_trace(shape)
+    assert reqs == again and len(reqs) == 60
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    prefixes = defaultdict(list)
+    for r in reqs:
+        p = r.input_ids[: r.cache_prefix_len]
+        assert 100 <= len(r.input_ids) - len(p) <= 200
+        assert 11000 / 8 <= len(p) - 8 - 16 <= 17000 / 8
+        prefixes[p].append(r)
+    assert len(prefixes) == 12 and all(len(v) == 5 for v in prefixes.values())
+    first = {r.input_ids[: r.cache_prefix_len] for r in reqs[:5]}
+    assert len(first) > 1  # users interleave
+    with pytest.raises(ValueError):
+        TraceShape(users=0)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        RouterConfig("least_load")
+    with pytest.raises(ValueError):
+        RouterConfig(cache_threshold=1.5)
+    with pytest.raises(ValueError):
+        simulate_cluster(PO, MODEL, [], 0, RouterConfig(), lambda: IndexedPrefixLRU(10))
+    with pytest.raises(ValueError):
+        IndexedPrefixLRU(-1)
+
+
+def test_warm_up_left_out_of_the_give_up_rule() -> None:
+    reqs = user_trace(6, 10)
+    trace = [(0.0, r) for r in reqs[:20]] + [
+        (100.0 + i, r) for i, r in enumerate(reqs[20:])
+    ]  # a burst, then calm
+    router = RouterConfig("round_robin")
+    full = simulate_cluster(PO, MODEL, trace, 1, router, lambda: IndexedPrefixLRU(130))
+    burst = max(r.end - r.arrival for r in full.runs if r.arrival == 0.0)
+    calm = max(r.end - r.arrival for r in full.runs if r.arrival >= 100.0)
+    assert calm < burst
+    bound = (calm + burst) / 2
+    assert not simulate_cluster(PO, MODEL, trace, 1, router, lambda: IndexedPrefixLRU(130), bound).complete
+    after = simulate_cluster(
+        PO, MODEL, trace, 1, router, lambda: IndexedPrefixLRU(130), bound, measured_from=50.0
+    )
+    assert after.complete and list(after.runs) == list(full.runs)
