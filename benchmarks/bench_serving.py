@@ -46,6 +46,12 @@ LAUNCH = {
     # vLLM-style baseline: FCFS + prefix cache + Sarathi chunked prefill (attention chunked too).
     "chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"],
     "hf": ["--backend", "hf"],
+    # po without grouping undeclared shared prefixes: each waiting request runs alone, a profile is
+    # computed once only if its first request finished before the next was picked.
+    "po-nogroup": ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)],
+    # po as built by another checkout (--base-checkout, e.g. a git worktree of the commit a change
+    # replaces): the same run measures the change against what it replaces.
+    "base": ["--schedule-policy", "po"],
 }
 
 
@@ -167,7 +173,12 @@ def scrape(url: str, args: argparse.Namespace) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     out = {}
-    for name in ("po_prompt_tokens_total", "po_cache_hit_tokens_total"):
+    for name in (
+        "po_prompt_tokens_total",
+        "po_cache_hit_tokens_total",
+        "po_cache_tokens",
+        "po_cache_reused_tokens",
+    ):
         m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
         if m:
             out[name] = float(m.group(1))
@@ -183,13 +194,18 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "po_backend.launch_server", "--model-path", args.model_path]
         cmd += ["--port", str(port), "--dtype", args.dtype, "--log-level", "warning", *LAUNCH[name]]
+        cwd = harness.REPO_ROOT
+        if name == "base":
+            if not args.base_checkout:
+                raise ValueError("--launch base needs --base-checkout DIR")
+            cwd = args.base_checkout  # python -m resolves po_backend from the working directory
         if args.max_input_len:
             cmd += ["--max-input-len", str(args.max_input_len)]
         # The server's log goes to a temp file, named in the error if it fails to start.
         self.log = tempfile.NamedTemporaryFile(
             "w", prefix=f"bench-serving-{name}-", suffix=".log", delete=False
         )
-        self.proc = subprocess.Popen(cmd, cwd=harness.REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -244,6 +260,10 @@ def bench_one(
             row["prompt_tokens"] = prompt
             row["cache_hit_rate"] = hits / prompt if prompt else 0.0
             row["prompt_tokens_per_s"] = prompt / span if span else math.nan
+            # What the pool holds at the end, and how much of it was read back (not speculation).
+            if "po_cache_tokens" in after:
+                row["cache_tokens"] = after["po_cache_tokens"]
+                row["cache_reused_tokens"] = after.get("po_cache_reused_tokens", math.nan)
         rows.append(row)
         print(_line(row), flush=True)
     return rows
@@ -285,6 +305,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-input-len", type=int, default=None)
     ap.add_argument("--port", type=int, default=30100, help="port for launched servers")
+    ap.add_argument(
+        "--base-checkout", default=None, help="the checkout `--launch base` runs (another commit)"
+    )
     ap.add_argument("--api", choices=("score", "generate"), default="score")
     ap.add_argument(
         "--no-prefix-hint", dest="prefix_hint", action="store_false", help="/generate: no cache_prefix_len"

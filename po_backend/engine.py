@@ -20,7 +20,7 @@ from po_backend.models.llama import LlamaForCausalLM
 from po_backend.models.loader import load_model, read_config, resolve_model_dir
 from po_backend.request import Prompt, ScoreRequest, ScoreResult, validate_request
 from po_backend.runner import LOGIT_ROWS, SeqPlan, make_runner
-from po_backend.scheduler import fit_batch
+from po_backend.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ class _Work:
     store_len: int  # leading tokens to keep in the prefix cache once computed
     plan: SeqPlan | None = None
     node: Any = None  # locked radix node of the matched prefix
-    match_slots: torch.Tensor | None = None
+    match_slots: torch.Tensor | None = None  # slots of the prefix it reads (cache or batch-mate)
     store_slots: torch.Tensor | None = None
+    from_mate: bool = False  # its prefix includes tokens a batch-mate computes in this forward
 
 
 class Engine:
@@ -239,12 +240,6 @@ class Engine:
             return max(0, len(req.input_ids) - self.config.cache_last_k)
         return 0  # "declared" and "none": nothing unless the request says so
 
-    def match_limit(self, req: ScoreRequest) -> int:
-        """Longest usable cached prefix: at least one token must be computed (its hidden state
-        gives the next-token logits), and prompt log-probs need hidden states from their start."""
-        n = len(req.input_ids)
-        return min(n - 1, req.logprob_start_len) if req.logprob_start_len >= 0 else n - 1
-
     # ---- scoring ------------------------------------------------------------------------------
 
     def score(
@@ -285,7 +280,7 @@ class Engine:
         results: list[ScoreResult | None] = [None] * len(requests)
         pending = list(range(len(requests)))
         while pending:
-            chosen = self.batchable([requests[i] for i in pending])
+            chosen = [j for j, _ in self.batchable([requests[i] for i in pending])]
             batch = [pending[j] for j in chosen]
             for i, res in zip(batch, self.step([requests[i] for i in batch]), strict=True):
                 results[i] = res
@@ -296,21 +291,40 @@ class Engine:
 
     def cached_len(self, req: ScoreRequest) -> int:
         """Tokens of `req` the cache would serve right now (read-only: no LRU touch, no split)."""
-        return self.cache.match_len(req.input_ids[: self.match_limit(req)]) if self.cache else 0
+        return self.cache.match_len(req.input_ids[: req.reusable_len]) if self.cache else 0
 
-    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[int]:
-        """Indices of the candidates (in order, the first always included) that can share one
-        forward: the rule of `scheduler.fit_batch` on this engine's cache and token budget."""
-        return fit_batch(candidates, self.cached_len, self.store_len, self.config.max_batch_tokens)
+    @property
+    def shares_in_batch(self) -> bool:
+        """Whether a request may read a prefix a batch-mate computes in the same forward: the
+        hybrid runner writes every layer's new K/V before that layer's attention; the chunked
+        baseline reads prefixes before computing anything."""
+        return self.cache is not None and self.runner.prefill_mode == "hybrid"
+
+    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
+        """The candidates (in order, the first always included) that can share one forward, with
+        the tokens each reads instead of computing: `scheduler.fit_batch` on this engine's cache,
+        token budget and runner."""
+        return fit_batch(
+            candidates, self.cached_len, self.store_len, self.config.max_batch_tokens, self.shares_in_batch
+        )
 
     def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
         new prefixes, unlock. Callers choose the batch (see `batchable`)."""
         batch = [_Work(i, r, self.store_len(r)) for i, r in enumerate(requests)]
-        groups: dict[int, tuple[int, torch.Tensor]] = {}  # matched node uid -> (group, slots)
+        groups: dict[tuple[int, ...], int] = {}  # what a prefix is read from -> runner group
+        stores = BatchStores()
         try:
             for w in batch:
-                self._plan(w, groups)
+                self._plan(w, batch, groups, stores)
+            computed = sum(w.plan.token_ids.numel() for w in batch)
+            if len(batch) > 1 and computed > self.config.max_batch_tokens:
+                # A batch-mate could not get pool slots for the prefix the others were to read
+                # from it (the pool is full of locked prefixes): one forward per request keeps
+                # the activation bound.
+                for w in batch:
+                    self._release(w)
+                return [res for r in requests for res in self.step([r])]
             # Items of one prefix group must be adjacent so attention reads their prefix once.
             ordered = sorted(batch, key=lambda w: (w.plan.prefix_group is None, w.plan.prefix_group or 0))
             pool = self.cache.pool if self.cache else None
@@ -323,7 +337,7 @@ class Engine:
                 out[w.index] = self._extract(w.req, hidden[row : row + m], cached=w.plan.start_pos)
                 row += m
             self.last_step_seconds = time.perf_counter() - t0
-            for w in ordered:
+            for w in batch:  # in batch order: a batch-mate's prefix is in the tree before its readers
                 self._insert(w)
             c = self._counts
             c["forwards"] += 1
@@ -337,21 +351,33 @@ class Engine:
             for w in batch:
                 self._release(w)
 
-    def _plan(self, w: _Work, groups: dict[int, tuple[int, torch.Tensor]]) -> None:
+    def _plan(
+        self, w: _Work, batch: list[_Work], groups: dict[tuple[int, ...], int], stores: BatchStores
+    ) -> None:
+        """Where `w` reads its prefix from (the cache, or a batch-mate that computes a longer
+        shared prefix in this forward: the same `BatchStores` rule `batchable` priced), what it
+        computes, and the pool slots that receive what it stores."""
         ids = w.req.input_ids
-        n = len(ids)
-        start, prefix, group = 0, None, None
+        n, limit = len(ids), w.req.reusable_len
+        start, prefix, source = 0, None, None
         if self.cache is not None:
-            m = self.cache.match_prefix(ids[: self.match_limit(w.req)])
+            m = self.cache.match_prefix(ids[:limit])
             if m.length:
                 self.cache.lock(m.node)
                 w.node = m.node
-                # Every item matching this node reads the same prefix: one group for the runner.
-                group, prefix = groups.setdefault(m.node.uid, (len(groups), m.slots))
-                start = m.length
-                w.match_slots = prefix
+                start, prefix, source = m.length, m.slots, (m.node.uid,)
+            if self.shares_in_batch:
+                shared, owner = stores.shared(ids, limit)
+                if shared > start:
+                    mate = batch[owner]
+                    assert mate.match_slots is not None and mate.store_slots is not None
+                    prefix = torch.cat([mate.match_slots, mate.store_slots])[:shared]
+                    start, source, w.from_mate = shared, (-1, owner, shared), True
             if w.store_len > start:
                 w.store_slots = self.cache.alloc(w.store_len - start)  # None: pool full, skip caching
+                if w.store_slots is not None:
+                    stores.add(ids, w.store_len, w.index)
+        w.match_slots = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
         first = w.req.logprob_start_len if w.req.logprob_start_len >= 0 else n - 1
         w.plan = SeqPlan(
             token_ids=torch.tensor(ids[start:], dtype=torch.int64),
@@ -359,16 +385,21 @@ class Engine:
             start_pos=start,
             prefix_slots=prefix,
             store_slots=w.store_slots,
-            prefix_group=group,
+            # Every item reading the same prefix is one group: attention reads it once for all.
+            prefix_group=groups.setdefault(source, len(groups)) if source is not None else None,
         )
 
     def _insert(self, w: _Work) -> None:
-        if self.cache is None or w.store_slots is None:
+        if self.cache is None:
             return
-        prefix = w.match_slots if w.match_slots is not None else torch.empty(0, dtype=torch.int64)
-        slots = torch.cat([prefix, w.store_slots])
-        self.cache.insert(w.req.input_ids[: slots.numel()], slots)
-        w.store_slots = None  # owned by the tree now
+        if w.store_slots is not None:
+            slots = torch.cat([w.match_slots, w.store_slots])
+            self.cache.insert(w.req.input_ids[: slots.numel()], slots)
+            w.store_slots = None  # owned by the tree now
+        if w.from_mate:
+            # The prefix it read from a batch-mate is in the tree now (the mate inserted it
+            # first): mark it reused, so eviction keeps it before never-read tails.
+            self.cache.match_prefix(w.req.input_ids[: w.plan.start_pos])
 
     def _release(self, w: _Work) -> None:
         """Unlock and return uninserted slots, also when the forward failed."""

@@ -58,8 +58,8 @@ class HFScorer:
     def cached_len(self, req: ScoreRequest) -> int:
         return 0  # no prefix cache
 
-    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[int]:
-        return [0]  # one request per forward: the baseline as transformers users run it
+    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
+        return [(0, 0)]  # one request per forward: the baseline as transformers users run it
 
     def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         return [self.score(r) for r in requests]

@@ -121,7 +121,7 @@ class JCTModel:
         """Predicted seconds of a step of `n_items` items, each n_input tokens with n_cached cached."""
         if not (0 <= n_cached <= n_input and n_items >= 1):
             raise ValueError(f"bad shape n_input={n_input} n_cached={n_cached} n_items={n_items}")
-        # A fully cached prompt still computes its last token (engine.match_limit).
+        # A fully cached prompt still computes its last token (ScoreRequest.reusable_len).
         return self.predict_items([(n_input, min(n_cached, n_input - 1))] * n_items)
 
     @classmethod

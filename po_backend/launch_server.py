@@ -29,7 +29,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from po_backend.config import PREFILL_MODES
 from po_backend.errors import DrainingError
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, POLICIES, SchedulerConfig
+from po_backend.scheduler import (
+    DEFAULT_FAIRNESS_LAMBDA,
+    DEFAULT_MIN_SHARED_PREFIX,
+    POLICIES,
+    SchedulerConfig,
+)
 from po_backend.server import EngineOptions, LoopBackend, ServerArgs, create_app
 
 log = logging.getLogger("po_backend.launch_server")
@@ -98,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help=f"po's starvation bound: score = jct - lambda * t_queue (seconds; default {DEFAULT_FAIRNESS_LAMBDA:g})",
+    )
+    ap.add_argument(
+        "--min-shared-prefix",
+        type=int,
+        default=None,
+        help="waiting requests that share at least this many leading tokens (declared or not) run "
+        f"in one step, the shared part computed once (default {DEFAULT_MIN_SHARED_PREFIX})",
     )
     ap.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
     ap.add_argument(
@@ -256,9 +268,11 @@ def server_args(a: argparse.Namespace) -> ServerArgs:
         if policy not in (None, "fcfs"):
             raise ValueError(f"--backend hf runs FCFS only, got --schedule-policy {policy}")
         policy = "fcfs"
-    scheduler = SchedulerConfig(policy=policy or "po")
-    if a.fairness_lambda is not None:
-        scheduler = SchedulerConfig(policy=scheduler.policy, fairness_lambda=a.fairness_lambda)
+    scheduler = SchedulerConfig(
+        policy=policy or "po",
+        fairness_lambda=DEFAULT_FAIRNESS_LAMBDA if a.fairness_lambda is None else a.fairness_lambda,
+        min_shared_prefix=DEFAULT_MIN_SHARED_PREFIX if a.min_shared_prefix is None else a.min_shared_prefix,
+    )
     engine = EngineOptions(
         model_path=a.model_path,
         backend=a.backend,
@@ -334,7 +348,11 @@ def build_backend(args: ServerArgs) -> LoopBackend:
         overrides["memory_budget"] = int(opts.memory_fraction * available_bytes(device))
     engine = Engine.from_pretrained(opts.model_path, **overrides)
     loop = EngineLoop(
-        engine, policy=sched.policy, fairness_lambda=sched.fairness_lambda, max_queue=args.max_queue
+        engine,
+        policy=sched.policy,
+        fairness_lambda=sched.fairness_lambda,
+        min_shared_prefix=sched.min_shared_prefix,
+        max_queue=args.max_queue,
     )
     cfg = engine.config
     settings = {
@@ -346,6 +364,7 @@ def build_backend(args: ServerArgs) -> LoopBackend:
         "max_batch_tokens": cfg.max_batch_tokens,
         "schedule_policy": loop.config.policy,
         "fairness_lambda": loop.config.fairness_lambda,
+        "min_shared_prefix": loop.config.min_shared_prefix,
         "radix_cache": cfg.enable_cache,
         "memory_budget": cfg.memory_budget,
     }

@@ -36,7 +36,12 @@ from po_backend.errors import CancelledError, OverloadedError, PrefillOnlyError
 from po_backend.jct import CalibratedJCT, JCTModel, pearson_r
 from po_backend.jct_profile import load_or_profile
 from po_backend.request import ScoreRequest, ScoreResult
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, Scheduler, SchedulerConfig
+from po_backend.scheduler import (
+    DEFAULT_FAIRNESS_LAMBDA,
+    DEFAULT_MIN_SHARED_PREFIX,
+    Scheduler,
+    SchedulerConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +67,9 @@ class Scorer(Protocol):
     def cached_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` the scorer's cache would serve now (read-only)."""
 
-    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[int]:
-        """Indices of the candidates (the first always included) that can share one step."""
+    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
+        """The candidates (the first always included) that can share one step, each as (index,
+        tokens it reads from the cache or a batch-mate instead of computing)."""
 
     def stats(self) -> ScorerStats: ...
 
@@ -127,6 +133,7 @@ class EngineLoop:
         *,
         policy: str = "po",
         fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA,
+        min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX,
         max_queue: int = 4096,
         jct: JCTModel | CalibratedJCT | None = None,
         calibrate: bool = True,
@@ -142,7 +149,7 @@ class EngineLoop:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
-        self.config = SchedulerConfig(policy, fairness_lambda)
+        self.config = SchedulerConfig(policy, fairness_lambda, min_shared_prefix)
         if jct is None and self.config.needs_jct:
             if not isinstance(engine, Engine):
                 raise ValueError(f"policy {policy!r} needs a JCT model: pass jct= for this scorer")
@@ -349,8 +356,9 @@ class EngineLoop:
             job = self._jobs.pop(entry.rid)
             # False: cancelled after the pick chose it (its done-callback then finds it gone from
             # the queue). Otherwise the future is RUNNING from here on and cancel() is refused.
-            # Dropping an item keeps the step valid: the rest share a prefix that is cached or
-            # computed by the head, which `batchable` never drops in favour of a sharer.
+            # Dropping an item keeps the step valid: the engine plans the step afresh, and if the
+            # dropped item was to compute a prefix the others read, they compute it themselves
+            # (one forward each if together they would exceed the token budget).
             if job.future.set_running_or_notify_cancel():
                 jobs.append(job)
                 items.append(item)

@@ -32,6 +32,14 @@ class ScoreRequest:
     input_top_k: int = 0
     input_token_ids: tuple[int, ...] = ()
 
+    @property
+    def reusable_len(self) -> int:
+        """Longest prefix whose K/V may come from the cache or a batch-mate: at least one token is
+        computed (its hidden state gives the next-token log-probs), and prompt log-probs need
+        hidden states from their start."""
+        n = len(self.input_ids)
+        return min(n - 1, self.logprob_start_len) if self.logprob_start_len >= 0 else n - 1
+
 
 @dataclass(frozen=True)
 class ScoreResult:
@@ -75,11 +83,19 @@ def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> 
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` share: the prefix a request built after another declares
-    as cacheable (`cache_prefix_len`)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading ids `a` and `b` share (the prefix a request built after another declares
+    as cacheable, what two waiting requests could compute once). Halving slice comparisons keep
+    the work in C: prompts are thousands of tokens and the scheduler asks this every step."""
+    if not (type(a) is type(b) and isinstance(a, tuple | list)):
+        a, b = tuple(a), tuple(b)  # a tuple never equals a list; arrays compare elementwise
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

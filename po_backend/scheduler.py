@@ -13,6 +13,7 @@ t seconds beats every request that arrived more than (jct - jct_min) / lambda se
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter
@@ -21,12 +22,15 @@ from dataclasses import dataclass
 from itertools import takewhile
 from typing import Protocol
 
+from po_backend.request import common_prefix
+
 POLICIES = ("po", "fcfs", "srjf", "lpm")
 # score = jct seconds - lambda * queueing seconds: lambda = 0.2 lets a request overtake one whose
 # predicted JCT is 1 s shorter after it has waited 5 s longer. Chosen on the simulator
 # (bench_schedule --simulate, two WL1 shapes x two arrival seeds): 0.1-0.2 sustained the most QPS
 # at a P99 bound; 0 starves long prompts (P99 explodes), >= 0.5 gives up cache hits to fairness.
 DEFAULT_FAIRNESS_LAMBDA = 0.2
+DEFAULT_MIN_SHARED_PREFIX = 32
 
 
 class Request(Protocol):
@@ -38,6 +42,9 @@ class Request(Protocol):
     @property
     def cache_prefix_len(self) -> int | None: ...
 
+    @property
+    def reusable_len(self) -> int: ...
+
 
 class Predictor(Protocol):
     """Predicted seconds of one request's forward (`po_backend.jct.JCTModel` / `CalibratedJCT`)."""
@@ -47,30 +54,80 @@ class Predictor(Protocol):
 
 CachedLen = Callable[[Request], int]  # tokens the cache serves now (read-only)
 StoreLen = Callable[[Request], int]  # leading tokens the request will keep in the cache
-Batchable = Callable[[Sequence[Request]], list[int]]
+# (candidate index, tokens it reads instead of computing: from the cache or from a batch-mate)
+Batchable = Callable[[Sequence[Request]], list[tuple[int, int]]]
+
+
+class BatchStores:
+    """The prefixes that the requests of one forward compute and store, so a later request of the
+    same forward can read a shared prefix from them instead of computing it again (in-batch
+    prefix sharing: a user's profile sent by five waiting requests is computed once).
+
+    Kept sorted by token ids: the stored prefix sharing the most with a new request is then one
+    of its two neighbours in that order, so a lookup costs two prefix comparisons however large
+    the batch. `fit_batch` and the engine's planner both ask this, so they agree on every share."""
+
+    def __init__(self) -> None:
+        self._ids: list[tuple[int, ...]] = []
+        self._stores: list[tuple[int, int]] = []  # (store_len, owner), aligned with _ids
+
+    def add(self, ids: tuple[int, ...], store_len: int, owner: int) -> None:
+        """Request `owner` of this forward computes and stores ids[:store_len]."""
+        i = bisect.bisect_left(self._ids, ids)
+        self._ids.insert(i, ids)
+        self._stores.insert(i, (store_len, owner))
+
+    def shared(self, ids: tuple[int, ...], limit: int) -> tuple[int, int]:
+        """(tokens of `ids` readable from an earlier request's store, at most `limit`; its owner),
+        (0, -1) when none."""
+        best, owner = 0, -1
+        i = bisect.bisect_left(self._ids, ids)
+        for j in (i - 1, i):
+            if 0 <= j < len(self._ids):
+                store, o = self._stores[j]
+                n = min(common_prefix(ids, self._ids[j]), store, limit)
+                if n > best:
+                    best, owner = n, o
+        return best, owner
 
 
 def fit_batch(
-    candidates: Sequence[Request], cached_len: CachedLen, store_len: StoreLen, max_batch_tokens: int
-) -> list[int]:
-    """Indices of the candidates (in order, the first always included) that can share one
-    forward: up to max_batch_tokens of new tokens, and of requests that will store the same
-    not-yet-cached prefix only the first, since the others will read it from the cache.
+    candidates: Sequence[Request],
+    cached_len: CachedLen,
+    store_len: StoreLen,
+    max_batch_tokens: int,
+    share_in_batch: bool = True,
+) -> list[tuple[int, int]]:
+    """The candidates (in order, the first always included) that can share one forward, each
+    with the tokens it reads instead of computing, up to max_batch_tokens of computed tokens.
+
+    share_in_batch (the hybrid runner): a request reads the longest prefix it shares with what an
+    earlier request of the forward stores, if that beats the cache, so a prefix shared by several
+    waiting requests is computed once, in the same forward. Without it (the chunked baseline,
+    which reads prefixes before computing anything) of requests that will store the same
+    not-yet-cached prefix only the first joins; the others read it from the cache next step.
 
     The engine's `batchable` (cached_len = what its radix cache serves, store_len = what it will
     keep) and the simulator's both are this rule, so a simulated step batches as a real one."""
-    chosen: list[int] = []
+    chosen: list[tuple[int, int]] = []
     tokens = 0
+    stores = BatchStores()
     computing: set[tuple[int, ...]] = set()
     for i, r in enumerate(candidates):
+        ids = tuple(r.input_ids)
         hit, store = cached_len(r), store_len(r)
-        key = tuple(r.input_ids[:store])
-        new = len(r.input_ids) - hit
-        if (store > hit and key in computing) or (chosen and tokens + new > max_batch_tokens):
+        reused = hit
+        if share_in_batch:
+            reused = max(hit, stores.shared(ids, r.reusable_len)[0])
+        elif store > hit and ids[:store] in computing:
             continue
-        if store > hit:
-            computing.add(key)
-        chosen.append(i)
+        new = len(ids) - reused
+        if chosen and tokens + new > max_batch_tokens:
+            continue
+        if store > reused:
+            stores.add(ids, store, i)
+            computing.add(ids[:store])
+        chosen.append((i, reused))
         tokens += new
     return chosen
 
@@ -79,12 +136,18 @@ def fit_batch(
 class SchedulerConfig:
     policy: str = "po"
     fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA
+    # Waiting requests join the head's step when they share at least this many leading tokens
+    # with it (declared or not): enough to be a profile or a document, more than a chat
+    # template's few tokens ("User: "), which would pull every user's requests into one step.
+    min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"schedule policy must be one of {POLICIES}, got {self.policy!r}")
         if not (self.fairness_lambda >= 0 and math.isfinite(self.fairness_lambda)):
             raise ValueError(f"fairness_lambda must be a finite number >= 0, got {self.fairness_lambda}")
+        if self.min_shared_prefix < 1:
+            raise ValueError(f"min_shared_prefix must be >= 1, got {self.min_shared_prefix}")
 
     @property
     def needs_jct(self) -> bool:
@@ -107,7 +170,9 @@ class Pick:
     """The requests of the next step, head first, with what the policy saw when it chose them."""
 
     entries: tuple[Waiting, ...]
-    n_cached: tuple[int, ...]  # cached_len of each entry at pick time (prices the step)
+    # Tokens each entry reads instead of computing, from the cache or from a batch-mate that
+    # computes them in the same step (prices the step)
+    n_cached: tuple[int, ...]
     head_score: float  # the head's score under the policy (lower ran first)
 
     @property
@@ -131,6 +196,9 @@ class Scheduler:
         self.jct = jct
         self.clock = clock
         self._waiting: dict[int, Waiting] = {}  # insertion order == rid order
+        # The waiting requests sorted by token ids (a flattened radix over the queue): the ones
+        # sharing the most leading tokens with a request are its neighbours in this order.
+        self._by_ids: list[tuple[tuple[int, ...], int]] = []
         self._call_waiting: Counter[int] = Counter()  # waiting requests per client call
         # srjf's JCT "at arrival": set at the first pick after arrival (the first moment the loop
         # may read the cache; the cache cannot change between an arrival and that pick).
@@ -145,6 +213,7 @@ class Scheduler:
             raise ValueError("cannot schedule an empty request")
         w = Waiting(rid, req, self.clock() if arrival is None else arrival, call)
         self._waiting[rid] = w
+        bisect.insort(self._by_ids, (tuple(req.input_ids), rid))
         if call >= 0:
             self._call_waiting[call] += 1
         return w
@@ -155,6 +224,9 @@ class Scheduler:
         w = self._waiting.pop(rid, None)
         if w is None:
             return False
+        i = bisect.bisect_left(self._by_ids, (tuple(w.req.input_ids), rid))
+        assert self._by_ids[i][1] == rid, "the sorted queue lost a request"
+        del self._by_ids[i]
         if w.call >= 0:
             self._call_waiting[w.call] -= 1
             if not self._call_waiting[w.call]:
@@ -167,6 +239,7 @@ class Scheduler:
     def pop_all(self) -> list[Waiting]:
         out = list(self._waiting.values())
         self._waiting.clear()
+        self._by_ids.clear()
         self._arrival_jct.clear()
         self._call_waiting.clear()
         return out
@@ -209,10 +282,36 @@ class Scheduler:
         keyed.sort(key=lambda k: k[:3])  # ties: earlier arrival, then submission order
         return keyed, cached
 
+    def shared_len(self, head: Waiting) -> int:
+        """The prefix length to group the waiting requests by for `head`'s step: of the lengths
+        that at least `min_shared_prefix` tokens long other waiting requests share with it, the
+        one that saves the most computed tokens (sharers x length); 0 if none shares that much.
+
+        Sharers are contiguous around the head in token order and share less the further away
+        they are, so the walk stops at the first one below the minimum."""
+        ids, limit, floor = tuple(head.req.input_ids), head.req.reusable_len, self.config.min_shared_prefix
+        pos = bisect.bisect_left(self._by_ids, (ids, head.rid))
+        lens: list[int] = []
+        for step in (-1, 1):
+            j = pos + step
+            while 0 <= j < len(self._by_ids):
+                other, rid = self._by_ids[j]
+                n = common_prefix(ids, other)
+                if n < floor:
+                    break
+                lens.append(min(n, limit, self._waiting[rid].req.reusable_len))
+                j += step
+        lens.sort(reverse=True)
+        best, saved = 0, 0
+        for k, n in enumerate(lens):
+            if n >= floor and (k + 1) * n > saved:
+                best, saved = n, (k + 1) * n
+        return best
+
     def pick(self, cached_len: CachedLen, batchable: Batchable) -> Pick | None:
         """Choose and remove the next step's requests: the policy's head plus the waiting requests
-        that share its reusable prefix (declared or cached), in policy order, as far as
-        `batchable` lets them share one forward. None if nothing waits.
+        that share its prefix (declared, or the longest worth sharing: `shared_len`), in policy
+        order, as far as `batchable` lets them share one forward. None if nothing waits.
 
         fcfs is strict, as in SGLang and vLLM: only the requests right behind the head in arrival
         order join it, so requests start in arrival order.
@@ -224,7 +323,7 @@ class Scheduler:
         head = keyed[0][3]
         if head.rid not in cached:
             cached[head.rid] = cached_len(head.req)
-        prefix = max(cached[head.rid], head.req.cache_prefix_len or 0)
+        prefix = max(self.shared_len(head), head.req.cache_prefix_len or 0)
         strict = self.config.policy == "fcfs"
         group = [head]
         if prefix > 0:
@@ -234,13 +333,11 @@ class Scheduler:
                 group += takewhile(lambda w: w.req.input_ids[:prefix] == key, rest)
             else:
                 group += [w for w in rest if w.req.input_ids[:prefix] == key]
-        chosen = batchable([w.req for w in group]) if len(group) > 1 else [0]
-        assert chosen and chosen[0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
+        chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, cached[head.rid])]
+        assert chosen and chosen[0][0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
-            chosen = [i for n, i in enumerate(chosen) if i == n]
-        entries = tuple(group[i] for i in chosen)
+            chosen = [c for n, c in enumerate(chosen) if c[0] == n]
+        entries = tuple(group[i] for i, _ in chosen)
         for w in entries:
             self.remove(w.rid)
-            if w.rid not in cached:
-                cached[w.rid] = cached_len(w.req)
-        return Pick(entries, tuple(cached[w.rid] for w in entries), keyed[0][0])
+        return Pick(entries, tuple(reused for _, reused in chosen), keyed[0][0])

@@ -31,8 +31,8 @@ class StepModel(Protocol):
 class PrefixLRU:
     """A prefix cache of whole declared prefixes, least recently used evicted first, holding at
     most `capacity_tokens` tokens. `batchable` is the engine's rule (`scheduler.fit_batch`): a
-    token budget, and of requests declaring the same not-yet-cached prefix only the first (it
-    computes the prefix)."""
+    token budget, and a prefix that several requests of a step declare computed once, by the
+    first (the others read it from it in the same forward)."""
 
     def __init__(self, capacity_tokens: int, max_batch_tokens: int = 10**9) -> None:
         if capacity_tokens < 0 or max_batch_tokens < 1:
@@ -47,13 +47,13 @@ class PrefixLRU:
     def cached_len(self, req: Request) -> int:
         ids = req.input_ids
         best = max((common_prefix(p, ids) for p in self._cached), default=0)
-        return min(best, len(ids) - 1)  # the last token is always computed (engine.match_limit)
+        return min(best, req.reusable_len)
 
     def store_len(self, req: Request) -> int:
         """Only declared prefixes enter this cache (the engine's "declared" cache policy)."""
         return min(req.cache_prefix_len or 0, len(req.input_ids))
 
-    def batchable(self, candidates: Sequence[Request]) -> list[int]:
+    def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
         return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
 
     def step(self, reqs: Sequence[Request]) -> list[int]:
@@ -82,7 +82,7 @@ class SimRun:
     arrival: float
     start: float
     end: float
-    cached: int
+    cached: int  # tokens read from the cache or a batch-mate instead of computed
     step: int  # index of the step it ran in
 
 
@@ -119,11 +119,12 @@ def simulate(
         assert pick is not None, "a non-empty queue gives a pick"
         start = clock.now
         hits = cache.step([e.req for e in pick.entries])
-        assert list(hits) == list(pick.n_cached), "the pick priced the step with stale cache state"
+        # What the pick read covers the cache's hits; beyond them: prefixes read from batch-mates.
+        assert all(h <= c for h, c in zip(hits, pick.n_cached, strict=True)), "stale cache state"
         clock.now += model.predict_items(pick.items)
         out += [
-            SimRun(e.rid, e.arrival, start, clock.now, h, steps)
-            for e, h in zip(pick.entries, hits, strict=True)
+            SimRun(e.rid, e.arrival, start, clock.now, c, steps)
+            for e, c in zip(pick.entries, pick.n_cached, strict=True)
         ]
         steps += 1
     return out

@@ -88,6 +88,40 @@ def test_results_equal_engine_run(eng: Engine, policy: str) -> None:
     assert 0 < st.cache_hit_rate < 1 and st.jct_calibration > 0
 
 
+def test_undeclared_shared_prefixes_are_computed_once(eng: Engine) -> None:
+    """/generate traffic declares no prefix. Each user's profile, shared by their waiting requests,
+    is computed once: one multi-item step per user, the others read it from the first item. The
+    few template tokens every prompt starts with never group different users into one step."""
+    rng = random.Random(5)
+    template = (1, 2, 3)  # "User: ": shared by everyone, far below min_shared_prefix
+    users, items = 4, 5
+    profiles = [template + _rand(100, rng) for _ in range(users)]
+    reqs = [
+        ScoreRequest(p + _rand(rng.randint(8, 20), rng), LABELS, top_k=2)
+        for p in profiles
+        for _ in range(items)
+    ]
+    order = list(range(len(reqs)))
+    rng.shuffle(order)
+    expected = []
+    for r in reqs:  # cold, one at a time
+        eng.flush_cache()
+        expected.append(eng.run([r])[0])
+    eng.flush_cache()
+    with EngineLoop(eng, policy="po", jct=JCT, start=False) as loop:
+        futs = dict(zip(order, loop.submit_many([reqs[i] for i in order]), strict=True))
+        loop.start()
+        got = [futs[i].result(TIMEOUT) for i in range(len(reqs))]
+    for a, b in zip(got, expected, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= TOL
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+    assert loop.stats().steps == users
+    for u in range(users):
+        cached = sorted(r.cached_tokens for r in got[u * items : (u + 1) * items])
+        # The first computes the profile (after at most the template, cached by another user).
+        assert cached[0] <= len(template) and all(c >= len(profiles[u]) for c in cached[1:]), (u, cached)
+
+
 def test_many_threads_submit_and_cancel(eng: Engine) -> None:
     loop = EngineLoop(eng, policy="po", jct=JCT, max_queue=10_000)
     futures: list[Future] = []

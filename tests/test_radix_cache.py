@@ -148,6 +148,39 @@ def test_lru_order() -> None:
     assert cache.match_len([3, 3]) == 0 and cache.stats().evicted_tokens_total == 4
 
 
+def test_never_reused_nodes_are_evicted_first() -> None:
+    """Tiered eviction: a tail stored on speculation (never read back) goes before an older prefix
+    that another request read; within a tier, least recently used first."""
+    _, cache = make()
+    put(cache, [1, 2, 3])  # a profile, read back below
+    put(cache, [4, 5, 6])
+    put(cache, [7, 8])
+    assert cache.match_prefix([1, 2, 3, 0]).length == 3
+    put(cache, [9])  # the newest, but never read
+    assert cache.stats().reused_tokens == 3
+    assert [cache.evict(1) for _ in range(3)] == [3, 2, 1]  # [4,5,6], [7,8], then [9]
+    assert cache.match_len([1, 2, 3]) == 3 and cache.match_len([9]) == 0
+    assert cache.evict(1) == 3 and cache.stats().reused_tokens == 0
+    cache.check_integrity()
+
+
+def test_reuse_mark_splits_with_the_matched_part() -> None:
+    """A match that ends inside a node marks only the part it read: the shared profile stays,
+    the first request's own tail (stored with it) is evicted first."""
+    _, cache = make()
+    put(cache, [1, 2, 3, 4, 5])  # profile [1, 2, 3] + first post [4, 5], stored together
+    cache.match_prefix([1, 2, 3, 9])  # the second post reads the profile
+    put(cache, [6])  # a newer, unrelated, never-read entry
+    st = cache.stats()
+    assert (st.cached_tokens, st.reused_tokens) == (6, 3)
+    cache.check_integrity()
+    assert cache.evict(1) == 2  # the first post's tail [4, 5]: older than [6], same tier
+    assert cache.match_len([1, 2, 3, 4]) == 3
+    assert cache.evict(1) == 1 and cache.match_len([6]) == 0  # then [6], still before the profile
+    assert cache.match_len([1, 2, 3]) == 3
+    cache.check_integrity()
+
+
 def test_evict_frees_parents_that_become_leaves() -> None:
     pool, cache = make(16)
     put(cache, [1, 2, 3, 4])

@@ -23,6 +23,10 @@ class Req:
     input_ids: tuple[int, ...]
     cache_prefix_len: int | None = None
 
+    @property
+    def reusable_len(self) -> int:
+        return len(self.input_ids) - 1
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -83,24 +87,27 @@ PAPER = [(0.0, A), (0.0, B), (0.0, C), (0.0, D)]
 )
 def test_paper_example(policy: str, order: str, hits: int) -> None:
     assert len(A.input_ids) < len(C.input_ids) < len(B.input_ids) < len(D.input_ids)
-    ran = simulate(policy, PAPER, lam=0.5)
+    # One request per step, as in the paper's example (a batch would let D read A's prefix from A
+    # in the same forward).
+    ran = simulate(policy, PAPER, lam=0.5, max_batch_tokens=1)
     assert "".join(r.name for r in ran) == order
     assert sum(r.cached > 0 for r in ran) == hits
     assert all(r.step == i for i, r in enumerate(ran)), "no two of these can share a step"
 
 
 def test_po_beats_fcfs_and_srjf_on_the_paper_example() -> None:
-    mean = {p: sum(r.end for r in simulate(p, PAPER)) / 4 for p in ("po", "fcfs", "srjf")}
+    mean = {p: sum(r.end for r in simulate(p, PAPER, max_batch_tokens=1)) / 4 for p in ("po", "fcfs", "srjf")}
     assert mean["po"] < mean["srjf"] < mean["fcfs"], mean
 
 
 def test_srjf_keeps_arrival_jct_but_po_recomputes() -> None:
-    """Y's prefix gets cached by H after Y arrived: po moves Y ahead of Z, srjf does not."""
+    """Y's prefix gets cached by H after Y arrived: po moves Y ahead of Z, srjf does not (one
+    request per step, or Y would read the prefix from H in H's step)."""
     p = _ids(3, 400)
     h, y, z = Req("H", p + _ids(31, 50), 400), Req("Y", p + _ids(32, 200), 400), Req("Z", _ids(33, 480), 0)
     trace = [(0.0, h), (0.0, y), (0.0, z)]
-    assert [r.name for r in simulate("srjf", trace)] == ["H", "Z", "Y"]
-    po = simulate("po", trace)
+    assert [r.name for r in simulate("srjf", trace, max_batch_tokens=1)] == ["H", "Z", "Y"]
+    po = simulate("po", trace, max_batch_tokens=1)
     assert [r.name for r in po] == ["H", "Y", "Z"]
     assert po[1].cached == 400
 
@@ -111,14 +118,15 @@ def test_fcfs_runs_in_arrival_order() -> None:
 
 
 def test_shared_prefix_requests_join_the_head_step() -> None:
-    """Once a prefix is cached, its waiting requests run as one multi-item step; an unrelated
-    request does not join; a prefix nobody cached yet is computed by the head alone."""
+    """Waiting requests that share a prefix run as one multi-item step: the head computes the
+    prefix and the others read it from the head in the same forward; an unrelated request does
+    not join."""
     p = _ids(5, 300)
     items = [Req(f"i{k}", p + _ids(50 + k, 40), 300) for k in range(4)]
     other = Req("x", _ids(59, 400), 0)  # longer than an item: runs last
     ran = simulate("po", [(0.0, r) for r in [*items, other]], capacity=2)
-    assert _steps(ran) == [{"i0"}, {"i1", "i2", "i3"}, {"x"}]
-    assert [r.cached for r in ran if r.step == 1] == [300] * 3
+    assert _steps(ran) == [{"i0", "i1", "i2", "i3"}, {"x"}]
+    assert [r.cached for r in ran if r.step == 0] == [0, 300, 300, 300]
 
 
 def _steps(ran: list[Ran]) -> list[set[str]]:
@@ -135,9 +143,9 @@ def test_fcfs_batches_only_the_run_behind_the_head() -> None:
     i0, i1, i2, i3 = (Req(f"i{k}", p + _ids(50 + k, 40), 300) for k in range(4))
     x = Req("x", _ids(59, 400), 0)
     trace = [(0.0, r) for r in (i0, i1, x, i2, i3)]
-    assert _steps(simulate("fcfs", trace, capacity=2)) == [{"i0"}, {"i1"}, {"x"}, {"i2", "i3"}]
+    assert _steps(simulate("fcfs", trace, capacity=2)) == [{"i0", "i1"}, {"x"}, {"i2", "i3"}]
     for policy in ("po", "lpm"):
-        assert _steps(simulate(policy, trace, capacity=2)) == [{"i0"}, {"i1", "i2", "i3"}, {"x"}], policy
+        assert _steps(simulate(policy, trace, capacity=2)) == [{"i0", "i1", "i2", "i3"}, {"x"}], policy
 
 
 def test_fcfs_stops_at_the_first_request_the_batch_leaves_out() -> None:

@@ -24,7 +24,7 @@ _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 class Node:
     """One edge of the tree: `key` (token ids) and the slots holding their KV, index for index."""
 
-    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "uid")
+    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "uid", "reused")
 
     def __init__(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, uid: int, now: int) -> None:
         self.key = key  # int64, never mutated (splits take views)
@@ -34,9 +34,16 @@ class Node:
         self.lock_ref = 0  # running requests whose prefix passes through this node
         self.last_access = now
         self.uid = uid  # creation order: a deterministic heap tie-breaker
+        # Read by a request other than the one that stored it. Never-reused nodes are evicted
+        # first: most are the unique tail of a prompt stored on speculation (a post after a
+        # profile), while a reused node is a profile or document others come back to.
+        self.reused = False
 
     def __repr__(self) -> str:
-        return f"Node(uid={self.uid}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        return (
+            f"Node(uid={self.uid}, len={len(self.key)}, lock_ref={self.lock_ref}, "
+            f"reused={self.reused}, children={len(self.children)})"
+        )
 
 
 class MatchResult(NamedTuple):
@@ -57,6 +64,7 @@ class CacheStats:
     cached_tokens: int
     evictable_tokens: int
     locked_tokens: int
+    reused_tokens: int  # cached tokens read since they were stored (the rest: stored on speculation)
     evicted_tokens_total: int
     inserted_tokens_total: int
 
@@ -84,6 +92,7 @@ class RadixCache:
         self.root = self._new_node(np.empty(0, dtype=np.int64), _EMPTY_SLOTS, None)
         self._evictable = 0  # tokens in unlocked nodes
         self._protected = 0  # tokens in locked nodes
+        self._reused = 0  # tokens in reused nodes
         self.evicted_tokens_total = 0
         self.inserted_tokens_total = 0
 
@@ -103,14 +112,17 @@ class RadixCache:
         assert parent is not None, "cannot split the root"
         upper = self._new_node(node.key[:at], node.slots[:at], parent)
         # The upper part lies on every path the lower one does, so it inherits its locks.
-        upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
+        upper.lock_ref, upper.last_access, upper.reused = node.lock_ref, node.last_access, node.reused
         upper.children[int(node.key[at])] = node
         parent.children[int(node.key[0])] = upper
         node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
         return upper
 
-    def _descend(self, tokens: np.ndarray, now: int) -> tuple[int, Node, list[torch.Tensor]]:
-        """Walk down as far as `tokens` match, splitting the last node at the match end."""
+    def _descend(
+        self, tokens: np.ndarray, now: int, reuse: bool = False
+    ) -> tuple[int, Node, list[torch.Tensor]]:
+        """Walk down as far as `tokens` match, splitting the last node at the match end; `reuse`
+        marks the matched nodes as reused."""
         node, pos, parts = self.root, 0, []
         node.last_access = now
         while pos < len(tokens):
@@ -121,13 +133,16 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            if reuse and not child.reused:
+                child.reused = True
+                self._reused += len(child.key)
             parts.append(child.slots)
             node, pos = child, pos + n
         return pos, node, parts
 
     def match_prefix(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> MatchResult:
-        """Longest cached prefix of `token_ids`; marks its path as recently used."""
-        pos, node, parts = self._descend(_as_tokens(token_ids), self._tick())
+        """Longest cached prefix of `token_ids`; marks its path as recently used and reused."""
+        pos, node, parts = self._descend(_as_tokens(token_ids), self._tick(), reuse=True)
         return MatchResult(pos, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64), node)
 
     def match_len(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
@@ -206,19 +221,18 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def evict(self, num_slots: int) -> int:
-        """Free least-recently-used unlocked leaves until `num_slots` are freed; return the count.
-
-        Whole nodes are evicted, so more than asked may be freed.
-        """
+        """Free unlocked leaves until `num_slots` are freed, never-reused ones first, each kind
+        least recently used first; return the count. Whole nodes are evicted, so more than asked
+        may be freed."""
         heap = [
-            (n.last_access, n.uid, n)
+            (n.reused, n.last_access, n.uid, n)
             for n in self._nodes()
             if not n.children and n.lock_ref == 0 and n is not self.root
         ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_slots and heap:
-            _, _, node = heapq.heappop(heap)
+            *_, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None and node.lock_ref == 0 and not node.children, f"not evictable: {node}"
             self.pool.free(node.slots)
@@ -226,9 +240,11 @@ class RadixCache:
             node.parent = None
             freed += len(node.key)
             self._evictable -= len(node.key)
+            if node.reused:
+                self._reused -= len(node.key)
             # A parent that just became an unlocked leaf is the next candidate in LRU order.
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+                heapq.heappush(heap, (parent.reused, parent.last_access, parent.uid, parent))
         self.evicted_tokens_total += freed
         return freed
 
@@ -251,7 +267,7 @@ class RadixCache:
         if parts:
             self.pool.free(torch.cat(parts))
         self.root.children.clear()
-        self._evictable = 0
+        self._evictable = self._reused = 0
 
     # ---- introspection ----------------------------------------------------------------------
 
@@ -268,6 +284,7 @@ class RadixCache:
             cached_tokens=self._evictable + self._protected,
             evictable_tokens=self._evictable,
             locked_tokens=self._protected,
+            reused_tokens=self._reused,
             evicted_tokens_total=self.evicted_tokens_total,
             inserted_tokens_total=self.inserted_tokens_total,
         )
@@ -276,7 +293,7 @@ class RadixCache:
         """Assert the tree's invariants and free + cached + held == total, `held_slots` being the
         slots callers have allocated and not yet inserted or freed."""
         self.pool.check()
-        evictable = protected = 0
+        evictable = protected = reused = 0
         parts = []
         for node in self._nodes():
             assert node.lock_ref >= 0, f"negative lock count: {node}"
@@ -284,6 +301,7 @@ class RadixCache:
             if node is not self.root:
                 assert len(node.key) > 0, f"empty non-root node: {node}"
                 parts.append(node.slots)
+                reused += len(node.key) if node.reused else 0
                 if node.lock_ref:
                     protected += len(node.key)
                 else:
@@ -295,6 +313,7 @@ class RadixCache:
         assert (evictable, protected) == (self._evictable, self._protected), (
             f"size counters {(self._evictable, self._protected)} != actual {(evictable, protected)}"
         )
+        assert reused == self._reused, f"reused counter {self._reused} != actual {reused}"
         cached = torch.cat(parts) if parts else _EMPTY_SLOTS
         assert self.pool.num_free + len(cached) + held_slots == self.pool.num_total, (
             f"free {self.pool.num_free} + cached {len(cached)} + held {held_slots} != total {self.pool.num_total}"

@@ -88,6 +88,14 @@ class Metrics:
         Gauge(
             "po_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r
         ).set_function(self._hit_rate)
+        Gauge("po_cache_tokens", "Tokens held in the prefix cache", registry=r).set_function(
+            lambda: self._cache_stat("cached_tokens")
+        )
+        Gauge(
+            "po_cache_reused_tokens",
+            "Cached tokens read since they were stored (the rest were stored on speculation)",
+            registry=r,
+        ).set_function(lambda: self._cache_stat("reused_tokens"))
         Gauge(
             "po_jct_online_r", "Pearson r of calibrated JCT predictions vs measured step times", registry=r
         ).set_function(lambda: self._stat("jct_online_r"))
@@ -150,6 +158,12 @@ class Metrics:
             cache = self.backend.stats().get("cache") or {}
             total = float(cache.get("total_slots", 0) or 0)
             return 1.0 - float(cache.get("free_slots", 0)) / total if total else 0.0
+        except Exception:  # a scrape must not fail because a stat is missing
+            return 0.0
+
+    def _cache_stat(self, key: str) -> float:
+        try:
+            return float((self.backend.stats().get("cache") or {}).get(key, 0) or 0)
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 
