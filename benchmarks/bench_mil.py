@@ -188,12 +188,42 @@ def fit_mil(points: list[tuple[int, int]], budget: float) -> dict[str, Any]:
     }
 
 
+def speed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (dtype, n) where both ran: ours (hybrid) vs transformers logits_to_keep=1, tok/s, the
+    ratio, ours' achieved GFLOP/s and its share of the GEMM peak, attention's share of ours."""
+    by = {(r["dtype"], r["config"], r["n"]): r for r in rows if r.get("status") == "ok"}
+    out = []
+    for dt, c, n in by:
+        hf = by.get((dt, "hf-ltk1", n))
+        if c != "hybrid" or hf is None:
+            continue
+        ours = by[(dt, c, n)]
+        out.append(
+            {
+                "dtype": dt,
+                "n": n,
+                "ours_tok_per_s": ours["tok_per_s"],
+                "hf_tok_per_s": hf["tok_per_s"],
+                "ratio": ours["tok_per_s"] / hf["tok_per_s"],
+                "ours_gflops": ours["tflops"] * 1e3,
+                "ours_gemm_peak_frac": ours["gemm_peak_frac"],
+                "attention_share": ours["attention_share"],
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1024,2048,4096,8192")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--chunk-size", type=int, default=512)
-    ap.add_argument("--dtype", default="auto", help="auto (the engine's default for this CPU) | fp32 | bf16")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (the engine's default for this CPU) | fp32 | bf16, or a comma list (e.g. bf16,fp32): "
+        "every config at every length per dtype; the MIL fit uses the first",
+    )
     ap.add_argument("--budget-mib", type=float, default=256.0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quiet-wait", type=float, default=30.0)
@@ -211,34 +241,47 @@ def main(argv: list[str] | None = None) -> int:
         args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
-    dtype = parse_dtype(None if args.dtype == "auto" else args.dtype, torch.device("cpu"))
+    names = args.dtype.split(",")
+    dtypes = {name: parse_dtype(None if name == "auto" else name, torch.device("cpu")) for name in names}
+    dtype = dtypes[names[0]]
     # Both dtypes: the CPU decides which one the engine uses (bf16 only where it is native).
     roofs = {str(dt): gemm_peak_gflops(dt) for dt in (torch.float32, torch.bfloat16)}
     print("GEMM peak (x @ W.t(), 2048^3): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roofs.items()))
-    roof = roofs[str(dtype)]
     rows: list[dict[str, Any]] = []
-    for n in [int(x) for x in args.lengths.split(",")]:
-        for c in configs:
-            wait_for_quiet(args.quiet_wait)
-            cmd = ["--child", c, str(n), "--chunk-size", str(args.chunk_size), "--dtype", args.dtype]
-            row = {"config": c, "n": n, **run_child(cmd, args.timeout)}
-            rows.append(row)
-            if row["status"] != "ok":
-                print(f"  {c:10s} n={n:6d}: {row['status']} {row['detail']}")
-                continue
-            row["gemm_peak_frac"] = row["tflops"] * 1e3 / roof
-            share = row.get("attention_share")
-            print(
-                f"  {c:10s} n={n:6d}: peak {row['peak_bytes'] / MiB:7.1f} MiB, {row['tok_per_s']:6.0f} tok/s, "
-                f"{row['tflops']:.3f} TFLOP/s ({row['gemm_peak_frac']:.0%} of GEMM peak)"
-                + (f", attention {share:.0%}" if share is not None else "")
-                + "  "
-                f"(other cores {row['other_cores']:.2f})"
-            )
+    for name, dt in dtypes.items():
+        for n in [int(x) for x in args.lengths.split(",")]:
+            for c in configs:
+                wait_for_quiet(args.quiet_wait)
+                cmd = ["--child", c, str(n), "--chunk-size", str(args.chunk_size), "--dtype", name]
+                row = {"config": c, "n": n, "dtype": str(dt), **run_child(cmd, args.timeout)}
+                rows.append(row)
+                if row["status"] != "ok":
+                    print(f"  {c:10s} n={n:6d} {dt}: {row['status']} {row['detail']}")
+                    continue
+                row["gemm_peak_frac"] = row["tflops"] * 1e3 / roofs[str(dt)]
+                share = row.get("attention_share")
+                print(
+                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, "
+                    f"{row['tok_per_s']:6.0f} tok/s, {row['tflops']:.3f} TFLOP/s "
+                    f"({row['gemm_peak_frac']:.0%} of GEMM peak)"
+                    + (f", attention {share:.0%}" if share is not None else "")
+                    + f"  (other cores {row['other_cores']:.2f})"
+                )
+    speed = speed_summary(rows)
+    for r in speed:
+        print(
+            f"  {r['dtype']:>14s} n={r['n']:5d}: ours {r['ours_tok_per_s']:6.0f} tok/s vs transformers "
+            f"logits_to_keep=1 {r['hf_tok_per_s']:6.0f}: {r['ratio']:.2f}x, {r['ours_gflops']:.0f} GFLOP/s "
+            f"({r['ours_gemm_peak_frac']:.0%} of GEMM peak), attention {r['attention_share']:.0%}"
+        )
     budget = args.budget_mib * MiB
     mil = {}
     for c in configs:
-        pts = [(r["n"], r["peak_bytes"]) for r in rows if r["config"] == c and r["status"] == "ok"]
+        pts = [
+            (r["n"], r["peak_bytes"])
+            for r in rows
+            if r["config"] == c and r["status"] == "ok" and r["dtype"] == str(dtype)
+        ]
         if len({n for n, _ in pts}) >= 2:
             mil[c] = fit_mil(pts, budget)
             print(
@@ -253,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_mib": args.budget_mib,
         "model_context": read_config(resolve_model_dir("embedded")).max_position_embeddings,
         "rows": rows,
+        "speed": speed,
         "mil": mil,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -201,6 +201,7 @@ class LaunchedServer:
             cwd = args.base_checkout  # python -m resolves po_backend from the working directory
         if args.max_input_len:
             cmd += ["--max-input-len", str(args.max_input_len)]
+        cmd += args.server_args.split()
         # The server's log goes to a temp file, named in the error if it fails to start.
         self.log = tempfile.NamedTemporaryFile(
             "w", prefix=f"bench-serving-{name}-", suffix=".log", delete=False
@@ -305,6 +306,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-input-len", type=int, default=None)
     ap.add_argument("--port", type=int, default=30100, help="port for launched servers")
+    ap.add_argument(
+        "--server-args", default="", help="more flags for every launched server, e.g. '--memory-budget 400MiB'"
+    )
     ap.add_argument(
         "--base-checkout", default=None, help="the checkout `--launch base` runs (another commit)"
     )

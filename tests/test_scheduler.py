@@ -248,3 +248,43 @@ def test_a_short_call_does_not_wait_behind_a_whole_earlier_batch() -> None:
     sched.add(150, Req("small", tuple(range(9))), 3.0)
     first = sched.pick(lambda r: 0, lambda cands: list(range(min(10, len(cands)))))
     assert first is not None and "small" not in [e.req.name for e in first.entries]
+
+
+def _pick_all(sched: Scheduler) -> list[list[str]]:
+    """Pick until the queue is empty with an empty cache and no token budget: the steps' names."""
+    steps = []
+    while (pick := sched.pick(lambda r: 0, lambda cs: [(i, 0) for i in range(len(cs))])) is not None:
+        steps.append([e.req.name for e in pick.entries])
+    return steps
+
+
+def test_undeclared_shared_prefixes_group_but_a_template_does_not() -> None:
+    """Nobody declares a prefix: each user's waiting requests form one step (their profile computed
+    once), while the 3 template tokens every prompt starts with group nobody."""
+    template = (7, 8, 9)
+    sched = Scheduler(SchedulerConfig("po", min_shared_prefix=32), JCT, FakeClock())
+    for k in range(6):
+        user = k % 2  # interleaved arrivals
+        sched.add(k, Req(f"u{user}", template + _ids(20 + user, 100) + _ids(30 + k, 10 + user)))
+    assert sorted(_pick_all(sched)) == [["u0"] * 3, ["u1"] * 3]
+    low = Scheduler(SchedulerConfig("po", min_shared_prefix=3), JCT, FakeClock())
+    for k in range(6):
+        low.add(k, Req(f"u{k % 2}", template + _ids(20 + k % 2, 100) + _ids(30 + k, 10)))
+    # With a minimum the template reaches, a profile (3 sharers x 103 tokens) still beats the
+    # template (5 sharers x 3 tokens): the length that saves the most computed tokens wins.
+    assert sorted(_pick_all(low)) == [["u0"] * 3, ["u1"] * 3]
+
+
+def test_shared_len_maximizes_sharers_times_length() -> None:
+    """The head shares 100 tokens with one request and 50 with three more: grouping by 50 saves
+    4 x 50 computed tokens, by 100 only 1 x 100, so all five run together."""
+    sched = Scheduler(SchedulerConfig("po", min_shared_prefix=32), JCT, FakeClock())
+    base = _ids(4, 50)
+    sched.add(0, Req("h", base + _ids(5, 50) + _ids(6, 5)))
+    sched.add(1, Req("a", base + _ids(5, 50) + _ids(7, 5)))
+    for k in range(3):
+        sched.add(2 + k, Req(f"b{k}", base + _ids(8 + k, 60)))
+    head = next(w for w in sched._waiting.values() if w.req.name == "h")
+    assert sched.shared_len(head) == 50
+    (step,) = _pick_all(sched)
+    assert sorted(step) == ["a", "b0", "b1", "b2", "h"]

@@ -419,6 +419,7 @@ def test_metrics_count_requests_per_endpoint(url: str) -> None:
 def test_flags_map_onto_server_args() -> None:
     flags = ["--model-path", "m", "--dtype", "fp32", "--max-input-len", "300", "--disable-radix-cache"]
     flags += ["--schedule-policy", "lpm", "--fairness-lambda", "0.5", "--max-queue", "9"]
+    flags += ["--min-shared-prefix", "64"]
     args = server_args(build_parser().parse_args([*flags, "--timeout-keep-alive", "7", "--api-key", "k"]))
     assert (args.engine.model_path, args.engine.dtype, args.engine.max_input_len) == ("m", "fp32", 300)
     assert args.engine.overrides() == {
@@ -429,6 +430,7 @@ def test_flags_map_onto_server_args() -> None:
         "enable_cache": False,
     }
     assert (args.scheduler.policy, args.scheduler.fairness_lambda, args.max_queue) == ("lpm", 0.5, 9)
+    assert args.scheduler.min_shared_prefix == 64
     assert "api_key" not in args.public() and args.public()["schedule_policy"] == "lpm"
     # --timeout-keep-alive reaches uvicorn.
     assert uvicorn_config(object(), args).timeout_keep_alive == 7
@@ -442,6 +444,8 @@ def test_flags_map_onto_server_args() -> None:
         )
     with pytest.raises(ValueError, match="max_queue"):
         server_args(build_parser().parse_args(["--model-path", "m", "--max-queue", "0"]))
+    with pytest.raises(ValueError, match="min_shared_prefix"):
+        server_args(build_parser().parse_args(["--model-path", "m", "--min-shared-prefix", "0"]))
     with pytest.raises(ValueError, match="timeout_keep_alive"):
         server_args(build_parser().parse_args(["--model-path", "m", "--timeout-keep-alive", "0"]))
 
