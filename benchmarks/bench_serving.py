@@ -307,7 +307,9 @@ def main() -> None:
     ap.add_argument("--max-input-len", type=int, default=None)
     ap.add_argument("--port", type=int, default=30100, help="port for launched servers")
     ap.add_argument(
-        "--server-args", default="", help="more flags for every launched server, e.g. '--memory-budget 400MiB'"
+        "--server-args",
+        default="",
+        help="more flags for every launched server, e.g. '--memory-budget 400MiB'",
     )
     ap.add_argument(
         "--base-checkout", default=None, help="the checkout `--launch base` runs (another commit)"
