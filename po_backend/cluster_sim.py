@@ -40,20 +40,6 @@ from po_backend.simulator import SimRun, StepModel
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 
 
-def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """`request.common_prefix` for two tuples, cheaper when they part early (two users' prompts
-    part after a few template tokens): compares windows growing 4x from 16 tokens, and searches
-    only the first window that differs."""
-    n = min(len(a), len(b))
-    lo, width = 0, 16
-    while lo < n:
-        hi = min(n, lo + width)
-        if a[lo:hi] != b[lo:hi]:
-            return lo + common_prefix(a[lo:hi], b[lo:hi])
-        lo, width = hi, width * 4
-    return n
-
-
 # ---- engines' parts ---------------------------------------------------------------------------------
 
 
@@ -99,7 +85,7 @@ class IndexedPrefixLRU:
         ids = tuple(req.input_ids)
         keys = self._keys
         i = bisect.bisect_left(keys, ids)
-        best = max((_lcp(keys[j], ids) for j in (i - 1, i) if 0 <= j < len(keys)), default=0)
+        best = max((common_prefix(keys[j], ids) for j in (i - 1, i) if 0 <= j < len(keys)), default=0)
         n = min(best, req.reusable_len)
         self._memo[id(req)] = (req, n)
         return n
@@ -221,7 +207,7 @@ class ApproxTree:
             child = node.children.get(ids[pos])
             if child is None:
                 break
-            n = _lcp(child.src[child.lo : child.hi], ids[pos : pos + child.hi - child.lo])
+            n = common_prefix(child.src[child.lo : child.hi], ids[pos : pos + child.hi - child.lo])
             pos += n
             node = child
             if n < child.hi - child.lo:
@@ -241,7 +227,7 @@ class ApproxTree:
                 self.size[tenant] += len(ids) - pos
                 return
             edge = child.hi - child.lo
-            n = _lcp(child.src[child.lo : child.hi], ids[pos : pos + edge])
+            n = common_prefix(child.src[child.lo : child.hi], ids[pos : pos + edge])
             if n < edge:  # split the edge: its first n tokens become a node of their own
                 mid = _Node(child.src, child.lo, child.lo + n, child.tenants)
                 child.lo += n

@@ -8,8 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from po_backend.jct import JCTModel
+from po_backend.request import common_prefix
 from po_backend.scheduler import Scheduler, SchedulerConfig
 from po_backend.simulator import PrefixLRU
 from po_backend.simulator import simulate as run_trace
@@ -288,3 +291,13 @@ def test_shared_len_maximizes_sharers_times_length() -> None:
     assert sched.shared_len(head) == 50
     (step,) = _pick_all(sched)
     assert sorted(step) == ["a", "b0", "b1", "b2", "h"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=400), st.lists(st.integers(0, 2), max_size=80), st.data())
+def test_common_prefix_equals_a_plain_zip(a: list[int], tail: list[int], data: st.DataObject) -> None:
+    """The windowed/halving search gives what a token-by-token walk gives, for lists, tuples and
+    mixed inputs, whatever the length of the shared part."""
+    b = a[: data.draw(st.integers(0, len(a)))] + tail
+    expected = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert common_prefix(a, b) == common_prefix(tuple(a), tuple(b)) == common_prefix(a, tuple(b)) == expected
