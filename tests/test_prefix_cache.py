@@ -117,6 +117,36 @@ def test_multi_item_batch_equals_one_by_one(engines) -> None:
     assert chunked.stats().forwards == 2
 
 
+def test_a_mate_without_pool_room_falls_back_to_one_forward_each(engines, monkeypatch) -> None:
+    """The batch was priced with the items reading their prefix from the first item, but the pool
+    has no room for that prefix: running them together would compute every prefix in one forward,
+    past max_batch_tokens (the activation bound), so each runs alone; answers unchanged."""
+    path, cold = engines
+    monkeypatch.setattr(Engine, "_profile", lambda self, n_tokens: 0)
+    probe = Engine.from_pretrained(
+        path, dtype="fp32", chunk_size=32, max_input_len=256, max_batch_tokens=200, enable_cache=False
+    )
+    cfg = probe.model_config
+    per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    eng = Engine.from_pretrained(
+        path,
+        dtype="fp32",
+        chunk_size=32,
+        max_input_len=256,
+        max_batch_tokens=200,
+        memory_budget=probe.activation_budget + 50 * per_slot,  # less than one 100-token prefix
+        cache_policy="declared",
+    )
+    prefix = _rand(100, 77)
+    reqs = [_req(prefix + _rand(15, 780 + i), len(prefix)) for i in range(4)]
+    assert [i for i, _ in eng.batchable(reqs)] == [0, 1, 2, 3]  # 115 + 3 x 15 tokens, priced shared
+    results = eng.run(reqs)
+    assert eng.stats().forwards == 4 and all(r.cached_tokens == 0 for r in results)
+    _assert_same(results, cold.run(reqs))
+    eng.cache.check_integrity()
+    assert eng.cache.protected_size() == 0 and eng.cache.pool.num_free == 50
+
+
 def test_prompt_logprobs_not_served_from_cache(engines) -> None:
     """Prompt-token log-probs need hidden states the cache does not keep: the match is capped."""
     path, cold = engines
