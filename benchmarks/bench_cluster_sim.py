@@ -9,7 +9,8 @@ profiles scaled by 1/8 to our model: ~1.75k tokens, posts 100-200) with Poisson 
 user order. Per (router, N): the highest QPS with P99 <= the bound (bracket, then bisection), and at
 that rate the hit rate (tokens read from a cache or a batch-mate / input tokens) and the imbalance
 (items on the busiest worker / mean). The bound: `--slo-x` x the mean isolated latency (one worker,
-one request at a time, in trace order), as in bench_schedule.
+one request at a time, in trace order), as in bench_schedule. This module measures; its table, the
+lines on where scaling stops and the plot are rendered by report.py (also into REPORT.md).
 
     python -m benchmarks.bench_cluster_sim            # ~3-5 min
     python -m benchmarks.bench_cluster_sim --quick    # ~20 s: 200 users x 20 posts, 1..8 workers
@@ -101,9 +102,6 @@ def kv_bytes_per_token() -> tuple[int, str]:
     cfg = ModelConfig.from_hf(json.loads((resolve_model_dir("embedded") / "config.json").read_text()))
     dtype = parse_dtype(None, torch.device("cpu"))
     return KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype), str(dtype)
-
-
-MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
 
 
 def measured(res: ClusterResult, since: float) -> list[float]:
@@ -235,130 +233,17 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "seconds": time.perf_counter() - t0,
     }
-    md = markdown(doc)
+    md = report.cluster_sim_markdown(doc)
     print("\n" + md)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     args.out.with_suffix(".md").write_text(md)
-    plot(doc, args.out.with_suffix(".png"))
+    report.plot_cluster_sim(doc, args.out.with_suffix(".png"))
     print(
         f"wrote {args.out}, {args.out.with_suffix('.md').name}, {args.out.with_suffix('.png').name} "
         f"in {doc['seconds']:.0f} s"
     )
     return 0
-
-
-def table_rows(doc: dict[str, Any]) -> list[list[str]]:
-    """Per (router, N): sustained QPS, per worker, scaling efficiency (QPS / (N x its 1-worker
-    QPS)), ratio to round robin at the same N, hit rate, imbalance, P99 and mean at that rate."""
-    by = {(r["router"], r["workers"]): r for r in doc["rows"]}
-    out = []
-    for r in doc["rows"]:
-        one = by.get((r["router"], 1))
-        rr = by.get(("round_robin", r["workers"]))
-        eff = f"{r['sustained_qps'] / (r['workers'] * one['sustained_qps']):.2f}" if one else "-"
-        vs_rr = f"{r['sustained_qps'] / rr['sustained_qps']:.2f}x" if rr else "-"
-        out.append(
-            [
-                r["router"],
-                str(r["workers"]),
-                f"{r['sustained_qps']:.3f}",
-                f"{r['sustained_qps'] / r['workers']:.3f}",
-                eff,
-                vs_rr,
-                f"{r['hit_rate']:.1%}",
-                f"{r['imbalance']:.3f}",
-                f"{r['p99_s']:.1f}",
-                f"{r['mean_s']:.2f}",
-                f"{r['mean_batch']:.2f}",
-                f"{r['span_over_bound']:.0f}" + ("" if r["span_over_bound"] >= MIN_SPAN else " †"),
-            ]
-        )
-    return out
-
-
-HEADER = (
-    "router | workers | QPS at P99 bound | per worker | efficiency | vs round robin | hit rate | "
-    "imbalance (max/mean items) | P99 s | mean s | items/step | trace / bound"
-)
-
-
-def markdown(doc: dict[str, Any]) -> str:
-    a = doc["args"]
-    d = doc["router_defaults"]
-    return (
-        "# bench_cluster_sim: N workers behind the router, simulated\n\n"
-        f"`po_backend.cluster_sim`: {doc['requests']} requests ({a['users']} users x {a['posts']} posts, the "
-        f"paper's WL1 with token lengths / {a['scale']:g}: mean profile {doc['mean_profile_tokens']:.0f} tokens, "
-        f"posts 100-200), Poisson arrivals, users interleaved (seed {a['seed']}). Each worker: the real "
-        f"Scheduler (`po`, lambda {a['fairness_lambda']}), a prefix pool of {a['pool_gib']:g} GiB = "
-        f"{doc['pool_tokens']} tokens ({doc['kv_bytes_per_token']} B/token, {doc['dtype']}; "
-        f"~{doc['pool_tokens'] / doc['mean_profile_tokens']:.0f} profiles), step times from the JCT model "
-        f"({doc['jct_source']}). Router cache_aware as sglang-router's (cache_threshold {d['cache_threshold']}, "
-        f"balance thresholds {d['balance_abs_threshold']} / {d['balance_rel_threshold']}). P99 bound "
-        f"{doc['slo_p99_s']:.2f} s = {a['slo_x']:g} x the isolated mean latency {doc['isolated_mean_s']:.3f} s. "
-        "Efficiency = QPS / (N x the same router's 1-worker QPS); hit rate = input tokens read from a "
-        "cache or a batch-mate instead of computed; trace / bound = how many P99 bounds the trace lasts at "
-        f"that rate († below {MIN_SPAN:g}: the run is one burst, not a sustained rate; more users needed). "
-        + (
-            f"The P99 leaves out the requests of the first {a['warmup']:.0%} of the trace (warm-up).\n\n"
-            if a.get("warmup")
-            else "The P99 is over the whole trace, every user's first (cold) request included.\n\n"
-        )
-        + report.markdown_table(HEADER, table_rows(doc))
-        + "\n"
-    )
-
-
-def plot(doc: dict[str, Any], path: Path) -> None:
-    """Sustained QPS vs workers (log-log, with linear scaling from each router's one worker), and
-    hit rate and imbalance vs workers."""
-    plt = report._plt()
-    from matplotlib import ticker
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    routers = list(dict.fromkeys(r["router"] for r in doc["rows"]))
-    for name in routers:
-        pts = sorted((r["workers"], r) for r in doc["rows"] if r["router"] == name)
-        ns = [n for n, _ in pts]
-        line = ax.plot(ns, [r["sustained_qps"] for _, r in pts], marker="o", label=name)[0]
-        if ns[0] == 1 and name == routers[0]:  # one worker is the same run for every router
-            ax.plot(
-                ns,
-                [pts[0][1]["sustained_qps"] * n for n in ns],
-                ls=":",
-                color="grey",
-                label="linear: N x 1 worker",
-            )
-        ax2.plot(
-            ns, [r["hit_rate"] for _, r in pts], marker="o", color=line.get_color(), label=f"{name} hit rate"
-        )
-        ax2.plot(
-            ns,
-            [r["imbalance"] - 1 for _, r in pts],
-            marker="s",
-            ls="--",
-            color=line.get_color(),
-            label=f"{name} imbalance - 1",
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("workers")
-    ax.set_ylabel(f"QPS at P99 <= {doc['slo_p99_s']:.1f} s")
-    ax.set_title("sustained QPS vs workers (simulated)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax2.set_xscale("log", base=2)
-    for axis in (ax.xaxis, ax2.xaxis):  # 1, 2, 4 ... not 2^0, 2^1
-        axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-    ax2.set_xlabel("workers")
-    ax2.set_ylabel("fraction")
-    ax2.set_title("hit rate; imbalance (max/mean items) - 1")
-    ax2.grid(True, alpha=0.3)
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ ones (tests/test_report.py).
 
 REPORT.md inputs (any may be missing; its section then says so): meta.json (run_all: machine,
 model, dtype, steps), qps.json (bench_qps), mil.json (bench_mil), ablation.json (bench_ablation),
-llamacpp.json (bench_llamacpp).
+cluster_sim.json (bench_cluster_sim), cluster.json (bench_cluster), llamacpp.json (bench_llamacpp).
 """
 
 from __future__ import annotations
@@ -361,14 +361,358 @@ def build_report(folder: Path, out: Path) -> list[str]:
     `out`. Returns the short summary lines (also printed by run_all)."""
     meta, qps = load(folder, "meta"), load(folder, "qps")
     mil, ab, lc = load(folder, "mil"), load(folder, "ablation"), load(folder, "llamacpp")
+    sim, cl = load(folder, "cluster_sim"), load(folder, "cluster")
     prefix = Path(os.path.relpath(folder.resolve(), out.parent.resolve())).as_posix() + "/"
     q_lines, ana = qps_section(qps, folder, prefix)
     m_lines, mil_ratios = mil_section(mil)
     h_lines, summary = headline(ana, mil_ratios)
     j_lines, r = jct_section(qps, folder, prefix)
     sections = header(meta) + h_lines + q_lines + m_lines + ablation_section(ab, folder, prefix)
-    out.write_text("\n".join(sections + j_lines + llamacpp_section(lc)))
-    return summary + ([f"JCT model r = {r:.3f} on the sweep's steps"] if r is not None else [])
+    sections += j_lines + cluster_section(cl) + cluster_sim_section(sim, folder, prefix)
+    out.write_text("\n".join(sections + llamacpp_section(lc)))
+    summary += [f"JCT model r = {r:.3f} on the sweep's steps"] if r is not None else []
+    return summary + cluster_summary(cl)
+
+
+# ---- scaling out: bench_cluster (measured) and bench_cluster_sim (simulated) --------------------------
+
+AFFINITY = "cache_aware"  # the router policy that keeps a user's calls on one worker
+SPREAD = "round_robin"  # the baseline it is measured against, same run
+
+
+def _affinity(run: dict[str, Any]) -> tuple[float, int, float]:
+    """(mean, max distinct workers per user, share of users on exactly one worker) of a run."""
+    n = list(run["workers_per_user"].values())
+    if not n:  # no call reached a worker
+        return math.nan, 0, math.nan
+    return sum(n) / len(n), max(n), sum(k == 1 for k in n) / len(n)
+
+
+def _point(run: dict[str, Any]) -> str:
+    """A run's traffic shape and offered load, e.g. "generate @ 4 posts/s"."""
+    return f"{run['shape']} @ {run['rate']:g} posts/s"
+
+
+def _cpu_per_item(run: dict[str, Any]) -> float:
+    """CPU seconds the workers and the router spent per completed item: at a load both routers
+    keep up with, items/s are equal and this is where the recomputed profiles show."""
+    return run["cluster_cores"] * run["seconds"] / run["items"] if run["items"] else math.nan
+
+
+def cluster_ratios(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per traffic shape and offered load, cache_aware against round_robin in the same run: items/s
+    and hit rate as cache_aware / round_robin; latency, prompt tokens computed (not read from a
+    cache: a few points of hit rate are many more tokens computed) and CPU per item as
+    round_robin / cache_aware (how many times lower)."""
+    by = {(_point(r), r["policy"]): r for r in doc["runs"]}
+    out = {}
+    for point in dict.fromkeys(_point(r) for r in doc["runs"]):
+        a, b = by.get((point, AFFINITY)), by.get((point, SPREAD))
+        if a is None or b is None:
+            continue
+
+        def ratio(x: float, y: float) -> float:
+            return x / y if y else math.nan
+
+        out[point] = {
+            "items_per_s": ratio(a["items_per_s"], b["items_per_s"]),
+            "hit_rate": ratio(a["hit_rate"], b["hit_rate"]),
+            "p50_s": ratio(b["p50_s"], a["p50_s"]),
+            "p99_s": ratio(b["p99_s"], a["p99_s"]),
+            "computed_tokens": ratio(
+                b["prompt_tokens"] - b["cached_tokens"], a["prompt_tokens"] - a["cached_tokens"]
+            ),
+            "cpu_per_item": ratio(_cpu_per_item(b), _cpu_per_item(a)),
+        }
+    return out
+
+
+def cluster_line(run: dict[str, Any]) -> str:
+    """One run as a console line (bench_cluster prints it as it finishes)."""
+    mean, most, _ = _affinity(run)
+    shares = " / ".join(f"{w['share']:.0%}" for w in run["workers"])
+    err = f" errors {run['errors']} ({run['first_error'][:80]})" if run["errors"] else ""
+    return (
+        f"{_point(run)} {run['policy']:>12s}: {run['ok']}/{run['calls']} calls, {run['items_per_s']:.2f} items/s, "
+        f"P50 {run['p50_s']:.2f} s P99 {run['p99_s']:.2f} s, hits {run['hit_rate']:.0%} (per worker {shares}), "
+        f"workers per user {mean:.2f} (max {most}), other cores {run['other_cores']:.2f}{err}"
+    )
+
+
+CLUSTER_HEADER = (
+    "shape | posts/s offered | router | calls ok | items/s | P50 s | P99 s | CPU ms / item | hit rate | "
+    "cached share per worker | items per worker | workers per user (mean / max) | users on one worker"
+)
+
+
+def cluster_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """Per (shape, router) run of bench_cluster: throughput, latency, hit rate overall and per
+    worker, the load split and the affinity (`*` = contended run)."""
+    rows = []
+    for r in doc["runs"]:
+        mean, most, one = _affinity(r)
+        rows.append(
+            [
+                r["shape"],
+                f"{r['rate']:g}",
+                r["policy"] + _flag(r),
+                f"{r['ok']}/{r['calls']}",
+                f"{r['items_per_s']:.2f}",
+                f"{r['p50_s']:.2f}",
+                f"{r['p99_s']:.2f}",
+                f"{1e3 * _cpu_per_item(r):.0f}",
+                f"{r['hit_rate']:.0%}",
+                " / ".join(f"{w['share']:.0%}" for w in r["workers"]),
+                " / ".join(str(w["items"]) for w in r["workers"]),
+                "-" if math.isnan(mean) else f"{mean:.2f} / {most}",
+                "-" if math.isnan(one) else f"{one:.0%}",
+            ]
+        )
+    return rows
+
+
+def _cluster_ratio_lines(doc: dict[str, Any]) -> list[str]:
+    return [
+        f"- {point}: {AFFINITY} / {SPREAD} items/s **{x['items_per_s']:.2f}x**, hit rate "
+        f"**{x['hit_rate']:.2f}x**; {SPREAD} / {AFFINITY}: tokens computed {x['computed_tokens']:.2f}x, "
+        f"CPU per item {x['cpu_per_item']:.2f}x, P50 latency {x['p50_s']:.2f}x, P99 {x['p99_s']:.2f}x"
+        for point, x in cluster_ratios(doc).items()
+    ]
+
+
+def _router_flag(doc: dict[str, Any], flag: str, default: str) -> str:
+    """A router flag's value in the runs' router command (the router's default when not given)."""
+    cmd = next((r["router_cmd"] for r in doc["runs"] if "router_cmd" in r), [])
+    return cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else f"{default} (the router's default)"
+
+
+def _and(words: Sequence[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else list(words))
+
+
+def _cluster_intro(doc: dict[str, Any]) -> str:
+    a, w, m = doc["args"], doc["workload"], doc["machine"]
+    st = doc.get("worker_settings", {})
+    balance = _router_flag(doc, "--balance-abs-threshold", "64")
+    return (
+        f"{a['workers']} PrefillOnly workers x {doc['threads_per_worker']} threads (launch_cluster's split of "
+        f"{m.get('cores')} cores; dtype {st.get('dtype', '?')}, worker flags `{a['worker_args']}`) behind the real "
+        "sglang-router (a fresh router per run with launch_cluster's flags, cache_aware's load rule at "
+        f"{balance} outstanding requests; every worker's cache flushed first). WL1-style: {w['users']} users x {w['posts']} posts, profiles ~{w['mean_profile_tokens']:.0f} "
+        f"tokens, posts ~{w['mean_post_tokens']:.0f}; calls of all users interleaved (seed {a['seed']}), "
+        f"Poisson arrivals at {_and([f'{x:g}' for x in a['items_per_s']])} posts/s (the same trace and "
+        "arrival pattern for every router; a load past what the cluster serves shows as items/s below the "
+        "offered rate). "
+        f"`generate`: one prompt per `/generate` call ({'input_ids' if a['generate_as'] == 'ids' else 'text'}), "
+        "the profile first, no prefix declared; `rerank`: `/v1/rerank` with the profile as the query and "
+        f"{a['docs_per_call']} posts as documents. Hit rate = prompt tokens the workers read from their prefix "
+        "cache / prompt tokens (their /metrics); CPU ms / item = CPU time of the workers and the router "
+        "per completed post; workers per user = distinct workers a user's calls reached (a tap in front of "
+        "each worker records it)."
+    )
+
+
+def cluster_markdown(doc: dict[str, Any]) -> str:
+    """results/cluster.md from bench_cluster."""
+    m = doc["machine"]
+    return (
+        "# bench_cluster: prefix affinity through the SGLang router (measured)\n\n"
+        f"Machine: {m.get('cpu')}, {m.get('cores')} cores. {_cluster_intro(doc)} A `*` marks runs during "
+        f"which other processes used more than {CONTENDED_CORES} cores.\n\n"
+        + markdown_table(CLUSTER_HEADER, cluster_rows(doc))
+        + "\n\n"
+        + "\n".join(_cluster_ratio_lines(doc))
+        + "\n"
+    )
+
+
+def cluster_section(doc: dict[str, Any] | None) -> list[str]:
+    title = "## Prefix affinity through the SGLang router (measured)"
+    if doc is None:
+        return [title, "", "Not run (no cluster.json).", ""]
+    return [
+        title,
+        "",
+        f"`benchmarks/bench_cluster.py`: {_cluster_intro(doc)}",
+        "",
+        markdown_table(CLUSTER_HEADER, cluster_rows(doc)),
+        "",
+        *_cluster_ratio_lines(doc),
+        "",
+    ]
+
+
+def cluster_summary(doc: dict[str, Any] | None) -> list[str]:
+    """run_all's summary lines for bench_cluster."""
+    if doc is None:
+        return []
+    return [
+        f"cluster {point}: {AFFINITY} / {SPREAD} items/s {x['items_per_s']:.2f}x, hit rate {x['hit_rate']:.2f}x"
+        for point, x in cluster_ratios(doc).items()
+    ]
+
+
+MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
+CLUSTER_SIM_HEADER = (
+    "router | workers | QPS at P99 bound | per worker | efficiency | vs round robin | hit rate | "
+    "imbalance (max/mean items) | P99 s | mean s | items/step | trace / bound"
+)
+
+
+def _efficiency(doc: dict[str, Any], r: dict[str, Any]) -> float | None:
+    """QPS / (N x the same router's 1-worker QPS); None without a 1-worker row."""
+    one = next((o for o in doc["rows"] if o["router"] == r["router"] and o["workers"] == 1), None)
+    return r["sustained_qps"] / (r["workers"] * one["sustained_qps"]) if one else None
+
+
+def cluster_sim_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """Per (router, N): sustained QPS, per worker, scaling efficiency, ratio to round robin at the
+    same N, hit rate, imbalance, P99 and mean at that rate."""
+    by = {(r["router"], r["workers"]): r for r in doc["rows"]}
+    out = []
+    for r in doc["rows"]:
+        eff = _efficiency(doc, r)
+        rr = by.get((SPREAD, r["workers"]))
+        out.append(
+            [
+                r["router"],
+                str(r["workers"]),
+                f"{r['sustained_qps']:.3f}",
+                f"{r['sustained_qps'] / r['workers']:.3f}",
+                "-" if eff is None else f"{eff:.2f}",
+                f"{r['sustained_qps'] / rr['sustained_qps']:.2f}x" if rr else "-",
+                f"{r['hit_rate']:.1%}",
+                f"{r['imbalance']:.3f}",
+                f"{r['p99_s']:.1f}",
+                f"{r['mean_s']:.2f}",
+                f"{r['mean_batch']:.2f}",
+                f"{r['span_over_bound']:.0f}" + ("" if r["span_over_bound"] >= MIN_SPAN else " †"),
+            ]
+        )
+    return out
+
+
+PLATEAU = 0.95  # efficiency within this share of its best: the curve has levelled off
+HIT_FLAT = 0.02  # hit rates within 2 points count as the same
+
+
+def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
+    """Where scaling stops and why, read off the rows: per router, the N where efficiency peaks or
+    levels off and where the hit rate saturates; and the N from which the workers' pools hold every
+    user's profile (past it, affinity has no cache left to win)."""
+    a = doc["args"]
+    fit_n = a["users"] * doc["mean_profile_tokens"] / doc["pool_tokens"]
+    lines = []
+    for name in dict.fromkeys(r["router"] for r in doc["rows"]):
+        rs = sorted((r for r in doc["rows"] if r["router"] == name), key=lambda r: r["workers"])
+        effs = [(r, e) for r in rs if (e := _efficiency(doc, r)) is not None]
+        if len(effs) < 2:
+            continue
+        (peak, e_peak), (last, e_last) = max(effs, key=lambda x: x[1]), effs[-1]
+        level = next(r for r, e in effs if e >= PLATEAU * e_peak)
+        if peak is last and level is last:
+            scale = (
+                f"efficiency still rising at N={last['workers']} ({e_last:.2f}x linear), the largest N run: "
+                f"it does not stop scaling within {rs[0]['workers']}..{last['workers']} workers"
+            )
+        elif e_last >= PLATEAU * e_peak:
+            scale = (
+                f"efficiency levels off from N={level['workers']} (at {PLATEAU:.0%} of its best, {e_peak:.2f}x "
+                f"linear at N={peak['workers']}): from there each added worker adds the same QPS, no more"
+            )
+        else:
+            scale = (
+                f"efficiency peaks at N={peak['workers']} ({e_peak:.2f}x linear) and falls to {e_last:.2f} at "
+                f"N={last['workers']}: past N={peak['workers']} a worker adds less than the one before"
+            )
+        hits = [r["hit_rate"] for r in rs]
+        top = max(hits)
+        sat = next(r for r in rs if r["hit_rate"] >= top - HIT_FLAT)
+        busy = [sum(r["busy_share"]) / len(r["busy_share"]) for r in rs if r.get("busy_share")]
+        if top - min(hits) < HIT_FLAT:
+            why = (
+                f"its hit rate is flat ({min(hits):.1%}-{top:.1%}) at every N: each worker sees every user, so "
+                "its pool holds the same few profiles whatever N is, and the gain over one worker is queueing "
+                "alone (N queues meet the same P99 bound at a higher load"
+                + (
+                    f"; busy share {busy[0]:.2f} at N=1, {busy[-1]:.2f} at N={last['workers']})"
+                    if busy
+                    else ")"
+                )
+            )
+        else:
+            why = (
+                f"its hit rate grows from {hits[0]:.1%} (N={rs[0]['workers']}) to {top:.1%} and is within "
+                f"{100 * HIT_FLAT:.0f} points of that from N={sat['workers']}; imbalance (max/mean items) "
+                f"{last['imbalance']:.3f} at N={last['workers']}"
+            )
+        lines.append(f"{name}: {scale}; {why}.")
+    lines.append(
+        f"The workers' prefix pools hold every user's profile from N = {fit_n:.1f} ({a['users']} users x "
+        f"{doc['mean_profile_tokens']:.0f} tokens / {doc['pool_tokens']} tokens per worker). Below it, with "
+        "affinity, each added worker adds cache as well as compute (efficiency above 1 and rising); past it, "
+        "added workers add no cache: the hit rate is capped by each user's first (cold) request and scaling "
+        "turns linear at best."
+    )
+    return lines
+
+
+def _cluster_sim_intro(doc: dict[str, Any]) -> str:
+    a, d = doc["args"], doc["router_defaults"]
+    return (
+        f"`po_backend.cluster_sim`: {doc['requests']} requests ({a['users']} users x {a['posts']} posts, the "
+        f"paper's WL1 with token lengths / {a['scale']:g}: mean profile {doc['mean_profile_tokens']:.0f} tokens, "
+        f"posts 100-200), Poisson arrivals, users interleaved (seed {a['seed']}). Each worker: the real "
+        f"Scheduler (`po`, lambda {a['fairness_lambda']}), a prefix pool of {a['pool_gib']:g} GiB = "
+        f"{doc['pool_tokens']} tokens ({doc['kv_bytes_per_token']} B/token, {doc['dtype']}; "
+        f"~{doc['pool_tokens'] / doc['mean_profile_tokens']:.0f} profiles), step times from the JCT model "
+        f"({doc['jct_source']}). Router cache_aware as sglang-router's (cache_threshold {d['cache_threshold']}, "
+        f"balance thresholds {d['balance_abs_threshold']} / {d['balance_rel_threshold']}). P99 bound "
+        f"{doc['slo_p99_s']:.2f} s = {a['slo_x']:g} x the isolated mean latency {doc['isolated_mean_s']:.3f} s. "
+        "Efficiency = QPS / (N x the same router's 1-worker QPS); hit rate = input tokens read from a "
+        "cache or a batch-mate instead of computed; trace / bound = how many P99 bounds the trace lasts at "
+        f"that rate († below {MIN_SPAN:g}: the run is one burst, not a sustained rate; more users needed). "
+        + (
+            f"The P99 leaves out the requests of the first {a['warmup']:.0%} of the trace (warm-up)."
+            if a.get("warmup")
+            else "The P99 is over the whole trace, every user's first (cold) request included."
+        )
+    )
+
+
+def cluster_sim_markdown(doc: dict[str, Any]) -> str:
+    """results/cluster_sim.md from bench_cluster_sim."""
+    return (
+        "# bench_cluster_sim: N workers behind the router, simulated\n\n"
+        + _cluster_sim_intro(doc)
+        + "\n\n"
+        + markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc))
+        + "\n\n"
+        + "\n".join(f"- {line}" for line in cluster_sim_findings(doc))
+        + "\n"
+    )
+
+
+def cluster_sim_section(doc: dict[str, Any] | None, folder: Path, png_prefix: str) -> list[str]:
+    title = "## Scaling out past one machine (simulated)"
+    if doc is None:
+        return [title, "", "Not run (no cluster_sim.json).", ""]
+    plot_cluster_sim(doc, folder / "cluster_sim.png")
+    return [
+        title,
+        "",
+        f"`benchmarks/bench_cluster_sim.py`, {_cluster_sim_intro(doc)}",
+        "",
+        markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc)),
+        "",
+        f"![sustained QPS, hit rate and imbalance vs workers]({png_prefix}cluster_sim.png)",
+        "",
+        "Where scaling stops, and why:",
+        "",
+        *[f"- {line}" for line in cluster_sim_findings(doc)],
+        "",
+    ]
 
 
 # ---- bench_schedule and bench_serving ---------------------------------------------------------------
@@ -549,6 +893,57 @@ def plot_jct(pts: list[tuple[float, float, float]], r: float, path: Path) -> Non
     ax.set_title(f"JCT model: r = {r:.3f} over {len(pts)} steps")
     ax.legend()
     ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_cluster_sim(doc: dict[str, Any], path: Path) -> None:
+    """Sustained QPS vs workers (log-log, with linear scaling from each router's one worker), and
+    hit rate and imbalance vs workers."""
+    plt = _plt()
+    from matplotlib import ticker
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    routers = list(dict.fromkeys(r["router"] for r in doc["rows"]))
+    for name in routers:
+        pts = sorted((r["workers"], r) for r in doc["rows"] if r["router"] == name)
+        ns = [n for n, _ in pts]
+        line = ax.plot(ns, [r["sustained_qps"] for _, r in pts], marker="o", label=name)[0]
+        if ns[0] == 1 and name == routers[0]:  # one worker is the same run for every router
+            ax.plot(
+                ns,
+                [pts[0][1]["sustained_qps"] * n for n in ns],
+                ls=":",
+                color="grey",
+                label="linear: N x 1 worker",
+            )
+        ax2.plot(
+            ns, [r["hit_rate"] for _, r in pts], marker="o", color=line.get_color(), label=f"{name} hit rate"
+        )
+        ax2.plot(
+            ns,
+            [r["imbalance"] - 1 for _, r in pts],
+            marker="s",
+            ls="--",
+            color=line.get_color(),
+            label=f"{name} imbalance - 1",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers")
+    ax.set_ylabel(f"QPS at P99 <= {doc['slo_p99_s']:.1f} s")
+    ax.set_title("sustained QPS vs workers (simulated)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax2.set_xscale("log", base=2)
+    for axis in (ax.xaxis, ax2.xaxis):  # 1, 2, 4 ... not 2^0, 2^1
+        axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax2.set_xlabel("workers")
+    ax2.set_ylabel("fraction")
+    ax2.set_title("hit rate; imbalance (max/mean items) - 1")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -9,6 +9,8 @@ Steps (each a subprocess writing JSON into benchmarks/results/report/, its log n
   mil       bench_mil       max input length in a fixed activation budget; hybrid on/off
   ablation  bench_ablation  suffix discarding on/off; fairness lambda sweep
   cluster_sim  bench_cluster_sim  1..64 simulated workers behind the router (cache_aware vs round robin)
+  cluster   bench_cluster   2 real workers behind the real SGLang router: prefix affinity, cache_aware
+                            vs round robin (~6 min; --quick ~1.5 min)
   llamacpp  bench_llamacpp  optional (--llamacpp): llama.cpp on the same GGUF and items
 Then report.py writes benchmarks/results/REPORT.md (tables, ratios, PNG plots) and a short summary
 is printed. On a shared machine run it under the benchmark lock:
@@ -33,7 +35,7 @@ from benchmarks.harness import REPO_ROOT, RESULTS, machine_info
 from benchmarks.report import build_report
 from po_backend.config import parse_dtype
 
-STEPS = ("qps", "mil", "ablation", "cluster_sim")
+STEPS = ("qps", "mil", "ablation", "cluster_sim", "cluster")
 
 
 def run_step(name: str, extra: list[str], folder: Path) -> tuple[bool, float]:

@@ -3,6 +3,7 @@
     python examples/label_data.py                          # the shipped sample: data/reviews.jsonl
     python examples/label_data.py my.csv --text-field review --labels positive,negative
     python examples/label_data.py --url http://127.0.0.1:30000   # score on a running server
+    python examples/label_data.py big.jsonl --ray --concurrency 4 --cpus-per-engine 4   # on Ray Data
 
 Writes `<name>.labeled.jsonl` next to the input: one record per labeled row, in input order,
 `{"line", "key", "config", "label", "probs", "input"}`, and prints the label distribution.
@@ -21,6 +22,13 @@ Long jobs get interrupted, so:
   after every batch would not be.
 - Bad rows (invalid JSON, not an object, missing or empty text field, a prompt the model rejects)
   are reported with their line numbers and left out; the others go on.
+
+With --ray the rows still to label go through `po_lang.ray.classify_dataset` (the `[ray]` extra):
+a pool of --concurrency Ray actors, each loading its own engine (--model) or talking to --url, on
+a local Ray or the cluster named by RAY_ADDRESS. Resume and crash safety are the same: rows already
+in the output are skipped before the job starts, and records reach the journal batch by batch as
+Ray hands them back, so a crash relabels only rows whose results had not come back yet. This
+process still loads the model once to check the labels (and to fit --calibrate FILE).
 """
 
 from __future__ import annotations
@@ -30,13 +38,15 @@ import contextlib
 import csv
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -50,6 +60,7 @@ DEFAULT_INSTRUCTION = "Classify the sentiment of this review as {labels}."
 PROMPT_VERSION = 1
 RECORD_KEYS = frozenset({"line", "key", "config", "label", "probs", "input"})
 MAX_REPORTED = 20  # bad rows printed one by one; the rest are counted
+ROW_COLUMN = "__row"  # --ray: the row's position in this run's to-do list, to join results back
 
 
 class UsageError(Exception):
@@ -68,6 +79,39 @@ class Row:
 class BadRow:
     line: int
     reason: str
+
+
+@dataclass(frozen=True)
+class Labeled:
+    row: Row
+    label: str
+    probs: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Unscored:
+    """A row the backend could not score (e.g. a prompt over the model's length)."""
+
+    row: Row
+    reason: str
+
+
+Outcome = Labeled | Unscored
+# Labels rows batch by batch; each yielded batch is journaled before the next one is asked for.
+Labeler = Callable[[Sequence[Row]], Iterator[list[Outcome]]]
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """--ray: what `po_lang.ray.classify_dataset` gets."""
+
+    # What each actor loads: a model path or "embedded" (a po.Local with `engine_options`), or a
+    # zero-argument backend factory (e.g. partial(po.Remote, url)).
+    model: str | Callable[[], po.Backend]
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    concurrency: int = 1  # actors, one engine each
+    cpus_per_engine: float | None = None  # Ray's default (1) when None; OMP threads follow it
+    progress: bool = True
 
 
 @dataclass(frozen=True)
@@ -289,14 +333,14 @@ def _append(journal: TextIO, lines: Sequence[str]) -> None:
     os.fsync(journal.fileno())
 
 
-def make_record(row: Row, result: po.Classification, fingerprint: str) -> dict[str, Any]:
+def make_record(labeled: Labeled, fingerprint: str) -> dict[str, Any]:
     return {
-        "line": row.line,
-        "key": row.key,
+        "line": labeled.row.line,
+        "key": labeled.row.key,
         "config": fingerprint,
-        "label": result.label,
-        "probs": {k: round(v, 6) for k, v in result.probs.items()},
-        "input": row.data,
+        "label": labeled.label,
+        "probs": {k: round(float(v), 6) for k, v in labeled.probs.items()},
+        "input": labeled.row.data,
     }
 
 
@@ -377,21 +421,78 @@ def label_file(
     gold_field: str | None = None,
     progress: bool = True,
     fresh: bool = False,
+    ray: RayOptions | None = None,
 ) -> Summary:
+    """Label the rows of `path` not labeled yet, in this process or (`ray`) on Ray Data."""
     out, journal_path = output_paths(path)
+    if ray is None:
+        labeler: Labeler = partial(label_in_process, fn, batch_size=batch_size)
+    else:
+        labeler = partial(label_on_ray, fn, batch_size=batch_size, options=ray)
     with exclusive(out):
         if fresh:
             out.unlink(missing_ok=True)
             journal_path.unlink(missing_ok=True)
         remove_stale_temporaries(out)
-        return _label_locked(path, fn, setup, batch_size, max_rows, gold_field, progress)
+        return _label_locked(path, labeler, setup, max_rows, gold_field, progress)
+
+
+def label_in_process(fn: po.Classifier, rows: Sequence[Row], *, batch_size: int) -> Iterator[list[Outcome]]:
+    for a in range(0, len(rows), batch_size):
+        batch = rows[a : a + batch_size]
+        results = fn.map([(r.text,) for r in batch])
+        _check_backend_alive(results)
+        yield [
+            Unscored(row, str(res.error))
+            if isinstance(res, po.Failed)
+            else Labeled(row, res.label, res.probs)
+            for row, res in zip(batch, results, strict=True)
+        ]
+
+
+def label_on_ray(
+    fn: po.Classifier, rows: Sequence[Row], *, batch_size: int, options: RayOptions
+) -> Iterator[list[Outcome]]:
+    """The rows through `classify_dataset`, results in the order Ray finishes them (each carries
+    its position in `rows`, so order does not matter). A job that fails as a whole (an actor
+    cannot load its model, the cluster goes away) is a BackendError: progress so far is kept."""
+    if not rows:
+        return  # an empty dataset has no schema for classify_dataset to match columns against
+    import ray.data  # lazy: the [ray] extra
+    import ray.exceptions
+
+    from po_lang.ray import classify_dataset
+
+    ray.data.DataContext.get_current().enable_progress_bars = options.progress
+    ds = ray.data.from_items([{ROW_COLUMN: i, "text": r.text} for i, r in enumerate(rows)])
+    out = classify_dataset(
+        fn,
+        ds,
+        model=options.model,
+        concurrency=options.concurrency,
+        batch_size=batch_size,
+        # Every row shares the one instruction prefix: sorting by it (a shuffle) would buy nothing.
+        group_by_prefix=False,
+        num_cpus=options.cpus_per_engine,
+        **options.engine_options,
+    )
+    try:
+        for batch in out.iter_batches(batch_size=batch_size, batch_format="pandas"):
+            yield [_ray_outcome(rows[int(rec[ROW_COLUMN])], rec) for rec in batch.to_dict("records")]
+    except ray.exceptions.RayError as e:
+        raise po.BackendError(f"the Ray job failed: {type(e).__name__}: {e}") from e
+
+
+def _ray_outcome(row: Row, rec: Mapping[str, Any]) -> Outcome:
+    if isinstance(rec["error"], str):  # None (or NaN, through pandas) when the row was scored
+        return Unscored(row, rec["error"])
+    return Labeled(row, rec["label"], rec["probs"])
 
 
 def _label_locked(
     path: Path,
-    fn: po.Classifier,
+    labeler: Labeler,
     setup: Setup,
-    batch_size: int,
     max_rows: int | None,
     gold_field: str | None,
     progress: bool,
@@ -424,18 +525,15 @@ def _label_locked(
     bar = tqdm(total=len(rows), initial=reused, desc=path.name, unit="row", disable=not progress)
     try:
         with journal_path.open("a", encoding="utf-8") as journal:
-            for a in range(0, len(todo), batch_size):
-                batch = todo[a : a + batch_size]
-                results = fn.map([(r.text,) for r in batch])
-                _check_backend_alive(results)
+            for batch in labeler(todo):
                 lines = []
-                for row, res in zip(batch, results, strict=True):
-                    if isinstance(res, po.Failed):
-                        bad.append(BadRow(row.line, f"not scored: {res.error}"))
+                for outcome in batch:
+                    if isinstance(outcome, Unscored):
+                        bad.append(BadRow(outcome.row.line, f"not scored: {outcome.reason}"))
                         continue
-                    rec = make_record(row, res, fp)
+                    rec = make_record(outcome, fp)
                     lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
-                    done[row.key] = rec
+                    done[outcome.row.key] = rec
                 _append(journal, lines)
                 labeled += len(lines)
                 bar.update(len(batch))
@@ -520,23 +618,67 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--gold-field", default=None, help="report accuracy against this field of the input")
     ap.add_argument("--fresh", action="store_true", help="discard earlier results and label everything again")
     ap.add_argument("--url", default=None, help="score on a running server instead of the embedded model")
+    ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: the embedded model)")
+    ap.add_argument("--dtype", default=None, help="the engine's dtype, e.g. fp32 or bf16 (default: its own)")
+    ap.add_argument(
+        "--ray",
+        action="store_true",
+        help="label on Ray Data (po_lang.ray.classify_dataset): a local Ray, or the cluster in RAY_ADDRESS; "
+        "resume works as without it (labeled rows are skipped, results are journaled as they come back)",
+    )
+    ap.add_argument("--concurrency", type=int, default=1, help="with --ray: engines (Ray actors)")
+    ap.add_argument(
+        "--cpus-per-engine",
+        type=float,
+        default=None,
+        help="with --ray: CPUs each actor reserves (Ray's default: 1)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.batch_size < 1:
         ap.error("--batch-size must be >= 1")
     if args.max_rows is not None and args.max_rows < 0:
         ap.error("--max-rows must be >= 0")
+    if args.url and (args.model or args.dtype):
+        ap.error("--url scores on a server: --model and --dtype are the server's to choose")
+    if args.concurrency < 1:
+        ap.error("--concurrency must be >= 1")
+    if not args.ray and (args.concurrency != 1 or args.cpus_per_engine is not None):
+        ap.error("--concurrency and --cpus-per-engine need --ray")
+    if args.ray and importlib.util.find_spec("ray") is None:  # before any model is loaded
+        ap.error("--ray needs Ray Data: pip install '.[ray]' (the [ray] extra)")
     return args
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"dtype": args.dtype} if args.dtype else {}
+
+
+def ray_options(args: argparse.Namespace) -> RayOptions:
+    """The actors' backends, built from the same flags as this process's own."""
+    model: str | Callable[[], po.Backend] = (
+        partial(po.Remote, args.url) if args.url else args.model or "embedded"
+    )
+    return RayOptions(
+        model=model,
+        engine_options={} if args.url else engine_options(args),
+        concurrency=args.concurrency,
+        cpus_per_engine=args.cpus_per_engine,
+        progress=not args.no_progress,
+    )
+
+
 def main(argv: Sequence[str] | None = None, *, backend: po.Backend | None = None) -> int:
+    """`backend` replaces the one the flags name, in this process (tests pass a po.Fake); with
+    --ray the actors still build theirs from --model / --url."""
     args = parse_args(argv)
     labels = tuple(x.strip() for x in args.labels.split(","))
     try:
         if not args.path.is_file():
             raise UsageError(f"{args.path}: no such file")
         if backend is None:
-            backend = po.Remote(args.url) if args.url else po.Local("embedded")
+            model = args.model or "embedded"
+            backend = po.Remote(args.url) if args.url else po.Local(model, **engine_options(args))
         instruction = args.instruction.replace("{labels}", " or ".join(labels))
         calibrate = args.calibrate
         if calibrate not in ("none", "content-free"):
@@ -572,6 +714,7 @@ def main(argv: Sequence[str] | None = None, *, backend: po.Backend | None = None
             gold_field=args.gold_field,
             progress=not args.no_progress,
             fresh=args.fresh,
+            ray=ray_options(args) if args.ray else None,
         )
     except po.BackendError as e:
         print(f"error: {e}\nprogress is saved: rerun the same command to resume", file=sys.stderr)

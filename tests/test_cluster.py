@@ -1,21 +1,24 @@
 """`po_backend.launch_cluster`: two workers behind the real SGLang router on loopback answer as one
-server does, a worker killed mid-burst loses no request, SIGTERM stops every process."""
+server does, a worker killed mid-burst loses no request, SIGTERM stops every process; a worker
+added at runtime through the router's worker API takes its share of the calls."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from po_backend.launch_cluster import wait_until
+from po_backend.launch_cluster import add_worker, wait_until
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 
 pytest.importorskip("sglang_router")
@@ -23,11 +26,16 @@ pytest.importorskip("sglang_router")
 QUERY = {"query": "which pets like to play", "documents": ["cats like to play", "tax news", "dogs play"]}
 
 
-@pytest.fixture(scope="module")
-def cluster(tokenized_llama: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+WORKER_FLAGS = ["--dtype", "fp32", "--max-input-len", "256"]
+
+
+@contextlib.contextmanager
+def launched_cluster(model: Path, flags: Sequence[str]) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`launch_cluster` on a free loopback port, ready; killed with all its children on the way out
+    unless a test already stopped it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "po_backend.launch_cluster", "--model-path", str(tokenized_llama)]
-    cmd += ["--workers", "2", "--port", str(port), "--dtype", "fp32", "--max-input-len", "256"]
+    cmd = [sys.executable, "-m", "po_backend.launch_cluster", "--model-path", str(model)]
+    cmd += ["--port", str(port), *flags, *WORKER_FLAGS]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -38,6 +46,12 @@ def cluster(tokenized_llama: Path) -> Iterator[tuple[str, subprocess.Popen[bytes
             for child in psutil.Process(proc.pid).children(recursive=True):
                 child.kill()
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tokenized_llama: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    with launched_cluster(tokenized_llama, ["--workers", "2"]) as running:
+        yield running
 
 
 def scores(resp: httpx.Response) -> list[tuple[int, float]]:
@@ -51,9 +65,7 @@ def test_cluster_answers_like_one_server(
     cluster: tuple[str, subprocess.Popen[bytes]], tokenized_llama: Path
 ) -> None:
     url, _ = cluster
-    single = ServerProcess(
-        ["--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", "256"]
-    )
+    single = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS])
     single.start()
     try:
         single.wait_ready()
@@ -62,6 +74,41 @@ def test_cluster_answers_like_one_server(
         )
     finally:
         single.stop()
+
+
+def rerank_calls(worker_url: str) -> int:
+    """/v1/rerank calls the worker answered 200 (its po_http_requests counter)."""
+    text = httpx.get(worker_url + "/metrics", timeout=10).text
+    return sum(
+        int(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "po_http_requests_total"
+        and sample.labels == {"endpoint": "/v1/rerank", "status": "200"}
+    )
+
+
+def worker_urls(router_url: str) -> list[str]:
+    """The workers the router routes to, from its worker API."""
+    return sorted(w["url"] for w in httpx.get(router_url + "/workers", timeout=10).json()["workers"])
+
+
+def test_a_hot_users_burst_spreads_over_the_workers(cluster: tuple[str, subprocess.Popen[bytes]]) -> None:
+    """One user's calls all match one worker's cache; cache_aware keeps them there until that
+    worker has --balance-abs-threshold (ours: 8) more outstanding than the other. With the
+    router's default 64 a burst of this size never spreads (a prefill-only worker rarely holds
+    that many)."""
+    url, _ = cluster
+    workers = worker_urls(url)
+    before = [rerank_calls(w) for w in workers]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(url + "/v1/rerank", json=QUERY) for _ in range(60)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    spread = [rerank_calls(w) - b for w, b in zip(workers, before, strict=True)]
+    assert sum(spread) == 60 and min(spread) > 0, spread
 
 
 def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(
@@ -94,3 +141,47 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(
     assert proc.wait(timeout=90) == 0
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path) -> None:
+    extra = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS]).start()
+    flags = ["--workers", "1", "--router-policy", "round_robin"]
+    try:
+        with launched_cluster(tokenized_llama, flags) as (url, _):
+            [first] = worker_urls(url)
+            extra.wait_ready()
+            # The reference: the new worker on its own (a single server), before it joins.
+            bodies = [{**QUERY, "query": f"{QUERY['query']} {i}"} for i in range(8)]
+            want = [scores(httpx.post(extra.url + "/v1/rerank", json=b, timeout=60)) for b in bodies]
+
+            cli = [sys.executable, "-m", "po_backend.launch_cluster", "add-worker", "--router", url]
+            added = subprocess.run(
+                [*cli, "--worker-url", extra.url, "--timeout", "60"],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
+            assert added.returncode == 0, added.stderr
+            assert worker_urls(url) == sorted([first, extra.url])
+
+            before = rerank_calls(first), rerank_calls(extra.url)
+            got = [scores(httpx.post(url + "/v1/rerank", json=b, timeout=60)) for b in bodies]
+            after = rerank_calls(first), rerank_calls(extra.url)
+
+            # Nothing listens there: a clear error once our wait is over, not a hang.
+            with pytest.raises(RuntimeError, match="has not taken"):
+                add_worker(url, f"http://127.0.0.1:{free_port()}", timeout=2)
+    finally:
+        extra.stop()
+    assert got == want
+    on_first, on_extra = after[0] - before[0], after[1] - before[1]
+    assert on_first + on_extra == len(bodies)
+    assert on_extra > 0 and on_first > 0, (on_first, on_extra)  # round robin: both share the calls
+
+
+def test_add_worker_clear_errors() -> None:
+    with pytest.raises(ValueError, match="bad worker URL"):
+        add_worker("http://127.0.0.1:1", "10.0.0.7:30001")
+    with pytest.raises(ValueError, match="bad router URL"):
+        add_worker("127.0.0.1:30000", "http://10.0.0.7:30001")

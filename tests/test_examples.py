@@ -12,7 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -291,6 +291,55 @@ def test_shipped_sample_reports_its_two_bad_rows() -> None:
     assert 40 <= len(good) <= 60
     golds = [r.data["gold"] for r in good]
     assert golds.count("positive") == golds.count("negative")
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A local Ray on 2 CPUs (as tests/test_ray.py), shut down after this module's tests."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_label_data_on_ray_equals_in_process_and_resumes(
+    tmp_path: Path, tokenized_llama: Path, local_ray: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = reviews(12)
+    lines.append(json.dumps({"id": "long", "text": "x " * 1200}))  # line 13: over max_input_len
+    model = ["--model", str(tokenized_llama), "--dtype", "fp32", "--labels", "Yes,No"]
+    common = [*model, "--batch-size", "4", "--calibrate", "none", "--no-progress"]
+    local = write_jsonl(tmp_path / "local.jsonl", lines)
+    assert label_data.main([str(local), *common]) == 0
+    want = read_output(tmp_path / "local.labeled.jsonl")
+    assert len(want) == 12 and {r["label"] for r in want} <= {"Yes", "No"}
+    assert "bad row at line 13: not scored: " in capsys.readouterr().err
+
+    # This process's backend only checks the labels: a Fake that never scores a row here, so every
+    # record below was computed by the Ray actors (on the tiny model, from --model).
+    driver = po.Fake(seed=12)
+    on_ray = write_jsonl(tmp_path / "ray.jsonl", lines)
+    ray_args = [str(on_ray), *common, "--ray", "--concurrency", "2"]
+    assert label_data.main([*ray_args, "--max-rows", "5"], backend=driver) == 0
+    assert len(read_output(tmp_path / "ray.labeled.jsonl")) == 5
+    capsys.readouterr()
+    assert label_data.main(ray_args, backend=driver) == 0  # resumes: the 5 are not labeled again
+    out, err = capsys.readouterr()
+    assert "12 of 13 rows labeled (7 now, 5 from an earlier run), 1 bad" in out
+    assert "bad row at line 13: not scored: " in err
+    assert n_requests(driver) == 0
+    got = read_output(tmp_path / "ray.labeled.jsonl")
+    assert [r["line"] for r in got] == [r["line"] for r in want] == list(range(1, 13))
+    for g, w in zip(got, want, strict=True):
+        assert (g["key"], g["config"], g["label"], g["input"]) == (
+            w["key"],
+            w["config"],
+            w["label"],
+            w["input"],
+        )
+        assert g["probs"] == pytest.approx(w["probs"], abs=1e-5)
 
 
 # ---- recommend / credit_check -------------------------------------------------------------------

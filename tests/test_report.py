@@ -13,6 +13,12 @@ import pytest
 from benchmarks.harness import poisson_arrivals, slo_table, sustained_qps
 from benchmarks.report import (
     build_report,
+    cluster_markdown,
+    cluster_ratios,
+    cluster_rows,
+    cluster_sim_findings,
+    cluster_sim_markdown,
+    cluster_sim_rows,
     plot_sweeps,
     ratio_cell,
     schedule_sim_markdown,
@@ -246,3 +252,215 @@ def test_poisson_arrivals_scale_with_rate() -> None:
     assert unit[0] == 0.0 and all(b > a for a, b in zip(unit, unit[1:], strict=False))
     assert fast[-1] == pytest.approx(unit[-1] / 4, rel=0.01)  # same draws, a quarter of the gaps
     assert 150 < unit[-1] < 250  # mean gap 1 s
+
+
+# ---- scaling out: bench_cluster (measured) and bench_cluster_sim (simulated) --------------------------
+
+
+def _cluster_run(
+    policy: str, items_per_s: float, hit: float, p50: float, users: dict[str, int]
+) -> dict[str, Any]:
+    """One bench_cluster run: 20 posts in 10 calls over two workers of 1,000 prompt tokens each."""
+    workers = [
+        {"prompt_tokens": 1000, "cached_tokens": 1000 * hit, "share": hit, "calls": 5, "items": n, "users": 2}
+        for n in (8, 12)
+    ]
+    return {
+        "shape": "generate",
+        "rate": 4.0,
+        "policy": policy,
+        "calls": 10,
+        "ok": 10,
+        "errors": {},
+        "first_error": "",
+        "items": 20,
+        "seconds": 10.0,
+        "cluster_cores": 1.0 if policy == "cache_aware" else 1.5,  # CPU per post: 500 / 750 ms
+        "items_per_s": items_per_s,
+        "mean_s": p50,
+        "p50_s": p50,
+        "p99_s": 4 * p50,
+        "other_cores": 0.9 if policy == "round_robin" else 0.0,
+        "workers": workers,
+        "prompt_tokens": 2000,
+        "cached_tokens": 2000 * hit,
+        "hit_rate": hit,
+        "workers_per_user": users,
+    }
+
+
+def _cluster_doc() -> dict[str, Any]:
+    args = {"workers": 2, "worker_args": "--max-input-len 2048", "seed": 0, "items_per_s": [4.0, 12.0, 30.0]}
+    args.update(generate_as="ids", docs_per_call=2)
+    return {
+        "machine": MACHINE,
+        "args": args,
+        "threads_per_worker": 1,
+        "worker_settings": {"dtype": "torch.bfloat16"},
+        "workload": {"users": 4, "posts": 5, "mean_profile_tokens": 600.0, "mean_post_tokens": 80.0},
+        "runs": [
+            _cluster_run("cache_aware", 6.0, 0.8, 0.5, {"0": 1, "1": 1, "2": 1, "3": 1}),
+            _cluster_run("round_robin", 4.0, 0.5, 2.0, {"0": 2, "1": 2, "2": 1, "3": 2}),
+        ],
+    }
+
+
+def _sim_row(router: str, n: int, qps: float, hit: float, busy: float) -> dict[str, Any]:
+    return {
+        "router": router,
+        "workers": n,
+        "sustained_qps": qps,
+        "hit_rate": hit,
+        "imbalance": 1.0 + 0.01 * n,
+        "p99_s": 9.0,
+        "mean_s": 2.0,
+        "mean_batch": 1.0,
+        "span_over_bound": 10.0 if n == 8 else 50.0,  # the 8-worker run is one burst
+        "busy_share": [busy] * n,
+    }
+
+
+def _sim_doc() -> dict[str, Any]:
+    # cache_aware: efficiency 1.0, 1.2, 1.5, 1.5 (levels off at 4), hit rate up to 81% (within 2
+    # points from 4). round_robin: efficiency 1.0, 0.9, 0.8, 0.7 (peaks at 1), hit rate flat 10%.
+    # 40 users x 1,000-token profiles in pools of 10,000 tokens: every profile fits from N = 4.
+    ca = [(1, 1.0, 0.1), (2, 2.4, 0.4), (4, 6.0, 0.8), (8, 12.0, 0.81)]
+    rr = [(1, 1.0, 0.1), (2, 1.8, 0.1), (4, 3.2, 0.1), (8, 5.6, 0.1)]
+    rows = [_sim_row("cache_aware", n, q, h, 0.5) for n, q, h in ca]
+    rows += [_sim_row("round_robin", n, q, h, 0.5 + n / 20) for n, q, h in rr]
+    args = {"users": 40, "posts": 10, "scale": 8.0, "seed": 0, "fairness_lambda": 0.2, "pool_gib": 1.0}
+    args.update(slo_x=8.0, warmup=0.0)
+    return {
+        "args": args,
+        "jct_source": "a fake fit",
+        "kv_bytes_per_token": 100,
+        "dtype": "torch.bfloat16",
+        "pool_tokens": 10000,
+        "mean_profile_tokens": 1000.0,
+        "requests": 400,
+        "isolated_mean_s": 1.0,
+        "slo_p99_s": 8.0,
+        "router_defaults": {
+            "cache_threshold": 0.3,
+            "balance_abs_threshold": 64,
+            "balance_rel_threshold": 1.5,
+        },
+        "rows": rows,
+    }
+
+
+def test_cluster_sections_missing_say_not_run(fake_results: Path) -> None:
+    out = fake_results.parent / "REPORT.md"
+    summary = build_report(fake_results, out)
+    text = out.read_text()
+    assert "## Prefix affinity through the SGLang router (measured)\n\nNot run (no cluster.json)." in text
+    assert "## Scaling out past one machine (simulated)\n\nNot run (no cluster_sim.json)." in text
+    assert not any(s.startswith("cluster ") for s in summary)
+    assert not (fake_results / "cluster_sim.png").exists()
+
+
+def test_cluster_affinity_table_and_ratios(fake_results: Path) -> None:
+    doc = _cluster_doc()
+    assert cluster_ratios(doc) == {
+        "generate @ 4 posts/s": {
+            "items_per_s": 1.5,
+            "hit_rate": 1.6,
+            "p50_s": 4.0,
+            "p99_s": 4.0,
+            "computed_tokens": 2.5,  # 1,000 of 2,000 prompt tokens computed against 400
+            "cpu_per_item": 1.5,
+        }
+    }
+    md = cluster_markdown(doc)
+    assert "load rule at 64 (the router's default) outstanding requests" in md  # no router flag given
+    doc["runs"][0]["router_cmd"] = ["-m", "sglang_router.launch_router", "--balance-abs-threshold", "8"]
+    md = cluster_markdown(doc)
+    assert "load rule at 8 outstanding requests" in md
+    assert (
+        "| generate | 4 | cache_aware | 10/10 | 6.00 | 0.50 | 2.00 | 500 | 80% | 80% / 80% | 8 / 12 | 1.00 / 1 | 100% |"
+        in md
+    )
+    # round robin: 3 of 4 users on both workers; the run had other load beside it (`*`).
+    assert (
+        "| generate | 4 | round_robin* | 10/10 | 4.00 | 2.00 | 8.00 | 750 | 50% | 50% / 50% | 8 / 12 | 1.75 / 2 | 25% |"
+        in md
+    )
+    assert (
+        "cache_aware / round_robin items/s **1.50x**, hit rate **1.60x**; round_robin / cache_aware: tokens computed "
+        "2.50x, CPU per item 1.50x, P50 latency 4.00x, P99 4.00x" in md
+    )
+    _write(fake_results, "cluster", doc)
+    out = fake_results.parent / "REPORT.md"
+    summary = build_report(fake_results, out)
+    text = out.read_text()
+    assert "`benchmarks/bench_cluster.py`: 2 PrefillOnly workers x 1 threads" in text
+    assert (
+        "4 users x 5 posts, profiles ~600 tokens" in text
+        and "Poisson arrivals at 4, 12 and 30 posts/s" in text
+    )
+    assert "| generate | 4 | cache_aware | 10/10 | 6.00 |" in text
+    assert "cluster generate @ 4 posts/s: cache_aware / round_robin items/s 1.50x, hit rate 1.60x" in summary
+    # Without its round-robin run a point has no ratio, and a run no call reached shows no affinity.
+    doc["runs"] = [{**doc["runs"][0], "workers_per_user": {}}]
+    assert cluster_ratios(doc) == {}
+    assert cluster_rows(doc)[0][-2:] == ["-", "-"]
+
+
+def test_cluster_sim_section_states_where_scaling_stops(fake_results: Path) -> None:
+    doc = _sim_doc()
+    rows = cluster_sim_rows(doc)
+    assert rows[2] == [
+        "cache_aware",
+        "4",
+        "6.000",
+        "1.500",
+        "1.50",
+        "1.88x",
+        "80.0%",
+        "1.040",
+        "9.0",
+        "2.00",
+        "1.00",
+        "50",
+    ]
+    assert rows[3][-1] == "10 †"  # a burst, not a sustained rate
+    assert rows[7][:6] == ["round_robin", "8", "5.600", "0.700", "0.70", "1.00x"]
+    ca, rr, fit = cluster_sim_findings(doc)
+    assert ca.startswith(
+        "cache_aware: efficiency levels off from N=4 (at 95% of its best, 1.50x linear at N=4)"
+    )
+    assert "hit rate grows from 10.0% (N=1) to 81.0% and is within 2 points of that from N=4" in ca
+    assert rr.startswith("round_robin: efficiency peaks at N=1 (1.00x linear) and falls to 0.70 at N=8")
+    assert "hit rate is flat (10.0%-10.0%) at every N" in rr and "busy share 0.55 at N=1, 0.90 at N=8" in rr
+    assert fit.startswith(
+        "The workers' prefix pools hold every user's profile from N = 4.0 (40 users x 1000 tokens"
+    )
+    # Still rising at the largest N: said so, not a made-up stopping point.
+    rising = {**doc, "rows": [r for r in doc["rows"] if r["router"] == "cache_aware"][:3]}
+    assert cluster_sim_findings(rising)[0].startswith(
+        "cache_aware: efficiency still rising at N=4 (1.50x linear), the largest N run"
+    )
+    md = cluster_sim_markdown(doc)
+    assert "| round_robin | 1 | 1.000 | 1.000 | 1.00 | 1.00x | 10.0% |" in md and f"- {fit}" in md
+    _write(fake_results, "cluster_sim", doc)
+    out = fake_results.parent / "REPORT.md"
+    build_report(fake_results, out)
+    text = out.read_text()
+    assert "## Scaling out past one machine (simulated)" in text and "| cache_aware | 4 | 6.000 |" in text
+    assert "(report/cluster_sim.png)" in text and (fake_results / "cluster_sim.png").stat().st_size > 1000
+    assert f"- {ca}" in text
+
+
+def test_cluster_tap_keys_tell_users_apart() -> None:
+    from benchmarks.bench_cluster import KEY_TOKENS, call_items, call_key
+
+    ids = list(range(100))
+    assert call_key({"input_ids": ids}) == tuple(range(KEY_TOKENS))
+    assert call_key({"input_ids": [ids, [7]]}) == call_key({"input_ids": ids})  # a batch: its first prompt
+    assert call_key({"query": "User 3 profile", "documents": ["a", "b"]}) == "User 3 profile"
+    assert call_key({"text": "User 3 profile. " * 20}) != call_key({"text": "User 4 profile. " * 20})
+    assert call_key({"sampling_params": {}}) is None  # not a scoring call: not counted
+    assert call_items({"query": "q", "documents": ["a", "b", "c"]}) == 3
+    assert call_items({"input_ids": ids}) == 1
+    assert call_items({"input_ids": [ids, ids]}) == 2
+    assert call_items({"text": ["a", "b"]}) == 2 and call_items({"text": "a"}) == 1

@@ -1,0 +1,510 @@
+"""Prefix affinity through the real SGLang router: WL1-style users x posts over N PrefillOnly
+workers on this machine, the router's cache_aware policy against round_robin in the same run.
+
+    python -m benchmarks.bench_cluster            # ~6 min on 2 cores
+    python -m benchmarks.bench_cluster --quick    # ~1.5 min: 4 users x 5 posts (the issue's figure)
+
+The workers are started once with `po_backend.launch_cluster`'s commands (CPU threads split
+between them) and serve every run; each (traffic shape, router policy) run gets a fresh router
+(`launch_cluster.router_command`: failover on, its defaults otherwise) and starts with every
+worker's cache flushed. Two traffic shapes, the same users and posts:
+
+- `generate`: plain SGLang traffic, one prompt per `/generate` call (`input_ids`, or `text` with
+  `--generate-as text`), the user's profile first and no prefix declared: the worker finds the
+  shared profile itself, the router's cache_aware sees it as the request's leading text.
+- `rerank`: `/v1/rerank` with the user's profile as the query and `--docs-per-call` posts as the
+  documents (the server caches the query).
+
+Calls of all users interleave (shuffled, seeded) and arrive open-loop at Poisson times (the same
+trace and arrival times for both policies), like bench_serving. Per run: each worker's cached /
+prompt tokens (its /metrics), the overall hit rate, items/s (completed items over first send to
+last answer), P50/P99 latency, and how many distinct workers each user's calls went to. The router
+does not say where it sent a call, so each worker sits behind a pass-through tap (a small proxy in
+this process) that records which worker received which request id. The ratios cache_aware /
+round_robin are same-run. Results: benchmarks/results/cluster.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import harness, report
+from benchmarks.bench_serving import Call, Outcome, make_calls, request_body, scrape, summarize, warm_up
+from benchmarks.workloads import label_ids
+from po_backend.launch_cluster import free_port, router_command, stop_all, wait_until, worker_command
+
+SHAPES = ("generate", "rerank")
+POLICIES = ("cache_aware", "round_robin")
+NO_AUTH = argparse.Namespace(api_key=None)  # bench_serving's helpers read the key from their args
+
+
+# ---- the tap: which worker got which request --------------------------------------------------------
+
+
+KEY_TOKENS = 24  # a profile's first ids: "User 12 profile. Interests: ..." differ between users
+KEY_CHARS = 120  # the same for text
+
+
+def call_key(body: dict[str, Any]) -> str | tuple[int, ...] | None:
+    """What tells a call's user from the body the router forwards (which keeps the request as the
+    client sent it, minus fields it does not know): the rerank query, else the prompt's start."""
+    if isinstance(body.get("query"), str):
+        return body["query"]
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids:
+        return tuple(ids[0] if isinstance(ids[0], list) else ids)[:KEY_TOKENS]
+    text = body.get("text")
+    if isinstance(text, str | list) and text:
+        return (text[0] if isinstance(text, list) else text)[:KEY_CHARS]
+    return None
+
+
+def call_items(body: dict[str, Any]) -> int:
+    """Prompts in a call: rerank documents, else the prompts of a /generate batch."""
+    if isinstance(body.get("documents"), list):
+        return len(body["documents"])
+    first = body.get("input_ids") or body.get("text")
+    return len(first) if isinstance(first, list) and first and isinstance(first[0], list | str) else 1
+
+
+Seen = list[tuple[int, str | tuple[int, ...], int]]  # (worker, call key, items) per forwarded call
+
+
+class Tap:
+    """A pass-through HTTP/1.1 proxy in front of one worker that notes (this worker, the call's
+    key, its items) for every scoring POST it forwards: the router does not say where it sent a
+    call. Everything else (the router's health checks, /server_info, ...) passes unchanged."""
+
+    def __init__(self, index: int, target: str, seen: Seen) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        tap = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: the router reuses its connections
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                if self.command == "POST" and body:
+                    tap.record(body)
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")
+                }
+                if not hasattr(self, "conn"):
+                    self.conn = http.client.HTTPConnection(host, int(port), timeout=900)
+                try:
+                    self.conn.request(self.command, self.path, body or None, headers)
+                    resp = self.conn.getresponse()
+                    status, ctype, data = resp.status, resp.getheader("content-type"), resp.read()
+                except (OSError, http.client.HTTPException) as e:
+                    self.conn.close()  # a fresh connection next time
+                    status, ctype, data = 502, "text/plain", f"tap: {e}".encode()
+                self.send_response(status)
+                self.send_header("content-type", ctype or "application/octet-stream")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _forward
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # one line per health check would drown the benchmark's output
+
+        self.index, self.seen = index, seen
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def record(self, raw: bytes) -> None:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return
+        key = call_key(body) if isinstance(body, dict) else None
+        if key is not None:
+            self.seen.append((self.index, key, call_items(body)))  # list.append is atomic
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ---- the cluster ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Worker:
+    url: str
+    proc: subprocess.Popen[bytes]
+    tap: Tap
+
+
+@contextlib.contextmanager
+def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
+    """`--workers` PrefillOnly workers as launch_cluster starts them (its command, the CPU threads
+    split between them), each behind a tap; stopped (drained) on exit."""
+    threads = max(1, (os.cpu_count() or 1) // args.workers)  # launch_cluster's split
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    extra = ["--log-level", "warning", *args.worker_args.split()]
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(args.workers)]
+    procs: list[subprocess.Popen[bytes]] = []
+    taps: list[Tap] = []
+    try:
+        for u in urls:
+            port = int(u.rsplit(":", 1)[1])
+            procs.append(subprocess.Popen(worker_command(args.model_path, port, extra), env=env))
+            taps.append(Tap(len(taps), u, seen))
+        for u in urls:
+            wait_until(u + "/health", procs, args.startup_timeout)
+        yield [Worker(u, p, t) for u, p, t in zip(urls, procs, taps, strict=True)]
+    finally:
+        stop_all(None, procs)
+        for t in taps:
+            t.close()
+
+
+@contextlib.contextmanager
+def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterator[tuple[str, int, list[str]]]:
+    """A fresh router (launch_cluster's command) in front of the workers' taps, ready once it has
+    every worker registered and healthy: the first calls must not all go to the first one up.
+    Yields its URL, pid and command line; its log goes to a temp file, kept and named if something fails."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(
+        "w", prefix=f"bench-cluster-router-{policy}-", suffix=".log", delete=False
+    )
+    cmd = router_command([w.tap.url for w in workers], "127.0.0.1", port, policy)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"router ({policy}) not ready; see {log.name}")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                listed = httpx.get(url + "/workers", timeout=2).json().get("workers", [])
+                if sum(bool(w.get("is_healthy")) for w in listed) == len(workers):
+                    break
+            time.sleep(0.3)
+        wait_until(url + "/get_model_info", [proc], timeout)
+        yield url, proc.pid, cmd
+    except BaseException:
+        stop_all(proc, [])
+        log.close()
+        raise
+    stop_all(proc, [])
+    log.close()
+    Path(log.name).unlink()  # kept only when something failed
+
+
+# ---- traffic ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """One HTTP call of the trace: where it goes, its body, its user and items."""
+
+    path: str
+    body: dict[str, Any]
+    user: int
+    items: int
+
+
+def shape_calls(args: argparse.Namespace, tok: Any, per_call: int) -> list[Call]:
+    """The WL1 trace as bench_serving builds it (users x posts, calls shuffled so users
+    interleave), `per_call` posts of one user per call."""
+    ns = argparse.Namespace(
+        workload="wl1",
+        users=args.users,
+        items=args.posts,
+        profile_tokens=args.profile_tokens,
+        history_tokens=0,
+        item_tokens=args.item_tokens,
+        seed=args.seed,
+        items_per_call=per_call,
+        order="shuffled",
+        num_calls=0,
+    )
+    return make_calls(ns, tok)
+
+
+def generate_requests(calls: list[Call], args: argparse.Namespace, tok: Any) -> list[Request]:
+    """One prompt per call, no `cache_prefix_len`: what an SGLang client sends."""
+    ns = argparse.Namespace(api="generate", prefix_hint=False)
+    out: list[Request] = []
+    for c in calls:
+        path, body = request_body(c, ns, label_ids(tok))
+        (ids,) = body.pop("input_ids")  # bench_serving sends a batch; plain clients one prompt
+        if args.generate_as == "text":
+            body["text"] = tok.decode(ids)
+        else:
+            body["input_ids"] = ids
+        out.append(Request(path, body, c.user, 1))
+    return out
+
+
+def rerank_requests(calls: list[Call], tok: Any) -> list[Request]:
+    """SGLang's /v1/rerank: the profile is the query, the posts the documents."""
+    out: list[Request] = []
+    for c in calls:
+        body = {
+            "query": tok.decode(c.prefix),
+            "documents": [tok.decode(s) for s in c.suffixes],
+            "return_documents": False,
+        }
+        out.append(Request("/v1/rerank", body, c.user, len(c.suffixes)))
+    return out
+
+
+async def send_all(
+    url: str, reqs: list[Request], arrivals: list[float], timeout: float
+) -> tuple[list[Outcome], float]:
+    """Open loop, as bench_serving.run_load (which only builds its own bodies): request i is sent
+    at arrivals[i] whatever happened to the earlier ones. Returns outcomes and the span."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def one(r: Request) -> Outcome:
+            sent = loop.time()
+            try:
+                resp = await client.post(r.path, json=r.body)
+                status, err = resp.status_code, "" if resp.status_code == 200 else resp.text[:200]
+            except httpx.HTTPError as e:
+                status, err = 0, f"{type(e).__name__}: {e}"
+            return Outcome(sent - t0, loop.time() - sent, status, r.items, err)
+
+        tasks = []
+        for r, at in zip(reqs, arrivals, strict=True):
+            await asyncio.sleep(max(0.0, t0 + at - loop.time()))
+            tasks.append(asyncio.create_task(one(r)))
+        outcomes = await asyncio.gather(*tasks)
+    span = max(o.sent + o.latency for o in outcomes) - min(o.sent for o in outcomes)
+    return list(outcomes), span
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+
+
+def token_counters(url: str) -> tuple[float, float]:
+    """(prompt tokens, tokens read from the prefix cache) a worker has scored so far."""
+    m = scrape(url, NO_AUTH)
+    if "po_prompt_tokens_total" not in m:
+        raise RuntimeError(f"{url}/metrics has no po_prompt_tokens_total: not a PrefillOnly worker?")
+    return m["po_prompt_tokens_total"], m["po_cache_hit_tokens_total"]
+
+
+def run_one(
+    shape: str,
+    rate: float,
+    policy: str,
+    workers: list[Worker],
+    reqs: list[Request],
+    unit: list[float],
+    seen: Seen,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One (shape, offered posts/s, policy) run on flushed workers behind a fresh router; `unit`:
+    unit-rate Poisson arrival times, scaled to the rate (the same pattern for every run)."""
+    per_call = sum(r.items for r in reqs) / len(reqs)
+    qps = rate / per_call  # calls/s
+    arrivals = [u / qps for u in unit]
+    with router_up(workers, policy, args.startup_timeout) as (url, router_pid, cmd):
+        for w in workers:  # directly, not through the router: each worker must say it flushed
+            r = httpx.post(w.url + "/flush_cache", timeout=60)
+            if r.status_code != 200:
+                raise RuntimeError(f"{w.url}/flush_cache: HTTP {r.status_code} {r.text[:200]}")
+        seen.clear()
+        harness.wait_for_quiet(args.quiet_wait)
+        before = [token_counters(w.url) for w in workers]
+        # CPU of each worker and of the router, and of everything else: other users of the machine.
+        shares = [harness.CpuShare(p) for p in [*(w.proc.pid for w in workers), router_pid]]
+        with contextlib.ExitStack() as stack:
+            for s in shares:
+                stack.enter_context(s)
+            outcomes, span = asyncio.run(send_all(url, reqs, arrivals, args.timeout))
+        after = [token_counters(w.url) for w in workers]
+    row: dict[str, Any] = {
+        "shape": shape,
+        "rate": rate,
+        "policy": policy,
+        "router_cmd": cmd[1:],  # launch_cluster's router flags at the time of the run
+        **summarize(outcomes, span, qps, per_call),
+        "cluster_cores": sum(s.pid_cores for s in shares),
+        "other_cores": max(0.0, shares[0].other_cores - sum(s.pid_cores for s in shares[1:])),
+    }
+    # Where each call went (the taps), per worker and per user. A call the router retried on
+    # another worker counts on both: both computed it.
+    user_of = {call_key(r.body): r.user for r in reqs}
+    where: dict[int, set[int]] = defaultdict(set)
+    calls_of, items_of = [0] * len(workers), [0] * len(workers)
+    for w, key, items in seen:
+        if key in user_of:
+            where[user_of[key]].add(w)
+        calls_of[w] += 1
+        items_of[w] += items
+    row["workers"] = [
+        {
+            "prompt_tokens": a[0] - b[0],
+            "cached_tokens": a[1] - b[1],
+            "share": (a[1] - b[1]) / (a[0] - b[0]) if a[0] > b[0] else 0.0,
+            "calls": calls_of[i],
+            "items": items_of[i],
+            "users": sum(i in ws for ws in where.values()),
+        }
+        for i, (a, b) in enumerate(zip(after, before, strict=True))
+    ]
+    prompt = sum(w["prompt_tokens"] for w in row["workers"])
+    row["prompt_tokens"] = prompt
+    row["cached_tokens"] = sum(w["cached_tokens"] for w in row["workers"])
+    row["hit_rate"] = row["cached_tokens"] / prompt if prompt else 0.0
+    row["workers_per_user"] = {str(u): len(ws) for u, ws in sorted(where.items())}
+    row["traced_calls"] = sum(calls_of)
+    print(report.cluster_line(row), flush=True)
+    return row
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="4 users x 5 posts, ~1.5 min")
+    ap.add_argument("--model-path", default="embedded")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument(
+        "--worker-args",
+        default="--max-input-len 2048",
+        help="flags for every worker (the default keeps the start-up profile run short)",
+    )
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {','.join(SHAPES)}")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="router policies, in the run's order")
+    ap.add_argument(
+        "--generate-as", choices=("ids", "text"), default="ids", help="/generate: input_ids or text"
+    )
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--posts", type=int, default=10, help="posts per user")
+    ap.add_argument("--profile-tokens", type=int, default=800, help="mean profile length (+-50%%)")
+    ap.add_argument("--item-tokens", type=int, default=80, help="tokens per post")
+    ap.add_argument("--docs-per-call", type=int, default=2, help="rerank: posts per call")
+    ap.add_argument(
+        "--items-per-s",
+        default="4,12,30",
+        help="offered loads, posts/s (Poisson), comma list, the same for both shapes: by default one "
+        "both routers keep up with, one between their capacities, one past both (items/s = capacity)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="trace, call order and arrivals")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per call, seconds")
+    ap.add_argument(
+        "--quiet-wait", type=float, default=20.0, help="max seconds to wait for an idle CPU per run"
+    )
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--out", type=Path, default=harness.RESULTS / "cluster.json", help=".md beside it")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.users, args.posts, args.profile_tokens, args.items_per_s = 4, 5, 600, "3"
+    shapes = [s for s in args.shapes.split(",") if s]
+    policies = [p for p in args.policies.split(",") if p]
+    if not shapes or set(shapes) - set(SHAPES):
+        ap.error(f"--shapes must be a subset of {SHAPES}, got {args.shapes!r}")
+    if not policies or set(policies) - {"cache_aware", "round_robin", "power_of_two"}:
+        ap.error(f"--policies: cache_aware, round_robin, power_of_two; got {args.policies!r}")
+    try:
+        rates = [float(x) for x in str(args.items_per_s).split(",") if x]
+    except ValueError:
+        ap.error(f"--items-per-s must be a comma list of numbers, got {args.items_per_s!r}")
+    if min(args.workers, args.users, args.posts, args.docs_per_call) < 1 or not rates or min(rates) <= 0:
+        ap.error("--workers, --users, --posts, --docs-per-call and --items-per-s must be positive")
+    args.shapes, args.policies, args.items_per_s = shapes, policies, rates
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    t0 = time.perf_counter()
+    tok = harness.tokenizer(args.model_path)
+    traces: dict[str, list[Request]] = {}
+    for s in args.shapes:
+        calls = shape_calls(args, tok, 1 if s == "generate" else args.docs_per_call)
+        traces[s] = generate_requests(calls, args, tok) if s == "generate" else rerank_requests(calls, tok)
+    gen = shape_calls(args, tok, 1)
+    profiles = {c.prefix for c in gen}
+    workload = {
+        "users": args.users,
+        "posts": args.posts,
+        "mean_profile_tokens": sum(map(len, profiles)) / len(profiles),
+        "mean_post_tokens": sum(len(c.suffixes[0]) for c in gen) / len(gen),
+        "calls": {s: len(r) for s, r in traces.items()},
+    }
+    machine = harness.machine_info()
+    print(
+        f"{args.users} users x {args.posts} posts, profiles ~{workload['mean_profile_tokens']:.0f} tokens, "
+        f"{args.workers} workers, {','.join(f'{r:g}' for r in args.items_per_s)} posts/s offered | {machine['cpu']}"
+    )
+    seen: Seen = []
+    rows: list[dict[str, Any]] = []
+    warm = gen[-1]  # the trace's last call: its user is flushed again before every run
+    with workers_up(args, seen) as workers:
+        for w in workers:  # one-off start-up costs (allocator, kernels) stay out of the numbers
+            warm_up(
+                w.url,
+                warm,
+                argparse.Namespace(api="generate", prefix_hint=False, api_key=None, timeout=args.timeout),
+                label_ids(tok),
+            )
+            r = httpx.post(
+                w.url + "/v1/rerank", json=rerank_requests([warm], tok)[0].body, timeout=args.timeout
+            )
+            if r.status_code != 200:
+                raise RuntimeError(f"warm-up rerank failed: HTTP {r.status_code}: {r.text[:300]}")
+        info = httpx.get(workers[0].url + "/server_info", timeout=10).json()
+        points = [(shape, rate) for shape in args.shapes for rate in args.items_per_s]
+        for k, (shape, rate) in enumerate(points):
+            # Alternate which policy runs first, so neither always gets the later, warmer slot.
+            order = args.policies if k % 2 == 0 else args.policies[::-1]
+            unit = harness.poisson_arrivals(len(traces[shape]), random.Random(args.seed + 1))
+            for policy in order:
+                rows.append(run_one(shape, rate, policy, workers, traces[shape], unit, seen, args))
+    doc: dict[str, Any] = {
+        "machine": machine,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "threads_per_worker": max(1, (os.cpu_count() or 1) // args.workers),
+        # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
+        "worker_settings": {k: v for k, v in info.items() if k != "internal_states"},
+        "workload": workload,
+        "runs": rows,
+        "seconds": time.perf_counter() - t0,
+    }
+    doc["ratios"] = report.cluster_ratios(doc)
+    md = report.cluster_markdown(doc)
+    print("\n" + md)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    args.out.with_suffix(".md").write_text(md)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md').name} in {doc['seconds']:.0f} s")
+    failed = sum(r["calls"] - r["ok"] for r in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
