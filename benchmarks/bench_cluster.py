@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import os
 import random
 import subprocess
 import sys
@@ -48,9 +47,25 @@ from typing import Any
 import httpx
 
 from benchmarks import harness, report
-from benchmarks.bench_serving import Call, Outcome, make_calls, request_body, scrape, summarize, warm_up
+from benchmarks.bench_serving import (
+    Call,
+    make_calls,
+    request_body,
+    scrape,
+    send_open_loop,
+    summarize,
+    warm_up,
+)
 from benchmarks.workloads import label_ids
-from po_backend.launch_cluster import free_port, router_command, stop_all, wait_until, worker_command
+from po_backend.launch_cluster import (
+    free_port,
+    router_command,
+    stop_all,
+    wait_until,
+    worker_command,
+    worker_env,
+    worker_threads,
+)
 
 SHAPES = ("generate", "rerank")
 POLICIES = ("cache_aware", "round_robin")
@@ -162,8 +177,7 @@ class Worker:
 def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
     """`--workers` PrefillOnly workers as launch_cluster starts them (its command, the CPU threads
     split between them), each behind a tap; stopped (drained) on exit."""
-    threads = max(1, (os.cpu_count() or 1) // args.workers)  # launch_cluster's split
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = worker_env(args.workers)
     extra = ["--log-level", "warning", *args.worker_args.split()]
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(args.workers)]
     procs: list[subprocess.Popen[bytes]] = []
@@ -274,34 +288,6 @@ def rerank_requests(calls: list[Call], tok: Any) -> list[Request]:
     return out
 
 
-async def send_all(
-    url: str, reqs: list[Request], arrivals: list[float], timeout: float
-) -> tuple[list[Outcome], float]:
-    """Open loop, as bench_serving.run_load (which only builds its own bodies): request i is sent
-    at arrivals[i] whatever happened to the earlier ones. Returns outcomes and the span."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-
-        async def one(r: Request) -> Outcome:
-            sent = loop.time()
-            try:
-                resp = await client.post(r.path, json=r.body)
-                status, err = resp.status_code, "" if resp.status_code == 200 else resp.text[:200]
-            except httpx.HTTPError as e:
-                status, err = 0, f"{type(e).__name__}: {e}"
-            return Outcome(sent - t0, loop.time() - sent, status, r.items, err)
-
-        tasks = []
-        for r, at in zip(reqs, arrivals, strict=True):
-            await asyncio.sleep(max(0.0, t0 + at - loop.time()))
-            tasks.append(asyncio.create_task(one(r)))
-        outcomes = await asyncio.gather(*tasks)
-    span = max(o.sent + o.latency for o in outcomes) - min(o.sent for o in outcomes)
-    return list(outcomes), span
-
-
 # ---- one run ----------------------------------------------------------------------------------------
 
 
@@ -341,7 +327,9 @@ def run_one(
         with contextlib.ExitStack() as stack:
             for s in shares:
                 stack.enter_context(s)
-            outcomes, span = asyncio.run(send_all(url, reqs, arrivals, args.timeout))
+            outcomes, span = asyncio.run(
+                send_open_loop(url, [(r.path, r.body, r.items) for r in reqs], arrivals, args.timeout)
+            )
         after = [token_counters(w.url) for w in workers]
     row: dict[str, Any] = {
         "shape": shape,
@@ -488,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "machine": machine,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "threads_per_worker": max(1, (os.cpu_count() or 1) // args.workers),
+        "threads_per_worker": worker_threads(args.workers),
         # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
         "worker_settings": {k: v for k, v in info.items() if k != "internal_states"},
         "workload": workload,

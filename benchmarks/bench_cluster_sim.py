@@ -31,7 +31,6 @@ from benchmarks.harness import RESULTS
 from po_backend.cluster_sim import (
     ROUTER_POLICIES,
     ClusterResult,
-    IndexedPrefixLRU,
     LinearStepModel,
     RouterConfig,
     TraceShape,
@@ -41,6 +40,7 @@ from po_backend.cluster_sim import (
     simulate_cluster,
 )
 from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
+from po_backend.simulator import PrefixLRU
 
 GiB = 1 << 30
 
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sched = SchedulerConfig("po", args.fairness_lambda)
 
-    def cache() -> IndexedPrefixLRU:
-        return IndexedPrefixLRU(pool, args.max_batch_tokens)
+    def cache() -> PrefixLRU:
+        return PrefixLRU(pool, args.max_batch_tokens)
 
     iso = simulate_cluster(
         sched, model, [(1e6 * i, r) for i, r in enumerate(reqs)], 1, RouterConfig("round_robin"), cache

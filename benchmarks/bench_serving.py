@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,29 +124,40 @@ async def run_load(
 ) -> tuple[list[Outcome], float]:
     """Send `calls` at Poisson arrival times (rate `qps` calls/s); returns outcomes and the span."""
     arrivals = harness.poisson_arrivals(len(calls), random.Random(args.seed + 1), qps)
+    posts = [(*request_body(c, args, labels), len(c.suffixes)) for c in calls]
+    return await send_open_loop(url, posts, arrivals, args.timeout, _auth(args))
+
+
+async def send_open_loop(
+    url: str,
+    posts: Sequence[tuple[str, dict[str, Any], int]],
+    arrivals: Sequence[float],
+    timeout: float,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[Outcome], float]:
+    """POST each (path, body, items) at its arrival (seconds from the start) whatever happened to
+    the earlier ones, so a server that falls behind shows it as latency. Returns the outcomes and
+    the span from the first send to the last response."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(
-        base_url=url, headers=_auth(args), timeout=args.timeout, limits=limits
-    ) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits) as client:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
-        async def one(call: Call) -> Outcome:
-            path, body = request_body(call, args, labels)
+        async def one(path: str, body: dict[str, Any], items: int) -> Outcome:
             sent = loop.time()
             try:
                 r = await client.post(path, json=body)
                 status, err = r.status_code, "" if r.status_code == 200 else r.text[:200]
             except httpx.HTTPError as e:
                 status, err = 0, f"{type(e).__name__}: {e}"
-            return Outcome(sent - t0, loop.time() - sent, status, len(call.suffixes), err)
+            return Outcome(sent - t0, loop.time() - sent, status, items, err)
 
         tasks = []
-        for call, at in zip(calls, arrivals, strict=True):
+        for post, at in zip(posts, arrivals, strict=True):
             await asyncio.sleep(max(0.0, t0 + at - loop.time()))
-            tasks.append(asyncio.create_task(one(call)))
+            tasks.append(asyncio.create_task(one(*post)))
         outcomes = await asyncio.gather(*tasks)
-        span = max(o.sent + o.latency for o in outcomes) - min(o.sent for o in outcomes)
+    span = max(o.sent + o.latency for o in outcomes) - min(o.sent for o in outcomes)
     return list(outcomes), span
 
 

@@ -24,7 +24,6 @@ Torch-free, like the simulator. `benchmarks/bench_cluster_sim.py` replays a pape
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import random
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from po_backend.request import ScoreRequest, common_prefix
-from po_backend.scheduler import Batchable, Request, Scheduler, SchedulerConfig, fit_batch
+from po_backend.scheduler import Batchable, Request, Scheduler, SchedulerConfig
 from po_backend.simulator import SimRun, StepModel
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
@@ -51,73 +50,6 @@ class EngineCache(Protocol):
     def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]: ...
 
     def step(self, reqs: Sequence[Request]) -> list[int]: ...
-
-
-class IndexedPrefixLRU:
-    """`simulator.PrefixLRU`'s cache (same rule, same answers: a test compares them) made cheap
-    enough for 50,000-request runs, where the scheduler asks `cached_len` of every waiting request
-    before every step. The cached prefixes are kept sorted by token ids, so a lookup costs two
-    prefix comparisons (the longest prefix a sequence shares with a set is shared with one of its
-    neighbours in sorted order) instead of one per cached prefix; a request's answer is kept until
-    the set of cached prefixes changes (a hit only refreshes recency); recency is a counter per
-    prefix, so no step hashes a thousands-token key."""
-
-    def __init__(self, capacity_tokens: int, max_batch_tokens: int = 10**9) -> None:
-        if capacity_tokens < 0 or max_batch_tokens < 1:
-            raise ValueError(
-                f"need capacity_tokens >= 0 and max_batch_tokens >= 1, got {capacity_tokens}, {max_batch_tokens}"
-            )
-        self.capacity_tokens = capacity_tokens
-        self.max_batch_tokens = max_batch_tokens
-        self._keys: list[tuple[int, ...]] = []  # sorted
-        self._used: list[int] = []  # aligned with _keys: the tick it was last stored or hit
-        self._tick = 0
-        self._tokens = 0
-        self._memo: dict[int, tuple[Request, int]] = {}  # id(request) -> (request, cached_len)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def cached_len(self, req: Request) -> int:
-        memo = self._memo.get(id(req))
-        if memo is not None and memo[0] is req:
-            return memo[1]
-        ids = tuple(req.input_ids)
-        keys = self._keys
-        i = bisect.bisect_left(keys, ids)
-        best = max((common_prefix(keys[j], ids) for j in (i - 1, i) if 0 <= j < len(keys)), default=0)
-        n = min(best, req.reusable_len)
-        self._memo[id(req)] = (req, n)
-        return n
-
-    def store_len(self, req: Request) -> int:
-        """Only declared prefixes enter this cache (the engine's "declared" cache policy)."""
-        return min(req.cache_prefix_len or 0, len(req.input_ids))
-
-    def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
-        return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
-
-    def step(self, reqs: Sequence[Request]) -> list[int]:
-        """Run a step: each request's cached tokens before it, then its declared prefix cached."""
-        hits = [self.cached_len(r) for r in reqs]
-        for r in reqs:
-            key = tuple(r.input_ids[: r.cache_prefix_len or 0])
-            if not key or len(key) > self.capacity_tokens:
-                continue
-            self._tick += 1
-            i = bisect.bisect_left(self._keys, key)
-            if i < len(self._keys) and self._keys[i] == key:
-                self._used[i] = self._tick
-                continue
-            self._keys.insert(i, key)
-            self._used.insert(i, self._tick)
-            self._tokens += len(key)
-            while self._tokens > self.capacity_tokens:
-                old = min(range(len(self._used)), key=self._used.__getitem__)
-                self._tokens -= len(self._keys.pop(old))
-                del self._used[old]
-            self._memo.clear()
-        return hits
 
 
 class LinearStepModel:

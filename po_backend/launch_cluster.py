@@ -89,6 +89,16 @@ def worker_command(model_path: str, port: int, extra: Sequence[str]) -> list[str
     ]
 
 
+def worker_threads(workers: int) -> int:
+    """Each of `workers` workers on this machine gets its share of the cores, so their thread pools
+    do not fight over the same cores."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def worker_env(workers: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))}
+
+
 def router_command(
     worker_urls: Sequence[str],
     host: str,
@@ -229,8 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--workers must be >= 1")
     if args.balance_abs_threshold < 0:
         raise SystemExit("--balance-abs-threshold must be >= 0")
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # the cores split between the workers
+    env = worker_env(args.workers)
     ports = [free_port() for _ in range(args.workers)]
     workers = [
         subprocess.Popen(worker_command(args.model_path, p, ["--log-level", "warning", *extra]), env=env)

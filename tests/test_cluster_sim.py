@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 
 import pytest
 
 from po_backend.cluster_sim import (
     ApproxTree,
-    IndexedPrefixLRU,
     LinearStepModel,
     RouterConfig,
     TraceShape,
@@ -22,8 +22,8 @@ from po_backend.cluster_sim import (
     simulate_cluster,
 )
 from po_backend.jct import JCTModel
-from po_backend.request import ScoreRequest
-from po_backend.scheduler import SchedulerConfig
+from po_backend.request import ScoreRequest, common_prefix
+from po_backend.scheduler import Request, SchedulerConfig, fit_batch
 from po_backend.simulator import PrefixLRU, simulate
 
 MODEL = JCTModel((0.002, 0.0005, 1.0, 0.3, 0.05))  # seconds: per step, item, ktok, Mtok^2, cached ktok
@@ -70,15 +70,48 @@ def test_one_worker_is_simulate(router: str, policy: str) -> None:
     got = simulate_cluster(config, MODEL, trace, 1, RouterConfig(router), lambda: PrefixLRU(130, 400))
     assert list(got.runs) == want
     assert max(r.step for r in want) + 1 < len(want), "the trace must batch some steps to test batching"
-    # The indexed cache is the same cache: same runs.
-    fast = simulate_cluster(config, MODEL, trace, 1, RouterConfig(router), lambda: IndexedPrefixLRU(130, 400))
-    assert list(fast.runs) == want
 
 
-def test_indexed_cache_answers_as_prefix_lru() -> None:
+class NaiveLRU:
+    """The rule `PrefixLRU` implements, written the obvious way (every cached prefix compared, an
+    ordered dict for recency): the oracle its sorted index and memo must agree with."""
+
+    def __init__(self, capacity_tokens: int, max_batch_tokens: int) -> None:
+        self.capacity_tokens, self.max_batch_tokens = capacity_tokens, max_batch_tokens
+        self._cached: OrderedDict[tuple[int, ...], None] = OrderedDict()  # least recently used first
+        self._tokens = 0
+
+    def cached_len(self, req: Request) -> int:
+        best = max((common_prefix(p, req.input_ids) for p in self._cached), default=0)
+        return min(best, req.reusable_len)
+
+    def store_len(self, req: Request) -> int:
+        return min(req.cache_prefix_len or 0, len(req.input_ids))
+
+    def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
+        return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
+
+    def step(self, reqs: Sequence[Request]) -> list[int]:
+        hits = [self.cached_len(r) for r in reqs]
+        for r in reqs:
+            key = tuple(r.input_ids[: r.cache_prefix_len or 0])
+            if not key or len(key) > self.capacity_tokens:
+                continue
+            if key in self._cached:
+                self._cached.move_to_end(key)
+                continue
+            self._cached[key] = None
+            self._tokens += len(key)
+            while self._tokens > self.capacity_tokens:
+                old, _ = self._cached.popitem(last=False)
+                self._tokens -= len(old)
+        return hits
+
+
+def test_prefix_lru_answers_as_the_naive_rule() -> None:
     rng = random.Random(3)
     reqs = user_trace(9, 6, profile=20, post=5, seed=3)
-    ref, fast = PrefixLRU(70, 10**9), IndexedPrefixLRU(70, 10**9)
+    ref, fast = NaiveLRU(70, 10**9), PrefixLRU(70, 10**9)
     for _ in range(200):
         batch = rng.sample(reqs, rng.randint(1, 4))
         assert [fast.cached_len(r) for r in reqs] == [ref.cached_len(r) for r in reqs]
@@ -117,7 +150,7 @@ def test_cache_aware_keeps_each_user_on_one_worker_round_robin_spreads() -> None
     trace = list(zip(poisson(len(reqs), 5.0), reqs, strict=True))  # light load: balanced
 
     def placement(router: str) -> dict[int, set[int]]:
-        res = simulate_cluster(PO, MODEL, trace, 4, RouterConfig(router), lambda: IndexedPrefixLRU(400))
+        res = simulate_cluster(PO, MODEL, trace, 4, RouterConfig(router), lambda: PrefixLRU(400))
         where: dict[int, set[int]] = defaultdict(set)
         for u, w in zip(users_of(reqs), res.worker_of, strict=True):
             where[u].add(w)
@@ -135,7 +168,7 @@ def test_affinity_reuses_more_than_round_robin() -> None:
     trace = list(zip(poisson(len(reqs), 5.0), reqs, strict=True))
     # Each worker's pool holds 2 profiles: 2 users per worker fit only when they stay put.
     hit = {
-        r: simulate_cluster(PO, MODEL, trace, 4, RouterConfig(r), lambda: IndexedPrefixLRU(130)).hit_rate
+        r: simulate_cluster(PO, MODEL, trace, 4, RouterConfig(r), lambda: PrefixLRU(130)).hit_rate
         for r in ("cache_aware", "round_robin")
     }
     assert hit["cache_aware"] > 0.6 > hit["round_robin"], hit
@@ -145,7 +178,7 @@ def test_affinity_reuses_more_than_round_robin() -> None:
 def test_nothing_lost(router: str) -> None:
     reqs = user_trace(6, 7)
     trace = list(zip(poisson(len(reqs), 200.0), reqs, strict=True))  # overloaded: long queues
-    res = simulate_cluster(PO, MODEL, trace, 3, RouterConfig(router), lambda: IndexedPrefixLRU(130, 300))
+    res = simulate_cluster(PO, MODEL, trace, 3, RouterConfig(router), lambda: PrefixLRU(130, 300))
     assert sorted(r.rid for r in res.runs) == list(range(len(reqs)))
     assert all(0 <= w < 3 for w in res.worker_of)
     assert sum(w.items for w in res.workers) == len(reqs)
@@ -161,10 +194,10 @@ def test_nothing_lost(router: str) -> None:
 def test_imbalance_threshold_moves_a_hot_user() -> None:
     reqs = user_trace(1, 30)  # one user, all at once: affinity would pile everything on one worker
     trace = [(0.0, r) for r in reqs]
-    stay = simulate_cluster(PO, MODEL, trace, 2, RouterConfig("cache_aware"), lambda: IndexedPrefixLRU(400))
+    stay = simulate_cluster(PO, MODEL, trace, 2, RouterConfig("cache_aware"), lambda: PrefixLRU(400))
     assert set(stay.worker_of) == {0} and stay.balanced_by_load == 0  # default threshold 64 > 30
     low = RouterConfig("cache_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
-    moved = simulate_cluster(PO, MODEL, trace, 2, low, lambda: IndexedPrefixLRU(400))
+    moved = simulate_cluster(PO, MODEL, trace, 2, low, lambda: PrefixLRU(400))
     assert moved.balanced_by_load > 0
     counts = [moved.worker_of.count(w) for w in (0, 1)]
     assert min(counts) >= 10, counts  # the outstanding gap stays within the threshold
@@ -174,7 +207,7 @@ def test_imbalance_threshold_moves_a_hot_user() -> None:
 def test_give_up_only_when_p99_is_past_the_bound() -> None:
     reqs = user_trace(6, 10)
     trace = list(zip(poisson(len(reqs), 60.0), reqs, strict=True))
-    full = simulate_cluster(PO, MODEL, trace, 2, RouterConfig("round_robin"), lambda: IndexedPrefixLRU(130))
+    full = simulate_cluster(PO, MODEL, trace, 2, RouterConfig("round_robin"), lambda: PrefixLRU(130))
     worst = p99(full.latencies)
     assert full.complete
     over = simulate_cluster(
@@ -183,7 +216,7 @@ def test_give_up_only_when_p99_is_past_the_bound() -> None:
         trace,
         2,
         RouterConfig("round_robin"),
-        lambda: IndexedPrefixLRU(130),
+        lambda: PrefixLRU(130),
         give_up_over=worst * 0.5,
     )
     assert not over.complete and len(over.runs) < len(reqs)
@@ -193,7 +226,7 @@ def test_give_up_only_when_p99_is_past_the_bound() -> None:
         trace,
         2,
         RouterConfig("round_robin"),
-        lambda: IndexedPrefixLRU(130),
+        lambda: PrefixLRU(130),
         give_up_over=worst * 1.01,
     )
     assert within.complete and list(within.runs) == list(full.runs)
@@ -237,9 +270,9 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
         RouterConfig(cache_threshold=1.5)
     with pytest.raises(ValueError):
-        simulate_cluster(PO, MODEL, [], 0, RouterConfig(), lambda: IndexedPrefixLRU(10))
+        simulate_cluster(PO, MODEL, [], 0, RouterConfig(), lambda: PrefixLRU(10))
     with pytest.raises(ValueError):
-        IndexedPrefixLRU(-1)
+        PrefixLRU(-1)
 
 
 def test_warm_up_left_out_of_the_give_up_rule() -> None:
@@ -248,13 +281,11 @@ def test_warm_up_left_out_of_the_give_up_rule() -> None:
         (100.0 + i, r) for i, r in enumerate(reqs[20:])
     ]  # a burst, then calm
     router = RouterConfig("round_robin")
-    full = simulate_cluster(PO, MODEL, trace, 1, router, lambda: IndexedPrefixLRU(130))
+    full = simulate_cluster(PO, MODEL, trace, 1, router, lambda: PrefixLRU(130))
     burst = max(r.end - r.arrival for r in full.runs if r.arrival == 0.0)
     calm = max(r.end - r.arrival for r in full.runs if r.arrival >= 100.0)
     assert calm < burst
     bound = (calm + burst) / 2
-    assert not simulate_cluster(PO, MODEL, trace, 1, router, lambda: IndexedPrefixLRU(130), bound).complete
-    after = simulate_cluster(
-        PO, MODEL, trace, 1, router, lambda: IndexedPrefixLRU(130), bound, measured_from=50.0
-    )
+    assert not simulate_cluster(PO, MODEL, trace, 1, router, lambda: PrefixLRU(130), bound).complete
+    after = simulate_cluster(PO, MODEL, trace, 1, router, lambda: PrefixLRU(130), bound, measured_from=50.0)
     assert after.complete and list(after.runs) == list(full.runs)
