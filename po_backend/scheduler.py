@@ -124,8 +124,9 @@ def fit_batch(
         new = len(ids) - reused
         if chosen and tokens + new > max_batch_tokens:
             continue
-        if store > reused:
+        if store > reused and share_in_batch:
             stores.add(ids, store, i)
+        elif store > reused:
             computing.add(ids[:store])
         chosen.append((i, reused))
         tokens += new
