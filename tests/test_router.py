@@ -208,3 +208,28 @@ def test_completions(router: RouterProcess, server: str) -> None:
     for out in (via, direct):
         out.pop("id"), out.pop("created")
     assert via == direct
+
+
+@pytest.mark.embedded
+def test_the_router_loads_the_embedded_models_tokenizer_from_disk() -> None:
+    """`--model-path embedded` (or a .gguf file) is no hub id: the router reads the tokenizer
+    folder from the worker's /server_info `model_path` and must not try the hub for "embedded"."""
+    worker = ServerProcess(["--model-path", "embedded", "--dtype", "fp32", "--max-input-len", "256"]).start()
+    try:
+        url = worker.wait_ready().url
+        info = ok(httpx.get(url + "/server_info", timeout=30))
+        assert (Path(info["model_path"]) / "tokenizer.json").is_file(), info["model_path"]
+        assert info["served_model_name"] == "embedded"
+        router = RouterProcess([url], "round_robin").wait_ready()
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(info["model_path"])
+            body = {"model": "embedded", "prompt": QUERY}
+            out = ok(httpx.post(router.url + "/v1/tokenize", json=body, timeout=30))
+            assert out["tokens"] in (tok.encode(QUERY), tok.encode(QUERY, add_special_tokens=False))
+            assert "Failed to load tokenizer" not in router.log_text()
+        finally:
+            router.stop()
+    finally:
+        worker.stop()

@@ -64,11 +64,9 @@ async def generate(body: GenerateRequest, request: Request, rt: RuntimeDep) -> R
 @router.get("/get_model_info")
 async def model_info(rt: RuntimeDep) -> dict[str, Any]:
     args, backend = rt.args, rt.backend
-    tok_dir = await asyncio.to_thread(tokenizer_dir, backend.tokenizer)
+    model_path, tok_dir = await asyncio.to_thread(router_paths, rt)
     return {
-        # Local folders only: the SGLang router loads the tokenizer these name and would go to
-        # the hub for anything else ("embedded", a .gguf file).
-        "model_path": args.model_path if os.path.isdir(args.model_path) else tok_dir or args.model_path,
+        "model_path": model_path,
         "tokenizer_path": tok_dir,
         "is_generation": True,
         "preferred_sampling_params": None,
@@ -82,6 +80,17 @@ async def model_info(rt: RuntimeDep) -> dict[str, Any]:
         "vocab_size": backend.vocab_size,
         "backend": args.backend,
     }
+
+
+def router_paths(rt: Runtime) -> tuple[str, str | None]:
+    """(model_path, tokenizer_path) as /model_info and /server_info report them. Local folders
+    only: the SGLang router loads a tokenizer from the `model_path` of /server_info and goes to
+    the hub for anything that is not a local folder ("embedded", a .gguf file)."""
+    model_path = rt.args.model_path
+    tok_dir = tokenizer_dir(rt.backend.tokenizer)
+    if os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        return model_path, tok_dir
+    return tok_dir or model_path, tok_dir
 
 
 def tokenizer_dir(tokenizer: Any) -> str | None:
@@ -110,12 +119,16 @@ def server_info(rt: RuntimeDep) -> dict[str, Any]:
     # Sync, so FastAPI runs it in its thread pool: stats() takes the engine loop's lock.
     backend = rt.backend
     # The effective settings (resolved dtype, device, policy) override what was asked for.
+    model_path, tok_dir = router_paths(rt)
     info = {
         **rt.args.public(),
         "model_type": backend.model_type,
         "architectures": list(backend.architectures),
     }
     info.update(backend.settings)
+    # Not the flag as given: the router loads its tokenizer from here (see router_paths). The
+    # name clients send stays served_model_name, which defaults to the flag, as SGLang's does.
+    info.update(model_path=model_path, tokenizer_path=tok_dir, served_model_name=rt.args.model_name)
     return {**info, "internal_states": [backend.stats()], "version": VERSION}
 
 
