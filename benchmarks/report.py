@@ -97,6 +97,13 @@ def header(meta: dict[str, Any] | None) -> list[str]:
         "fits a 2-core CPU and a 135M model; the shapes (shared per-user prefixes, long unique prompts, "
         "a prefix pool that cannot hold every user) are kept.",
     ]
+    # A step added to an existing report (run on its own, later) carries its own date.
+    later = {k: v["date"] for k, v in meta.get("steps", {}).items() if v.get("date")}
+    if later:
+        lines.append(
+            "- Run later, on their own (same machine kind): "
+            + ", ".join(f"{k} ({d}, {meta['steps'][k]['seconds'] / 60:.0f} min)" for k, d in later.items())
+        )
     if meta.get("failed"):
         lines.append("- **Failed steps**: " + "; ".join(f"{k}: {v}" for k, v in meta["failed"].items()))
     return [*lines, ""]

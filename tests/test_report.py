@@ -359,6 +359,20 @@ def test_cluster_sections_missing_say_not_run(fake_results: Path) -> None:
     assert not (fake_results / "cluster_sim.png").exists()
 
 
+def test_header_names_steps_run_later_with_their_dates(fake_results: Path) -> None:
+    out = fake_results.parent / "REPORT.md"
+    build_report(fake_results, out)
+    assert "Run later" not in out.read_text()
+    meta = json.loads((fake_results / "meta.json").read_text())
+    meta["steps"] = {
+        "qps": {"ok": True, "seconds": 60},
+        "cluster": {"ok": True, "seconds": 300, "date": "D2"},
+    }
+    _write(fake_results, "meta", meta)
+    build_report(fake_results, out)
+    assert "- Run later, on their own (same machine kind): cluster (D2, 5 min)\n" in out.read_text()
+
+
 def test_cluster_affinity_table_and_ratios(fake_results: Path) -> None:
     doc = _cluster_doc()
     assert cluster_ratios(doc) == {
