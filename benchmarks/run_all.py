@@ -1,14 +1,15 @@
 """Every benchmark of the evaluation report, end to end on the embedded model, in one command:
 
-    bash scripts/dev.sh bench run_all            # full run: ~40 min on 2 cores
-    bash scripts/dev.sh bench run_all --quick    # smoke run: ~5 min
+    bash scripts/dev.sh bench run_all            # full run: ~50 min on 2 cores
+    bash scripts/dev.sh bench run_all --quick    # smoke run: ~7 min
     ... run_all --llamacpp                       # also llama.cpp, if llama-cpp-python is installed
 
 Steps (each a subprocess writing JSON into benchmarks/results/report/, its log next to it):
   qps       bench_qps       throughput-latency, WL1/WL2, hf / fcfs+cache / chunked prefill / po
   mil       bench_mil       max input length in a fixed activation budget; hybrid on/off
   ablation  bench_ablation  suffix discarding on/off; fairness lambda sweep
-  cluster_sim  bench_cluster_sim  1..64 simulated workers behind the router (cache_aware vs round robin)
+  cluster_sim  bench_cluster_sim  1..64 simulated workers behind the router (cache_aware vs round robin;
+                            ~3 min, --quick ~15 s)
   cluster   bench_cluster   2 real workers behind the real SGLang router: prefix affinity, cache_aware
                             vs round robin (~6 min; --quick ~1.5 min)
   llamacpp  bench_llamacpp  optional (--llamacpp): llama.cpp on the same GGUF and items
