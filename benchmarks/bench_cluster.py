@@ -61,6 +61,7 @@ from po_backend.launch_cluster import (
     free_port,
     router_command,
     stop_all,
+    visible_gpus,
     wait_until,
     worker_command,
     worker_env,
@@ -177,7 +178,7 @@ class Worker:
 def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
     """`--workers` PrefillOnly workers as launch_cluster starts them (its command, the CPU threads
     split between them), each behind a tap; stopped (drained) on exit."""
-    env = worker_env(args.workers)
+    gpus = visible_gpus()
     extra = ["--log-level", "warning", *args.worker_args.split()]
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(args.workers)]
     procs: list[subprocess.Popen[bytes]] = []
@@ -185,6 +186,7 @@ def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
     try:
         for u in urls:
             port = int(u.rsplit(":", 1)[1])
+            env = worker_env(args.workers, len(procs), gpus)
             procs.append(subprocess.Popen(worker_command(args.model_path, port, extra), env=env))
             taps.append(Tap(len(taps), u, seen))
         for u in urls:

@@ -4,7 +4,8 @@
         --port 30000 [--router-policy cache_aware|round_robin|power_of_two] [worker flags...]
 
 The equivalent of `python -m sglang_router.launch_server --dp-size N`: each worker is
-`po_backend.launch_server` on its own loopback port with the CPU threads split between them; the
+`po_backend.launch_server` on its own loopback port with the CPU threads split between them (and
+one GPU each where there are GPUs: CUDA_VISIBLE_DEVICES, or all that torch sees); the
 router (`pip install sglang-router`) listens on HOST:PORT with retries, a circuit breaker and
 health checks set so a dead worker's requests go to the others. Unknown flags go to every worker.
 Ctrl-C / SIGTERM: the router stops taking requests first, then the workers drain (they answer what
@@ -95,8 +96,25 @@ def worker_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def worker_env(workers: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))}
+def visible_gpus() -> list[str]:
+    """The GPUs this launcher may hand out: CUDA_VISIBLE_DEVICES if set (so users pick them the
+    usual way), else every device torch sees; [] on a CPU-only machine or torch."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    import torch  # lazy: only to count devices; the launcher itself runs no torch code
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_env(workers: int, index: int = 0, gpus: Sequence[str] = ()) -> dict[str, str]:
+    """Worker `index`'s environment: its share of the CPU threads and, where there are GPUs, one
+    GPU of its own (round robin when there are more workers than GPUs), as `--dp-size` gives
+    each SGLang replica one. The worker then sees a single device and runs on cuda:0."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+    return env
 
 
 def router_command(
@@ -239,11 +257,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--workers must be >= 1")
     if args.balance_abs_threshold < 0:
         raise SystemExit("--balance-abs-threshold must be >= 0")
-    env = worker_env(args.workers)
+    gpus = visible_gpus()
+    if gpus and args.workers > len(gpus):
+        log.warning("%d workers share %d GPUs (round robin)", args.workers, len(gpus))
     ports = [free_port() for _ in range(args.workers)]
     workers = [
-        subprocess.Popen(worker_command(args.model_path, p, ["--log-level", "warning", *extra]), env=env)
-        for p in ports
+        subprocess.Popen(
+            worker_command(args.model_path, p, ["--log-level", "warning", *extra]),
+            env=worker_env(args.workers, i, gpus),
+        )
+        for i, p in enumerate(ports)
     ]
     router: subprocess.Popen[bytes] | None = None
     stopping = False

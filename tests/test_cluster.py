@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from po_backend.launch_cluster import add_worker, wait_until
+from po_backend.launch_cluster import add_worker, visible_gpus, wait_until, worker_env
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 
 pytest.importorskip("sglang_router")
@@ -185,3 +185,21 @@ def test_add_worker_clear_errors() -> None:
         add_worker("http://127.0.0.1:1", "10.0.0.7:30001")
     with pytest.raises(ValueError, match="bad router URL"):
         add_worker("127.0.0.1:30000", "http://10.0.0.7:30001")
+
+
+def test_each_worker_gets_one_gpu_where_there_are_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU logic, run on CPU: one device per worker in turn, the user's CUDA_VISIBLE_DEVICES
+    respected, nothing set without GPUs."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")
+    gpus = visible_gpus()
+    assert gpus == ["2", "5"]
+    assert [worker_env(3, i, gpus)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["2", "5", "2"]
+    assert worker_env(3, 1, gpus)["OMP_NUM_THREADS"] == worker_env(3)["OMP_NUM_THREADS"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # the usual way to hide every GPU
+    assert visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    import torch
+
+    assert len(visible_gpus()) == torch.cuda.device_count()
+    env = worker_env(2, 0, [])
+    assert env.get("CUDA_VISIBLE_DEVICES") is None
