@@ -39,6 +39,7 @@ from po_backend.cluster_sim import (
     paper_trace,
     simulate_cluster,
 )
+from po_backend.launch_cluster import BALANCE_ABS_THRESHOLD
 from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.simulator import PrefixLRU
 
@@ -69,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="leave the requests of this first fraction of the trace out of the P99 (every user's first, "
         "cold, request falls early in the trace); 0 = the whole trace, as bench_schedule",
+    )
+    ap.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=BALANCE_ABS_THRESHOLD,
+        help="cache_aware's load rule, as launch_cluster sets it (sglang-router's own default: 64)",
     )
     ap.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops within this ratio")
     ap.add_argument("--seed", type=int, default=0)
@@ -170,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--warmup must be in [0, 1), got {args.warmup}")
     skip = unit[int(args.warmup * len(unit))] if args.warmup > 0 else 0.0  # unit-rate seconds
     rows: list[dict[str, Any]] = []
+
+    def router(policy: str) -> RouterConfig:
+        return RouterConfig(policy, balance_abs_threshold=args.balance_abs_threshold, seed=args.seed)
+
     for policy in routers:
         guess = 1.0 / iso_mean
         prev_n = 1
@@ -181,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 qps: float, n: int = n, policy: str = policy, best: dict[float, ClusterResult] = best
             ) -> float:
                 trace = [(u / qps, r) for u, r in zip(unit, reqs, strict=True)]
-                res = simulate_cluster(
-                    sched, model, trace, n, RouterConfig(policy, seed=args.seed), cache, slo, skip / qps
-                )
+                res = simulate_cluster(sched, model, trace, n, router(policy), cache, slo, skip / qps)
                 if not res.complete:
                     return math.inf
                 best[qps] = res
@@ -226,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         "isolated_mean_s": iso_mean,
         "isolated_hit_rate": iso.hit_rate,
         "slo_p99_s": slo,
-        "router_defaults": {
-            k: getattr(RouterConfig(), k)
+        "router_settings": {
+            k: getattr(router("cache_aware"), k)
             for k in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
         },
         "rows": rows,

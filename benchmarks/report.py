@@ -666,7 +666,7 @@ def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
 
 
 def _cluster_sim_intro(doc: dict[str, Any]) -> str:
-    a, d = doc["args"], doc["router_defaults"]
+    a, d = doc["args"], doc["router_settings"]
     return (
         f"`po_backend.cluster_sim`: {doc['requests']} requests ({a['users']} users x {a['posts']} posts, the "
         f"paper's WL1 with token lengths / {a['scale']:g}: mean profile {doc['mean_profile_tokens']:.0f} tokens, "
@@ -675,7 +675,7 @@ def _cluster_sim_intro(doc: dict[str, Any]) -> str:
         f"{doc['pool_tokens']} tokens ({doc['kv_bytes_per_token']} B/token, {doc['dtype']}; "
         f"~{doc['pool_tokens'] / doc['mean_profile_tokens']:.0f} profiles), step times from the JCT model "
         f"({doc['jct_source']}). Router cache_aware as sglang-router's (cache_threshold {d['cache_threshold']}, "
-        f"balance thresholds {d['balance_abs_threshold']} / {d['balance_rel_threshold']}). P99 bound "
+        f"load rule at {d['balance_abs_threshold']} outstanding requests / {d['balance_rel_threshold']}x). P99 bound "
         f"{doc['slo_p99_s']:.2f} s = {a['slo_x']:g} x the isolated mean latency {doc['isolated_mean_s']:.3f} s. "
         "Efficiency = QPS / (N x the same router's 1-worker QPS); hit rate = input tokens read from a "
         "cache or a batch-mate instead of computed; trace / bound = how many P99 bounds the trace lasts at "

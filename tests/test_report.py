@@ -340,7 +340,7 @@ def _sim_doc() -> dict[str, Any]:
         "requests": 400,
         "isolated_mean_s": 1.0,
         "slo_p99_s": 8.0,
-        "router_defaults": {
+        "router_settings": {
             "cache_threshold": 0.3,
             "balance_abs_threshold": 64,
             "balance_rel_threshold": 1.5,
