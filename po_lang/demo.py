@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {n}. P(Yes)={item.score:.3f}  cached {tokens:>7s}  {item.item}")
         print(
             f"  {cached} of {prompt} prompt tokens ({cached / max(prompt, 1):.0%}) came from the prefix cache; "
-            f"{len(POSTS)} posts in {steps} forwards ({time.perf_counter() - t0:.1f}s)"
+            f"{len(POSTS)} posts in {steps} forward{'s' if steps != 1 else ''} ({time.perf_counter() - t0:.1f}s)"
         )
 
     print(
