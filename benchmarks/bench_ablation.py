@@ -24,11 +24,11 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.workloads import add_trace_args, build_traces, label_ids
-from po_backend.engine import Engine
-from po_backend.jct import JCTModel
-from po_backend.jct_profile import load_or_profile
-from po_backend.request import ScoreRequest
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.core.request import ScoreRequest
+from po_backend.engine.engine import Engine
+from po_backend.sched.jct import JCTModel
+from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.serving.jct_profile import load_or_profile
 
 
 def suffix_run(

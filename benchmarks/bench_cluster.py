@@ -4,7 +4,7 @@ workers on this machine, the router's cache_aware policy against round_robin in 
     python -m benchmarks.bench_cluster            # ~6 min on 2 cores
     python -m benchmarks.bench_cluster --quick    # ~1.5 min: 4 users x 5 posts (the issue's figure)
 
-The workers are started once with `po_backend.launch_cluster`'s commands (CPU threads split
+The workers are started once with `po_backend.entrypoints.launch_cluster`'s commands (CPU threads split
 between them) and serve every run; each (traffic shape, router policy) run gets a fresh router
 (`launch_cluster.router_command`: failover on, its defaults otherwise) and starts with every
 worker's cache flushed. Two traffic shapes, the same users and posts:
@@ -57,7 +57,7 @@ from benchmarks.bench_serving import (
     warm_up,
 )
 from benchmarks.workloads import label_ids
-from po_backend.launch_cluster import (
+from po_backend.entrypoints.launch_cluster import (
     free_port,
     router_command,
     stop_all,

@@ -1,7 +1,7 @@
 """Past one machine, by simulation: sustained QPS at a P99 bound for 1..64 workers behind the
 SGLang router's cache_aware policy vs round robin, on a paper-shaped trace.
 
-`po_backend.cluster_sim`: every worker is the simulator's engine (the real Scheduler under `po`, a
+`po_backend.sim.cluster`: every worker is the simulator's engine (the real Scheduler under `po`, a
 prefix cache of whole declared prefixes, LRU, sized from a KV memory budget; step times from the
 JCT model fitted on our engine: the measured run's fit in results/schedule.json, else this
 machine's persisted profile). The trace is the paper's WL1 (1,000 users x 50 posts; its 14k-token
@@ -28,7 +28,9 @@ from typing import Any
 
 from benchmarks import report
 from benchmarks.harness import RESULTS
-from po_backend.cluster_sim import (
+from po_backend.entrypoints.launch_cluster import BALANCE_ABS_THRESHOLD
+from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
+from po_backend.sim.cluster import (
     ROUTER_POLICIES,
     ClusterResult,
     LinearStepModel,
@@ -39,9 +41,7 @@ from po_backend.cluster_sim import (
     paper_trace,
     simulate_cluster,
 )
-from po_backend.launch_cluster import BALANCE_ABS_THRESHOLD
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
-from po_backend.simulator import PrefixLRU
+from po_backend.sim.simulator import PrefixLRU
 
 GiB = 1 << 30
 
@@ -93,7 +93,7 @@ def step_model(path: Path) -> tuple[LinearStepModel, str]:
     if path.is_file():
         return LinearStepModel(json.loads(path.read_text())["jct_fit"]["coef"]), f"the fit in {path.name}"
     from benchmarks.harness import load_engine
-    from po_backend.jct_profile import load_or_profile
+    from po_backend.serving.jct_profile import load_or_profile
 
     return LinearStepModel(load_or_profile(load_engine()).coef), "this machine's persisted JCT profile"
 
@@ -102,9 +102,9 @@ def kv_bytes_per_token() -> tuple[int, str]:
     """What one cached token of the embedded model costs (K and V of every layer) at the CPU dtype."""
     import torch
 
-    from po_backend.cache.kv_pool import KVPool
-    from po_backend.config import ModelConfig, parse_dtype
-    from po_backend.models.loader import resolve_model_dir
+    from po_backend.engine.cache.kv_pool import KVPool
+    from po_backend.engine.config import ModelConfig, parse_dtype
+    from po_backend.engine.models.loader import resolve_model_dir
 
     cfg = ModelConfig.from_hf(json.loads((resolve_model_dir("embedded") / "config.json").read_text()))
     dtype = parse_dtype(None, torch.device("cpu"))

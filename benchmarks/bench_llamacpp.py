@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         doc.update(status="not run: llama-cpp-python not installed", install=install_hint())
         print(doc["status"] + "\n  install: " + doc["install"])
     else:
-        from po_backend.models.loader import embedded_model_file
+        from po_backend.engine.models.loader import embedded_model_file
 
         tok = tokenizer()
         items = build_traces(args, tok, ("WL1",))["WL1"]

@@ -11,7 +11,7 @@ and the RSS high-water mark never leak between them):
   hybrid       ours, hybrid prefilling (token-wise ops in chunks, attention unchunked)
   chunked      ours, Sarathi-style chunked prefill (attention chunked too, all-layer K/V kept)
 
-Peak = kernel RSS high-water mark above the RSS before the forward (po_backend.memory.PeakMemory);
+Peak = kernel RSS high-water mark above the RSS before the forward (po_backend.engine.memory.PeakMemory);
 TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the GEMM peak measured at start. MIL
 = where a least-squares line peak = c0 + c1*n through the measured points reaches `--budget-mib`
 ("measured" when measured lengths bracket it, else "extrapolated").
@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, wait_for_quiet
-from po_backend.config import ModelConfig, parse_dtype
-from po_backend.memory import PeakMemory
-from po_backend.models.loader import read_config, resolve_model_dir
+from po_backend.engine.config import ModelConfig, parse_dtype
+from po_backend.engine.memory import PeakMemory
+from po_backend.engine.models.loader import read_config, resolve_model_dir
 
 CONFIGS = {
     "hf-default": "transformers default forward (all logits + KV cache)",
@@ -116,7 +116,7 @@ def child(config: str, n: int, chunk_size: int, dtype: str) -> dict[str, Any]:
 
         prompt: Any = ids
     else:
-        from po_backend.engine import Engine
+        from po_backend.engine.engine import Engine
 
         engine = Engine.from_pretrained(
             "embedded",

@@ -26,10 +26,10 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.workloads import add_trace_args, build_traces, label_ids
-from po_backend.hf_backend import HFScorer
-from po_backend.jct import JCTModel
-from po_backend.jct_profile import load_or_profile
-from po_backend.request import ScoreRequest
+from po_backend.core.request import ScoreRequest
+from po_backend.engine.hf_scorer import HFScorer
+from po_backend.sched.jct import JCTModel
+from po_backend.serving.jct_profile import load_or_profile
 
 CONFIGS = {
     "hf": "transformers, FCFS, no prefix reuse (`--backend hf`)",

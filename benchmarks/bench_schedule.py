@@ -13,7 +13,7 @@ anchored there never finds the SLO crossing. `--anchor saturated` restores that 
 Reported: the highest QPS each policy sustains with P99 <= SLO, po / fcfs, and the JCT model's
 prediction quality on every step of the sweep (held out). The prefix pool holds `--cache-profiles`
 WL1 profiles: as in the paper, the cache cannot hold every user at once. `--simulate` replays the
-same traces on po_backend.simulator (no machine noise) with the measured run's JCT model.
+same traces on po_backend.sim.simulator (no machine noise) with the measured run's JCT model.
 
     flock /tmp/po-bench.lock python -m benchmarks.bench_schedule             # ~25-35 min
     flock /tmp/po-bench.lock python -m benchmarks.bench_schedule --quick     # ~2-3 min smoke run
@@ -31,11 +31,11 @@ from typing import Any
 
 from benchmarks import harness, report
 from benchmarks.workloads import add_trace_args, build_traces, label_ids
-from po_backend.jct import CalibratedJCT, JCTModel
-from po_backend.jct_profile import load_or_profile
-from po_backend.request import ScoreRequest
-from po_backend.scheduler import POLICIES, SchedulerConfig
-from po_backend.simulator import PrefixLRU, simulate
+from po_backend.core.request import ScoreRequest
+from po_backend.sched.jct import CalibratedJCT, JCTModel
+from po_backend.sched.scheduler import POLICIES, SchedulerConfig
+from po_backend.serving.jct_profile import load_or_profile
+from po_backend.sim.simulator import PrefixLRU, simulate
 
 POLICY_ORDER = ("fcfs", "srjf", "lpm", "po")
 if set(POLICY_ORDER) != set(POLICIES):
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--simulate",
         action="store_true",
-        help="no measurement: replay the traces on po_backend.simulator with the JCT model of the last "
+        help="no measurement: replay the traces on po_backend.sim.simulator with the JCT model of the last "
         "measured run (results/schedule.json) as the step time; writes schedule_sim.{json,md,png}",
     )
     ap.add_argument("--sim-mults", default="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8")

@@ -204,7 +204,7 @@ class LaunchedServer:
     def __init__(self, name: str, args: argparse.Namespace, port: int) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "po_backend.launch_server", "--model-path", args.model_path]
+        cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", args.model_path]
         cmd += ["--port", str(port), "--dtype", args.dtype, "--log-level", "warning", *LAUNCH[name]]
         cwd = harness.REPO_ROOT
         if name == "base":

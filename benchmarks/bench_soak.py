@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 
 from benchmarks import harness
-from po_backend.launch_cluster import wait_until
+from po_backend.entrypoints.launch_cluster import wait_until
 
 WORDS = "user likes hiking coffee camping photos tax news betting stocks cats dogs trail guide".split()
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "po_backend.launch_server",
+        "po_backend.entrypoints.launch_server",
         "--model-path",
         args.model_path,
         "--port",

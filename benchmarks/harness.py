@@ -21,12 +21,12 @@ import psutil
 import torch
 
 from benchmarks.workloads import Item
-from po_backend.cpu import cpu_model
-from po_backend.engine import Engine
-from po_backend.jct import CalibratedJCT, JCTModel, pearson_r
-from po_backend.loop import EngineLoop
-from po_backend.request import ScoreRequest
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.core.cpu import cpu_model
+from po_backend.core.request import ScoreRequest
+from po_backend.engine.engine import Engine
+from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
+from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.serving.loop import EngineLoop
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -138,7 +138,7 @@ def tokenizer(path: str = "embedded") -> Any:
     """A model's tokenizer without loading the model (the traces decide the pool size)."""
     from transformers import AutoTokenizer
 
-    from po_backend.models.loader import resolve_model_dir
+    from po_backend.engine.models.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(path))
 

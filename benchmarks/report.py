@@ -282,7 +282,7 @@ def ablation_section(ab: dict[str, Any] | None, folder: Path, png_prefix: str) -
 def jct_section(qps: dict[str, Any] | None, folder: Path, png_prefix: str) -> tuple[list[str], float | None]:
     """Predicted (raw fitted model, before online calibration) vs measured step time of every step
     our hybrid engine ran in the throughput sweep: none of them was used to fit the model."""
-    from po_backend.jct import pearson_r
+    from po_backend.sched.jct import pearson_r
 
     if qps is None:
         return ["## JCT model", "", "Not run.", ""], None
@@ -668,7 +668,7 @@ def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
 def _cluster_sim_intro(doc: dict[str, Any]) -> str:
     a, d = doc["args"], doc["router_settings"]
     return (
-        f"`po_backend.cluster_sim`: {doc['requests']} requests ({a['users']} users x {a['posts']} posts, the "
+        f"`po_backend.sim.cluster`: {doc['requests']} requests ({a['users']} users x {a['posts']} posts, the "
         f"paper's WL1 with token lengths / {a['scale']:g}: mean profile {doc['mean_profile_tokens']:.0f} tokens, "
         f"posts 100-200), Poisson arrivals, users interleaved (seed {a['seed']}). Each worker: the real "
         f"Scheduler (`po`, lambda {a['fairness_lambda']}), a prefix pool of {a['pool_gib']:g} GiB = "
@@ -785,7 +785,7 @@ def schedule_sim_markdown(doc: dict[str, Any], policies: list[str]) -> str:
     sum_header, sum_rows = slo_rows(doc, policies)
     return (
         "# bench_schedule --simulate: the same policies on the simulator (no machine noise)\n\n"
-        "`po_backend.simulator`: the real Scheduler and policies, a prefix cache of whole declared prefixes "
+        "`po_backend.sim.simulator`: the real Scheduler and policies, a prefix cache of whole declared prefixes "
         f"(LRU, {doc['pool_tokens']} tokens = {a['cache_profiles']:g} WL1 profiles), step time = the JCT "
         f"model ({doc['jct_source']}), a virtual clock. Same traces, arrival pattern and seed as the "
         f"measured run; fairness lambda {a['fairness_lambda']}; QPS as multiples of the isolated throughput "

@@ -34,7 +34,7 @@ from benchmarks.bench_llamacpp import available as llamacpp_available
 from benchmarks.bench_llamacpp import install_hint
 from benchmarks.harness import REPO_ROOT, RESULTS, machine_info
 from benchmarks.report import build_report
-from po_backend.config import parse_dtype
+from po_backend.engine.config import parse_dtype
 
 STEPS = ("qps", "mil", "ablation", "cluster_sim", "cluster")
 

@@ -3,7 +3,7 @@ run against our server through `sgl.RuntimeEndpoint`.
 
     python examples/sglang_select.py                              # starts our server, runs, stops it
     python examples/sglang_select.py --url http://127.0.0.1:30000 # a server you started:
-    python -m po_backend.launch_server --model-path embedded --backend prefillonly --port 30000
+    python -m po_backend.entrypoints.launch_server --model-path embedded --backend prefillonly --port 30000
 
 `sgl.select` sends what SGLang sends to its own server: the prompt once with max_new_tokens 0, then
 prompt + each choice with `return_logprob` and picks the best token-length-normalised log-prob;
@@ -61,7 +61,7 @@ def free_port() -> int:
 def local_server(model: str = "embedded", timeout: float = 300.0) -> Iterator[str]:
     """Our server on a free loopback port in a subprocess; yields its URL, stops it on exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "po_backend.launch_server", "--model-path", model]
+    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", model]
     cmd += ["--backend", "prefillonly", "--host", "127.0.0.1", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:

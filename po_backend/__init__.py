@@ -1,6 +1,6 @@
 """PrefillOnly engine: prefill-only scoring with hybrid prefilling and a radix prefix cache.
 
-Exports resolve lazily (PEP 562): `import po_backend.request`, `.scheduler` or `.jct` must work on a
+Exports resolve lazily (PEP 562): `import po_backend.core.request`, `.scheduler` or `.jct` must work on a
 machine without torch (a router, a client, the simulator), so importing the package itself must not
 import the engine.
 """
@@ -11,18 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Engine": "po_backend.engine",
-    "ScoreRequest": "po_backend.request",
-    "ScoreResult": "po_backend.request",
-    "CapacityError": "po_backend.errors",
-    "EmptyPromptError": "po_backend.errors",
-    "InvalidRequestError": "po_backend.errors",
-    "InvalidTokenError": "po_backend.errors",
-    "ModelNotFoundError": "po_backend.errors",
-    "OverloadedError": "po_backend.errors",
-    "PrefillOnlyError": "po_backend.errors",
-    "PromptTooLongError": "po_backend.errors",
-    "UnsupportedModelError": "po_backend.errors",
+    "Engine": "po_backend.engine.engine",
+    "ScoreRequest": "po_backend.core.request",
+    "ScoreResult": "po_backend.core.request",
+    "CapacityError": "po_backend.core.errors",
+    "EmptyPromptError": "po_backend.core.errors",
+    "InvalidRequestError": "po_backend.core.errors",
+    "InvalidTokenError": "po_backend.core.errors",
+    "ModelNotFoundError": "po_backend.core.errors",
+    "OverloadedError": "po_backend.core.errors",
+    "PrefillOnlyError": "po_backend.core.errors",
+    "PromptTooLongError": "po_backend.core.errors",
+    "UnsupportedModelError": "po_backend.core.errors",
 }
 
 __all__ = [
@@ -42,8 +42,7 @@ __all__ = [
 assert sorted(__all__) == sorted(_EXPORTS), "__all__ and _EXPORTS must name the same things"
 
 if TYPE_CHECKING:
-    from po_backend.engine import Engine
-    from po_backend.errors import (
+    from po_backend.core.errors import (
         CapacityError,
         EmptyPromptError,
         InvalidRequestError,
@@ -54,7 +53,8 @@ if TYPE_CHECKING:
         PromptTooLongError,
         UnsupportedModelError,
     )
-    from po_backend.request import ScoreRequest, ScoreResult
+    from po_backend.core.request import ScoreRequest, ScoreResult
+    from po_backend.engine.engine import Engine
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,7 @@ Invariants the compiler guarantees:
   change the prefix (and silently break cache reuse) from one call to the next.
 - Special tokens (BOS) appear only at the start: later segments are tokenised without them.
 - Each label compiles to the tokens it would be *after this prompt* (see `label_ids`); the rule
-  and the prefills that score labels live in `po_backend.labels`, shared with the server's
+  and the prefills that score labels live in `po_backend.core.labels`, shared with the server's
   `/v1/classify`.
 """
 
@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from po_backend.labels import (
+from po_backend.core.labels import (
     ANCHOR_CHARS,
     ChoicesMethod,
     LabelTokenError,
@@ -26,7 +26,7 @@ from po_backend.labels import (
     label_continuations,
     label_requests,
 )
-from po_backend.labels import label_text as label_text  # re-exported: part of this module's API
+from po_backend.core.labels import label_text as label_text  # re-exported: part of this module's API
 from po_lang.backends import Backend, LabelRequest, ScoreOutcome
 from po_lang.errors import BackendError, LabelError, PromptError
 from po_lang.ir import Prompt, Segment

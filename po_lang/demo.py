@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(
         "\nNext: serve it over HTTP (SGLang, OpenAI and /v1/classify APIs):\n"
-        "  python -m po_backend.launch_server --model-path embedded --port 30000\n"
+        "  python -m po_backend.entrypoints.launch_server --model-path embedded --port 30000\n"
         "and see examples/README.md (recommend.py, credit_check.py, label_data.py, sglang_select.py)."
     )
     return 0

@@ -13,20 +13,20 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from po_backend.scheduler import POLICIES  # torch-free
+from po_backend.sched.scheduler import POLICIES  # torch-free
 from po_lang.backends import LabelRequest, ScoreOutcome
 from po_lang.errors import BackendError
 
 if TYPE_CHECKING:  # annotations only: these import torch, which po_lang must not at import time
-    from po_backend.engine import Engine
-    from po_backend.jct import CalibratedJCT, JCTModel
-    from po_backend.loop import EngineLoop
+    from po_backend.engine.engine import Engine
+    from po_backend.sched.jct import CalibratedJCT, JCTModel
+    from po_backend.serving.loop import EngineLoop
 
 
 class Local:
     """Scores with `po_backend.Engine.from_pretrained(model, **engine_kwargs)` in this process.
 
-    Requests go through an in-process `po_backend.loop.EngineLoop`, one worker thread that owns
+    Requests go through an in-process `po_backend.serving.loop.EngineLoop`, one worker thread that owns
     the engine, so a `.map` or `po.rank` batch runs in the order the scheduler picks (`policy`:
     "po", the prefix-aware SRJF of the design, by default; "fcfs", "srjf" or "lpm"), with requests
     that share a prefix batched behind the one that caches it, exactly as on the server.
@@ -34,7 +34,7 @@ class Local:
     jct: the step-time predictor the scheduler ranks requests by. None: the new-token proxy
     (`JCTModel.proxy()`, the paper's r=0.987 proxy); a local caller submits its batch at once, so
     only the relative cost of requests matters, and the server's start-up profile would cost
-    seconds. Pass `po_backend.jct.load_or_profile(engine)` to rank by the measured model.
+    seconds. Pass `po_backend.sched.jct.load_or_profile(engine)` to rank by the measured model.
 
     The worker thread stops on `close()`, on leaving a `with` block, when the Local is garbage
     collected, or at interpreter exit, whichever comes first; a closed Local starts a new loop if
@@ -77,7 +77,7 @@ class Local:
     def engine(self) -> Engine:
         with self._lock:
             if self._engine is None:
-                from po_backend.engine import Engine  # lazy: torch is imported here, not by po_lang
+                from po_backend.engine.engine import Engine  # lazy: torch is imported here, not by po_lang
 
                 self._engine = Engine.from_pretrained(self.model, **self.engine_kwargs)
             return self._engine
@@ -88,8 +88,8 @@ class Local:
         engine = self.engine
         with self._lock:
             if self._loop is None:
-                from po_backend.jct import JCTModel
-                from po_backend.loop import EngineLoop
+                from po_backend.sched.jct import JCTModel
+                from po_backend.serving.loop import EngineLoop
 
                 jct = JCTModel.proxy() if self.jct is None else self.jct
                 self._loop = EngineLoop(engine, policy=self.policy, jct=jct)
@@ -132,7 +132,7 @@ class Local:
         return text
 
     def score(self, requests: Sequence[LabelRequest]) -> list[ScoreOutcome | Exception]:
-        from po_backend.request import ScoreRequest
+        from po_backend.core.request import ScoreRequest
 
         engine, loop = self.engine, self.loop
         out: list[ScoreOutcome | Exception | None] = [None] * len(requests)

@@ -32,13 +32,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m po_backend.launch_server ...` on 127.0.0.1; `start()` returns at once so several
+    """`python -m po_backend.entrypoints.launch_server ...` on 127.0.0.1; `start()` returns at once so several
     servers can boot in parallel, `wait_ready()` polls /health."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "po_backend.launch_server", "--host", "127.0.0.1"]
+        self.args = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--host", "127.0.0.1"]
         self.args += ["--port", str(self.port), *args]
         # One thread each: several servers and the test process share two cores.
         # Tiny-model servers profile their JCT model and persist it under the cache root: keep

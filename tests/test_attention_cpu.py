@@ -1,4 +1,4 @@
-"""The bf16 CPU attention kernel (po_backend.attention_cpu) against SDPA and transformers, its
+"""The bf16 CPU attention kernel (po_backend.engine.attention_cpu) against SDPA and transformers, its
 dispatch, and the SDPA fallback where it cannot run or cannot be built.
 
 bf16 tolerance, as for the other bf16 paths (tests/test_attention_items.py): against an fp32
@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from po_backend import attention, attention_cpu
-from po_backend.attention_cpu import choose
+from po_backend.engine.attention_cpu import choose
 from tests.conftest import hf_next_logprobs, randomize_
 
 CPU = torch.device("cpu")
@@ -231,7 +231,7 @@ def test_build_failure_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, caplo
     try:
         q, k, v = _qkv(50, 9, 3, 64, torch.bfloat16, seed=4)
         out = torch.empty(50, 9 * 64, dtype=torch.bfloat16)
-        with caplog.at_level(logging.WARNING, logger="po_backend.attention_cpu"):
+        with caplog.at_level(logging.WARNING, logger="po_backend.engine.attention_cpu"):
             attention.attend(q, k, v, out, 0.125)
             attention.attend(q, k, v, out, 0.125)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

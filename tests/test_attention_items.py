@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from po_backend import attention
-from po_backend.attention import (
+from po_backend.engine.attention import (
     attend,
     attend_items,
     cpu_flash_lse,

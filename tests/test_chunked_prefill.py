@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from po_backend import Engine, ScoreRequest
-from po_backend.launch_server import build_parser
-from po_backend.memory import PeakMemory
-from po_backend.runner import SeqPlan, activation_bytes, chunked_activation_bytes
+from po_backend.engine.memory import PeakMemory
+from po_backend.engine.runner import SeqPlan, activation_bytes, chunked_activation_bytes
+from po_backend.entrypoints.launch_server import build_parser
 from tests.conftest import hf_all_logprobs, hf_next_logprobs, save_llama
 
 
@@ -89,7 +89,7 @@ def test_chunked_equals_hybrid(tiny_model) -> None:
 
 def test_prefill_mode_validated_and_exposed_by_launcher() -> None:
     with pytest.raises(ValueError, match="prefill_mode"):
-        from po_backend.config import EngineConfig
+        from po_backend.engine.config import EngineConfig
 
         EngineConfig(dtype=torch.float32, device=torch.device("cpu"), prefill_mode="sarathi")  # type: ignore[arg-type]
     assert (

@@ -1,4 +1,4 @@
-"""`po_backend.launch_cluster`: two workers behind the real SGLang router on loopback answer as one
+"""`po_backend.entrypoints.launch_cluster`: two workers behind the real SGLang router on loopback answer as one
 server does, a worker killed mid-burst loses no request, SIGTERM stops every process; a worker
 added at runtime through the router's worker API takes its share of the calls."""
 
@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from po_backend.launch_cluster import add_worker, visible_gpus, wait_until, worker_env
+from po_backend.entrypoints.launch_cluster import add_worker, visible_gpus, wait_until, worker_env
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 
 pytest.importorskip("sglang_router")
@@ -34,7 +34,7 @@ def launched_cluster(model: Path, flags: Sequence[str]) -> Iterator[tuple[str, s
     """`launch_cluster` on a free loopback port, ready; killed with all its children on the way out
     unless a test already stopped it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "po_backend.launch_cluster", "--model-path", str(model)]
+    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", "--model-path", str(model)]
     cmd += ["--port", str(port), *flags, *WORKER_FLAGS]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -155,7 +155,14 @@ def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path) -> None:
             bodies = [{**QUERY, "query": f"{QUERY['query']} {i}"} for i in range(8)]
             want = [scores(httpx.post(extra.url + "/v1/rerank", json=b, timeout=60)) for b in bodies]
 
-            cli = [sys.executable, "-m", "po_backend.launch_cluster", "add-worker", "--router", url]
+            cli = [
+                sys.executable,
+                "-m",
+                "po_backend.entrypoints.launch_cluster",
+                "add-worker",
+                "--router",
+                url,
+            ]
             added = subprocess.run(
                 [*cli, "--worker-url", extra.url, "--timeout", "60"],
                 cwd=REPO_ROOT,

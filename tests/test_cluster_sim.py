@@ -1,4 +1,4 @@
-"""N simulated engines behind a router (`po_backend.cluster_sim`): one worker is `simulate`, the
+"""N simulated engines behind a router (`po_backend.sim.cluster`): one worker is `simulate`, the
 fast cache and step model answer as the simulator's, cache_aware keeps a user on one worker until
 the load is imbalanced, round robin spreads, nothing is lost. Small traces, no clock, no model."""
 
@@ -11,7 +11,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from po_backend.cluster_sim import (
+from po_backend.core.request import ScoreRequest, common_prefix
+from po_backend.sched.jct import JCTModel
+from po_backend.sched.scheduler import Request, SchedulerConfig, fit_batch
+from po_backend.sim.cluster import (
     ApproxTree,
     LinearStepModel,
     RouterConfig,
@@ -21,10 +24,7 @@ from po_backend.cluster_sim import (
     paper_trace,
     simulate_cluster,
 )
-from po_backend.jct import JCTModel
-from po_backend.request import ScoreRequest, common_prefix
-from po_backend.scheduler import Request, SchedulerConfig, fit_batch
-from po_backend.simulator import PrefixLRU, simulate
+from po_backend.sim.simulator import PrefixLRU, simulate
 
 MODEL = JCTModel((0.002, 0.0005, 1.0, 0.3, 0.05))  # seconds: per step, item, ktok, Mtok^2, cached ktok
 PO = SchedulerConfig("po")

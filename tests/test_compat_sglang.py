@@ -17,8 +17,8 @@ import torch
 from po_backend import Engine as PoEngine
 from po_backend.compat.runtime import LocalRuntime, parse_server_args
 from po_backend.compat.sglang import Engine
-from po_backend.errors import EmptyPromptError, InvalidRequestError
-from po_backend.jct import JCTModel
+from po_backend.core.errors import EmptyPromptError, InvalidRequestError
+from po_backend.sched.jct import JCTModel
 from tests.conftest import hf_next_logprobs
 from tests.server_utils import ServerProcess, sglang_frontend_or_reason
 from tests.test_server import MAX_INPUT_LEN, POSTS, PROFILE  # the same prompts as the server tests

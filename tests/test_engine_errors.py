@@ -93,7 +93,7 @@ def test_config_and_overrides(tiny_model) -> None:
     device, model-dependent defaults for what is unset, and a bad value is a ValueError."""
     import torch
 
-    from po_backend.config import EngineConfig
+    from po_backend.engine.config import EngineConfig
 
     path, _ = tiny_model("llama")
     eng = Engine.from_pretrained(path, dtype="fp32", device="cpu", chunk_size=8, max_input_len=300)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server import EngineOptions, ServerArgs, create_app
 from tests.server_utils import ServerProcess, error_message
 

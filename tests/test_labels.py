@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from po_backend import Engine
-from po_backend.labels import continuation_score, label_requests
+from po_backend.core.labels import continuation_score, label_requests
 from tests.conftest import hf_all_logprobs
 
 PROMPT = tuple(range(3, 26))  # 23 tokens

@@ -12,8 +12,8 @@ import pytest
 
 import po_lang as po
 from po_backend import Engine
-from po_backend.loop import LoopClosedError
-from po_backend.request import ScoreRequest
+from po_backend.core.request import ScoreRequest
+from po_backend.serving.loop import LoopClosedError
 from tests.conftest import hf_next_logprobs
 from tests.tiny_tokenizer import CHATML, PATTERN, build_tokenizer  # noqa: F401  (re-exported)
 

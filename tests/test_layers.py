@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from po_backend.models.layers import Rotary
+from po_backend.engine.models.layers import Rotary
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

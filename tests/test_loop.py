@@ -14,10 +14,10 @@ import pytest
 
 from po_backend import Engine, OverloadedError, ScoreRequest
 from po_backend import jct_profile as jct_mod
-from po_backend.errors import CancelledError, EmptyPromptError, InvalidTokenError
-from po_backend.jct import CalibratedJCT, JCTModel, JCTSample
-from po_backend.jct_profile import ProfileGrid
-from po_backend.loop import EngineLoop, LoopClosedError
+from po_backend.core.errors import CancelledError, EmptyPromptError, InvalidTokenError
+from po_backend.sched.jct import CalibratedJCT, JCTModel, JCTSample
+from po_backend.serving.jct_profile import ProfileGrid
+from po_backend.serving.loop import EngineLoop, LoopClosedError
 
 LABELS = (3, 17, 101)
 TOL = 1e-5
@@ -368,7 +368,7 @@ def test_fcfs_and_lpm_loops_run_no_profile(eng: Engine, monkeypatch) -> None:
 def test_the_transformers_baseline_runs_in_the_same_loop(model_path) -> None:
     """HFScorer is a Scorer: EngineLoop (fcfs) serves it, one request per step, with the answers
     of its own offline `run`."""
-    from po_backend.hf_backend import HFScorer
+    from po_backend.engine.hf_scorer import HFScorer
 
     hf = HFScorer.from_pretrained(model_path, dtype="fp32", device="cpu", max_input_len=512)
     reqs = _workload(seed=3, users=2, items=3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from po_backend import Engine, ScoreRequest
-from po_backend.memory import PeakMemory
+from po_backend.engine.memory import PeakMemory
 from tests.conftest import save_llama
 
 

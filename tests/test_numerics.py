@@ -67,7 +67,7 @@ def test_embedded_matches_transformers_gguf(embedded_fp32: Engine) -> None:
     """Our forward on the embedded GGUF vs transformers loading the same GGUF file."""
     import transformers
 
-    from po_backend.models.loader import embedded_model_file
+    from po_backend.engine.models.loader import embedded_model_file
 
     gguf = embedded_model_file()
     hf = transformers.AutoModelForCausalLM.from_pretrained(

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from po_backend import CapacityError, Engine, PromptTooLongError, ScoreRequest
-from po_backend.cache import CacheInUseError
-from po_backend.cache.kv_pool import KVPool
+from po_backend.engine.cache import CacheInUseError
+from po_backend.engine.cache.kv_pool import KVPool
 
 TOL = 1e-5
 LABELS = (3, 17, 101, 250)

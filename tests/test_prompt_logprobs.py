@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from po_backend import Engine, ScoreRequest
-from po_backend.hf_backend import HFScorer
+from po_backend.engine.hf_scorer import HFScorer
 from tests.conftest import hf_all_logprobs
 from tests.server_utils import ServerProcess
 

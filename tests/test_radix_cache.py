@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from po_backend.cache import CacheInUseError, KVPool, Node, RadixCache
+from po_backend.engine.cache import CacheInUseError, KVPool, Node, RadixCache
 
 
 def make(num_slots: int = 64) -> tuple[KVPool, RadixCache]:

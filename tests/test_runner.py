@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from po_backend import Engine, attention
-from po_backend.runner import ChunkedRunner, HybridRunner, SeqPlan, make_runner
+from po_backend.engine.runner import ChunkedRunner, HybridRunner, SeqPlan, make_runner
 
 
 def test_make_runner_picks_by_prefill_mode(tiny_model) -> None:

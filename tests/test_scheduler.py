@@ -1,4 +1,4 @@
-"""Scheduling policies on the simulator (`po_backend.simulator`): a prefix cache of whole declared
+"""Scheduling policies on the simulator (`po_backend.sim.simulator`): a prefix cache of whole declared
 prefixes (LRU), step times from the JCT model, and a virtual clock. No model, no threads, no wall
 clock."""
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from po_backend.jct import JCTModel
-from po_backend.request import common_prefix
-from po_backend.scheduler import Scheduler, SchedulerConfig
-from po_backend.simulator import PrefixLRU
-from po_backend.simulator import simulate as run_trace
+from po_backend.core.request import common_prefix
+from po_backend.sched.jct import JCTModel
+from po_backend.sched.scheduler import Scheduler, SchedulerConfig
+from po_backend.sim.simulator import PrefixLRU
+from po_backend.sim.simulator import simulate as run_trace
 
 JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # a step costs 1 ms per computed token
 
@@ -57,7 +57,7 @@ def simulate(
     capacity: int = 1,
     max_batch_tokens: int = 10**9,
 ) -> list[Ran]:
-    """The trace on `po_backend.simulator` with a cache of `capacity` of the trace's longest
+    """The trace on `po_backend.sim.simulator` with a cache of `capacity` of the trace's longest
     declared prefixes; results in completion order, by request name."""
     longest = max((r.cache_prefix_len or 0 for _, r in arrivals), default=0)
     cache = PrefixLRU(capacity * longest, max_batch_tokens)

@@ -18,7 +18,7 @@ import pytest
 
 import po_lang as po
 from po_backend import Engine, ScoreRequest
-from po_backend.launch_server import build_parser, server_args, uvicorn_config
+from po_backend.entrypoints.launch_server import build_parser, server_args, uvicorn_config
 from tests.server_utils import ServerProcess, error_message, sglang_frontend_or_reason
 
 KEY = "sk-test-key"

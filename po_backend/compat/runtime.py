@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from po_backend.engine import Engine
-from po_backend.errors import InvalidRequestError
-from po_backend.jct import CalibratedJCT, JCTModel
-from po_backend.loop import EngineLoop
-from po_backend.request import ScoreRequest, ScoreResult
-from po_backend.scheduler import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.core.errors import InvalidRequestError
+from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.engine.engine import Engine
+from po_backend.sched.jct import CalibratedJCT, JCTModel
+from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.serving.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from typing import Any
 from po_backend.compat.frontend import import_sglang_frontend
 from po_backend.compat.runtime import LocalRuntime
 from po_backend.compat.sglang import Engine
-from po_backend.errors import EmptyPromptError, InvalidRequestError
-from po_backend.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.core.errors import EmptyPromptError, InvalidRequestError
+from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 
 _sgl = import_sglang_frontend()
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from po_backend.compat.runtime import LocalRuntime
-from po_backend.errors import EmptyPromptError, InvalidRequestError
-from po_backend.request import ScoreRequest, common_prefix
+from po_backend.core.errors import EmptyPromptError, InvalidRequestError
+from po_backend.core.request import ScoreRequest, common_prefix
 
 TextOrIds = str | Sequence[int]
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from po_backend.request import ScoreRequest
+from po_backend.core.request import ScoreRequest
 from po_backend.server.runtime import RuntimeDep
 
 router = APIRouter()

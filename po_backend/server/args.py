@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from po_backend.scheduler import SchedulerConfig
+from po_backend.sched.scheduler import SchedulerConfig
 
 BACKENDS = ("prefillonly", "hf")
 

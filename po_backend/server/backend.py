@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any, Protocol
 
-from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.core.request import ScoreRequest, ScoreResult
 
 
 class Backend(Protocol):

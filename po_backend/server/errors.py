@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from po_backend.errors import DrainingError, InvalidRequestError, OverloadedError, PrefillOnlyError
+from po_backend.core.errors import DrainingError, InvalidRequestError, OverloadedError, PrefillOnlyError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from po_backend.request import ScoreResult
+from po_backend.core.request import ScoreResult
 from po_backend.server.backend import Backend
 
 

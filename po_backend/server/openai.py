@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import CompletionRequest
 from po_backend.server.runtime import Runtime, RuntimeDep, sse

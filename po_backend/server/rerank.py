@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from po_backend.labels import (
+from po_backend.core.labels import (
     LabelIds,
     LabelTokenError,
     check_distinct,
@@ -37,7 +37,7 @@ from po_backend.labels import (
     label_requests,
     single_tokens,
 )
-from po_backend.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server.errors import bad
 from po_backend.server.protocol import TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep

@@ -14,8 +14,8 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
-from po_backend.errors import DrainingError, EmptyPromptError, OverloadedError
-from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.core.errors import DrainingError, EmptyPromptError, OverloadedError
+from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.args import ServerArgs
 from po_backend.server.backend import Backend
 from po_backend.server.errors import ClientGone, HTTPError, bad

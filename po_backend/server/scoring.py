@@ -2,7 +2,7 @@
 `/generative_scoring` (the same over token ids, in vLLM's shape), and `/v1/classify` in two forms
 told apart by their required key: SGLang/vLLM's `{model, input}` (labels and prompt template fixed
 at launch by `--classify-labels` / `--classify-template`) and ours, `{prompt, labels}` (also at
-`/v1/classify_labels`). Label strings become tokens after each prompt by `po_backend.labels`, the
+`/v1/classify_labels`). Label strings become tokens after each prompt by `po_backend.core.labels`, the
 same rule as po_lang's `@po.classify`."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from po_backend.labels import (
+from po_backend.core.labels import (
     LabelIds,
     LabelTokenError,
     check_distinct,
@@ -26,7 +26,7 @@ from po_backend.labels import (
     label_requests,
     single_tokens,
 )
-from po_backend.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server.errors import bad
 from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep

@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from po_backend.errors import PrefillOnlyError
-from po_backend.request import ScoreRequest, ScoreResult
+from po_backend.core.errors import PrefillOnlyError
+from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.errors import bad
 from po_backend.server.protocol import GenerateRequest, SamplingParams
 from po_backend.server.runtime import VERSION, Runtime, RuntimeDep, sse

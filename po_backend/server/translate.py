@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from po_backend.request import ScoreResult
+from po_backend.core.request import ScoreResult
 from po_backend.server.errors import bad
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; SGLang and vLLM clamp to this value too

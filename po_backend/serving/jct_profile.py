@@ -1,7 +1,7 @@
 """Fitting the JCT model on an engine: time a grid of synthetic steps (`profile`), and keep the fit
 per model / dtype / device / machine so later starts reuse it (`load_or_profile`).
 
-The model itself (`po_backend.jct`) is numpy only; this half needs the engine and torch.
+The model itself (`po_backend.sched.jct`) is numpy only; this half needs the engine and torch.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from po_backend.cpu import cpu_model
-from po_backend.engine import Engine
-from po_backend.jct import PROFILE_VERSION, JCTModel, JCTSample
-from po_backend.models.loader import cache_root
-from po_backend.request import ScoreRequest
+from po_backend.core.cpu import cpu_model
+from po_backend.core.request import ScoreRequest
+from po_backend.engine.engine import Engine
+from po_backend.engine.models.loader import cache_root
+from po_backend.sched.jct import PROFILE_VERSION, JCTModel, JCTSample
 
 log = logging.getLogger(__name__)
 

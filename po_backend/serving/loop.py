@@ -31,17 +31,17 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from po_backend.engine import Engine
-from po_backend.errors import CancelledError, OverloadedError, PrefillOnlyError
-from po_backend.jct import CalibratedJCT, JCTModel, pearson_r
-from po_backend.jct_profile import load_or_profile
-from po_backend.request import ScoreRequest, ScoreResult
-from po_backend.scheduler import (
+from po_backend.core.errors import CancelledError, OverloadedError, PrefillOnlyError
+from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.engine.engine import Engine
+from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
+from po_backend.sched.scheduler import (
     DEFAULT_FAIRNESS_LAMBDA,
     DEFAULT_MIN_SHARED_PREFIX,
     Scheduler,
     SchedulerConfig,
 )
+from po_backend.serving.jct_profile import load_or_profile
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Scorer(Protocol):
     `validate`, which is called by the submitting thread and must only read."""
 
     def validate(self, req: ScoreRequest) -> None:
-        """Raise a typed error (po_backend.errors) for a request that can never run."""
+        """Raise a typed error (po_backend.core.errors) for a request that can never run."""
 
     def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """Run one step over the requests chosen by `batchable`; a result per request, in order."""

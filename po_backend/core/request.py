@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from po_backend.errors import EmptyPromptError, InvalidRequestError, InvalidTokenError, PromptTooLongError
+from po_backend.core.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidTokenError,
+    PromptTooLongError,
+)
 
 Prompt = str | Sequence[int]
 

@@ -1,7 +1,7 @@
 """Attention over whole sequences (never chunked: the fused kernels stay fast and their memory is
 O(n)), optionally after a cached prefix whose K/V come from the prefix cache.
 
-Which kernel: bf16 on a CPU with AVX512-BF16 and no AMX runs `po_backend.attention_cpu` (a C++
+Which kernel: bf16 on a CPU with AVX512-BF16 and no AMX runs `po_backend.engine.attention_cpu` (a C++
 kernel on the bf16 dot-product units, built on first use; ~4-5x SDPA there, issue 17), for head
 dims that are multiples of 64. Everything else, and any CPU where that kernel cannot be built,
 runs torch's `scaled_dot_product_attention` as below.
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from po_backend import attention_cpu
+from po_backend.engine import attention_cpu
 
 log = logging.getLogger(__name__)
 

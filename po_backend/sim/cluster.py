@@ -1,6 +1,6 @@
 """Past one machine, by simulation: N engines behind a routing policy on one virtual clock.
 
-Each engine is what `po_backend.simulator.simulate` runs (the real `Scheduler`, a prefix cache of
+Each engine is what `po_backend.sim.simulator.simulate` runs (the real `Scheduler`, a prefix cache of
 whole declared prefixes with LRU eviction, step times from a JCT model); a router in front assigns
 every arriving request to one engine. A global event loop (a heap of step completions, arrivals in
 time order) advances the clock. With one engine it is `simulate` exactly (tests/test_cluster_sim.py).
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from po_backend.request import ScoreRequest, common_prefix
-from po_backend.scheduler import Batchable, Request, Scheduler, SchedulerConfig
-from po_backend.simulator import SimRun, StepModel
+from po_backend.core.request import ScoreRequest, common_prefix
+from po_backend.sched.scheduler import Batchable, Request, Scheduler, SchedulerConfig
+from po_backend.sim.simulator import SimRun, StepModel
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from po_backend.config import default_device, parse_dtype
-from po_backend.engine import EngineStats, PromptSpan, load_tokenizer, score_result
-from po_backend.models.loader import resolve_model_dir
-from po_backend.request import ScoreRequest, ScoreResult, validate_request
+from po_backend.core.request import ScoreRequest, ScoreResult, validate_request
+from po_backend.engine.config import default_device, parse_dtype
+from po_backend.engine.engine import EngineStats, PromptSpan, load_tokenizer, score_result
+from po_backend.engine.models.loader import resolve_model_dir
 
 
 class HFScorer:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from po_backend.config import ModelConfig
-from po_backend.errors import UnsupportedModelError
-from po_backend.models.llama import LlamaForCausalLM
+from po_backend.core.errors import UnsupportedModelError
+from po_backend.engine.config import ModelConfig
+from po_backend.engine.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,

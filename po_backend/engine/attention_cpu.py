@@ -12,14 +12,14 @@ Build: `torch.utils.cpp_extension.load` compiles the kernel into a per-user cach
 (`$PREFILLONLY_CACHE` or `~/.cache/prefillonly`, under `ext/<torch version>/`) the first time a
 bf16 attention runs on a CPU with avx512_bf16; later processes load the cached library. No
 install step compiles anything: without a compiler, or if the build fails, one warning is logged
-and attention stays on SDPA (`po_backend.attention`).
+and attention stays on SDPA (`po_backend.engine.attention`).
 
 Used for: bf16 on a CPU with avx512_bf16 and no AMX (with AMX, SDPA's own kernel uses AMX), head
 dims that are multiples of 64. Everything else (fp32, AVX2-only CPUs, fp16, other devices)
 keeps SDPA. `PO_CPU_ATTENTION=kernel|sdpa` overrides the choice (`kernel` still needs the CPU
 and the build).
 
-Contract (as `po_backend.attention`): q [n, heads, d]; k, v [n, kv_heads, d] (the sequence's own
+Contract (as `po_backend.engine.attention`): q [n, heads, d]; k, v [n, kv_heads, d] (the sequence's own
 tokens, causal); a prefix prefix_k/v [p, kv_heads, d] that every query sees; strided views are
 read in place (the runner's q/k/v are views of one packed buffer).
 """
@@ -207,7 +207,7 @@ def attend_items(
 def lse_partial(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A partial attention with its log-sum-exp (`po_backend.attention.LseAttention`): out
+    """A partial attention with its log-sum-exp (`po_backend.engine.attention.LseAttention`): out
     [n, heads, d] fp32 and lse [n, heads] fp32. Causal: k/v are the queries' own tokens."""
     n, heads, d = q.shape
     out = torch.empty(n, heads, d, dtype=torch.float32)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from po_backend.config import ModelConfig
-from po_backend.errors import ModelNotFoundError, UnsupportedModelError
-from po_backend.models import model_class
+from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
+from po_backend.engine.config import ModelConfig
+from po_backend.engine.models import model_class
 
 log = logging.getLogger(__name__)
 

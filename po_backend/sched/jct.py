@@ -9,7 +9,7 @@ of a step, with new = n_input - n_cached tokens to compute:
 the linear layers cost per new token, attention per (new token, attended token) pair, a cached
 prefix costs its gather, and a step / an item a fixed overhead. The coefficients are fitted at
 start on a small grid of timed steps, persisted per model / dtype / device / machine (both in
-`po_backend.jct_profile`, which needs the engine), and corrected online by `CalibratedJCT` from
+`po_backend.serving.jct_profile`, which needs the engine), and corrected online by `CalibratedJCT` from
 measured step times. This module is the model alone: numpy only, so the scheduler, the simulator
 and a router use it without torch.
 """

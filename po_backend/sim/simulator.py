@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from po_backend.request import common_prefix
-from po_backend.scheduler import Request, Scheduler, SchedulerConfig, fit_batch
+from po_backend.core.request import common_prefix
+from po_backend.sched.scheduler import Request, Scheduler, SchedulerConfig, fit_batch
 
 
 class StepModel(Protocol):
-    """Seconds of a step (`po_backend.jct.JCTModel`): what the scheduler predicts, and here also
+    """Seconds of a step (`po_backend.sched.jct.JCTModel`): what the scheduler predicts, and here also
     what the simulated step takes."""
 
     def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...

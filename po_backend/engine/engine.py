@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from po_backend.cache import CacheStats, KVPool, RadixCache
-from po_backend.config import EngineConfig, ModelConfig, default_device, parse_dtype
-from po_backend.errors import CapacityError, InvalidRequestError
-from po_backend.memory import PeakMemory, available_bytes
-from po_backend.models.llama import LlamaForCausalLM
-from po_backend.models.loader import load_model, read_config, resolve_model_dir
-from po_backend.request import Prompt, ScoreRequest, ScoreResult, validate_request
-from po_backend.runner import LOGIT_ROWS, SeqPlan, make_runner
-from po_backend.scheduler import BatchStores, fit_batch
+from po_backend.core.errors import CapacityError, InvalidRequestError
+from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
+from po_backend.engine.cache import CacheStats, KVPool, RadixCache
+from po_backend.engine.config import EngineConfig, ModelConfig, default_device, parse_dtype
+from po_backend.engine.memory import PeakMemory, available_bytes
+from po_backend.engine.models.llama import LlamaForCausalLM
+from po_backend.engine.models.loader import load_model, read_config, resolve_model_dir
+from po_backend.engine.runner import LOGIT_ROWS, SeqPlan, make_runner
+from po_backend.sched.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from po_backend.cache.kv_pool import KVPool
-from po_backend.errors import CacheInUseError
+from po_backend.core.errors import CacheInUseError
+from po_backend.engine.cache.kv_pool import KVPool
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 

@@ -26,11 +26,11 @@ from typing import ClassVar
 
 import torch
 
-from po_backend.attention import attend, attend_items, fallback_scratch_bytes
-from po_backend.cache.kv_pool import KVPool
-from po_backend.config import PREFILL_MODES, ModelConfig, PrefillMode
-from po_backend.models.layers import Rotary
-from po_backend.models.llama import HEAD_CHUNK_ELEMS, LlamaForCausalLM
+from po_backend.engine.attention import attend, attend_items, fallback_scratch_bytes
+from po_backend.engine.cache.kv_pool import KVPool
+from po_backend.engine.config import PREFILL_MODES, ModelConfig, PrefillMode
+from po_backend.engine.models.layers import Rotary
+from po_backend.engine.models.llama import HEAD_CHUNK_ELEMS, LlamaForCausalLM
 
 
 @dataclass(frozen=True)

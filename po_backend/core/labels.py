@@ -16,8 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from po_backend.errors import InvalidRequestError
-from po_backend.request import ScoreRequest
+from po_backend.core.errors import InvalidRequestError
+from po_backend.core.request import ScoreRequest
 
 # The tail only has to be long enough for the tokenizer's decision at the boundary to be local.
 ANCHOR_CHARS = 64

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from po_backend.cache.kv_pool import KVPool
-from po_backend.cache.radix import CacheInUseError, CacheStats, InsertResult, MatchResult, Node, RadixCache
+from po_backend.engine.cache.kv_pool import KVPool
+from po_backend.engine.cache.radix import (
+    CacheInUseError,
+    CacheStats,
+    InsertResult,
+    MatchResult,
+    Node,
+    RadixCache,
+)
 
 __all__ = ["CacheInUseError", "CacheStats", "InsertResult", "KVPool", "MatchResult", "Node", "RadixCache"]

@@ -1,5 +1,5 @@
 """Frozen configuration records. No I/O here: loaders read files and hand dicts to `from_hf`;
-what the CPU can do comes from `po_backend.cpu`."""
+what the CPU can do comes from `po_backend.core.cpu`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import torch
 
-from po_backend.cpu import cpu_has_fast_bf16
-from po_backend.errors import UnsupportedModelError
+from po_backend.core.cpu import cpu_has_fast_bf16
+from po_backend.core.errors import UnsupportedModelError
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k)
 _FAMILIES: dict[str, tuple[bool, bool]] = {

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import takewhile
 from typing import Protocol
 
-from po_backend.request import common_prefix
+from po_backend.core.request import common_prefix
 
 POLICIES = ("po", "fcfs", "srjf", "lpm")
 # score = jct seconds - lambda * queueing seconds: lambda = 0.2 lets a request overtake one whose
@@ -34,7 +34,7 @@ DEFAULT_MIN_SHARED_PREFIX = 32
 
 
 class Request(Protocol):
-    """What the scheduler reads of a request (`po_backend.request.ScoreRequest` has it)."""
+    """What the scheduler reads of a request (`po_backend.core.request.ScoreRequest` has it)."""
 
     @property
     def input_ids(self) -> tuple[int, ...]: ...
@@ -47,7 +47,7 @@ class Request(Protocol):
 
 
 class Predictor(Protocol):
-    """Predicted seconds of one request's forward (`po_backend.jct.JCTModel` / `CalibratedJCT`)."""
+    """Predicted seconds of one request's forward (`po_backend.sched.jct.JCTModel` / `CalibratedJCT`)."""
 
     def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from po_backend.config import ModelConfig
-from po_backend.models.layers import Rotary, rms_norm, silu_mul
+from po_backend.engine.config import ModelConfig
+from po_backend.engine.models.layers import Rotary, rms_norm, silu_mul
 
 WeightLoader = Callable[[torch.Tensor, torch.Tensor, "str | int | None"], None]
 

@@ -1,6 +1,6 @@
 """`prefillonly`: the command-line entry point (vLLM's `vllm serve MODEL` shape).
 
-prefillonly serve MODEL [server flags]     # = python -m po_backend.launch_server --model-path MODEL ...
+prefillonly serve MODEL [server flags]     # = python -m po_backend.entrypoints.launch_server --model-path MODEL ...
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command != "serve":
         raise SystemExit(f"prefillonly: unknown command {command!r}\n{USAGE}")
-    from po_backend.launch_server import main as serve
+    from po_backend.entrypoints.launch_server import main as serve
 
     if rest and not rest[0].startswith("-"):  # the model as a positional argument
         rest = ["--model-path", rest[0], *rest[1:]]

@@ -1,0 +1,305 @@
+"""N PrefillOnly workers behind the real SGLang router (the SGLang Model Gateway), one endpoint:
+
+    python -m po_backend.entrypoints.launch_cluster --model-path embedded --workers 2 --host 127.0.0.1 \\
+        --port 30000 [--router-policy cache_aware|round_robin|power_of_two] [worker flags...]
+
+The equivalent of `python -m sglang_router.launch_server --dp-size N`: each worker is
+`po_backend.entrypoints.launch_server` on its own loopback port with the CPU threads split between them (and
+one GPU each where there are GPUs: CUDA_VISIBLE_DEVICES, or all that torch sees); the
+router (`pip install sglang-router`) listens on HOST:PORT with retries, a circuit breaker and
+health checks set so a dead worker's requests go to the others. Unknown flags go to every worker.
+Ctrl-C / SIGTERM: the router stops taking requests first, then the workers drain (they answer what
+they queued, see --shutdown-timeout), then everything exits. Workers on other machines join with the
+router's own `--worker-urls` (run `launch_server` there and list its URL).
+
+A worker started later, on this machine or another, joins the running router through the router's
+worker API (POST /workers); this launcher neither starts nor stops it:
+
+    python -m po_backend.entrypoints.launch_cluster add-worker --router http://127.0.0.1:30000 \\
+        --worker-url http://10.0.0.7:30001
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+log = logging.getLogger("po_backend.entrypoints.launch_cluster")
+
+POLICIES = ("cache_aware", "round_robin", "power_of_two")
+# cache_aware sends a request to the least-loaded worker instead of its cache match only when the
+# busiest worker has more than this many outstanding requests above the idlest (and 1.5x as many).
+# The router's default, 64, suits decode traffic (long-lived requests pile up); a prefill-only call
+# finishes in one forward, so a worker rarely holds more than a few and 64 never fires: a hot
+# user's burst queues on one worker while the others idle (tests/test_cluster.py). Too low a value
+# fires on ordinary Poisson bursts instead, sends users to workers without their profile and
+# costs the cache: simulated at 64 workers (bench_cluster_sim, 1,000 users), 8 sustains 0.68x the
+# QPS of 64 and 16 0.92x, while 32 equals 64 at every N and still splits a 60-call burst.
+BALANCE_ABS_THRESHOLD = 32
+ADD_WORKER = "add-worker"  # the subcommand
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="po-launch-cluster",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog=f"{ADD_WORKER} --router URL --worker-url URL: add a running worker to a running router "
+        f"(`{ADD_WORKER} --help`)",
+    )
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--host", default="127.0.0.1", help="the router's address (workers stay on loopback)")
+    ap.add_argument("--port", type=int, default=30000, help="the router's port")
+    ap.add_argument("--router-policy", choices=POLICIES, default="cache_aware")
+    ap.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=BALANCE_ABS_THRESHOLD,
+        help="cache_aware: route by load once the busiest worker has this many more outstanding requests "
+        "than the idlest (the router's default 64 never fires for prefill-only calls; lower values move "
+        "users off their cache on ordinary bursts)",
+    )
+    ap.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds for workers and router to come up"
+    )
+    return ap
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_command(model_path: str, port: int, extra: Sequence[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "po_backend.entrypoints.launch_server",
+        "--model-path",
+        model_path,
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
+def worker_threads(workers: int) -> int:
+    """Each of `workers` workers on this machine gets its share of the cores, so their thread pools
+    do not fight over the same cores."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this launcher may hand out: CUDA_VISIBLE_DEVICES if set (so users pick them the
+    usual way), else every device torch sees; [] on a CPU-only machine or torch."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    import torch  # lazy: only to count devices; the launcher itself runs no torch code
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_env(workers: int, index: int = 0, gpus: Sequence[str] = ()) -> dict[str, str]:
+    """Worker `index`'s environment: its share of the CPU threads and, where there are GPUs, one
+    GPU of its own (round robin when there are more workers than GPUs), as `--dp-size` gives
+    each SGLang replica one. The worker then sees a single device and runs on cuda:0."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+    return env
+
+
+def router_command(
+    worker_urls: Sequence[str],
+    host: str,
+    port: int,
+    policy: str,
+    *,
+    balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+) -> list[str]:
+    """The router with failover on: a failed call is retried on another worker, a worker that keeps
+    failing is cut off by the circuit breaker and its health checks, its users move to the others."""
+    return [
+        sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+        "--policy", policy, "--host", host, "--port", str(port),
+        "--balance-abs-threshold", str(balance_abs_threshold),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--retry-max-retries", "3", "--retry-initial-backoff-ms", "50",
+        "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "10",
+        "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+        "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
+        "--log-level", "warn",
+    ]  # fmt: skip
+
+
+def wait_until(url: str, procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Until `url` answers 200 (a process of `procs` exiting first is an error)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{' '.join(map(str, p.args))[:120]}... exited with {p.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def stop_all(router: subprocess.Popen[bytes] | None, workers: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Router first (no new work), then the workers drain; whatever ignores SIGTERM is killed."""
+    for group in ([router] if router else [], list(workers)):
+        for p in group:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in group:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+# ---- adding a worker at runtime ------------------------------------------------------------------
+
+
+def add_worker(router_url: str, worker_url: str, *, timeout: float = 600.0) -> str:
+    """Register the running worker at `worker_url` with the running router at `router_url`, and
+    wait until the router routes to it; returns the router's id for it (DELETE
+    {router_url}/workers/{id} takes it out again).
+
+    The router's worker API: POST /workers {"url": ...} is answered 202 with the worker's id at
+    once, and the router then checks the worker in the background; GET /workers/{id} carries a
+    `job_status` while that runs (`failed`, with the reason, if the worker never answered within
+    the router's --worker-startup-timeout-secs), and none once the worker is in the routing set."""
+    _check_url(worker_url, "worker")
+    _check_url(router_url, "router")
+    base = router_url.rstrip("/")
+    resp = httpx.post(base + "/workers", json={"url": worker_url}, timeout=30)
+    if resp.status_code != 202:
+        raise RuntimeError(f"{base}/workers answered {resp.status_code}: {resp.text[:300]}")
+    worker_id = str(resp.json()["worker_id"])
+    _wait_registered(f"{base}/workers/{worker_id}", worker_url, timeout)
+    return worker_id
+
+
+def _check_url(url: str, what: str) -> None:
+    # The router queues any string and only reports a bad one when its background check fails.
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"bad {what} URL {url!r}: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"bad {what} URL {url!r}: expected http://HOST:PORT")
+
+
+def _wait_registered(status_url: str, worker_url: str, timeout: float) -> None:
+    """Until the router lists the worker healthy with its add job done; its failure is an error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = httpx.get(status_url, timeout=10)
+        resp.raise_for_status()
+        info = resp.json()
+        job = info.get("job_status")
+        if job is None and info.get("is_healthy"):
+            return
+        if job is not None and job.get("status") == "failed":
+            raise RuntimeError(f"the router could not add {worker_url}: {job.get('message')}")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"the router has not taken {worker_url} within {timeout:.0f} s (it keeps trying until its "
+                f"--worker-startup-timeout-secs); is the worker up and reachable from the router?"
+            )
+        time.sleep(0.5)
+
+
+def add_worker_main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog=f"po-launch-cluster {ADD_WORKER}",
+        description="Add a running worker (`launch_server` on any machine the router can reach) to a running "
+        "router, through the router's worker API; returns once the router routes to it.",
+    )
+    ap.add_argument("--router", required=True, help="the router's URL, e.g. http://127.0.0.1:30000")
+    ap.add_argument("--worker-url", required=True, help="the worker's URL as the router reaches it")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the router to take it")
+    args = ap.parse_args(argv)
+    try:
+        worker_id = add_worker(args.router, args.worker_url, timeout=args.timeout)
+    except ValueError as e:
+        ap.error(str(e))
+    except (RuntimeError, httpx.HTTPError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"added {args.worker_url} to {args.router} as worker {worker_id}")
+    return 0
+
+
+# ---- the cluster ----------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [ADD_WORKER]:
+        return add_worker_main(argv[1:])
+    args, extra = build_parser().parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.workers < 1:
+        raise SystemExit("--workers must be >= 1")
+    if args.balance_abs_threshold < 0:
+        raise SystemExit("--balance-abs-threshold must be >= 0")
+    gpus = visible_gpus()
+    if gpus and args.workers > len(gpus):
+        log.warning("%d workers share %d GPUs (round robin)", args.workers, len(gpus))
+    ports = [free_port() for _ in range(args.workers)]
+    workers = [
+        subprocess.Popen(
+            worker_command(args.model_path, p, ["--log-level", "warning", *extra]),
+            env=worker_env(args.workers, i, gpus),
+        )
+        for i, p in enumerate(ports)
+    ]
+    router: subprocess.Popen[bytes] | None = None
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for u in urls:
+            wait_until(u + "/health", workers, args.startup_timeout)
+        cmd = router_command(
+            urls, args.host, args.port, args.router_policy, balance_abs_threshold=args.balance_abs_threshold
+        )
+        router = subprocess.Popen(cmd)
+        wait_until(f"http://{args.host}:{args.port}/get_model_info", [router], args.startup_timeout)
+        log.info("serving %s on http://%s:%d: %d workers (%s), %s", args.model_path, args.host, args.port,
+                 args.workers, ", ".join(urls), args.router_policy)  # fmt: skip
+        while not stopping:
+            if router.poll() is not None:
+                log.error("the router exited with %s", router.returncode)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        stop_all(router, workers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
