@@ -84,7 +84,7 @@ _ATTENTION_SECONDS = [0.0]
 def _time_attention() -> None:
     """Wrap the runner's attention entry points to add their wall time to _ATTENTION_SECONDS
     (a child process measures one configuration, so patching the module is harmless)."""
-    from po_backend import runner
+    from po_backend.engine import runner
 
     def timed(fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from po_backend import attention, attention_cpu
+from po_backend.engine import attention, attention_cpu
 from po_backend.engine.attention_cpu import choose
 from tests.conftest import hf_next_logprobs, randomize_
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from po_backend import attention
+from po_backend.engine import attention
 from po_backend.engine.attention import (
     attend,
     attend_items,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from po_backend import Engine
-from po_backend import jct_profile as jct_mod
 from po_backend.sched.jct import CalibratedJCT, JCTModel, JCTSample, features
+from po_backend.serving import jct_profile as jct_mod
 from po_backend.serving.jct_profile import ProfileGrid, load_model, load_or_profile, profile, save_model
 
 TRUE = (0.004, 0.0015, 0.8, 0.05, 0.01)  # seconds per FEATURES unit

@@ -13,9 +13,9 @@ from concurrent.futures import Future, wait
 import pytest
 
 from po_backend import Engine, OverloadedError, ScoreRequest
-from po_backend import jct_profile as jct_mod
 from po_backend.core.errors import CancelledError, EmptyPromptError, InvalidTokenError
 from po_backend.sched.jct import CalibratedJCT, JCTModel, JCTSample
+from po_backend.serving import jct_profile as jct_mod
 from po_backend.serving.jct_profile import ProfileGrid
 from po_backend.serving.loop import EngineLoop, LoopClosedError
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from po_backend import Engine, attention
+from po_backend import Engine
+from po_backend.engine import attention
 from po_backend.engine.runner import ChunkedRunner, HybridRunner, SeqPlan, make_runner
 
 
