@@ -4,16 +4,16 @@ SGLang's frontend."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from po_backend.entrypoints import spawn
+from po_backend.entrypoints.spawn import free_port
 from po_lang.sglang_shim import import_sglang_frontend
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -25,68 +25,32 @@ def error_message(resp: httpx.Response) -> str:
     return str(body["error"]["message"] if "error" in body else body["message"])
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """`python -m po_backend.entrypoints.launch_server ...` on 127.0.0.1; `start()` returns at once so several
-    servers can boot in parallel, `wait_ready()` polls /health."""
+class ServerProcess(spawn.ServerProcess):
+    """`python -m po_backend.entrypoints.launch_server ...` on 127.0.0.1 and a free port."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--host", "127.0.0.1"]
-        self.args += ["--port", str(self.port), *args]
+        command = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), *args]
         # One thread each: several servers and the test process share two cores.
         # Tiny-model servers profile their JCT model and persist it under the cache root: keep
         # that in a temp dir rather than littering the user's ~/.cache with throwaway profiles.
         self._cache = tempfile.TemporaryDirectory(prefix="po-test-cache-")
-        self.env = {
+        full_env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "PREFILLONLY_CACHE": self._cache.name,
             **(env or {}),
         }
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.TemporaryFile()
+        super().__init__(command, f"http://127.0.0.1:{self.port}", env=full_env, cwd=REPO_ROOT)
+        self.args = command
 
-    def start(self) -> ServerProcess:
-        self.proc = subprocess.Popen(
-            self.args, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
-        )
+    def wait_ready(self, timeout: float = 120.0, headers: Mapping[str, str] | None = None) -> ServerProcess:
+        super().wait_ready(timeout, headers)
         return self
 
-    def log_text(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
-
-    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout:.0f}s:\n{self.log_text()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
         self._cache.cleanup()
 
 

@@ -25,13 +25,14 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 import httpx
+
+from po_backend.entrypoints.spawn import free_port, stop, wait_until
 
 log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 
@@ -72,12 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--startup-timeout", type=float, default=600.0, help="seconds for workers and router to come up"
     )
     return ap
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_command(model_path: str, port: int, extra: Sequence[str]) -> list[str]:
@@ -143,34 +138,10 @@ def router_command(
     ]  # fmt: skip
 
 
-def wait_until(url: str, procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
-    """Until `url` answers 200 (a process of `procs` exiting first is an error)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, p.args))[:120]}... exited with {p.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
-
-
 def stop_all(router: subprocess.Popen[bytes] | None, workers: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Router first (no new work), then the workers drain; whatever ignores SIGTERM is killed."""
-    for group in ([router] if router else [], list(workers)):
-        for p in group:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in group:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    """Router first (no new work), then the workers drain."""
+    stop([router] if router else [])
+    stop(workers)
 
 
 # ---- adding a worker at runtime ------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""Child processes that serve HTTP: a free loopback port, waiting until a URL answers, and a server
+process started, waited for and stopped. One helper for `launch_cluster`, the benchmarks and the
+tests, so they all wait the same way (poll the URL, fail at once when the child exits)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    url: str,
+    procs: Sequence[subprocess.Popen[bytes]] = (),
+    timeout: float = 600.0,
+    *,
+    headers: Mapping[str, str] | None = None,
+    interval: float = 0.2,
+) -> None:
+    """Until `url` answers 200; a process of `procs` exiting first, or the deadline, is an error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{' '.join(map(str, p.args))[:160]} exited with {p.returncode}")
+        try:
+            if httpx.get(url, timeout=2.0, headers=dict(headers or {})).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+        time.sleep(interval)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 60.0) -> None:
+    """SIGTERM to every running one, then wait; whatever outlives `timeout` is killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class ServerProcess:
+    """A command that serves HTTP at `url`, its output kept in a temporary file. `start()` returns
+    at once (several servers can boot side by side), `wait_ready()` polls `health_path`, `stop()`
+    drains it with SIGTERM (killed after `stop_timeout`)."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        url: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        health_path: str = "/health",
+        log: IO[bytes] | None = None,
+    ) -> None:
+        self.command = list(command)
+        self.url = url
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = Path(cwd) if cwd is not None else None
+        self.health_path = health_path
+        self._log = log if log is not None else tempfile.TemporaryFile()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            self.command, cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        return self
+
+    def log_text(self, last: int = 4000) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-last:]
+
+    def wait_ready(self, timeout: float = 600.0, headers: Mapping[str, str] | None = None) -> ServerProcess:
+        assert self.proc is not None, "start() first"
+        try:
+            wait_until(self.url + self.health_path, [self.proc], timeout, headers=headers)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}; its output ends:\n{self.log_text()}") from None
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is not None:
+            stop([self.proc], timeout)
