@@ -4,17 +4,23 @@ session's JCT profile directory; `embedded` tests count as `slow` (the fast tier
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
 
-import pytest
-import torch
-import transformers
+# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. With spinning, a test
+# process whose cores are shared (test servers, a CI neighbour) ran some tests 10x slower, its
+# threads spinning at barriers while their partners waited for a core. Servers inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from po_backend import Engine
-from po_backend.serving.jct_profile import JCT_CACHE_ENV
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from po_backend import Engine  # noqa: E402
+from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
 
 _JCT_DIR: str | None = None
 

@@ -68,6 +68,7 @@ def scores(resp: httpx.Response) -> list[tuple[int, float]]:
     return sorted((r["index"], round(float(r.get("relevance_score", r.get("score", 0.0))), 4)) for r in rows)
 
 
+@pytest.mark.slow
 def test_cluster_answers_like_one_server(
     cluster: tuple[str, subprocess.Popen[bytes]], tokenized_llama: Path
 ) -> None:
@@ -100,6 +101,7 @@ def worker_urls(router_url: str) -> list[str]:
     return sorted(w["url"] for w in httpx.get(router_url + "/workers", timeout=10).json()["workers"])
 
 
+@pytest.mark.slow
 def test_a_hot_users_burst_spreads_over_the_workers(cluster: tuple[str, subprocess.Popen[bytes]]) -> None:
     """One user's calls all match one worker's cache; cache_aware keeps them there until that
     worker has --balance-abs-threshold (ours: 32) more outstanding than the other. With the
@@ -124,6 +126,7 @@ def submitted(worker_url: str) -> int:
     return int(httpx.get(worker_url + "/server_info", timeout=10).json()["internal_states"][0]["submitted"])
 
 
+@pytest.mark.slow
 def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(tokenized_llama: Path) -> None:
     """Its own cluster: the test ends it with SIGTERM (a shared one would be gone for later tests)."""
     with launched_cluster(tokenized_llama, ["--workers", "2"]) as (url, proc):
@@ -163,6 +166,7 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(tokenized_llama: Pa
         assert not alive, [p.cmdline() for p in alive]
 
 
+@pytest.mark.slow
 def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path) -> None:
     extra = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS]).start()
     flags = ["--workers", "1", "--router-policy", "round_robin"]

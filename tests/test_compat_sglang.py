@@ -145,6 +145,7 @@ def test_server_args_mapping() -> None:
         parse_server_args("embedded", schedule_policy="dfs-weight")
 
 
+@pytest.mark.slow
 def test_engine_from_model_path_and_server_score(model_dir: Path, server: str, engine: Engine) -> None:
     """`Engine(model_path=...)` as SGLang code writes it, and the same numbers as /v1/score."""
     labels = [tok_id(engine, " Yes"), tok_id(engine, " No")]
@@ -175,6 +176,7 @@ def _program(sgl: Any) -> Any:
     return engage
 
 
+@pytest.mark.slow
 def test_sgl_function_same_decisions_as_http(sgl: Any, engine: Engine, server: str) -> None:
     from po_backend.compat.sgl_backend import PrefillOnlyBackend
 

@@ -308,6 +308,7 @@ def local_ray() -> Iterator[None]:
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_label_data_on_ray_equals_in_process_and_resumes(
     tmp_path: Path, tokenized_llama: Path, local_ray: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -413,6 +414,7 @@ def test_sglang_select_unreachable_server_is_a_clear_error(capsys: pytest.Captur
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sglang_shim_does_not_import_torch() -> None:
     if importlib.util.find_spec("sglang") is None:
         missing("sglang is not installed (pip install --no-deps sglang==0.5.23)")

@@ -22,6 +22,9 @@ from po_backend.server import EngineOptions, ServerArgs, create_app
 from tests.conftest import TINY_BASE
 from tests.server_utils import ServerProcess, error_message
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses
+
+
 MAX_INPUT_LEN = 256
 BODY = {
     "text": "User profile:\nlikes cats\nPost: a cat video\nAnswer:",
@@ -155,9 +158,8 @@ def test_sigterm_answers_every_accepted_request(tokenized_llama: Path) -> None:
     assert statuses.count(503) > 0
     # uvicorn re-raises the signal once its graceful shutdown is done: a clean exit by SIGTERM.
     assert code in (0, -signal.SIGTERM)
-    print(
-        f"SIGTERM burst: {statuses.count(200)} x 200, {statuses.count(503)} x 503; at the signal {at_signal}"
-    )
+    at = {k: at_signal[k] for k in ("completed", "running", "queued")}
+    print(f"SIGTERM burst: {statuses.count(200)} x 200, {statuses.count(503)} x 503; at the signal {at}")
 
 
 class _FailingBackend:

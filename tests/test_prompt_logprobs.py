@@ -17,6 +17,9 @@ from tests.conftest import hf_all_logprobs
 from tests.deps import require
 from tests.server_utils import ServerProcess
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses
+
+
 TOP = 3
 WATCH = (5, 17, 40)  # token ids whose log-probs are asked at every position
 PROMPT = "User profile:\nlikes cats and dogs\nPost: a cat video\nAnswer:"

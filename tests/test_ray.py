@@ -15,6 +15,8 @@ from tests.deps import require
 ray = require("ray", "pip install 'ray[data]'")
 from po_lang.ray import classify_dataset, hit_rate  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a local Ray cluster
+
 PROFILES = ["likes cats and dogs", "likes tax news", "likes a cat video"]
 POSTS = ["a cat video", "a dog", "tax news", "cats and dogs"]
 

@@ -21,6 +21,9 @@ from tests.tiny_tokenizer import tokenized_copy
 
 require("sglang_router", "pip install sglang-router")
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses
+
+
 QUERY = "which pets like to play"
 DOCS = ["cats like to play with a ball", "tax news for the year", "dogs play in the park"]
 PROMPT = "<|im_start|>user\nwhich pets like to play<|im_end|>\n<|im_start|>assistant\n"
@@ -192,7 +195,18 @@ def test_completions(router: RouterProcess, server: str) -> None:
 def test_the_router_loads_the_embedded_models_tokenizer_from_disk() -> None:
     """`--model-path embedded` (or a .gguf file) is no hub id: the router reads the tokenizer
     folder from the worker's /server_info `model_path` and must not try the hub for "embedded"."""
-    worker = ServerProcess(["--model-path", "embedded", "--dtype", "fp32", "--max-input-len", "256"]).start()
+    # fcfs: no JCT profile of the embedded model at start (this test is about the tokenizer).
+    flags = [
+        "--model-path",
+        "embedded",
+        "--dtype",
+        "fp32",
+        "--max-input-len",
+        "256",
+        "--schedule-policy",
+        "fcfs",
+    ]
+    worker = ServerProcess(flags).start()
     try:
         url = worker.wait_ready().url
         info = ok(httpx.get(url + "/server_info", timeout=30))

@@ -21,6 +21,9 @@ from po_backend.entrypoints.launch_server import build_parser, server_args, uvic
 from tests.deps import require
 from tests.server_utils import ServerProcess, error_message, metric, poll_until, sglang_frontend
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses
+
+
 KEY = "sk-test-key"
 MAX_INPUT_LEN = 256
 PROFILE = "User profile:\nlikes cats and dogs\n"
