@@ -103,7 +103,7 @@ def test_sigterm_answers_every_accepted_request(tokenized_llama: Path) -> None:
     request: each gets 200, or 503 with Retry-After; never a 500, never a dropped connection."""
     # The longest prompts the tiny model takes, one per step (fcfs): the engine falls behind the
     # burst, so the queue still holds most of it when the signal comes.
-    max_len = TINY_BASE["max_position_embeddings"]
+    max_len = int(TINY_BASE["max_position_embeddings"])
     proc = ServerProcess(
         [
             "--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", str(max_len),
