@@ -167,8 +167,6 @@ def test_label_data_hard_crash_leaves_a_valid_file_and_resumes(tmp_path: Path) -
         f"""
         import importlib.util, os, sys
         import po_lang as po
-from tests.deps import missing, require
-from tests.server_utils import sglang_frontend
         spec = importlib.util.spec_from_file_location("ld", {str(EXAMPLES / "label_data.py")!r})
         ld = importlib.util.module_from_spec(spec); sys.modules["ld"] = ld; spec.loader.exec_module(ld)
 
