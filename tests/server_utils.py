@@ -1,12 +1,13 @@
-"""Test helpers: our real server in a subprocess on a free loopback port, and an import shim for
-SGLang's frontend."""
+"""Test helpers: our real server in a subprocess on a free loopback port (`po_backend.entrypoints.spawn`
+starts it and waits until it is healthy), and SGLang's frontend or a skip."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
-import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import httpx
 from po_backend.entrypoints import spawn
 from po_backend.entrypoints.spawn import free_port
 from po_lang.sglang_shim import import_sglang_frontend
+from tests.deps import missing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +27,26 @@ def error_message(resp: httpx.Response) -> str:
     return str(body["error"]["message"] if "error" in body else body["message"])
 
 
+def metric(url: str, name: str, default: float | None = None) -> float:
+    """One unlabelled series (or a full `name{labels}`) of the server's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    if m is None and default is not None:
+        return default  # a labelled series appears at its first increment
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def poll_until(ready: Callable[[], bool], what: str, timeout: float = 120.0, interval: float = 0.02) -> None:
+    """Wait for a state (the queue holds the burst, a counter moved) instead of sleeping and
+    hoping; the deadline only turns a hang into a failure that says what never happened."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not reached within {timeout:.0f} s: {what}")
+        time.sleep(interval)
+
+
 class ServerProcess(spawn.ServerProcess):
     """`python -m po_backend.entrypoints.launch_server ...` on 127.0.0.1 and a free port."""
 
@@ -32,16 +54,10 @@ class ServerProcess(spawn.ServerProcess):
         self.port = free_port()
         command = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--host", "127.0.0.1"]
         command += ["--port", str(self.port), *args]
-        # One thread each: several servers and the test process share two cores.
-        # Tiny-model servers profile their JCT model and persist it under the cache root: keep
-        # that in a temp dir rather than littering the user's ~/.cache with throwaway profiles.
-        self._cache = tempfile.TemporaryDirectory(prefix="po-test-cache-")
-        full_env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PREFILLONLY_CACHE": self._cache.name,
-            **(env or {}),
-        }
+        # One thread each: several servers and the test process share two cores. The cache root
+        # (GGUF conversion, kernel build) is the user's, shared by every server; the JCT profiles
+        # go to the session's directory (tests/conftest.py sets it in os.environ).
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         super().__init__(command, f"http://127.0.0.1:{self.port}", env=full_env, cwd=REPO_ROOT)
         self.args = command
 
@@ -49,20 +65,14 @@ class ServerProcess(spawn.ServerProcess):
         super().wait_ready(timeout, headers)
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
-        super().stop(timeout)
-        self._cache.cleanup()
-
 
 # ---- SGLang frontend -------------------------------------------------------------------------
 
 
-def sglang_frontend_or_reason() -> tuple[Any, str]:
-    """(frontend, "") or (None, why it cannot be used) for pytest.skip."""
+def sglang_frontend() -> Any:
+    """SGLang's frontend through our shim. Not installed: a skip (a failure under
+    PO_REQUIRE_DEPS=1); any other error is our shim's bug and fails the test."""
     try:
-        return import_sglang_frontend(), ""
-    except Exception as e:  # ImportError, or a newer sglang whose frontend imports differ
-        return (
-            None,
-            f"SGLang frontend unavailable ({type(e).__name__}: {e}); pip install --no-deps sglang==0.5.23",
-        )
+        return import_sglang_frontend()
+    except ImportError as e:
+        missing(f"SGLang frontend unavailable ({e}); pip install --no-deps sglang==0.5.23")

@@ -18,6 +18,7 @@ import transformers
 from po_backend.engine import attention, attention_cpu
 from po_backend.engine.attention_cpu import choose
 from tests.conftest import hf_next_logprobs, randomize_
+from tests.deps import missing
 
 CPU = torch.device("cpu")
 EPYC = frozenset({"avx2", "avx512f", "avx512_bf16"})  # AVX512-BF16, no AMX
@@ -30,7 +31,7 @@ def _kernel_or_skip() -> None:
     if "avx512_bf16" not in attention_cpu.cpu_flags():
         pytest.skip("the CPU has no avx512_bf16")
     if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler to build the kernel")
+        missing("no C++ compiler to build the kernel")
     assert attention_cpu.load_kernel(), "the kernel failed to build (see the logged warning)"
 
 

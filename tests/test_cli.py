@@ -59,6 +59,7 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse("--api-key", "flag").api_key == "flag"
 
 
+@pytest.mark.slow
 def test_prefillonly_serve_entry_point() -> None:
     code = "from po_backend.entrypoints.cli import main; main(['serve', '--help'])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -18,10 +18,12 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from po_backend.entrypoints.launch_cluster import add_worker, visible_gpus, wait_until, worker_env
-from tests.server_utils import REPO_ROOT, ServerProcess, free_port
+from po_backend.entrypoints import spawn
+from po_backend.entrypoints.launch_cluster import add_worker, visible_gpus, worker_env
+from tests.deps import require
+from tests.server_utils import REPO_ROOT, ServerProcess, free_port, poll_until
 
-pytest.importorskip("sglang_router")
+require("sglang_router", "pip install sglang-router")
 
 QUERY = {"query": "which pets like to play", "documents": ["cats like to play", "tax news", "dogs play"]}
 
@@ -36,16 +38,21 @@ def launched_cluster(model: Path, flags: Sequence[str]) -> Iterator[tuple[str, s
     port = free_port()
     cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", "--model-path", str(model)]
     cmd += ["--port", str(port), *flags, *WORKER_FLAGS]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    launcher = spawn.ServerProcess(
+        cmd, f"http://127.0.0.1:{port}", cwd=REPO_ROOT, health_path="/get_model_info"
+    )
+    launcher.start()
+    proc = launcher.proc
+    assert proc is not None
     try:
-        wait_until(url + "/get_model_info", [proc], 180)
-        yield url, proc
+        launcher.wait_ready(180)
+        yield launcher.url, proc
     finally:
         if proc.poll() is None:  # a test failed before its SIGTERM: leave no worker behind
             for child in psutil.Process(proc.pid).children(recursive=True):
                 child.kill()
             proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +68,7 @@ def scores(resp: httpx.Response) -> list[tuple[int, float]]:
     return sorted((r["index"], round(float(r.get("relevance_score", r.get("score", 0.0))), 4)) for r in rows)
 
 
+@pytest.mark.slow
 def test_cluster_answers_like_one_server(
     cluster: tuple[str, subprocess.Popen[bytes]], tokenized_llama: Path
 ) -> None:
@@ -93,6 +101,7 @@ def worker_urls(router_url: str) -> list[str]:
     return sorted(w["url"] for w in httpx.get(router_url + "/workers", timeout=10).json()["workers"])
 
 
+@pytest.mark.slow
 def test_a_hot_users_burst_spreads_over_the_workers(cluster: tuple[str, subprocess.Popen[bytes]]) -> None:
     """One user's calls all match one worker's cache; cache_aware keeps them there until that
     worker has --balance-abs-threshold (ours: 32) more outstanding than the other. With the
@@ -112,38 +121,52 @@ def test_a_hot_users_burst_spreads_over_the_workers(cluster: tuple[str, subproce
     assert sum(spread) == 60 and min(spread) > 0, spread
 
 
-def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(
-    cluster: tuple[str, subprocess.Popen[bytes]],
-) -> None:
-    url, proc = cluster
-    workers = [c for c in psutil.Process(proc.pid).children() if "launch_server" in " ".join(c.cmdline())]
-    assert len(workers) == 2
-
-    async def burst() -> list[Any]:
-        async with httpx.AsyncClient(timeout=120) as client:
-
-            def send(i: int) -> asyncio.Future[Any]:
-                body = {**QUERY, "query": f"{QUERY['query']} {i}"}  # distinct prefixes: both workers
-                return asyncio.ensure_future(client.post(url + "/v1/rerank", json=body))
-
-            tasks = [send(i) for i in range(200)]
-            await asyncio.sleep(0.05)
-            workers[0].kill()  # SIGKILL mid-burst: no drain, no goodbye
-            tasks += [send(i) for i in range(200, 240)]  # after the death: the router routes around it
-            return await asyncio.gather(*tasks, return_exceptions=True)
-
-    results = asyncio.run(burst())
-    assert len(results) == 240
-    failed = [r if isinstance(r, BaseException) else (r.status_code, r.text[:200]) for r in results
-              if isinstance(r, BaseException) or r.status_code != 200]  # fmt: skip
-    assert not failed, failed[:3]
-    children = psutil.Process(proc.pid).children(recursive=True)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=90) == 0
-    gone, alive = psutil.wait_procs(children, timeout=30)
-    assert not alive, [p.cmdline() for p in alive]
+def submitted(worker_url: str) -> int:
+    """Prompts the worker's scheduling loop has taken (its /server_info)."""
+    return int(httpx.get(worker_url + "/server_info", timeout=10).json()["internal_states"][0]["submitted"])
 
 
+@pytest.mark.slow
+def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(tokenized_llama: Path) -> None:
+    """Its own cluster: the test ends it with SIGTERM (a shared one would be gone for later tests)."""
+    with launched_cluster(tokenized_llama, ["--workers", "2"]) as (url, proc):
+        workers = [c for c in psutil.Process(proc.pid).children() if "launch_server" in " ".join(c.cmdline())]
+        assert len(workers) == 2
+        victim = workers[0]
+        cmdline = victim.cmdline()
+        victim_url = f"http://127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"
+        assert victim_url in worker_urls(url)
+        before = submitted(victim_url)
+
+        async def burst() -> list[Any]:
+            async with httpx.AsyncClient(timeout=120) as client:
+
+                def send(i: int) -> asyncio.Future[Any]:
+                    body = {**QUERY, "query": f"{QUERY['query']} {i}"}  # distinct prefixes: both workers
+                    return asyncio.ensure_future(client.post(url + "/v1/rerank", json=body))
+
+                tasks = [send(i) for i in range(200)]
+                # Mid-burst: once the victim holds some of the burst (the tasks send meanwhile).
+                await asyncio.to_thread(
+                    poll_until, lambda: submitted(victim_url) > before, "the victim worker has requests"
+                )
+                victim.kill()  # SIGKILL: no drain, no goodbye
+                tasks += [send(i) for i in range(200, 240)]  # after the death: the router routes around it
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(burst())
+        assert len(results) == 240
+        failed = [r if isinstance(r, BaseException) else (r.status_code, r.text[:200]) for r in results
+                  if isinstance(r, BaseException) or r.status_code != 200]  # fmt: skip
+        assert not failed, failed[:3]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.slow
 def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path) -> None:
     extra = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS]).start()
     flags = ["--workers", "1", "--router-policy", "round_robin"]

@@ -25,6 +25,7 @@ from po_backend.sim.cluster import (
     simulate_cluster,
 )
 from po_backend.sim.simulator import PrefixLRU, simulate
+from tests.deps import require
 
 MODEL = JCTModel((0.002, 0.0005, 1.0, 0.3, 0.05))  # seconds: per step, item, ktok, Mtok^2, cached ktok
 PO = SchedulerConfig("po")
@@ -233,7 +234,7 @@ def test_give_up_only_when_p99_is_past_the_bound() -> None:
 
 
 def test_p99_is_numpys() -> None:
-    np = pytest.importorskip("numpy")
+    np = require("numpy")
     vals = [random.Random(5).expovariate(1.0) for _ in range(137)]
     assert p99(vals) == pytest.approx(float(np.percentile(vals, 99)))
 

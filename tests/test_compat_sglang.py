@@ -20,7 +20,7 @@ from po_backend.compat.sglang import Engine
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
 from po_backend.sched.jct import JCTModel
 from tests.conftest import hf_next_logprobs
-from tests.server_utils import ServerProcess, sglang_frontend_or_reason
+from tests.server_utils import ServerProcess, sglang_frontend
 from tests.test_server import MAX_INPUT_LEN, POSTS, PROFILE  # the same prompts as the server tests
 
 CHOICES = [" Yes", " No", " maybe so"]
@@ -60,10 +60,7 @@ def server(model_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def sgl() -> Any:
-    frontend, reason = sglang_frontend_or_reason()
-    if frontend is None:
-        pytest.skip(reason)
-    return frontend
+    return sglang_frontend()
 
 
 def tok_id(engine: Engine, text: str) -> int:
@@ -148,11 +145,9 @@ def test_server_args_mapping() -> None:
         parse_server_args("embedded", schedule_policy="dfs-weight")
 
 
-def test_engine_from_model_path_and_server_score(
-    model_dir: Path, server: str, engine: Engine, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@pytest.mark.slow
+def test_engine_from_model_path_and_server_score(model_dir: Path, server: str, engine: Engine) -> None:
     """`Engine(model_path=...)` as SGLang code writes it, and the same numbers as /v1/score."""
-    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))  # the JCT profile goes to a temp dir
     labels = [tok_id(engine, " Yes"), tok_id(engine, " No")]
     with Engine(
         model_path=str(model_dir), dtype="float32", context_length=MAX_INPUT_LEN, log_level="error"
@@ -181,6 +176,7 @@ def _program(sgl: Any) -> Any:
     return engage
 
 
+@pytest.mark.slow
 def test_sgl_function_same_decisions_as_http(sgl: Any, engine: Engine, server: str) -> None:
     from po_backend.compat.sgl_backend import PrefillOnlyBackend
 

@@ -19,6 +19,8 @@ from types import ModuleType
 import pytest
 
 import po_lang as po
+from tests.deps import missing, require
+from tests.server_utils import sglang_frontend
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -296,7 +298,7 @@ def test_shipped_sample_reports_its_two_bad_rows() -> None:
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """A local Ray on 2 CPUs (as tests/test_ray.py), shut down after this module's tests."""
-    ray = pytest.importorskip("ray")
+    ray = require("ray", "pip install 'ray[data]'")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         yield
@@ -304,6 +306,7 @@ def local_ray() -> Iterator[None]:
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_label_data_on_ray_equals_in_process_and_resumes(
     tmp_path: Path, tokenized_llama: Path, local_ray: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -402,21 +405,17 @@ def test_credit_check_histories_and_decisions(capsys: pytest.CaptureFixture[str]
 
 
 def test_sglang_select_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        import_ok = sglang_select.import_sglang_frontend() is not None
-    except ImportError:
-        import_ok = False
-    if not import_ok:
-        pytest.skip("sglang is not installed")
+    sglang_frontend()  # installed, or a skip
     url = f"http://127.0.0.1:{sglang_select.free_port()}"  # nothing listens there
     assert sglang_select.main(["--url", url]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sglang_shim_does_not_import_torch() -> None:
     if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23)")
+        missing("sglang is not installed (pip install --no-deps sglang==0.5.23)")
     # No ImportError is swallowed: with torch blocked, one means the shim (or what it loads) needs it.
     code = (
         "import sys; sys.modules['torch'] = None\n"

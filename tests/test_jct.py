@@ -113,7 +113,7 @@ def test_profile_builds_the_cached_states(tiny_engine: Engine) -> None:
 
 
 def test_load_or_profile_persists_per_engine(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILLONLY_JCT_CACHE", str(tmp_path / "jct"))
     # Timings of a tiny model are noise: profile with synthetic steps, not the wall clock.
     monkeypatch.setattr(jct_mod, "profile", lambda engine, grid: _synthetic(20, noise=0.01))
     first = load_or_profile(tiny_engine, SMALL_GRID)

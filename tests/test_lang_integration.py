@@ -227,6 +227,7 @@ def test_local_loop_stops_on_close_and_collection(engine: Engine) -> None:
     assert loop_threads() == before, "the finalizer stops the loop of a collected Local"
 
 
+@pytest.mark.slow
 def test_local_exits_cleanly_without_close(engine: Engine) -> None:
     """A Local left open at interpreter exit must not hang it (the finalizer stops the loop)."""
     code = (

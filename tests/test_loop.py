@@ -303,7 +303,7 @@ def test_flush_cache_and_call_run_on_the_worker(eng: Engine) -> None:
 
 
 def test_default_jct_is_profiled_once_and_persisted(eng: Engine, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILLONLY_JCT_CACHE", str(tmp_path / "jct"))
     real_profile = jct_mod.profile
 
     def profile(engine, grid):

@@ -88,10 +88,16 @@ def test_embedded_matches_transformers_gguf(embedded_fp32: Engine) -> None:
         assert [t for t, _ in res.top_logprobs] == ref.topk(3).indices.tolist()
 
 
+@pytest.fixture(scope="module")
+def embedded_bf16() -> Engine:
+    """Short prompts only: a small max_input_len keeps the start-up memory profile short."""
+    return Engine.from_pretrained("embedded", dtype="bf16", max_input_len=256, max_batch_tokens=256)
+
+
 @pytest.mark.embedded
-def test_embedded_bf16_close_to_fp32(embedded_fp32: Engine) -> None:
+def test_embedded_bf16_close_to_fp32(embedded_fp32: Engine, embedded_bf16: Engine) -> None:
     """bf16 (the default where the CPU has AMX/AVX512-bf16) is reported against fp32."""
-    e16 = Engine.from_pretrained("embedded", dtype="bf16", max_input_len=256, max_batch_tokens=256)
+    e16 = embedded_bf16
     tok = embedded_fp32.tokenizer
     prompts = [
         tok.encode("The capital of France is"),
@@ -106,12 +112,12 @@ def test_embedded_bf16_close_to_fp32(embedded_fp32: Engine) -> None:
 
 
 @pytest.mark.embedded
-def test_bf16_scores_do_not_tie() -> None:
+def test_bf16_scores_do_not_tie(embedded_fp32: Engine, embedded_bf16: Engine) -> None:
     """A bf16 head rounded every logit to 8 mantissa bits, so P(Yes) over the labels (a function of
     the Yes-No logit difference) took few values: 10 posts for one profile got 6 distinct ones,
     five posts tied at 0.5927. The scored rows' norm and head now run in fp32: every post its own
     score, close to fp32's."""
-    engines = {d: Engine.from_pretrained("embedded", dtype=d) for d in ("bf16", "fp32")}
+    engines = {"bf16": embedded_bf16, "fp32": embedded_fp32}
     tok = engines["fp32"].tokenizer
     yes, no = tok.encode(" Yes")[0], tok.encode(" No")[0]
     profile = tok.encode("User profile: likes hiking, coffee and camping.\nWill the user like this post?\n")

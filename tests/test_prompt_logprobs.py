@@ -14,7 +14,11 @@ import torch
 from po_backend import Engine, ScoreRequest
 from po_backend.engine.hf_scorer import HFScorer
 from tests.conftest import hf_all_logprobs
+from tests.deps import require
 from tests.server_utils import ServerProcess
+
+pytestmark = pytest.mark.slow  # real servers in subprocesses
+
 
 TOP = 3
 WATCH = (5, 17, 40)  # token ids whose log-probs are asked at every position
@@ -113,7 +117,7 @@ def test_top_logprobs_num_is_capped(server: str) -> None:
 
 
 def test_openai_echo_logprobs_with_the_real_client(server: str, engine: Engine, hf: torch.nn.Module) -> None:
-    openai = pytest.importorskip("openai")
+    openai = require("openai")
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     for max_tokens in (0, 1):
         out = client.completions.create(

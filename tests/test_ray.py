@@ -10,9 +10,12 @@ from typing import Any
 import pytest
 
 import po_lang as po
+from tests.deps import require
 
-ray = pytest.importorskip("ray")
+ray = require("ray", "pip install 'ray[data]'")
 from po_lang.ray import classify_dataset, hit_rate  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a local Ray cluster
 
 PROFILES = ["likes cats and dogs", "likes tax news", "likes a cat video"]
 POSTS = ["a cat video", "a dog", "tax news", "cats and dogs"]

@@ -20,6 +20,8 @@ from po_backend.server import EngineOptions, ServerArgs
 from tests.server_utils import ServerProcess
 from tests.tiny_tokenizer import tokenized_copy
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses
+
 MAX_INPUT_LEN = 512
 SYSTEM = (
     "Judge whether the Document meets the requirements based on the Query and the Instruct "

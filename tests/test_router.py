@@ -5,71 +5,52 @@ answers through it what the server answers directly, and the router loads the to
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from po_backend.entrypoints import spawn
+from tests.deps import require
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 from tests.test_rerank import ALPHABET, CORPUS
 from tests.tiny_tokenizer import tokenized_copy
 
-pytest.importorskip("sglang_router", reason="pip install sglang-router")
+require("sglang_router", "pip install sglang-router")
+
+pytestmark = pytest.mark.slow  # real servers in subprocesses
+
 
 QUERY = "which pets like to play"
 DOCS = ["cats like to play with a ball", "tax news for the year", "dogs play in the park"]
 PROMPT = "<|im_start|>user\nwhich pets like to play<|im_end|>\n<|im_start|>assistant\n"
 
 
-class RouterProcess:
-    """`python -m sglang_router.launch_router` in front of `workers`; health checks and the
-    worker start-up poll every second so registration takes seconds, not the default 30."""
+class RouterProcess(spawn.ServerProcess):
+    """`python -m sglang_router.launch_router` in front of `workers`, started at once; health
+    checks and the worker start-up poll every second so registration takes seconds, not the
+    default 30. Ready once a worker answers through it."""
 
     def __init__(self, workers: list[str], policy: str) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
-        self.args += ["--policy", policy, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        self.args += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "120"]
-        self.args += ["--health-check-interval-secs", "1", "--log-level", "info"]
-        self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.args, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
+        args += ["--policy", policy, "--host", "127.0.0.1", "--port", str(self.port)]
+        args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        args += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "120"]
+        args += ["--health-check-interval-secs", "1", "--log-level", "info"]
+        super().__init__(args, f"http://127.0.0.1:{self.port}", cwd=REPO_ROOT, health_path="/get_model_info")
+        self.args = args
+        self.start()
 
-    def log_text(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+    def wait_ready(self, timeout: float = 120.0, headers: Mapping[str, str] | None = None) -> RouterProcess:
+        super().wait_ready(timeout, headers)
+        return self
 
-    def wait_ready(self, timeout: float = 120.0) -> RouterProcess:
-        """Ready once a worker answers through it."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/get_model_info", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"router not ready after {timeout:.0f}s:\n{self.log_text()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def stop(self, timeout: float = 15.0) -> None:
+        super().stop(timeout)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +195,18 @@ def test_completions(router: RouterProcess, server: str) -> None:
 def test_the_router_loads_the_embedded_models_tokenizer_from_disk() -> None:
     """`--model-path embedded` (or a .gguf file) is no hub id: the router reads the tokenizer
     folder from the worker's /server_info `model_path` and must not try the hub for "embedded"."""
-    worker = ServerProcess(["--model-path", "embedded", "--dtype", "fp32", "--max-input-len", "256"]).start()
+    # fcfs: no JCT profile of the embedded model at start (this test is about the tokenizer).
+    flags = [
+        "--model-path",
+        "embedded",
+        "--dtype",
+        "fp32",
+        "--max-input-len",
+        "256",
+        "--schedule-policy",
+        "fcfs",
+    ]
+    worker = ServerProcess(flags).start()
     try:
         url = worker.wait_ready().url
         info = ok(httpx.get(url + "/server_info", timeout=30))
@@ -228,7 +220,7 @@ def test_the_router_loads_the_embedded_models_tokenizer_from_disk() -> None:
             body = {"model": "embedded", "prompt": QUERY}
             out = ok(httpx.post(router.url + "/v1/tokenize", json=body, timeout=30))
             assert out["tokens"] in (tok.encode(QUERY), tok.encode(QUERY, add_special_tokens=False))
-            assert "Failed to load tokenizer" not in router.log_text()
+            assert "Failed to load tokenizer" not in router.log_text(last=1 << 30)
         finally:
             router.stop()
     finally:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ from po_backend.engine.models.loader import cache_root
 from po_backend.sched.jct import PROFILE_VERSION, JCTModel, JCTSample
 
 log = logging.getLogger(__name__)
+
+# Where profiles live: `$PREFILLONLY_JCT_CACHE`, else `jct/` under the cache root. Its own setting
+# so that test runs keep their throwaway profiles apart while sharing the root's GGUF conversion
+# and kernel build.
+JCT_CACHE_ENV = "PREFILLONLY_JCT_CACHE"
 
 MIN_PERSIST_R = 0.97  # a worse held-out fit was measured on a busy machine: not worth keeping
 
@@ -183,9 +189,14 @@ def profile_key(engine: Engine, grid: ProfileGrid = DEFAULT_GRID) -> dict[str, A
     }
 
 
+def profile_dir() -> Path:
+    env = os.environ.get(JCT_CACHE_ENV)
+    return Path(env) if env else cache_root() / "jct"
+
+
 def profile_path(key: dict[str, Any], root: Path | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return (root or cache_root() / "jct") / f"{digest}.json"
+    return (root or profile_dir()) / f"{digest}.json"
 
 
 def save_model(model: JCTModel, path: Path, samples: Sequence[JCTSample] = ()) -> None:
