@@ -81,7 +81,7 @@ def prediction_quality(predicted: Sequence[float], measured: Sequence[float]) ->
         return FitQuality(math.nan, math.nan, math.nan, 0)
     err = np.abs(p - m)
     return FitQuality(
-        pearson_r=pearson_r(p, m),
+        pearson_r=pearson_r(predicted, measured),
         median_abs_error_s=float(np.median(err)),
         median_rel_error=float(np.median(err / m)),
         samples=len(p),

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from po_backend.core.cpu import cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
 from po_backend.engine.models.loader import cache_root, file_lock
-from po_backend.sched.jct import PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample
+from po_backend.sched.jct import FEATURES, PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample, features
 from po_backend.sched.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,10 @@ DEFAULT_GRID = ProfileGrid()
 # batch with a shared prefix, so every coefficient has a sample that moves it. Long prompts are
 # extrapolated until real ones refine the fit (`startup_jct`).
 QUICK_GRID = ProfileGrid(
-    lengths=(128, 512, 1024), cached_fractions=(0.875,), batches=((4, 256, 64),), long_points=0
+    lengths=(128, 256, 512, 1024),
+    cached_fractions=(0.875,),
+    batches=((4, 256, 64), (4, 0, 128)),
+    long_points=0,
 )
 
 
@@ -273,20 +277,30 @@ def _try_load(path: Path, key: dict[str, Any]) -> JCTModel | None:
     return model
 
 
+def _fit(samples: Sequence[JCTSample], key: dict[str, Any], source: str) -> JCTModel:
+    """The fit, or with too few samples to fit every coefficient (an engine without a prefix
+    cache, a short max_input_len), the new-token proxy scaled by the measured steps."""
+    if len(samples) > len(FEATURES):
+        return JCTModel.fit(samples, key, source)
+    per_ktok = float(np.median([s.seconds / (features(s.items)[2] or 1e-3) for s in samples]))
+    return JCTModel((0.0, 0.0, per_ktok, 0.0, 0.0), None, key, "proxy")
+
+
 def _measure(
-    engine: Engine, grid: ProfileGrid, key: dict[str, Any], source: str
+    engine: Engine, grid: ProfileGrid, key: dict[str, Any], source: str, *, retry: bool = True
 ) -> tuple[JCTModel, list[JCTSample]]:
-    """Time `grid` and fit; a poor fit times the grid once more and keeps each point's faster run."""
+    """Time `grid` and fit; with `retry`, a poor fit times the grid once more and keeps each
+    point's faster run."""
     t = time.perf_counter()
     samples = profile(engine, grid)
-    model = JCTModel.fit(samples, key, source)
+    model = _fit(samples, key, source)
     q = model.quality
-    if q is None or not q.pearson_r >= MIN_PERSIST_R:
+    if retry and (q is None or not q.pearson_r >= MIN_PERSIST_R):
         # Another process stealing the CPU only ever makes a step slower: time the grid once
         # more and keep each point's faster run (costs a second pass only on a poor first fit).
         log.info("JCT profile fit is poor (held-out r=%.3f): timing the grid once more", q and q.pearson_r)
         samples = min_merge(samples, profile(engine, grid))
-        model = JCTModel.fit(samples, key, source)
+        model = _fit(samples, key, source)
         q = model.quality
     log.info(
         "JCT profile (%s): %d steps up to %d tokens in %.1f s, held-out r=%.3f, median error %.1f ms (%.0f%%)",
@@ -404,6 +418,8 @@ def startup_jct(engine: Engine, policy: str) -> JCTModel | CalibratedJCT | None:
         if (found := loaded()) is not None:
             return found  # measured by another worker while we waited
         log.info("no JCT profile for this machine yet: timing short steps (seconds; refined from real steps)")
-        model, samples = _measure(engine, QUICK_GRID, key, "quick")
+        # No second pass on a poor fit: real steps refine it within minutes, and on a busy
+        # machine a second pass would double the wait for the first request.
+        model, samples = _measure(engine, QUICK_GRID, key, "quick", retry=False)
         _save(model, path, samples)
     return online(model, samples)
