@@ -266,6 +266,16 @@ def jct_mod_quality(cal: CalibratedJCT, held: list[JCTSample]):
     return prediction_quality([p for p, _ in online], [m for _, m in online])
 
 
+def test_refinement_takes_fully_cached_items() -> None:
+    """The scheduler may price an item as wholly cached; refinement records its last token as
+    computed instead of raising on the engine loop's thread."""
+    cal = CalibratedJCT(JCTModel(TRUE), refine_every=4)
+    for n in (100, 200, 300, 400, 500, 600, 700, 800):
+        cal.observe([(n, n)], JCTModel(TRUE).predict(n, n))
+    assert cal.refits == 1  # at 8 steps; at 4 there were too few to fit
+    assert all(c == n - 1 for s in cal.samples() for n, c in s.items)
+
+
 def test_refinement_keeps_anchors_bounded() -> None:
     anchors = _synthetic(40, noise=0.0)
     cal = CalibratedJCT(JCTModel(TRUE), refine_every=8, anchors=anchors, window=16)

@@ -290,8 +290,9 @@ class CalibratedJCT:
         self._online.append((raw * self.factor, seconds))
         self._fold(raw, seconds)
         self.observations += 1
-        if self.refine_every:
-            self._window.append(JCTSample(tuple(items), seconds))
+        if self.refine_every and all(n >= 1 for n, _ in items):
+            # a fully cached prompt still computes its last token (as `JCTModel.predict` prices it)
+            self._window.append(JCTSample(tuple((n, min(max(c, 0), n - 1)) for n, c in items), seconds))
             if self.observations % self.refine_every == 0:
                 self.refit()
         return self.factor

@@ -391,7 +391,7 @@ def startup_jct(engine: Engine, policy: str) -> JCTModel | CalibratedJCT | None:
     1. a policy that ranks without step times (fcfs, lpm) gets None: nothing is measured;
     2. else the profile persisted for this model / dtype / device / machine / threads / torch:
        the start-up profile (quick, or refined from real steps by an earlier run), else a
-       full-grid one (`load_or_profile`, `prefillonly` benchmarks);
+       full-grid one (`load_or_profile`: an earlier version's start, a benchmark);
     3. else a quick estimate: QUICK_GRID's short steps timed now (a few seconds) and fitted, and
        saved at once so the other workers of this machine load it instead of measuring on the
        same CPU (an OS file lock makes them wait for the one measuring);
