@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -160,3 +164,202 @@ def test_grid_reaches_the_longest_prompt(tiny_engine: Engine) -> None:
         assert (n, 0) in singles and (n, round(0.9 * n)) in singles  # cold and mostly cached
         assert (n, round(0.5 * n)) not in singles  # long points skip the other fractions
     assert jct_mod.profile_key(tiny_engine, small)["lengths"] == [32, 96, 256, 512]
+
+
+# ---- start-up estimate, online refinement, sharing between workers ---------------------------
+
+
+def _startup(engine: Engine, policy: str = "po"):
+    return jct_mod.startup_jct(engine, policy)
+
+
+def test_quick_estimate_fits_sane_coefficients(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
+    """No profile yet: a few short steps are timed for real and fitted (the full grid is not run)."""
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    grids = []
+    real_profile = jct_mod.profile
+
+    def spy(engine, grid):
+        grids.append(grid)
+        return real_profile(engine, grid)
+
+    monkeypatch.setattr(jct_mod, "profile", spy)
+    cal = _startup(tiny_engine)
+    assert isinstance(cal, CalibratedJCT) and cal.refine_every > 0
+    assert grids == [jct_mod.QUICK_GRID]  # once: no second pass, it is refined online
+    m = cal.model
+    assert m.source == "quick" and all(math.isfinite(c) and c >= 0 for c in m.coef), m.coef
+    assert m.coef[2] > 0 or m.coef[3] > 0, m.coef  # computing tokens costs something
+    assert 0 < m.predict(32, 0) <= m.predict(512, 0) and m.predict(512, 448) <= m.predict(512, 0)
+    lengths = {n for s in cal.anchors for n, _ in s.items}
+    assert max(lengths) <= max(jct_mod.QUICK_GRID.lengths)  # short steps only
+    assert len(list((tmp_path / "jct").glob("*.json"))) == 1
+
+
+def test_quick_estimate_without_a_prefix_cache(tiny_model, tmp_path, monkeypatch) -> None:
+    """Too few distinct shapes to fit every coefficient: the new-token proxy, scaled by what was
+    measured, then refined online like any start-up model."""
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    path, _ = tiny_model("llama")
+    engine = Engine.from_pretrained(path, dtype="fp32", chunk_size=64, max_input_len=300, enable_cache=False)
+    cal = _startup(engine)
+    assert isinstance(cal, CalibratedJCT) and cal.refine_every > 0
+    assert cal.model.source == "proxy" and cal.model.coef[2] > 0 and sum(cal.model.coef) == cal.model.coef[2]
+
+
+def test_fcfs_and_lpm_measure_nothing(tiny_engine: Engine, monkeypatch) -> None:
+    def no_profile(*a, **k):
+        raise AssertionError("no JCT model is needed: nothing may be measured")
+
+    monkeypatch.setattr(jct_mod, "profile", no_profile)
+    assert _startup(tiny_engine, "fcfs") is None and _startup(tiny_engine, "lpm") is None
+
+
+# attention weighs more at long prompts than TRUE's, as on a CPU at 8k tokens
+TRUE_LONG = (0.004, 0.0015, 0.8, 0.2, 0.01)
+
+
+def _mix(n: int, seed: int, longest: int = 8192) -> list[JCTSample]:
+    """Traffic with long prompts: what a start-up estimate timed on short steps has not seen."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.choice([1, 1, 2, 4])
+        items = []
+        for _ in range(k):
+            total = int(math.exp(rng.uniform(math.log(64), math.log(longest // k))))
+            items.append((total, rng.choice([0, 0, rng.randint(0, total - 1)])))
+        t = float(features(items) @ np.array(TRUE_LONG))
+        out.append(JCTSample(tuple(items), t * math.exp(0.05 * rng.gauss(0, 1))))
+    return out
+
+
+def test_refinement_reduces_error_on_real_steps() -> None:
+    """A quick estimate fitted on short steps misses the attention cost of long prompts. The
+    running factor alone cannot fix a wrong shape; refitting on the real steps does."""
+    short = [s for s in _mix(400, seed=7) if max(n for n, _ in s.items) <= 1024][:10]
+    # what a short-step fit extrapolates to: little attention cost, the per-token cost a bit high
+    quick = JCTModel((0.004, 0.0015, 1.0, 0.02, 0.01), source="quick")
+    steps = _mix(400, seed=11)
+    factor_only = CalibratedJCT(quick)
+    refined = CalibratedJCT(quick, refine_every=16, anchors=short)
+    for s in steps:
+        factor_only.observe(s.items, s.seconds)
+        refined.observe(s.items, s.seconds)
+    held = steps[200:]  # each was predicted before it was observed
+    f_q = jct_mod_quality(factor_only, held)
+    r_q = jct_mod_quality(refined, held)
+    assert refined.refits == 400 // 16 and refined.model.source == "refined"
+    assert r_q.median_rel_error < 0.08 and r_q.pearson_r > 0.99, r_q
+    assert r_q.median_rel_error < 0.5 * f_q.median_rel_error, (r_q, f_q)
+    assert refined.model.coef[3] == pytest.approx(TRUE_LONG[3], rel=0.15), refined.model.coef
+    # a refit model's quality is its online (held-out) quality
+    assert refined.quality is not None and refined.quality.samples == len(steps)
+
+
+def jct_mod_quality(cal: CalibratedJCT, held: list[JCTSample]):
+    """The online quality of the predictions made for the `held` steps (the latest ones)."""
+    online = list(cal._online)[-len(held) :]
+    assert [m for _, m in online] == [s.seconds for s in held]
+    from po_backend.sched.jct import prediction_quality
+
+    return prediction_quality([p for p, _ in online], [m for _, m in online])
+
+
+def test_refinement_takes_fully_cached_items() -> None:
+    """The scheduler may price an item as wholly cached; refinement records its last token as
+    computed instead of raising on the engine loop's thread."""
+    cal = CalibratedJCT(JCTModel(TRUE), refine_every=4)
+    for n in (100, 200, 300, 400, 500, 600, 700, 800):
+        cal.observe([(n, n)], JCTModel(TRUE).predict(n, n))
+    assert cal.refits == 1  # at 8 steps; at 4 there were too few to fit
+    assert all(c == n - 1 for s in cal.samples() for n, c in s.items)
+
+
+def test_refinement_keeps_anchors_bounded() -> None:
+    anchors = _synthetic(40, noise=0.0)
+    cal = CalibratedJCT(JCTModel(TRUE), refine_every=8, anchors=anchors, window=16)
+    assert len(cal.anchors) == 16 and cal.anchors == tuple(anchors[-16:])
+    for s in _synthetic(50, noise=0.0, seed=2):
+        cal.observe(s.items, s.seconds)
+    assert len(cal.samples()) == 32 and np.allclose(cal.model.coef, TRUE, rtol=1e-6, atol=1e-9)
+
+
+def test_concurrent_starts_measure_once(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
+    """Two workers starting together: one measures under the file lock, the other waits for it
+    and loads what it saved. The second is let go only once it logged that it waits."""
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    calls, measuring, release, waiting = [], threading.Event(), threading.Event(), threading.Event()
+
+    def slow_profile(engine, grid):
+        calls.append(grid)
+        measuring.set()
+        assert release.wait(60), "the test never released the measuring worker"
+        return _synthetic(12, noise=0.0)
+
+    class Waiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting" in record.getMessage():
+                waiting.set()
+
+    handler = Waiting()
+    logger = logging.getLogger("po_backend.engine.models.loader")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    monkeypatch.setattr(jct_mod, "profile", slow_profile)
+    out: dict[str, object] = {}
+    try:
+        a = threading.Thread(target=lambda: out.__setitem__("a", _startup(tiny_engine)))
+        a.start()
+        assert measuring.wait(60)
+        b = threading.Thread(target=lambda: out.__setitem__("b", _startup(tiny_engine)))
+        b.start()
+        assert waiting.wait(60), "the second worker did not wait on the lock"
+        release.set()
+        a.join(60)
+        b.join(60)
+    finally:
+        release.set()
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert len(calls) == 1
+    ma, mb = out["a"], out["b"]
+    assert isinstance(ma, CalibratedJCT) and isinstance(mb, CalibratedJCT)
+    assert ma.model == mb.model and mb.anchors == ma.anchors
+
+
+def test_next_start_loads_the_persisted_and_then_the_refined_profile(
+    tiny_engine: Engine, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setattr(jct_mod, "profile", lambda engine, grid: _synthetic(12, noise=0.0))
+    first = _startup(tiny_engine)
+    assert isinstance(first, CalibratedJCT) and first.model.source == "quick"
+
+    def no_profile(*a, **k):
+        raise AssertionError("a persisted profile must be reused")
+
+    monkeypatch.setattr(jct_mod, "profile", no_profile)
+    second = _startup(tiny_engine)
+    assert isinstance(second, CalibratedJCT) and second.model == first.model
+    # Real steps refine it; at the first PERSIST_AT mark the refined model is saved for the next start.
+    for s in _mix(jct_mod.PERSIST_AT[0], seed=3):
+        second.observe(s.items, s.seconds)
+    path = jct_mod.profile_path(jct_mod.profile_key(tiny_engine, jct_mod.QUICK_GRID))
+    deadline = time.monotonic() + 60
+    while json.loads(path.read_text()).get("source") != "refined":  # written by a thread
+        assert time.monotonic() < deadline, "the refined profile was never saved"
+        time.sleep(0.05)
+    third = _startup(tiny_engine)
+    assert isinstance(third, CalibratedJCT) and third.model.source == "refined"
+    assert third.model.coef == second.model.coef
+    assert len(third.anchors) == 12 + jct_mod.PERSIST_AT[0]  # its anchors: the steps it was fitted on
+
+
+def test_a_full_grid_profile_is_used_when_there_is_one(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setattr(jct_mod, "profile", lambda engine, grid: _synthetic(20, noise=0.0))
+    full = load_or_profile(tiny_engine)
+    monkeypatch.setattr(jct_mod, "profile", lambda *a, **k: pytest.fail("must load the full profile"))
+    assert _startup(tiny_engine) == full and full.source == "grid"

@@ -115,6 +115,8 @@ def load_kernel() -> bool:
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
             log.warning("removing a stale build lock %s", lock)
             lock.unlink(missing_ok=True)
+        if not (build / "po_attention_bf16.so").is_file():
+            log.info("building the bf16 CPU attention kernel once into %s (about 10 s)", build)
         cpp_extension.load(
             name="po_attention_bf16",
             sources=[str(_SOURCE)],

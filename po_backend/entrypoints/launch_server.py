@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -462,6 +463,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    t0 = time.monotonic()
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
@@ -475,7 +477,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     backend = build_backend(args)
     app = create_app(backend, args)
-    log.info("serving %s (%s backend) on http://%s:%d", args.model_path, args.backend, args.host, args.port)
+    log.info(
+        "ready in %.1f s: serving %s (%s backend) on http://%s:%d",
+        time.monotonic() - t0,
+        args.model_path,
+        args.backend,
+        args.host,
+        args.port,
+    )
     DrainingServer(uvicorn_config(app, args), app.state.runtime, args.shutdown_timeout).run()
 
 

@@ -1,29 +1,37 @@
-"""Fitting the JCT model on an engine: time a grid of synthetic steps (`profile`), and keep the fit
-per model / dtype / device / machine so later starts reuse it (`load_or_profile`).
+"""Fitting the JCT model on an engine: time synthetic steps (`profile`), keep the fit per model /
+dtype / device / machine so later starts reuse it, and pick the model a server starts with
+(`startup_jct`: a persisted profile, else a few seconds of timing refined from real steps).
 
-The model itself (`po_backend.sched.jct`) is numpy only; this half needs the engine and torch.
+Processes of one machine share the persisted files: measuring one takes an OS file lock, so
+concurrent workers (launch_cluster) measure once and the others load it. The model itself
+(`po_backend.sched.jct`) is numpy only; this half needs the engine and torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from po_backend.core.cpu import cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
-from po_backend.engine.models.loader import cache_root
-from po_backend.sched.jct import PROFILE_VERSION, JCTModel, JCTSample
+from po_backend.engine.models.loader import cache_root, file_lock
+from po_backend.sched.jct import FEATURES, PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample, features
+from po_backend.sched.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,15 @@ class ProfileGrid:
 
 
 DEFAULT_GRID = ProfileGrid()
+# The start-up estimate: short steps only (seconds on a CPU), cold and mostly cached, and one
+# batch with a shared prefix, so every coefficient has a sample that moves it. Long prompts are
+# extrapolated until real ones refine the fit (`startup_jct`).
+QUICK_GRID = ProfileGrid(
+    lengths=(128, 256, 512, 1024),
+    cached_fractions=(0.875,),
+    batches=((4, 256, 64), (4, 0, 128)),
+    long_points=0,
+)
 
 
 def _rand_ids(gen: torch.Generator, vocab: int, n: int) -> tuple[int, ...]:
@@ -121,16 +138,35 @@ def profile(
             ids = base[:c] + tail
             samples.append(timed([ScoreRequest(ids, labels, cache_prefix_len=c)]))  # stores nothing new
 
+    batches = [
+        (k, prefix, item)
+        for k, prefix, item in grid.batches
+        if k * item <= cfg.max_batch_tokens and prefix + item <= cfg.max_input_len
+    ]
+    lengths = grid.dense_lengths(limit)
+    longs = sorted(grid.long_lengths(limit))
+    shapes, t0 = len(lengths) + len(longs) + len(batches), time.perf_counter()
+
+    def done(i: int, what: str) -> None:
+        log.info(
+            "JCT profile %d/%d: %s (%d steps, %.1f s)",
+            i,
+            shapes,
+            what,
+            len(samples),
+            time.perf_counter() - t0,
+        )
+
     engine.flush_cache()
     timed([ScoreRequest(_rand_ids(gen, vocab, min(64, limit)), labels, cache_prefix_len=0)])  # warm-up
-    for n in grid.dense_lengths(limit):
+    for i, n in enumerate(lengths, 1):
         one_length(n, grid.cached_fractions)
+        done(i, f"{n} tokens")
     longest_fraction = [max(grid.cached_fractions)] if grid.cached_fractions else []
-    for n in sorted(grid.long_lengths(limit)):
+    for i, n in enumerate(longs, len(lengths) + 1):
         one_length(n, longest_fraction)
-    for k, prefix, item in grid.batches:
-        if k * item > cfg.max_batch_tokens or prefix + item > cfg.max_input_len:
-            continue
+        done(i, f"{n} tokens")
+    for i, (k, prefix, item) in enumerate(batches, len(lengths) + len(longs) + 1):
         engine.flush_cache()
         shared = _rand_ids(gen, vocab, prefix)
         if prefix and engine.cache is not None:
@@ -142,6 +178,7 @@ def profile(
             for _ in range(k)
         ]
         samples.append(timed(reqs))
+        done(i, f"batch of {k} x {prefix}+{item} tokens")
     engine.flush_cache()
     return samples
 
@@ -200,44 +237,84 @@ def profile_path(key: dict[str, Any], root: Path | None = None) -> Path:
 
 
 def save_model(model: JCTModel, path: Path, samples: Sequence[JCTSample] = ()) -> None:
+    """Write atomically (a unique temporary file renamed over the target): a concurrent start
+    reads the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(model.to_json(samples), indent=1))
-    tmp.replace(path)  # atomic: a concurrent start never reads half a file
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(model.to_json(samples), f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load_model(path: Path) -> JCTModel:
     return JCTModel.from_json(json.loads(path.read_text()))
 
 
-def load_or_profile(
-    engine: Engine, grid: ProfileGrid = DEFAULT_GRID, *, refresh: bool = False, root: Path | None = None
-) -> JCTModel:
-    """The persisted JCT model for this engine and machine, or a fresh profile (saved when the
-    fit is good enough to trust on later starts)."""
-    key = profile_key(engine, grid)
-    path = profile_path(key, root)
-    if not refresh and path.is_file():
-        try:
-            model = load_model(path)
-            if model.key == key:
-                log.info("JCT profile loaded from %s (r=%s)", path, model.quality and model.quality.pearson_r)
-                return model
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring unreadable JCT profile %s: %s", path, e)
+def load_samples(path: Path) -> list[JCTSample]:
+    return JCTModel.samples_from_json(json.loads(path.read_text()))
+
+
+def profile_lock(path: Path) -> contextlib.AbstractContextManager[None]:
+    """Exclusive across the processes of this machine while `path` is measured and written."""
+    return file_lock(
+        path.with_suffix(".lock"), f"another process is measuring the JCT profile {path.name}: waiting"
+    )
+
+
+def _try_load(path: Path, key: dict[str, Any]) -> JCTModel | None:
+    if not path.is_file():
+        return None
+    try:
+        model = load_model(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable JCT profile %s: %s", path, e)
+        return None
+    if model.key != key:
+        return None
+    q = model.quality
+    log.info(
+        "JCT profile (%s) loaded from %s (r=%.3f, median error %.0f%%)",
+        model.source,
+        path,
+        q.pearson_r if q else math.nan,
+        100 * q.median_rel_error if q else math.nan,
+    )
+    return model
+
+
+def _fit(samples: Sequence[JCTSample], key: dict[str, Any], source: str) -> JCTModel:
+    """The fit, or with too few samples to fit every coefficient (an engine without a prefix
+    cache, a short max_input_len), the new-token proxy scaled by the measured steps."""
+    if len(samples) > len(FEATURES):
+        return JCTModel.fit(samples, key, source)
+    per_ktok = float(np.median([s.seconds / (features(s.items)[2] or 1e-3) for s in samples]))
+    return JCTModel((0.0, 0.0, per_ktok, 0.0, 0.0), None, key, "proxy")
+
+
+def _measure(
+    engine: Engine, grid: ProfileGrid, key: dict[str, Any], source: str, *, retry: bool = True
+) -> tuple[JCTModel, list[JCTSample]]:
+    """Time `grid` and fit; with `retry`, a poor fit times the grid once more and keeps each
+    point's faster run."""
     t = time.perf_counter()
     samples = profile(engine, grid)
-    model = JCTModel.fit(samples, key)
+    model = _fit(samples, key, source)
     q = model.quality
-    if q is None or not q.pearson_r >= MIN_PERSIST_R:
+    if retry and (q is None or not q.pearson_r >= MIN_PERSIST_R):
         # Another process stealing the CPU only ever makes a step slower: time the grid once
         # more and keep each point's faster run (costs a second pass only on a poor first fit).
         log.info("JCT profile fit is poor (held-out r=%.3f): timing the grid once more", q and q.pearson_r)
         samples = min_merge(samples, profile(engine, grid))
-        model = JCTModel.fit(samples, key)
+        model = _fit(samples, key, source)
         q = model.quality
     log.info(
-        "JCT profile: %d steps up to %d tokens in %.1f s, held-out r=%.3f, median error %.1f ms (%.0f%%)",
+        "JCT profile (%s): %d steps up to %d tokens in %.1f s, held-out r=%.3f, median error %.1f ms (%.0f%%)",
+        source,
         len(samples),
         max(key["lengths"], default=0),
         time.perf_counter() - t,
@@ -245,15 +322,114 @@ def load_or_profile(
         1e3 * q.median_abs_error_s if q else math.nan,
         100 * q.median_rel_error if q else math.nan,
     )
-    if q is None or not q.pearson_r >= MIN_PERSIST_R:
-        # Most likely something else was using the machine while we timed: use this fit now,
-        # but do not make every later start inherit it.
-        log.warning("JCT profile fit is poor (held-out r=%s): not saved, will profile again", q)
-        return model
+    return model, samples
+
+
+def _save(model: JCTModel, path: Path, samples: Sequence[JCTSample]) -> None:
     try:
         save_model(model, path, samples)
     except OSError as e:  # a read-only home must not stop the server
         log.warning("could not save the JCT profile to %s: %s", path, e)
     else:
-        log.info("JCT profile saved to %s", path)
+        log.info("JCT profile (%s) saved to %s", model.source, path)
+
+
+def load_or_profile(
+    engine: Engine, grid: ProfileGrid = DEFAULT_GRID, *, refresh: bool = False, root: Path | None = None
+) -> JCTModel:
+    """The persisted full-grid JCT model for this engine and machine, or a fresh profile (saved
+    when the fit is good enough to trust on later starts). Minutes on a CPU: `startup_jct` is
+    what a server starts with; this is the reference it is measured against."""
+    key = profile_key(engine, grid)
+    path = profile_path(key, root)
+    if not refresh and (model := _try_load(path, key)) is not None:
+        return model
+    with profile_lock(path):
+        if not refresh and (model := _try_load(path, key)) is not None:
+            return model  # measured by another process while we waited
+        model, samples = _measure(engine, grid, key, "grid")
+        q = model.quality
+        if q is None or not q.pearson_r >= MIN_PERSIST_R:
+            # Most likely something else was using the machine while we timed: use this fit now,
+            # but do not make every later start inherit it.
+            log.warning("JCT profile fit is poor (held-out r=%s): not saved, will profile again", q)
+            return model
+        _save(model, path, samples)
     return model
+
+
+# ---- what a server starts with ----------------------------------------------------------------
+
+REFINE_EVERY = 16  # real steps between refits of a start-up model (a refit costs well under 1 ms)
+PERSIST_AT = (64, 256, 1024)  # observed steps at which a refined model is saved, then every 1024
+
+
+class _Persister:
+    """Saves a refined model at PERSIST_AT observations, on a thread of its own: the refit runs
+    on the engine loop's thread, and the file lock may be held by a process measuring."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._next = 0
+        self._busy = threading.Lock()
+
+    def due(self, observations: int) -> bool:
+        marks = list(PERSIST_AT)
+        while marks[-1] <= observations:
+            marks.append(marks[-1] + 1024)
+        return sum(m <= observations for m in marks) > self._next
+
+    def __call__(self, cal: CalibratedJCT) -> None:
+        if not self.due(cal.observations) or not self._busy.acquire(blocking=False):
+            return
+        self._next += 1
+        model, samples = cal.model, cal.samples()
+
+        def write() -> None:
+            try:
+                with profile_lock(self.path):
+                    _save(model, self.path, samples)
+            finally:
+                self._busy.release()
+
+        threading.Thread(target=write, name="po-jct-persist", daemon=True).start()
+
+
+def startup_jct(engine: Engine, policy: str) -> JCTModel | CalibratedJCT | None:
+    """The JCT model a server starts with, in seconds, never minutes:
+
+    1. a policy that ranks without step times (fcfs, lpm) gets None: nothing is measured;
+    2. else the profile persisted for this model / dtype / device / machine / threads / torch:
+       the start-up profile (quick, or refined from real steps by an earlier run), else a
+       full-grid one (`load_or_profile`: an earlier version's start, a benchmark);
+    3. else a quick estimate: QUICK_GRID's short steps timed now (a few seconds) and fitted, and
+       saved at once so the other workers of this machine load it instead of measuring on the
+       same CPU (an OS file lock makes them wait for the one measuring);
+    4. online, the model is refined from the real steps it serves (`CalibratedJCT`: the running
+       factor, and a refit every REFINE_EVERY steps on those steps plus the timed anchors), and
+       the refined model is saved at PERSIST_AT steps, so the next start loads it (rule 2)."""
+    if not SchedulerConfig(policy).needs_jct:
+        return None
+    key = profile_key(engine, QUICK_GRID)
+    path = profile_path(key)
+
+    def online(model: JCTModel, samples: Sequence[JCTSample]) -> CalibratedJCT:
+        return CalibratedJCT(model, refine_every=REFINE_EVERY, anchors=samples, on_refit=_Persister(path))
+
+    def loaded() -> CalibratedJCT | JCTModel | None:
+        if (model := _try_load(path, key)) is not None:
+            return online(model, load_samples(path))
+        grid_key = profile_key(engine, DEFAULT_GRID)
+        return _try_load(profile_path(grid_key), grid_key)  # a full profile needs no refinement
+
+    if (found := loaded()) is not None:
+        return found
+    with profile_lock(path):
+        if (found := loaded()) is not None:
+            return found  # measured by another worker while we waited
+        log.info("no JCT profile for this machine yet: timing short steps (seconds; refined from real steps)")
+        # No second pass on a poor fit: real steps refine it within minutes, and on a busy
+        # machine a second pass would double the wait for the first request.
+        model, samples = _measure(engine, QUICK_GRID, key, "quick", retry=False)
+        _save(model, path, samples)
+    return online(model, samples)

@@ -41,7 +41,7 @@ from po_backend.sched.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from po_backend.serving.jct_profile import load_or_profile
+from po_backend.serving.jct_profile import startup_jct
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ class LoopStats:
     jct_fit_median_abs_error_s: float
     jct_calibration: float  # measured / predicted step time factor applied to predictions
     jct_online_r: float  # r of calibrated predictions vs measured over recent steps
+    jct_source: str  # where the coefficients came from (JCTModel.source), "" without a JCT model
+    jct_refits: int  # times the coefficients were refitted on real steps (a start-up estimate's)
 
 
 class _Job:
@@ -141,10 +143,10 @@ class EngineLoop:
         start: bool = True,
     ) -> None:
         """engine: the scorer this loop owns (an Engine, or any `Scorer`).
-        jct: the step-time model. None: fcfs and lpm run without one (no profile at start); po and
-        srjf load the persisted profile for this engine and machine or profile it now (seconds;
-        once per machine). A CalibratedJCT is used as is, so what an earlier loop learned online
-        carries over. start=False leaves the worker stopped until `start()` (tests; submitting a
+        jct: the step-time model. None: `jct_profile.startup_jct` (fcfs and lpm run without one;
+        po and srjf load the profile persisted for this engine and machine, or time a few short
+        steps now and refine from real ones). A CalibratedJCT is used as is, so what an earlier
+        loop learned online carries over. start=False leaves the worker stopped until `start()` (tests; submitting a
         burst that is scheduled as a whole)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -153,7 +155,7 @@ class EngineLoop:
         if jct is None and self.config.needs_jct:
             if not isinstance(engine, Engine):
                 raise ValueError(f"policy {policy!r} needs a JCT model: pass jct= for this scorer")
-            jct = load_or_profile(engine)
+            jct = startup_jct(engine, policy)
         if jct is not None and not isinstance(jct, CalibratedJCT):
             jct = CalibratedJCT(jct)
         self.jct: CalibratedJCT | None = jct
@@ -444,5 +446,7 @@ class EngineLoop:
             jct_fit_median_abs_error_s=q.median_abs_error_s if q else math.nan,
             jct_calibration=self.jct.factor if self.jct else math.nan,
             jct_online_r=pearson_r([s.predicted for s in ok], [s.seconds for s in ok]),
+            jct_source=self.jct.model.source if self.jct else "",
+            jct_refits=self.jct.refits if self.jct else 0,
             **counts,
         )

@@ -4,6 +4,8 @@ the cached folder loads in about a second)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -11,6 +13,8 @@ import logging
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +33,24 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def cache_root() -> Path:
     env = os.environ.get("PREFILLONLY_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "prefillonly"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, waiting: str) -> Iterator[None]:
+    """An exclusive OS lock (fcntl.flock on `path`) for work that processes of one machine must
+    do once (converting a model, measuring a profile): the others wait, logging `waiting`, and
+    the kernel releases it when its holder exits, even killed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s (lock %s)", waiting, path)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def embedded_model_file() -> Path:
@@ -64,12 +86,34 @@ def converted_gguf_dir(gguf: Path) -> Path:
     target = cache_root() / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    log.warning("converting %s once into %s (takes ~30 s; later loads take ~1 s)", gguf.name, target)
+    # Workers started together convert once: the others wait and find it done.
+    with file_lock(
+        target.parent / f".{target.name}.lock", f"another process is converting {gguf.name}: waiting"
+    ):
+        if not (target / "config.json").is_file():
+            _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    t0 = time.perf_counter()
+
+    def phase(i: int, what: str) -> None:
+        log.info("converting %s [%d/4, %.0f s]: %s", gguf.name, i, time.perf_counter() - t0, what)
+
+    log.warning(
+        "converting %s (%.0f MiB) once into %s: about half a minute; later starts load it in seconds",
+        gguf.name,
+        gguf.stat().st_size / 2**20,
+        target,
+    )
+    phase(1, "importing transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
+        phase(2, "reading and dequantising the GGUF tensors")
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, low_cpu_mem_usage=True
         )
@@ -77,19 +121,21 @@ def converted_gguf_dir(gguf: Path) -> Path:
         model.config.quantization_config = None
         if hasattr(model, "hf_quantizer"):
             model.hf_quantizer = None
+        phase(3, "writing safetensors")
         model.save_pretrained(tmp, safe_serialization=True)
+        phase(4, "converting the tokenizer")
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         try:
-            tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
+            tmp.rename(target)  # atomic: a reader either finds the whole folder or none
         except OSError:
             if not (target / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    log.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -97,6 +143,7 @@ def read_config(model_dir: Path) -> ModelConfig:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    t0 = time.perf_counter()
     cfg = read_config(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -124,4 +171,5 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tor
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
+    log.info("loaded %d weight tensors from %s in %.1f s", len(loaded), model_dir, time.perf_counter() - t0)
     return model.eval()
