@@ -77,7 +77,13 @@ def test_labels_every_row_and_reports_bad_rows(tmp_path: Path, capsys: pytest.Ca
     fake = po.Fake(seed=1)
     assert run([str(path)], fake) == 0
     err = capsys.readouterr().err
-    for line_no, what in [(3, "invalid JSON"), (5, "JSON object"), (6, "no field 'text'"), (7, "empty"), (8, "list")]:
+    for line_no, what in [
+        (3, "invalid JSON"),
+        (5, "JSON object"),
+        (6, "no field 'text'"),
+        (7, "empty"),
+        (8, "list"),
+    ]:
         assert f"bad row at line {line_no}: " in err and what in err, (line_no, err)
     out = read_output(tmp_path / "data.labeled.jsonl")
     assert [r["line"] for r in out] == [1, 2, 4, 10, 11, 12]
@@ -138,7 +144,11 @@ def test_edited_rows_are_relabeled_and_a_changed_setup_never_deletes(
     # when the backend is down (nothing is scored), and names the way out.
     capsys.readouterr()
     kept = out_path.read_bytes()
-    for other in (["--labels", "good,bad"], ["--template", "Review: {text}"], ["--calibrate", "content-free"]):
+    for other in (
+        ["--labels", "good,bad"],
+        ["--template", "Review: {text}"],
+        ["--calibrate", "content-free"],
+    ):
         before = n_requests(fake)
         assert run([str(path), *other], fake) == 2, other
         assert "--output" in capsys.readouterr().err
@@ -380,7 +390,11 @@ def test_gold_column_gives_accuracy_and_a_confusion_matrix(
     right = sum(r["label"] == r["input"]["gold"] for r in recs)
     assert f"accuracy against the gold field 'gold': {right / 10:.1%} of 10 rows" in out
     pp = sum(r["label"] == "positive" and r["input"]["gold"] == "positive" for r in recs)
-    cells = next(x.split() for x in out.splitlines() if x.split()[:1] == ["positive"] and x.split()[1:2] != ["negative"] and "%" not in x)
+    cells = next(
+        x.split()
+        for x in out.splitlines()
+        if x.split()[:1] == ["positive"] and x.split()[1:2] != ["negative"] and "%" not in x
+    )
     assert cells[1:] == [str(pp), str(sum(r["input"]["gold"] == "positive" for r in recs) - pp)]
     # No gold field: no accuracy line.
     plain = write_jsonl(tmp_path / "plain.jsonl", reviews(4))
@@ -445,7 +459,9 @@ def test_calibration_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert n_requests(fake) == 6 + 1, "one content-free probe for the shared prefix"
     cf = read_output(tmp_path / "data.labeled.jsonl")
 
-    gold = [json.dumps({"text": f"sample {i}", "label": "positive" if i % 2 else "negative"}) for i in range(6)]
+    gold = [
+        json.dumps({"text": f"sample {i}", "label": "positive" if i % 2 else "negative"}) for i in range(6)
+    ]
     cal = write_jsonl(tmp_path / "gold.jsonl", gold)
     fitted_out = tmp_path / "fitted.jsonl"
     assert label_main([str(path), *common, "--calibrate", str(cal), "-o", str(fitted_out)], backend=fake) == 0
@@ -503,3 +519,194 @@ def test_prefillonly_label_entry_point_and_api_key_from_the_environment(
     monkeypatch.setenv("PREFILLONLY_API_KEY", "from-env")
     assert parse_args(["x.jsonl", "--labels", "a,b"]).api_key == "from-env"
     assert parse_args(["x.jsonl", "--labels", "a,b", "--api-key", "flag"]).api_key == "flag"
+
+
+# ---- po.Remote's retries ------------------------------------------------------------------------
+
+
+class Busy(http.server.BaseHTTPRequestHandler):
+    """Answers 503 with the class's Retry-After `busy` times, then 200; records when asked."""
+
+    busy = 0
+    retry_after = "1"
+    times: list[float] = []
+    auth: list[str | None] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        cls = type(self)
+        cls.times.append(time.monotonic())
+        cls.auth.append(self.headers.get("authorization"))
+        if len(cls.times) <= cls.busy:
+            body, status = b'{"message": "server overloaded"}', 503
+        else:
+            body, status = b'{"tokens": [1, 2, 3]}', 200
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        if status == 503:
+            self.send_header("retry-after", cls.retry_after)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def busy_server() -> Iterator[tuple[str, type[Busy]]]:
+    handler = type("BusyNow", (Busy,), {"times": [], "auth": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_remote_retries_503_honouring_retry_after(busy_server: tuple[str, type[Busy]]) -> None:
+    url, handler = busy_server
+    handler.busy = 2
+    remote = po.Remote(url, api_key="k", retries=4, max_retry_wait=10)
+    assert remote.tokenize("hello") == [1, 2, 3]
+    t = handler.times
+    assert len(t) == 3
+    assert t[1] - t[0] >= 0.95 and t[2] - t[1] >= 0.95, "waited what Retry-After asked"
+    assert handler.auth == ["Bearer k"] * 3
+
+    # Busy for longer than the retries: BackendUnavailable, after retries + 1 attempts.
+    handler.times.clear()
+    handler.busy, handler.retry_after = 100, "0"
+    with pytest.raises(po.BackendUnavailable, match="HTTP 503: server overloaded"):
+        po.Remote(url, retries=2).tokenize("x")
+    assert len(handler.times) == 3
+    # A Retry-After beyond the wait budget: no sleeping past it, one attempt.
+    handler.times.clear()
+    handler.retry_after = "3600"
+    t0 = time.monotonic()
+    with pytest.raises(po.BackendUnavailable, match="gave up after 1 attempt"):
+        po.Remote(url, retries=5, max_retry_wait=30).tokenize("x")
+    assert len(handler.times) == 1 and time.monotonic() - t0 < 30
+    # Scoring through a busy server: every item gets BackendUnavailable (the label tool stops on it).
+    out = po.Remote(url, retries=0).score([po.LabelRequest((1, 2), (3,))])
+    assert isinstance(out[0], po.BackendUnavailable)
+
+
+# ---- --server and --ray on the tiny model ------------------------------------------------------
+
+
+MODEL_ARGS = ["--labels", "Yes,No", "--batch-size", "4", "--calibrate", "none", "--no-progress"]
+
+
+def _tiny_lines() -> list[str]:
+    lines = reviews(12)
+    lines.append(json.dumps({"id": "long", "text": "x " * 1200}))  # line 13: over max_input_len
+    return lines
+
+
+@pytest.fixture(scope="module")
+def in_process_labels(tokenized_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The tiny model's labels, in this process: what --server and --ray must reproduce."""
+    folder = tmp_path_factory.mktemp("local")
+    path = write_jsonl(folder / "local.jsonl", _tiny_lines())
+    assert label_main([str(path), "--model", str(tokenized_llama), "--dtype", "fp32", *MODEL_ARGS]) == 0
+    want = read_output(folder / "local.labeled.jsonl")
+    assert len(want) == 12 and {r["label"] for r in want} <= {"Yes", "No"}
+    return want
+
+
+def assert_same_labels(got: list[dict], want: list[dict]) -> None:
+    assert [r["line"] for r in got] == [r["line"] for r in want] == list(range(1, 13))
+    for g, w in zip(got, want, strict=True):
+        assert (g["key"], g["config"], g["label"], g["input"]) == (
+            w["key"],
+            w["config"],
+            w["label"],
+            w["input"],
+        )
+        assert g["probs"] == pytest.approx(w["probs"], abs=1e-4)
+
+
+def test_server_labels_as_in_process_and_resumes(
+    tmp_path: Path, tokenized_llama: Path, in_process_labels: list[dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc = ServerProcess(
+        [
+            "--model-path",
+            str(tokenized_llama),
+            "--dtype",
+            "fp32",
+            "--max-input-len",
+            "512",
+            "--log-level",
+            "warning",
+        ]
+    )
+    proc.start()
+    try:
+        proc.wait_ready()
+        path = write_jsonl(tmp_path / "remote.jsonl", _tiny_lines())
+        args = [str(path), "--server", proc.url, *MODEL_ARGS]
+        assert label_main([*args, "--max-rows", "5"]) == 0
+        capsys.readouterr()
+        assert label_main(args) == 0
+        out, err = capsys.readouterr()
+        assert "12 of 13 rows labeled (7 now, 5 from an earlier run), 1 bad" in out
+        assert "bad row at line 13: not scored: " in err
+        assert_same_labels(read_output(tmp_path / "remote.labeled.jsonl"), in_process_labels)
+    finally:
+        proc.stop()
+    # The server is gone: a run with rows left stops (exit 1) and keeps every record.
+    more = write_jsonl(
+        tmp_path / "remote.jsonl", [*_tiny_lines(), json.dumps({"id": 99, "text": "one more"})]
+    )
+    before = read_output(tmp_path / "remote.labeled.jsonl")
+    assert label_main([str(more), "--server", proc.url, *MODEL_ARGS]) == 1
+    assert read_output(tmp_path / "remote.labeled.jsonl") == before
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A local Ray on 2 CPUs (as tests/test_ray.py), shut down after this module's tests."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_ray_labels_as_in_process_resumes_and_stops_on_a_dead_server(
+    tmp_path: Path,
+    tokenized_llama: Path,
+    in_process_labels: list[dict],
+    local_ray: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # This process's backend only checks the labels: a Fake that never scores a row here, so every
+    # record below was computed by the Ray actors (on the tiny model, from --model).
+    driver = po.Fake(seed=12)
+    on_ray = write_jsonl(tmp_path / "ray.jsonl", _tiny_lines())
+    model = ["--model", str(tokenized_llama), "--dtype", "fp32"]
+    ray_args = [str(on_ray), *model, *MODEL_ARGS, "--ray", "--concurrency", "2"]
+    assert label_main([*ray_args, "--max-rows", "5"], backend=driver) == 0
+    assert len(read_output(tmp_path / "ray.labeled.jsonl")) == 5
+    capsys.readouterr()
+    assert label_main(ray_args, backend=driver) == 0  # resumes: the 5 are not labeled again
+    out, err = capsys.readouterr()
+    assert "12 of 13 rows labeled (7 now, 5 from an earlier run), 1 bad" in out
+    assert "bad row at line 13: not scored: " in err
+    assert n_requests(driver) == 0
+    assert_same_labels(read_output(tmp_path / "ray.labeled.jsonl"), in_process_labels)
+
+    # Actors whose server cannot be reached: the job stops (exit 1), no row becomes a bad row,
+    # the records stay.
+    dead = f"http://127.0.0.1:{free_port()}"
+    fresh = write_jsonl(tmp_path / "dead.jsonl", reviews(6))
+    assert label_main([str(fresh), "--server", dead, *MODEL_ARGS, "--ray"], backend=driver) == 1
+    err = capsys.readouterr().err
+    assert "bad row" not in err and "BackendUnavailable" in err
+    assert read_output(tmp_path / "dead.labeled.jsonl") == []

@@ -152,7 +152,8 @@ def label_on_ray(
         raise UsageError(f"--ray: {e}") from None
     try:
         for batch in out.iter_batches(batch_size=batch_size, batch_format="pandas"):
-            outcomes = [_ray_outcome(rows[int(rec[ROW_COLUMN])], rec) for rec in batch.to_dict("records")]
+            records = batch.to_dict("records")  # type: ignore[union-attr]
+            outcomes = [_ray_outcome(rows[int(rec[ROW_COLUMN])], rec) for rec in records]
             yield check_backend_alive(outcomes)
     except ray.exceptions.RayError as e:
         raise BackendError(f"the Ray job failed: {type(e).__name__}: {e}") from e

@@ -169,14 +169,18 @@ def save(paths: Paths, rows: Sequence[Row], done: Mapping[str, dict[str, Any]]) 
             stale.setdefault(int(rec["line"]), rec)
     records: list[dict[str, Any]] = []
     for r in rows:
-        rec = done.get(r.key) or stale.pop(r.line, None)
-        if rec is not None:
-            records.append(rec)
+        kept = done.get(r.key) or stale.pop(r.line, None)
+        if kept is not None:
+            records.append(kept)
     records += [stale[line] for line in sorted(stale)]
     blob = "".join(record_line(rec) for rec in records).encode()
-    write_atomic(paths.records, lambda f: f.write(blob))
+    write_atomic(paths.records, lambda f: _write_bytes(f, blob))
     paths.journal.unlink(missing_ok=True)
     return records
+
+
+def _write_bytes(f: IO[bytes], blob: bytes) -> None:
+    f.write(blob)
 
 
 def export(paths: Paths, records: Sequence[Mapping[str, Any]]) -> None:

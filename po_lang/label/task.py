@@ -210,7 +210,7 @@ def from_function(
         elif p.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
         elif p.kind is inspect.Parameter.POSITIONAL_ONLY:
-            raise UsageError(f"{fn.__name__}: parameter {pname!r} is positional-only; fields bind by name")
+            raise UsageError(f"{fn!r}: parameter {pname!r} is positional-only; fields bind by name")
         else:
             params.append(pname)
             if p.default is inspect.Parameter.empty:
@@ -219,9 +219,8 @@ def from_function(
         source = inspect.getsource(fn.__wrapped__)  # type: ignore[attr-defined]
     except (OSError, TypeError):
         source = ""
-    identity = (
-        f"function:{fn.__module__}:{fn.__qualname__}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
-    )
+    name = getattr(fn, "__qualname__", repr(fn))
+    identity = f"function:{fn.__module__}:{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
     clf = recipe.build(backend, batch_size)
     return Task(clf, tuple(required), None if var_keyword else tuple(params), False, identity)
 
