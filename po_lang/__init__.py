@@ -19,7 +19,7 @@ from po_lang.api import Classifier, classify
 from po_lang.backends import Backend, LabelRequest, ScoreOutcome
 from po_lang.calibration import CalibrationReport
 from po_lang.context import get_backend, set_backend, using
-from po_lang.errors import BackendError, LabelError, PoLangError, PromptError
+from po_lang.errors import BackendError, BackendUnavailable, LabelError, PoLangError, PromptError
 from po_lang.fake import Fake
 from po_lang.ir import Prompt, Segment, shared
 from po_lang.local import Local
@@ -30,6 +30,7 @@ from po_lang.results import Classification, Failed, Ranked
 __all__ = [
     "Backend",
     "BackendError",
+    "BackendUnavailable",
     "CalibrationReport",
     "Classification",
     "Classifier",

@@ -17,3 +17,8 @@ class LabelError(PoLangError, ValueError):
 
 class BackendError(PoLangError):
     """The backend rejected or failed one request; carries the backend's message."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot be reached or stays overloaded (connection refused, HTTP 503 / 429 after
+    the retries): the whole backend is down, not one request bad. Batch jobs stop on it."""

@@ -21,7 +21,8 @@ How it runs:
   and labels batch after batch with `fn.map`.
 - Every input row comes out: rows that cannot be scored (a prompt longer than max_input_len, a
   function that raises on the row's values) get `error` (the message) and null `label`/`probs`.
-  A backend that fails as a whole (the model cannot be loaded) fails the job, as in `fn.map`.
+  A backend that fails as a whole (the model cannot be loaded, a server that cannot be reached:
+  `BackendUnavailable`) fails the job, as in `fn.map`.
 
 Only `import po_lang.ray` imports ray (lazily, when called); `import po_lang` never does.
 """
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from po_lang.api import Calibrate, Classifier, classify
 from po_lang.backends import Backend
 from po_lang.compiler import ClassifySpec
+from po_lang.errors import BackendUnavailable
 from po_lang.ir import Prompt
 from po_lang.local import Local
 from po_lang.results import Failed
@@ -180,6 +182,10 @@ class _Labeler:
         prompt_tokens: list[int] = []
         cached_tokens: list[int] = []
         for res in results:
+            if isinstance(res, Failed) and isinstance(res.error, BackendUnavailable):
+                # The backend is down (a server that cannot be reached): fail the job, as a backend
+                # that cannot be loaded does, rather than turn every row into an error row.
+                raise res.error
             if isinstance(res, Failed):
                 labels.append(None)
                 probs.append(None)

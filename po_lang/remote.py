@@ -9,16 +9,25 @@ Endpoints used:
   `return_logprob`, per-item `logprob_start_len` and `token_ids_logprob`, and our per-item
   `cache_prefix_len` extension. A batch with one bad item is rejected whole (HTTP 400); the
   client then resends the items one by one so only the bad one fails.
+
+A server that is busy (HTTP 503 / 429) or not reachable yet is retried a few times, waiting what
+its `Retry-After` header asks (else a doubling backoff), within a bounded total wait; after that
+the call fails with `BackendUnavailable`, which batch jobs treat as "the backend is down".
 """
 
 from __future__ import annotations
 
+import email.utils
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from po_lang.backends import LabelRequest, ScoreOutcome
-from po_lang.errors import BackendError
+from po_lang.errors import BackendError, BackendUnavailable
+
+RETRY_STATUS = frozenset({429, 503})  # overloaded or starting: worth asking again
+FIRST_BACKOFF = 0.25  # seconds before the first retry when the server names no Retry-After
 
 
 class Remote:
@@ -29,12 +38,21 @@ class Remote:
         timeout: float = 300.0,
         *,
         max_batch: int = 256,
+        retries: int = 4,
+        max_retry_wait: float = 60.0,
         transport: Any = None,
     ) -> None:
+        """`retries`: extra attempts of a request refused with HTTP 503 / 429 or a failed
+        connection; `max_retry_wait`: the most seconds one request spends waiting between them (a
+        Retry-After beyond it fails at once rather than sleep past the budget)."""
         import httpx  # lazy: only the HTTP backend needs it
 
+        if retries < 0 or max_retry_wait < 0:
+            raise ValueError("retries and max_retry_wait must be >= 0")
         self.url = url.rstrip("/")
         self.max_batch = max_batch
+        self.retries = retries
+        self.max_retry_wait = max_retry_wait
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # `transport` lets tests pass httpx.MockTransport (no server needed).
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
@@ -68,12 +86,10 @@ class Remote:
     # ---- internals ----------------------------------------------------------------------------
 
     def _score_batch(self, batch: list[LabelRequest]) -> list[ScoreOutcome | Exception]:
-        import httpx
-
         try:
-            resp = self._client.post("/generate", json=_generate_body(batch))
-        except httpx.HTTPError as e:
-            return [_error(f"request to {self.url}/generate failed: {e}", e) for _ in batch]
+            resp = self._send("/generate", _generate_body(batch))
+        except BackendError as e:
+            return [_error(str(e), e) for _ in batch]
         if resp.status_code == 400 and len(batch) > 1:
             # The server rejects a batch whole when one item is bad: find it by sending singly.
             out: list[ScoreOutcome | Exception] = []
@@ -81,7 +97,7 @@ class Remote:
                 out.extend(self._score_batch([r]))
             return out
         if resp.status_code != 200:
-            return [_error(f"/generate: HTTP {resp.status_code}: {_message(resp)}") for _ in batch]
+            return [_http_error("/generate", resp) for _ in batch]
         try:
             items = resp.json()
             if isinstance(items, dict):
@@ -99,15 +115,41 @@ class Remote:
         return out
 
     def _post(self, path: str, payload: dict[str, Any]) -> Any:
+        resp = self._send(path, payload)
+        if resp.status_code != 200:
+            raise _http_error(path, resp)
+        return resp.json()
+
+    def _send(self, path: str, payload: dict[str, Any]) -> Any:
+        """POST with retries: a 503 / 429 or a failed connection is tried again up to `retries`
+        times within `max_retry_wait` seconds of waiting. Returns the last response (the caller
+        judges its status); a connection that never succeeds raises BackendUnavailable, any other
+        transport error BackendError."""
         import httpx
 
-        try:
-            resp = self._client.post(path, json=payload)
-        except httpx.HTTPError as e:
-            raise BackendError(f"request to {self.url}{path} failed: {e}") from e
-        if resp.status_code != 200:
-            raise BackendError(f"{path}: HTTP {resp.status_code}: {_message(resp)}")
-        return resp.json()
+        waited = 0.0
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self._client.post(path, json=payload)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+                err: BackendError = BackendUnavailable(f"request to {self.url}{path} failed: {e}")
+                err.__cause__ = e
+                wait = FIRST_BACKOFF * 2**attempt
+            except httpx.HTTPError as e:
+                raise BackendError(f"request to {self.url}{path} failed: {e}") from e
+            else:
+                if resp.status_code not in RETRY_STATUS:
+                    return resp
+                asked = _retry_after(resp.headers.get("retry-after"))
+                wait = FIRST_BACKOFF * 2**attempt if asked is None else asked
+                err = _http_error(path, resp)
+            if attempt == self.retries or waited + wait > self.max_retry_wait:
+                raise BackendUnavailable(
+                    f"{err} (gave up after {attempt + 1} attempt(s) and {waited:.1f}s of waiting)"
+                ) from err.__cause__
+            time.sleep(wait)
+            waited += wait
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _generate_body(batch: list[LabelRequest]) -> dict[str, Any]:
@@ -160,6 +202,29 @@ def _message(resp: Any) -> str:
 
 
 def _error(msg: str, cause: BaseException | None = None) -> BackendError:
-    err = BackendError(msg)
+    # The cause's own type when it is a BackendError (BackendUnavailable stays one per item).
+    err = type(cause)(msg) if isinstance(cause, BackendError) else BackendError(msg)
     err.__cause__ = cause
     return err
+
+
+def _http_error(path: str, resp: Any) -> BackendError:
+    """A non-200 answer; 503 / 429 (what is left after the retries) mean the server is unavailable."""
+    kind = BackendUnavailable if resp.status_code in RETRY_STATUS else BackendError
+    return kind(f"{path}: HTTP {resp.status_code}: {_message(resp)}")
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for: delta-seconds or an HTTP date; None if absent or
+    unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

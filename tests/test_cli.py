@@ -61,11 +61,11 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_prefillonly_serve_entry_point() -> None:
-    code = "from po_backend.entrypoints.cli import main; main(['serve', '--help'])"
+    code = "from po_lang.cli import main; main(['serve', '--help'])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "--context-length" in out.stdout
     out = subprocess.run(
-        [sys.executable, "-c", "from po_backend.entrypoints.cli import main; main(['frobnicate'])"],
+        [sys.executable, "-c", "from po_lang.cli import main; main(['frobnicate'])"],
         cwd=ROOT,
         capture_output=True,
         text=True,
