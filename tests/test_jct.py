@@ -176,6 +176,7 @@ def _startup(engine: Engine, policy: str = "po"):
 def test_quick_estimate_fits_sane_coefficients(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
     """No profile yet: a few short steps are timed for real and fitted (the full grid is not run)."""
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILLONLY_JCT_CACHE", str(tmp_path / "jct"))
     grids = []
     real_profile = jct_mod.profile
 
@@ -200,6 +201,7 @@ def test_quick_estimate_without_a_prefix_cache(tiny_model, tmp_path, monkeypatch
     """Too few distinct shapes to fit every coefficient: the new-token proxy, scaled by what was
     measured, then refined online like any start-up model."""
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILLONLY_JCT_CACHE", str(tmp_path / "jct"))
     path, _ = tiny_model("llama")
     engine = Engine.from_pretrained(path, dtype="fp32", chunk_size=64, max_input_len=300, enable_cache=False)
     cal = _startup(engine)
@@ -289,6 +291,7 @@ def test_concurrent_starts_measure_once(tiny_engine: Engine, tmp_path, monkeypat
     """Two workers starting together: one measures under the file lock, the other waits for it
     and loads what it saved. The second is let go only once it logged that it waits."""
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILLONLY_JCT_CACHE", str(tmp_path / "jct"))
     calls, measuring, release, waiting = [], threading.Event(), threading.Event(), threading.Event()
 
     def slow_profile(engine, grid):
@@ -333,6 +336,7 @@ def test_next_start_loads_the_persisted_and_then_the_refined_profile(
     tiny_engine: Engine, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILLONLY_JCT_CACHE", str(tmp_path / "jct"))
     monkeypatch.setattr(jct_mod, "profile", lambda engine, grid: _synthetic(12, noise=0.0))
     first = _startup(tiny_engine)
     assert isinstance(first, CalibratedJCT) and first.model.source == "quick"
@@ -359,6 +363,7 @@ def test_next_start_loads_the_persisted_and_then_the_refined_profile(
 
 def test_a_full_grid_profile_is_used_when_there_is_one(tiny_engine: Engine, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILLONLY_JCT_CACHE", str(tmp_path / "jct"))
     monkeypatch.setattr(jct_mod, "profile", lambda engine, grid: _synthetic(20, noise=0.0))
     full = load_or_profile(tiny_engine)
     monkeypatch.setattr(jct_mod, "profile", lambda *a, **k: pytest.fail("must load the full profile"))
