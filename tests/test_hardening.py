@@ -153,9 +153,9 @@ def test_sigterm_answers_every_accepted_request(tokenized_llama: Path) -> None:
     # Every request done before the signal, and the one running at the deadline, is answered 200.
     assert statuses.count(200) >= at_signal["completed"] - before["completed"]
     assert statuses.count(200) > 0
-    # The queue at the signal holds far more work than the 0.2 s drain runs: those get 503.
-    assert at_signal["queued"] > 0, f"the engine ran the whole burst before it was sent: {at_signal}"
-    assert statuses.count(503) > 0
+    # How many of the queued requests the 0.2 s drain still runs depends on the machine's speed, so
+    # the split between 200 and 503 is reported, not asserted; the deadline's 503 path is tested
+    # deterministically in test_drain_deadline_answers_what_is_still_queued_503.
     # uvicorn re-raises the signal once its graceful shutdown is done: a clean exit by SIGTERM.
     assert code in (0, -signal.SIGTERM)
     at = {k: at_signal[k] for k in ("completed", "running", "queued")}
