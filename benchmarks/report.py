@@ -461,7 +461,7 @@ def cluster_rows(doc: dict[str, Any]) -> list[list[str]]:
 
 def _router_flag(doc: dict[str, Any], flag: str, default: str) -> str:
     """A router flag's value in the runs' router command (the router's default when not given)."""
-    cmd = next((r["router_cmd"] for r in doc["runs"] if "router_cmd" in r), [])
+    cmd: list[str] = next((r["router_cmd"] for r in doc["runs"] if "router_cmd" in r), [])
     return cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else f"{default} (the router's default)"
 
 
