@@ -34,7 +34,6 @@ import json
 import random
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -58,15 +57,13 @@ from benchmarks.bench_serving import (
 )
 from benchmarks.workloads import label_ids
 from po_backend.entrypoints.launch_cluster import (
-    free_port,
     router_command,
-    stop_all,
     visible_gpus,
-    wait_until,
     worker_command,
     worker_env,
     worker_threads,
 )
+from po_backend.entrypoints.spawn import ServerProcess, free_port, stop, wait_until
 
 SHAPES = ("generate", "rerank")
 POLICIES = ("cache_aware", "round_robin")
@@ -193,7 +190,7 @@ def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
             wait_until(u + "/health", procs, args.startup_timeout)
         yield [Worker(u, p, t) for u, p, t in zip(urls, procs, taps, strict=True)]
     finally:
-        stop_all(None, procs)
+        stop(procs)
         for t in taps:
             t.close()
 
@@ -202,33 +199,25 @@ def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
 def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterator[tuple[str, int, list[str]]]:
     """A fresh router (launch_cluster's command) in front of the workers' taps, ready once it has
     every worker registered and healthy: the first calls must not all go to the first one up.
-    Yields its URL, pid and command line; its log goes to a temp file, kept and named if something fails."""
+    Yields its URL, pid and command line; its output is shown if it fails."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile(
-        "w", prefix=f"bench-cluster-router-{policy}-", suffix=".log", delete=False
-    )
     cmd = router_command([w.tap.url for w in workers], "127.0.0.1", port, policy)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    router = ServerProcess(cmd, f"http://127.0.0.1:{port}", health_path="/get_model_info").start()
+    assert router.proc is not None, "started"
     try:
         deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"router ({policy}) not ready; see {log.name}")
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                listed = httpx.get(url + "/workers", timeout=2).json().get("workers", [])
+                listed = httpx.get(router.url + "/workers", timeout=2).json().get("workers", [])
                 if sum(bool(w.get("is_healthy")) for w in listed) == len(workers):
                     break
+            if router.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"router ({policy}) not ready; its output ends:\n{router.log_text()}")
             time.sleep(0.3)
-        wait_until(url + "/get_model_info", [proc], timeout)
-        yield url, proc.pid, cmd
-    except BaseException:
-        stop_all(proc, [])
-        log.close()
-        raise
-    stop_all(proc, [])
-    log.close()
-    Path(log.name).unlink()  # kept only when something failed
+        router.wait_ready(timeout)
+        yield router.url, router.proc.pid, cmd
+    finally:
+        router.stop()
 
 
 # ---- traffic ----------------------------------------------------------------------------------------
@@ -347,11 +336,11 @@ def run_one(
     user_of = {call_key(r.body): r.user for r in reqs}
     where: dict[int, set[int]] = defaultdict(set)
     calls_of, items_of = [0] * len(workers), [0] * len(workers)
-    for w, key, items in seen:
+    for i, key, items in seen:
         if key in user_of:
-            where[user_of[key]].add(w)
-        calls_of[w] += 1
-        items_of[w] += items
+            where[user_of[key]].add(i)
+        calls_of[i] += 1
+        items_of[i] += items
     row["workers"] = [
         {
             "prompt_tokens": a[0] - b[0],

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.harness import RESULTS
+from benchmarks.harness import RESULTS, sim_step_model
 from po_backend.entrypoints.launch_cluster import BALANCE_ABS_THRESHOLD
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.sim.cluster import (
     ROUTER_POLICIES,
     ClusterResult,
-    LinearStepModel,
     RouterConfig,
     TraceShape,
     max_qps_at_p99,
@@ -87,17 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def step_model(path: Path) -> tuple[LinearStepModel, str]:
-    """The JCT model of our engine: the fit of the last measured bench_schedule run, else this
-    machine's persisted profile of the embedded model (profiled now if there is none)."""
-    if path.is_file():
-        return LinearStepModel(json.loads(path.read_text())["jct_fit"]["coef"]), f"the fit in {path.name}"
-    from benchmarks.harness import load_engine
-    from po_backend.serving.jct_profile import load_or_profile
-
-    return LinearStepModel(load_or_profile(load_engine()).coef), "this machine's persisted JCT profile"
-
-
 def kv_bytes_per_token() -> tuple[int, str]:
     """What one cached token of the embedded model costs (K and V of every layer) at the CPU dtype."""
     import torch
@@ -142,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = sorted({int(n) for n in args.workers.split(",")})
     if workers[0] < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers!r}")
-    model, source = step_model(args.jct)
+    model, source = sim_step_model(args.jct)
     per_token, dtype = kv_bytes_per_token()
     pool = int(args.pool_gib * GiB) // per_token
     shape = TraceShape(users=args.users, posts=args.posts, scale=args.scale, seed=args.seed)

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import cpu_flags, load_engine, machine_info, tokenizer
+from benchmarks.harness import load_engine, machine_info, tokenizer
 from benchmarks.workloads import add_trace_args, build_traces, label_ids
+from po_backend.core.cpu import cpu_flags
 
 WHEELS = Path("~/.cache/prefillonly/wheels").expanduser()
 
@@ -40,7 +41,7 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def cmake_args(flags: set[str] | None = None) -> str:
+def cmake_args(flags: frozenset[str] | None = None) -> str:
     """AMX off (the default build crashed in its AMX matmul on the Xeon this was tried on); AVX512
     paths only where the CPU has them (an AVX2-only CPU would fault on them)."""
     flags = cpu_flags() if flags is None else flags

@@ -168,11 +168,7 @@ def simulate_main(
     measured = harness.RESULTS / "schedule.json"
     pool = harness.pool_tokens(traces["WL1"], args.cache_profiles) if "WL1" in traces else 0
     engine = harness.load_engine(pool or None)  # its batching limit and, without a measured run, its profile
-    if measured.is_file():
-        coef = json.loads(measured.read_text())["jct_fit"]["coef"]
-        model, source = JCTModel(tuple(coef)), f"the fit of the measured run ({measured.name})"
-    else:
-        model, source = load_or_profile(engine), "this machine's persisted profile"
+    model, source = harness.sim_step_model(measured, engine)
     print(f"step times: JCT model from {source}: coef {model.coef}")
     if "WL1" in traces:
         users, posts = (int(x) for x in args.sim_paper.split(","))
@@ -192,12 +188,7 @@ def simulate_main(
             "other_cores": 0.0,
         }
 
-    doc: dict[str, Any] = {
-        "args": vars(args),
-        "jct_source": source,
-        "coef": model.coef,
-        "pool_tokens": pool,
-    }
+    doc: dict[str, Any] = {"args": vars(args), "jct_source": source, "coef": model.coef, "pool_tokens": pool}
     doc["workloads"] = {}
     for name, items in traces.items():
         reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)

@@ -23,10 +23,7 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
-import tempfile
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +33,7 @@ import httpx
 
 from benchmarks import harness, report
 from benchmarks.workloads import label_ids, wl1, wl2
+from po_backend.entrypoints.spawn import ServerProcess
 
 # --launch names -> launch_server flags
 LAUNCH = {
@@ -200,48 +198,18 @@ def scrape(url: str, args: argparse.Namespace) -> dict[str, float]:
 # ---- servers ------------------------------------------------------------------------------------
 
 
-class LaunchedServer:
-    def __init__(self, name: str, args: argparse.Namespace, port: int) -> None:
-        self.name = name
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", args.model_path]
-        cmd += ["--port", str(port), "--dtype", args.dtype, "--log-level", "warning", *LAUNCH[name]]
-        cwd = harness.REPO_ROOT
-        if name == "base":
-            if not args.base_checkout:
-                raise ValueError("--launch base needs --base-checkout DIR")
-            cwd = args.base_checkout  # python -m resolves po_backend from the working directory
-        if args.max_input_len:
-            cmd += ["--max-input-len", str(args.max_input_len)]
-        cmd += args.server_args.split()
-        # The server's log goes to a temp file, named in the error if it fails to start.
-        self.log = tempfile.NamedTemporaryFile(
-            "w", prefix=f"bench-serving-{name}-", suffix=".log", delete=False
-        )
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server {self.name} exited with {self.proc.returncode}; see {self.log.name}"
-                )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server {self.name} not ready after {timeout:.0f}s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+def launched_server(name: str, args: argparse.Namespace, port: int) -> ServerProcess:
+    """Our server with config `name`'s flags (`base`: from `--base-checkout`); its output goes to a
+    temporary file, shown if it fails to start."""
+    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", args.model_path]
+    cmd += ["--port", str(port), "--dtype", args.dtype, "--log-level", "warning", *LAUNCH[name]]
+    if args.max_input_len:
+        cmd += ["--max-input-len", str(args.max_input_len)]
+    if name == "base" and not args.base_checkout:
+        raise ValueError("--launch base needs --base-checkout DIR")
+    # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
+    cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
+    return ServerProcess([*cmd, *args.server_args.split()], f"http://127.0.0.1:{port}", cwd=cwd)
 
 
 def bench_one(
@@ -381,11 +349,11 @@ def main() -> None:
         rows += bench_one("server", args.url, calls, args, labels)
     else:
         for i, name in enumerate(args.launch.split(",")):
-            srv = LaunchedServer(name, args, args.port + i)
+            srv = launched_server(name, args, args.port + i).start()
             try:
                 srv.wait_ready()
                 warm_up(srv.url, calls[0], args, labels)
-                rows += bench_one(name, srv.url, calls, args, labels, pid=srv.proc.pid)
+                rows += bench_one(name, srv.url, calls, args, labels, pid=srv.proc.pid if srv.proc else None)
             finally:
                 srv.stop()
     doc = {

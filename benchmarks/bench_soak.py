@@ -15,7 +15,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ import numpy as np
 import psutil
 
 from benchmarks import harness
-from po_backend.entrypoints.launch_cluster import wait_until
+from po_backend.entrypoints.spawn import ServerProcess, free_port
 
 WORDS = "user likes hiking coffee camping photos tax news betting stocks cats dogs trail guide".split()
 
@@ -122,23 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--big-share", type=float, default=0.1, help="share of calls that are 40-item scorings")
     ap.add_argument("--out", type=Path, default=harness.RESULTS / "soak.json")
     args = ap.parse_args(argv)
-    with socket.socket() as sock:  # a free loopback port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "po_backend.entrypoints.launch_server",
-        "--model-path",
-        args.model_path,
-        "--port",
-        str(port),
-    ]
-    cmd += ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=harness.REPO_ROOT)
+    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", args.model_path]
+    cmd += ["--port", str(port), "--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"]
+    server = ServerProcess([*cmd, "--log-level", "warning"], url, cwd=harness.REPO_ROOT).start()
+    proc = server.proc
+    assert proc is not None, "started"
     try:
-        wait_until(url + "/health", [proc], 600)
+        server.wait_ready()
         peak = [0]
         watcher = psutil.Process(proc.pid)
 
@@ -160,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     statuses = Counter(str(r["status"]) for r in records)
     lost = sum(n for s, n in statuses.items() if s.startswith("lost"))
     small = [r["latency"] for r in records if r["kind"] == "small" and r["status"] == 200]

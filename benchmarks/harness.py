@@ -5,6 +5,7 @@ saturated / swept measurements, and the sustained-QPS analysis. Rendering lives 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -21,12 +22,14 @@ import psutil
 import torch
 
 from benchmarks.workloads import Item
-from po_backend.core.cpu import cpu_model
+from po_backend.core.cpu import cpu_flags, cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.serving.jct_profile import load_or_profile
 from po_backend.serving.loop import EngineLoop
+from po_backend.sim.cluster import LinearStepModel
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -37,14 +40,6 @@ Setup = tuple[Any, str]  # (a scorer EngineLoop can drive, its scheduling policy
 
 
 # ---- machine --------------------------------------------------------------------------------------
-
-
-def cpu_flags() -> set[str]:
-    try:
-        m = re.search(r"^flags\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    except OSError:
-        return set()
-    return set(m.group(1).split()) if m else set()
 
 
 def machine_info() -> dict[str, Any]:
@@ -181,6 +176,17 @@ def poisson_arrivals(n: int, rng: random.Random, rate: float = 1.0) -> list[floa
         out.append(t)
         t += rng.expovariate(rate)
     return out
+
+
+def sim_step_model(
+    path: Path = RESULTS / "schedule.json", engine: Engine | None = None
+) -> tuple[LinearStepModel, str]:
+    """The simulators' step times: the JCT fit of the last measured bench_schedule run (`path`),
+    else this machine's persisted profile of `engine` (the embedded model's when None)."""
+    if path.is_file():
+        return LinearStepModel(json.loads(path.read_text())["jct_fit"]["coef"]), f"the fit in {path.name}"
+    model = load_or_profile(engine or load_engine())
+    return LinearStepModel(model.coef), "this machine's persisted JCT profile"
 
 
 # ---- runs -----------------------------------------------------------------------------------------
@@ -406,8 +412,8 @@ def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
     raw, cal, meas = (np.array([s[i] for s in rows]) for i in range(3))
     return {
         "steps": len(rows),
-        "r_raw": pearson_r(raw, meas),
-        "r_calibrated": pearson_r(cal, meas),
+        "r_raw": pearson_r(raw.tolist(), meas.tolist()),
+        "r_calibrated": pearson_r(cal.tolist(), meas.tolist()),
         "median_rel_error_raw": float(np.median(np.abs(raw / meas - 1))),
         "median_rel_error_calibrated": float(np.median(np.abs(cal / meas - 1))),
     }

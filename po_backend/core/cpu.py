@@ -1,4 +1,4 @@
-"""What the CPU is: its model name and whether it has fast bf16. Reads /proc/cpuinfo, which is why
+"""What the CPU is: its model name, its feature flags and whether it has fast bf16. Reads /proc/cpuinfo, which is why
 it lives here and not in `config` (frozen records, no I/O)."""
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 "flags"; empty where /proc/cpuinfo has none, e.g. macOS)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 def cpu_has_fast_bf16() -> bool:
     """AVX512-bf16 or AMX make bf16 GEMMs ~3.5x faster than fp32 on CPU; without them bf16 is slow."""
-    flags = _cpuinfo()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

@@ -6,8 +6,10 @@ it without pulling in the engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from po_backend.core.errors import (
     EmptyPromptError,
@@ -111,3 +113,27 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid
     return lo
+
+
+def sorted_neighbours(
+    keys: Sequence[Any],
+    ids: tuple[int, ...],
+    floor: int | None = None,
+    key: Callable[[Any], tuple[int, ...]] | None = None,
+) -> Iterator[tuple[int, int]]:
+    """(index, leading ids shared with `ids`) of the entries of `keys` (sorted by token ids; `key`
+    gives an entry's ids) around where `ids` sorts. In sorted order an entry shares less with `ids`
+    the further it is, so the longest prefix `ids` shares with any entry it shares with one of the
+    two next to it: without `floor` only those two are yielded (a longest-prefix lookup in two
+    comparisons, however many entries); with it, each direction is walked on until an entry shares
+    fewer than `floor` ids (every entry sharing at least that much)."""
+    i = bisect.bisect_left(keys, ids, key=key)
+    for j, step in ((i - 1, -1), (i, 1)):
+        while 0 <= j < len(keys):
+            n = common_prefix(ids, keys[j] if key is None else key(keys[j]))
+            if floor is not None and n < floor:
+                break
+            yield j, n
+            if floor is None:
+                break
+            j += step

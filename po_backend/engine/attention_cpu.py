@@ -36,6 +36,8 @@ from typing import Literal
 
 import torch
 
+from po_backend.core.cpu import cpu_flags  # a module global: tests patch it here
+
 log = logging.getLogger(__name__)
 
 CpuAttention = Literal["kernel", "sdpa"]
@@ -44,19 +46,6 @@ _SOURCE = Path(__file__).parent / "csrc" / "attention_bf16.cpp"
 _STALE_LOCK_S = 600.0  # a build takes ~10 s; a lock this old belongs to a dead process
 _EMPTY_I32 = torch.empty(0, dtype=torch.int32)  # no item starts: plain causal
 _NO_LSE = torch.empty(0, 0)  # the kernel's log-sum-exp output, when none is wanted
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def choose(dtype: torch.dtype, device: torch.device, flags: frozenset[str] | None = None) -> CpuAttention:

@@ -20,9 +20,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
+from operator import itemgetter
 from typing import Protocol
 
-from po_backend.core.request import common_prefix
+from po_backend.core.request import sorted_neighbours
 
 POLICIES = ("po", "fcfs", "srjf", "lpm")
 # score = jct seconds - lambda * queueing seconds: lambda = 0.2 lets a request overtake one whose
@@ -81,13 +82,11 @@ class BatchStores:
         """(tokens of `ids` readable from an earlier request's store, at most `limit`; its owner),
         (0, -1) when none."""
         best, owner = 0, -1
-        i = bisect.bisect_left(self._ids, ids)
-        for j in (i - 1, i):
-            if 0 <= j < len(self._ids):
-                store, o = self._stores[j]
-                n = min(common_prefix(ids, self._ids[j]), store, limit)
-                if n > best:
-                    best, owner = n, o
+        for j, shared in sorted_neighbours(self._ids, ids):
+            store, o = self._stores[j]
+            n = min(shared, store, limit)
+            if n > best:
+                best, owner = n, o
         return best, owner
 
 
@@ -291,17 +290,11 @@ class Scheduler:
         Sharers are contiguous around the head in token order and share less the further away
         they are, so the walk stops at the first one below the minimum."""
         ids, limit, floor = tuple(head.req.input_ids), head.req.reusable_len, self.config.min_shared_prefix
-        pos = bisect.bisect_left(self._by_ids, (ids, head.rid))
-        lens: list[int] = []
-        for step in (-1, 1):
-            j = pos + step
-            while 0 <= j < len(self._by_ids):
-                other, rid = self._by_ids[j]
-                n = common_prefix(ids, other)
-                if n < floor:
-                    break
-                lens.append(min(n, limit, self._waiting[rid].req.reusable_len))
-                j += step
+        lens = [
+            min(n, limit, self._waiting[self._by_ids[j][1]].req.reusable_len)
+            for j, n in sorted_neighbours(self._by_ids, ids, floor, key=itemgetter(0))
+            if self._by_ids[j][1] != head.rid
+        ]
         lens.sort(reverse=True)
         best, saved = 0, 0
         for k, n in enumerate(lens):

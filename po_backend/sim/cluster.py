@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from po_backend.core.request import ScoreRequest, common_prefix
+from po_backend.sched.jct import JCTModel, feature_values
 from po_backend.sched.scheduler import Batchable, Request, Scheduler, SchedulerConfig
-from po_backend.sim.simulator import SimRun, StepModel
+from po_backend.sim.simulator import SimRun, StepModel, VirtualClock
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 
@@ -52,35 +53,20 @@ class EngineCache(Protocol):
     def step(self, reqs: Sequence[Request]) -> list[int]: ...
 
 
-class LinearStepModel:
-    """`jct.JCTModel`'s formula in plain Python floats: the scheduler prices every waiting request
-    before every step, and a numpy call per price dominated the simulation. Same predictions up to
-    rounding (a test checks it)."""
+@dataclass(frozen=True)
+class LinearStepModel(JCTModel):
+    """`jct.JCTModel` (its features, checks and `predict`) with a step priced in plain Python floats
+    (`jct.feature_values`): the scheduler prices every waiting request before every step, and a
+    numpy call per price dominated the simulation. Same predictions up to rounding."""
 
-    def __init__(self, coef: Sequence[float]) -> None:
-        if len(coef) != 5 or not all(c >= 0 and math.isfinite(c) for c in coef):
-            raise ValueError(f"need 5 finite coefficients >= 0 (jct.FEATURES), got {coef}")
-        self.coef = tuple(float(c) for c in coef)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coef", tuple(float(c) for c in self.coef))
+        super().__post_init__()
+        if not all(math.isfinite(c) for c in self.coef):
+            raise ValueError(f"coefficients must be finite: {self.coef}")
 
     def predict_items(self, items: Sequence[tuple[int, int]]) -> float:
-        c_step, c_item, c_new, c_attn, c_cached = self.coef
-        new = attn = cached = 0
-        for n, c in items:
-            new += n - c
-            attn += (n - c) * n
-            cached += c
-        return (
-            c_step
-            + c_item * len(items)
-            + c_new * (new / 1e3)
-            + c_attn * (attn / 1e6)
-            + c_cached * (cached / 1e3)
-        )
-
-    def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float:
-        if not (0 <= n_cached <= n_input and n_items >= 1):
-            raise ValueError(f"bad shape n_input={n_input} n_cached={n_cached} n_items={n_items}")
-        return self.predict_items([(n_input, min(n_cached, n_input - 1))] * n_items)
+        return sum(c * f for c, f in zip(self.coef, feature_values(items), strict=True))
 
 
 # ---- the router --------------------------------------------------------------------------------------
@@ -260,14 +246,6 @@ class ClusterResult:
         return [r.end - r.arrival for r in self.runs]
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def simulate_cluster(
     config: SchedulerConfig,
     model: StepModel,
@@ -298,7 +276,7 @@ def simulate_cluster(
     finished = bytearray(len(trace))
     counted = bytearray(0 if t >= measured_from else 1 for t, _ in trace)  # 1: decided, or not measured
     complete = True
-    clocks = [_Clock() for _ in range(n_workers)]
+    clocks = [VirtualClock() for _ in range(n_workers)]
     scheds = [Scheduler(config, model, c) for c in clocks]
     caches = [cache_factory() for _ in range(n_workers)]
     batchables: list[Batchable] = [c.batchable for c in caches]
@@ -382,7 +360,7 @@ def simulate_cluster(
     return ClusterResult(
         runs=tuple(out),
         worker_of=tuple(worker_of),
-        workers=tuple(WorkerStats(s[0], s[1], s[2], s[3], s[4]) for s in stats),
+        workers=tuple(WorkerStats(int(s[0]), int(s[1]), s[2], int(s[3]), int(s[4])) for s in stats),
         balanced_by_load=rt.balanced_by_load,
         by_match=rt.by_match,
         complete=complete,

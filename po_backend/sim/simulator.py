@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from po_backend.core.request import common_prefix
+from po_backend.core.request import sorted_neighbours
 from po_backend.sched.scheduler import Request, Scheduler, SchedulerConfig, fit_batch
 
 
@@ -61,10 +61,7 @@ class PrefixLRU:
         memo = self._memo.get(id(req))
         if memo is not None and memo[0] is req:
             return memo[1]
-        ids = tuple(req.input_ids)
-        keys = self._keys
-        i = bisect.bisect_left(keys, ids)
-        best = max((common_prefix(keys[j], ids) for j in (i - 1, i) if 0 <= j < len(keys)), default=0)
+        best = max((n for _, n in sorted_neighbours(self._keys, tuple(req.input_ids))), default=0)
         n = min(best, req.reusable_len)
         self._memo[id(req)] = (req, n)
         return n
@@ -111,7 +108,9 @@ class SimRun:
     step: int  # index of the step it ran in
 
 
-class _Clock:
+class VirtualClock:
+    """The scheduler's clock in a simulation: it reads `now`, which the event loop advances."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -127,7 +126,7 @@ def simulate(
 ) -> list[SimRun]:
     """Run `trace` ((arrival seconds, request), any order) to the end: admit what has arrived,
     pick, advance the clock by the model's time of the step. Results in completion order."""
-    clock = _Clock()
+    clock = VirtualClock()
     sched = Scheduler(config, model, clock)
     order = sorted(range(len(trace)), key=lambda i: trace[i][0])
     out: list[SimRun] = []
