@@ -9,7 +9,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.entrypoints.launch_server import DrainingServer, uvicorn_config
 from po_backend.server import EngineOptions, ServerArgs, create_app
 from tests.conftest import TINY_BASE
 from tests.server_utils import ServerProcess, error_message
@@ -198,3 +199,42 @@ def test_500_body_carries_an_id_not_the_exception() -> None:
         assert "secret" not in r.text and "error id" in message
         r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
         assert r.status_code == 500 and r.json()["object"] == "error" and "secret" not in r.text
+
+
+class _StalledBackend(_FailingBackend):
+    """Takes every request and never runs it: what is queued when the drain deadline comes."""
+
+    def __init__(self) -> None:
+        self.pending: list[Future[ScoreResult]] = []
+
+    def submit_many(self, reqs: list[ScoreRequest]) -> list[Future[ScoreResult]]:
+        futures: list[Future[ScoreResult]] = [Future() for _ in reqs]
+        self.pending += futures
+        return futures
+
+    def abandon_waiting(self, error: BaseException) -> int:
+        waiting = [f for f in self.pending if not f.done()]
+        for f in waiting:
+            f.set_exception(error)
+        return len(waiting)
+
+
+def test_drain_deadline_answers_what_is_still_queued_503() -> None:
+    """The shutdown deadline (what SIGTERM arms) fails every queued request with a 503 that
+    carries Retry-After, so clients and the router retry elsewhere; nothing is dropped."""
+    backend = _StalledBackend()
+    args = ServerArgs(engine=EngineOptions(model_path="m"))
+    app = create_app(backend, args)  # type: ignore[arg-type]  # a duck-typed stand-in
+    with TestClient(app, raise_server_exceptions=False) as client, ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(client.post, "/generate", json={"input_ids": [1, 2, 3]}) for _ in range(2)]
+        deadline = time.monotonic() + 60
+        while len(backend.pending) < 2:  # both calls queued
+            assert time.monotonic() < deadline, "the calls never reached the backend"
+            time.sleep(0.01)
+        server = DrainingServer(uvicorn_config(app, args), app.state.runtime, args.shutdown_timeout)
+        server._deadline()
+        for call in calls:
+            r = call.result(timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.headers.get("retry-after")
+            assert "shutting down" in error_message(r)
