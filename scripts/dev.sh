@@ -33,6 +33,13 @@ setup() {
     fi
 }
 
+lint() {
+    "$venv/bin/ruff" check .
+    "$venv/bin/ruff" format --check .
+    "$venv/bin/lint-imports"
+    "$venv/bin/mypy"
+}
+
 cmd=${1:-demo}
 [ $# -gt 0 ] && shift
 setup
@@ -42,7 +49,8 @@ case "$cmd" in
     demo) exec "$py" -m po_lang.demo "$@" ;;
     # PO_REQUIRE_DEPS=1: a test dependency that cannot be imported fails instead of skipping
     # (tests/deps.py); `-m "not slow"` picks the fast tier.
-    test) PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q "$@" ;;
+    lint) lint ;;
+    test) lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q "$@" ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
-    *) echo "unknown command: $cmd (demo|test|bench|setup)" >&2; exit 2 ;;
+    *) echo "unknown command: $cmd (demo|test|lint|bench|setup)" >&2; exit 2 ;;
 esac
