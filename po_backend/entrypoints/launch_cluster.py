@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from po_backend.entrypoints.spawn import free_port, stop, wait_until
+from po_backend.entrypoints.spawn import NotReadyError, free_port, stop, wait_until
 
 log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 
@@ -144,6 +144,31 @@ def stop_all(router: subprocess.Popen[bytes] | None, workers: Sequence[subproces
     stop(workers)
 
 
+def wait_for_workers(urls: Sequence[str], procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Until every worker answers /health, saying every few seconds how many are ready: the
+    workers log at warning level, and a first start (model conversion, JCT profile) takes a while."""
+    start = time.monotonic()
+    pending = dict(enumerate(urls))
+    last_report = start
+    while pending:
+        for i, url in list(pending.items()):
+            try:
+                wait_until(url + "/health", procs, timeout=0.0)
+            except NotReadyError:
+                if time.monotonic() - start > timeout:
+                    raise
+                continue
+            del pending[i]
+            log.info("worker %d/%d ready at %s (%.0f s)", i + 1, len(urls), url, time.monotonic() - start)
+        if pending and time.monotonic() - last_report >= 10:
+            last_report = time.monotonic()
+            log.info("starting workers: %d/%d ready after %.0f s (loading the model; a first start "
+                     "converts it and measures the JCT model once)", len(urls) - len(pending), len(urls),
+                     last_report - start)  # fmt: skip
+        if pending:
+            time.sleep(0.5)
+
+
 # ---- adding a worker at runtime ------------------------------------------------------------------
 
 
@@ -253,8 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        for u in urls:
-            wait_until(u + "/health", workers, args.startup_timeout)
+        wait_for_workers(urls, workers, args.startup_timeout)
         cmd = router_command(
             urls, args.host, args.port, args.router_policy, balance_abs_threshold=args.balance_abs_threshold
         )

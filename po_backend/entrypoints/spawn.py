@@ -17,6 +17,14 @@ from typing import IO
 import httpx
 
 
+class ChildExitedError(RuntimeError):
+    """A child process that was to serve exited first."""
+
+
+class NotReadyError(RuntimeError):
+    """The URL did not answer 200 before the deadline."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -37,14 +45,14 @@ def wait_until(
     while True:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, p.args))[:160]} exited with {p.returncode}")
+                raise ChildExitedError(f"{' '.join(map(str, p.args))[:160]} exited with {p.returncode}")
         try:
             if httpx.get(url, timeout=2.0, headers=dict(headers or {})).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+            raise NotReadyError(f"{url} did not answer within {timeout:.0f} s")
         time.sleep(interval)
 
 
