@@ -366,7 +366,10 @@ def build_report(folder: Path, out: Path) -> list[str]:
     j_lines, r = jct_section(qps, folder, prefix)
     sections = header(meta) + h_lines + q_lines + m_lines + ablation_section(ab, folder, prefix)
     sections += j_lines + cluster_section(cl) + cluster_sim_section(sim, folder, prefix)
-    out.write_text("\n".join(sections + llamacpp_section(lc)))
+    # Figures from single-purpose runs, written by hand beside the JSONs, close the report.
+    notes = folder / "single_runs.md"
+    tail = ["", notes.read_text().rstrip()] if notes.exists() else []
+    out.write_text("\n".join(sections + llamacpp_section(lc) + tail) + "\n")
     summary += [f"JCT model r = {r:.3f} on the sweep's steps"] if r is not None else []
     return summary + cluster_summary(cl)
 

@@ -478,3 +478,12 @@ def test_cluster_tap_keys_tell_users_apart() -> None:
     assert call_items({"input_ids": ids}) == 1
     assert call_items({"input_ids": [ids, ids]}) == 2
     assert call_items({"text": ["a", "b"]}) == 2 and call_items({"text": "a"}) == 1
+
+
+def test_hand_written_single_runs_close_the_report(fake_results: Path) -> None:
+    notes = "## Single-purpose runs (hand-written)\n\n| a | b |\n|---|---|\n| 1 | 2 |"
+    (fake_results / "single_runs.md").write_text(notes + "\n")
+    out = fake_results.parent / "REPORT.md"
+    build_report(fake_results, out)
+    text = out.read_text()
+    assert text.rstrip().endswith(notes) and text.count("Single-purpose runs (hand-written)") == 1
