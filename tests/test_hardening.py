@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.server import EngineOptions, ServerArgs, create_app
+from po_backend.server import ServerArgs, Settings, create_app
 from tests.conftest import TINY_BASE
 from tests.server_utils import ServerProcess, error_message
 
@@ -190,7 +190,7 @@ class _FailingBackend:
 
 
 def test_500_body_carries_an_id_not_the_exception() -> None:
-    app = create_app(_FailingBackend(), ServerArgs(engine=EngineOptions(model_path="m")))  # type: ignore[arg-type]
+    app = create_app(_FailingBackend(), ServerArgs(engine=Settings(model_path="m")))  # type: ignore[arg-type]
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/generate", json={"input_ids": [1, 2, 3]})
         assert r.status_code == 500

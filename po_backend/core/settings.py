@@ -77,7 +77,9 @@ class Settings:
     model_path: str = field(metadata=_opt("HF folder, .gguf file, or 'embedded' (SmolLM2-135M)"))
     backend: str = field(
         default="prefillonly",
-        metadata=_opt("prefillonly (ours) | hf (the transformers baseline: FCFS, no prefix cache)", choices=BACKENDS),
+        metadata=_opt(
+            "prefillonly (ours) | hf (the transformers baseline: FCFS, no prefix cache)", choices=BACKENDS
+        ),
     )
     dtype: str = field(default="auto", metadata=_opt("auto | bf16 | fp16 | fp32"))
     device: str | None = field(default=None, metadata=_opt("cpu | cuda (default: cuda when available)"))
@@ -100,7 +102,9 @@ class Settings:
     )
     chunk_size: int = field(
         default=DEFAULT_CHUNK_SIZE,
-        metadata=_opt("tokens per chunk of the non-attention work (hybrid prefilling); 0 = no chunking", type=int),
+        metadata=_opt(
+            "tokens per chunk of the non-attention work (hybrid prefilling); 0 = no chunking", type=int
+        ),
     )
     prefill_mode: str = field(
         default="hybrid",
@@ -119,7 +123,9 @@ class Settings:
     )
     prefix_pool_tokens: int | None = field(
         default=None,
-        metadata=_opt("tokens the prefix-KV pool holds at most (default: what the memory budget leaves)", type=int),
+        metadata=_opt(
+            "tokens the prefix-KV pool holds at most (default: what the memory budget leaves)", type=int
+        ),
     )
     schedule_policy: str = field(
         default="po",
@@ -228,7 +234,9 @@ ALIASES: Mapping[str, Alias] = {
     "tp_size": Alias(None, "1 only (one device per worker)", type=int, fixed=1),
     "dp_size": Alias(None, "1 only: run N workers behind the SGLang router instead", type=int, fixed=1),
     "pp_size": Alias(None, "1 only", type=int, fixed=1),
-    "tokenizer_path": Alias(None, "must be the model's own folder (the tokenizer is read from there)", type=str),
+    "tokenizer_path": Alias(
+        None, "must be the model's own folder (the tokenizer is read from there)", type=str
+    ),
     "trust_remote_code": Alias(None, "accepted: no model code is ever loaded from the model folder"),
     "random_seed": Alias(None, "accepted: answers are greedy (deterministic)", type=int),
     "enable_metrics": Alias(None, "accepted: /metrics is always on"),
@@ -237,7 +245,9 @@ ALIASES: Mapping[str, Alias] = {
     # vLLM engine arguments
     "max_model_len": Alias("max_input_len", "vLLM's name of --max-input-len", type=int),
     "max_num_batched_tokens": Alias("max_batch_tokens", "vLLM's name of --max-batch-tokens", type=int),
-    "gpu_memory_utilization": Alias("mem_fraction_static", "vLLM's name of --mem-fraction-static", type=float),
+    "gpu_memory_utilization": Alias(
+        "mem_fraction_static", "vLLM's name of --mem-fraction-static", type=float
+    ),
     "enable_prefix_caching": Alias("enable_cache", "vLLM's name of --enable-cache"),
     "tensor_parallel_size": Alias(None, "vLLM's --tp-size: 1 only", type=int, fixed=1),
     "data_parallel_size": Alias(None, "vLLM's --dp-size: 1 only", type=int, fixed=1),
@@ -318,7 +328,9 @@ def resolve(model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> 
             raise ValueError(f"{given_as[target]} and {key} both set {target}: give one")
         values[target], given_as[target] = value, key
     tokenizer_path = kwargs.get("tokenizer_path")
-    if tokenizer_path and os.path.realpath(tokenizer_path) != os.path.realpath(str(values.get("model_path", ""))):
+    if tokenizer_path and os.path.realpath(tokenizer_path) != os.path.realpath(
+        str(values.get("model_path", ""))
+    ):
         raise ValueError("tokenizer_path must be the model's own folder: the tokenizer is read from there")
     if "schedule_policy" in values:
         values["schedule_policy"] = _policy(values["schedule_policy"])

@@ -179,7 +179,9 @@ class EngineConfig:
 
     dtype: torch.dtype
     device: torch.device
-    chunk_size: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the token-wise work (hybrid prefilling); 0 = off
+    chunk_size: int = (
+        DEFAULT_CHUNK_SIZE  # tokens per chunk of the token-wise work (hybrid prefilling); 0 = off
+    )
     max_input_len: int = 8192
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
     max_batch_tokens: int = 8192

@@ -14,7 +14,6 @@ t seconds beats every request that arrived more than (jct - jct_min) / lambda se
 from __future__ import annotations
 
 import bisect
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,7 +27,6 @@ from po_backend.core.request import common_prefix
 from po_backend.core.settings import (  # noqa: E402  (re-exported)
     DEFAULT_FAIRNESS_LAMBDA,
     DEFAULT_MIN_SHARED_PREFIX,
-    POLICIES,
     check_scheduler,
 )
 

@@ -30,8 +30,8 @@ Modules, each importing only those above it:
 
 from __future__ import annotations
 
-from po_backend.server.app import create_app
 from po_backend.core.settings import Settings
+from po_backend.server.app import create_app
 from po_backend.server.args import ServerArgs
 from po_backend.server.service import LoopService, ScoringService
 

@@ -7,7 +7,7 @@ settings. Torch-free.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from po_backend.core.settings import Settings, parse_bytes
@@ -97,7 +97,9 @@ class ServerArgs:
         """The settings as one flat JSON object (what /server_info reports, as SGLang's does),
         without the API key."""
         out: dict[str, Any] = self.engine.public()
-        out.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name not in ("engine", "api_key"))
+        out.update(
+            (f.name, getattr(self, f.name)) for f in fields(self) if f.name not in ("engine", "api_key")
+        )
         return out
 
 

@@ -19,6 +19,7 @@ from po_backend.server.translate import biased_top, envelope, json_logprob, pars
 
 router = APIRouter()
 
+
 @dataclass(frozen=True)
 class Completion:
     """One /v1/completions call, parsed: its prompts (ids, and text when sent as text)."""

@@ -17,9 +17,9 @@ from fastapi.responses import StreamingResponse
 from po_backend.core.errors import DrainingError, EmptyPromptError, OverloadedError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.args import ServerArgs
-from po_backend.server.service import ScoringService
 from po_backend.server.errors import ClientGone, HTTPError, bad
 from po_backend.server.metrics import Metrics
+from po_backend.server.service import ScoringService
 from po_backend.server.translate import json_logprob
 
 VERSION = "prefillonly-0.1.0"

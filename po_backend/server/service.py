@@ -67,10 +67,6 @@ class LoopService:
         self.max_input_len = int(max_input_len)
         self.settings = dict(settings or {})
 
-    @classmethod
-    def from_runtime(cls, rt: Any) -> LoopService:
-        """Serve a `serving.runtime.EngineRuntime`; /server_info reports its resolved settings."""
-        return cls(rt.scorer, rt.loop, rt.max_input_len, rt.resolved(), rt.tokenizer)
         # Our engine has its own model config; the transformers baseline has the HF one.
         model_cfg = getattr(scorer, "model_config", None)
         hf_cfg = getattr(getattr(scorer, "model", None), "config", None)
@@ -78,6 +74,11 @@ class LoopService:
             getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
         )
         self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
+
+    @classmethod
+    def from_runtime(cls, rt: Any) -> LoopService:
+        """Serve a `serving.runtime.EngineRuntime`; /server_info reports its resolved settings."""
+        return cls(rt.scorer, rt.loop, rt.max_input_len, rt.resolved(), rt.tokenizer)
 
     def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
         return self.loop.submit_many(reqs)

@@ -10,35 +10,55 @@ Two rules live here, once:
   unless the caller passes `jct=`: fcfs and lpm need none; po and srjf load the profile persisted
   for this engine and machine, or time a few short steps now and refine from real steps.
 - Tokenizer thread-safety: a fast tokenizer is not safe to call from several threads at once
-  (the Rust side raises "Already borrowed"). `EngineRuntime.tokenizer` is a `LockedTokenizer`: every
-  call into it holds one lock per runtime. Callers use `runtime.tokenizer` (or `encode`/`decode`),
-  never the scorer's own tokenizer.
+  (the Rust side raises "Already borrowed"). Every call into a tokenizer goes through a
+  `LockedTokenizer` (`EngineRuntime.tokenizer`, `encode`/`decode`), which holds the one lock of
+  that tokenizer object in this process (`tokenizer_lock`); nobody calls the scorer's own
+  tokenizer directly.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from po_backend.core.errors import InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.core.settings import Settings
+from po_backend.core.settings import Settings, resolve
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel
 from po_backend.serving.loop import EngineLoop
 
+R = TypeVar("R", bound="EngineRuntime")
+
 LOGPROB_FLOOR = -9999.0  # what the server puts in JSON for -inf (as SGLang does)
 
 
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def tokenizer_lock(tokenizer: Any) -> threading.RLock:
+    """The one lock of `tokenizer` in this process: two runtimes (a po.Local and an SGLang Engine
+    wrapping the same engine) serialise on the same lock."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(tokenizer)
+        if lock is None:
+            lock = _LOCKS[tokenizer] = threading.RLock()
+        return lock
+
+
 class LockedTokenizer:
-    """A tokenizer whose every method call holds one lock (see the module docstring); plain
+    """A tokenizer whose every method call holds its one lock (see the module docstring); plain
     attributes (`eos_token_id`, `vocab_size`, `chat_template`) are read through."""
 
     def __init__(self, tokenizer: Any) -> None:
+        if isinstance(tokenizer, LockedTokenizer):
+            tokenizer = tokenizer.unwrapped
         self._tokenizer = tokenizer
-        self._lock = threading.RLock()
+        self._lock = tokenizer_lock(tokenizer)
 
     @property
     def unwrapped(self) -> Any:
@@ -86,7 +106,11 @@ class EngineRuntime:
 
     @property
     def max_input_len(self) -> int:
-        return int(self.scorer.max_input_len) if self.settings.backend == "hf" else int(self.scorer.config.max_input_len)
+        return (
+            int(self.scorer.max_input_len)
+            if self.settings.backend == "hf"
+            else int(self.scorer.config.max_input_len)
+        )
 
     def resolved(self) -> dict[str, Any]:
         """The settings as they run: what was asked for, with "auto" and None replaced by what
@@ -197,7 +221,8 @@ def build_runtime(
     scorer: Any = None,
     jct: JCTModel | CalibratedJCT | None = None,
     start: bool = True,
-) -> EngineRuntime:
+    runtime_class: type[R] | None = None,
+) -> R:
     """The scorer (`scorer`, or loaded from `settings`) and its loop. jct: None follows the
     start-up rule of the module docstring; a model given is used as is."""
     if scorer is None:
@@ -211,4 +236,22 @@ def build_runtime(
         jct=jct,
         start=start,
     )
-    return EngineRuntime(scorer, loop, settings)
+    cls: Any = runtime_class or EngineRuntime
+    return cast(R, cls(scorer, loop, settings))
+
+
+def settings_of(engine: Engine, **kwargs: Any) -> Settings:
+    """The settings of an Engine loaded elsewhere (its config), plus `kwargs` for the loop,
+    through `resolve` like every other entry point's."""
+    cfg = engine.config
+    given = {
+        "max_input_len": cfg.max_input_len,
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "memory_budget": cfg.memory_budget,
+        "chunk_size": cfg.chunk_size,
+        "prefill_mode": cfg.prefill_mode,
+        "enable_cache": cfg.enable_cache,
+        "cache_policy": cfg.cache_policy,
+        "prefix_pool_tokens": cfg.prefix_pool_tokens,
+    }
+    return resolve(str(engine.model_path or "<engine>"), **{**given, **kwargs})
