@@ -16,9 +16,9 @@ import torch
 
 from po_backend import Engine as PoEngine
 from po_backend.compat.runtime import LocalRuntime
-from po_backend.core.settings import resolve
 from po_backend.compat.sglang import Engine
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
+from po_backend.core.settings import resolve
 from po_backend.sched.jct import JCTModel
 from tests.conftest import hf_next_logprobs
 from tests.server_utils import ServerProcess, sglang_frontend

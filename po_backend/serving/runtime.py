@@ -126,6 +126,7 @@ class EngineRuntime:
             )
         else:
             cfg = self.scorer.config
+            cache = getattr(self.scorer, "cache", None)
             out.update(
                 dtype=str(cfg.dtype),
                 device=str(cfg.device),
@@ -136,7 +137,8 @@ class EngineRuntime:
                 prefill_mode=cfg.prefill_mode,
                 enable_cache=cfg.enable_cache,
                 cache_policy=cfg.cache_policy,
-                prefix_pool_tokens=cfg.prefix_pool_tokens,
+                # The pool as sized at load (what the memory budget left), not the cap asked for.
+                prefix_pool_tokens=cache.pool.num_total if cache is not None else cfg.prefix_pool_tokens,
             )
         sched = self.loop.config
         out.update(
