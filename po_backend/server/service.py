@@ -65,7 +65,7 @@ class LoopService:
         self.tokenizer = tokenizer if tokenizer is not None else scorer.tokenizer
         self.vocab_size = int(scorer.vocab_size)
         self.max_input_len = int(max_input_len)
-        self.settings = dict(settings or {})
+        self.settings: Mapping[str, Any] = dict(settings or {})
 
         # Our engine has its own model config; the transformers baseline has the HF one.
         model_cfg = getattr(scorer, "model_config", None)
