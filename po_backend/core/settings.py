@@ -58,7 +58,8 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _arg_bytes(text: str) -> int:
+def arg_bytes(text: str) -> int:
+    """`parse_bytes` as an argparse type."""
     try:
         return parse_bytes(text)
     except ValueError as e:  # argparse reports ArgumentTypeError's text as is
@@ -91,7 +92,7 @@ class Settings:
     )
     memory_budget: int | None = field(
         default=None,
-        metadata=_opt("bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=_arg_bytes),
+        metadata=_opt("bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes),
     )
     mem_fraction_static: float | None = field(
         default=None,
@@ -377,20 +378,6 @@ def settings_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """What `add_arguments`' flags collected: the keyword arguments of `resolve`."""
     names = set(FIELDS) | set(ALIASES)
     return {k: v for k, v in vars(ns).items() if k in names}
-
-
-def to_flags(settings: Settings) -> list[str]:
-    """The command-line flags that give `settings` (a worker's command line)."""
-    out: list[str] = []
-    for f in fields(Settings):
-        value = getattr(settings, f.name)
-        if value is None or value == f.default:
-            continue
-        if isinstance(value, bool):
-            out.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            out += [_flag(f.name), str(value)]
-    return out
 
 
 def check_scheduler(policy: str, fairness_lambda: float, min_shared_prefix: int) -> None:

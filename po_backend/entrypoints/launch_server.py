@@ -30,7 +30,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from po_backend.core.errors import DrainingError
-from po_backend.core.settings import add_arguments, parse_bytes, resolve, settings_kwargs
+from po_backend.core.settings import add_arguments, arg_bytes, parse_bytes, resolve, settings_kwargs
 from po_backend.server import LoopService, ServerArgs, create_app
 from po_backend.server.args import HTTP_HELP
 
@@ -59,18 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name == "log_level":
             kw["choices"] = ("debug", "info", "warning", "error", "critical")
         if kind is parse_bytes:
-            kw["type"] = _arg_bytes
+            kw["type"] = arg_bytes
         elif kind is not str:
             kw["type"] = kind
         ap.add_argument("--" + f.name.replace("_", "-"), **kw)
     return ap
-
-
-def _arg_bytes(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def server_args(a: argparse.Namespace) -> ServerArgs:
