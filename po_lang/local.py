@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from po_backend.sched.scheduler import POLICIES  # torch-free
+from po_backend.core.settings import Settings, resolve  # torch-free
 from po_lang.backends import LabelRequest, ScoreOutcome
 from po_lang.errors import BackendError
 
@@ -21,20 +21,25 @@ if TYPE_CHECKING:  # annotations only: these import torch, which po_lang must no
     from po_backend.engine.engine import Engine
     from po_backend.sched.jct import CalibratedJCT, JCTModel
     from po_backend.serving.loop import EngineLoop
+    from po_backend.serving.runtime import EngineRuntime, LockedTokenizer
 
 
 class Local:
-    """Scores with `po_backend.Engine.from_pretrained(model, **engine_kwargs)` in this process.
+    """Scores in this process with the runtime `po_backend.serving.runtime.build_runtime` builds
+    (the server's factory) from `resolve(model, **options)`: the options are the server's
+    settings under the same names (ours, SGLang's or vLLM's: `max_input_len`, `dtype`,
+    `chunked_prefill_size`, `schedule_policy`, ...), with the same defaults and the same errors,
+    checked when the Local is made.
 
-    Requests go through an in-process `po_backend.serving.loop.EngineLoop`, one worker thread that owns
-    the engine, so a `.map` or `po.rank` batch runs in the order the scheduler picks (`policy`:
-    "po", the prefix-aware SRJF of the design, by default; "fcfs", "srjf" or "lpm"), with requests
-    that share a prefix batched behind the one that caches it, exactly as on the server.
+    Requests go through an in-process `po_backend.serving.loop.EngineLoop`, one worker thread that
+    owns the engine, so a `.map` or `po.rank` batch runs in the order the scheduler picks
+    (`policy`, short for `schedule_policy`: "po", the prefix-aware SRJF of the design, by
+    default; "fcfs", "srjf" or "lpm"), with requests that share a prefix batched behind the one
+    that caches it, exactly as on the server.
 
-    jct: the step-time predictor the scheduler ranks requests by. None: the new-token proxy
-    (`JCTModel.proxy()`, the paper's r=0.987 proxy); a local caller submits its batch at once, so
-    only the relative cost of requests matters, and the server's start-up profile would cost
-    seconds. Pass `po_backend.sched.jct.load_or_profile(engine)` to rank by the measured model.
+    jct: the step-time predictor the scheduler ranks requests by. None: the server's start-up
+    rule (`serving.jct_profile.startup_jct`: the profile persisted for this engine and machine,
+    else a quick estimate refined online). Pass `JCTModel.proxy()` for the new-token proxy.
 
     The worker thread stops on `close()`, on leaving a `with` block, when the Local is garbage
     collected, or at interpreter exit, whichever comes first; a closed Local starts a new loop if
@@ -45,28 +50,32 @@ class Local:
         self,
         model: str | os.PathLike[str] = "embedded",
         *,
-        policy: str = "po",
+        policy: str | None = None,
         jct: JCTModel | CalibratedJCT | None = None,
-        **engine_kwargs: Any,
+        **options: Any,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy is not None:
+            options["schedule_policy"] = policy
+        self.settings: Settings = resolve(model, **options)
         self.model = model
-        self.policy = policy
+        self.policy = self.settings.schedule_policy
         self.jct = jct
-        self.engine_kwargs = engine_kwargs
         self._engine: Engine | None = None
-        self._loop: EngineLoop | None = None
+        self._runtime: EngineRuntime | None = None
+        self._tokenizer: LockedTokenizer | None = None
         self._finalizer: weakref.finalize | None = None
         self._lock = threading.Lock()  # one engine and one loop even if threads race to build them
 
     @classmethod
     def from_engine(
-        cls, engine: Engine, *, policy: str = "po", jct: JCTModel | CalibratedJCT | None = None
+        cls, engine: Engine, *, policy: str | None = None, jct: JCTModel | CalibratedJCT | None = None
     ) -> Local:
         """Wrap an engine that is already loaded (tests, or sharing one engine). The engine is
         not thread-safe: use it directly only while this Local is not scoring."""
+        from po_backend.serving.runtime import settings_of
+
         backend = cls(getattr(engine, "model_path", "") or "<engine>", policy=policy, jct=jct)
+        backend.settings = settings_of(engine, schedule_policy=backend.policy)
         backend._engine = engine
         return backend
 
@@ -77,31 +86,35 @@ class Local:
     def engine(self) -> Engine:
         with self._lock:
             if self._engine is None:
-                from po_backend.engine.engine import Engine  # lazy: torch is imported here, not by po_lang
+                # lazy: torch is imported here, not by po_lang
+                from po_backend.serving.runtime import load_scorer
 
-                self._engine = Engine.from_pretrained(self.model, **self.engine_kwargs)
+                self._engine = load_scorer(self.settings)
             return self._engine
 
     @property
     def loop(self) -> EngineLoop:
         """The running `EngineLoop` (started on first use; its `step_log()` shows the order)."""
+        return self.runtime.loop
+
+    @property
+    def runtime(self) -> EngineRuntime:
+        """The engine and its running loop, built by the server's factory."""
         engine = self.engine
         with self._lock:
-            if self._loop is None:
-                from po_backend.sched.jct import JCTModel
-                from po_backend.serving.loop import EngineLoop
+            if self._runtime is None:
+                from po_backend.serving.runtime import build_runtime
 
-                jct = JCTModel.proxy() if self.jct is None else self.jct
-                self._loop = EngineLoop(engine, policy=self.policy, jct=jct)
+                self._runtime = build_runtime(self.settings, scorer=engine, jct=self.jct)
                 # Bound to the loop, not to self: the finalizer must not keep this Local alive.
-                self._finalizer = weakref.finalize(self, _stop, self._loop)
-            return self._loop
+                self._finalizer = weakref.finalize(self, _stop, self._runtime.loop)
+            return self._runtime
 
     def close(self) -> None:
         """Stop the loop's worker thread (idempotent). Requests still queued by other threads are
         cancelled; the step running now completes."""
         with self._lock:
-            finalizer, self._finalizer, self._loop = self._finalizer, None, None
+            finalizer, self._finalizer, self._runtime = self._finalizer, None, None
         if finalizer is not None:
             finalizer()
 
@@ -113,10 +126,18 @@ class Local:
 
     @property
     def tokenizer(self) -> Any:
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise BackendError(f"the model {str(self.model)!r} has no tokenizer; po_lang needs one for text")
-        return tok
+        """The engine's tokenizer behind its one lock (serving.runtime's rule: `.map` threads and
+        the loop's callers never call it concurrently)."""
+        if self._tokenizer is None:
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise BackendError(
+                    f"the model {str(self.model)!r} has no tokenizer; po_lang needs one for text"
+                )
+            from po_backend.serving.runtime import LockedTokenizer
+
+            self._tokenizer = LockedTokenizer(tok)
+        return self._tokenizer
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

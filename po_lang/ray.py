@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from po_backend.core.settings import resolve
 from po_lang.api import Calibrate, Classifier, classify
 from po_lang.backends import Backend
 from po_lang.compiler import ClassifySpec
@@ -242,6 +243,8 @@ def classify_dataset(
         raise ValueError(
             f"engine options {sorted(engine_options)} go to po.Local; a backend factory takes none"
         )
+    if not callable(model):
+        resolve(model, **engine_options)  # the settings' checks, once, before any actor starts
     columns = match_columns(fn, ds.schema().names)
     recipe = _Recipe.of(fn)
     if group_by_prefix:

@@ -50,7 +50,7 @@ def test_what_a_prefill_only_worker_cannot_do_is_refused() -> None:
         parse("--mem-fraction-static", "0.5", "--memory-budget", "1GiB")
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         parse("--mem-fraction-static", "1.5")
-    assert parse("--mem-fraction-static", "0.25").engine.memory_fraction == 0.25
+    assert parse("--mem-fraction-static", "0.25").engine.mem_fraction_static == 0.25
 
 
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from po_backend import Engine as PoEngine
-from po_backend.compat.runtime import LocalRuntime, parse_server_args
+from po_backend.compat.runtime import LocalRuntime
 from po_backend.compat.sglang import Engine
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
+from po_backend.core.settings import resolve
 from po_backend.sched.jct import JCTModel
 from tests.conftest import hf_next_logprobs
 from tests.server_utils import ServerProcess, sglang_frontend
@@ -131,18 +132,22 @@ def test_score_token_ids_item_first_and_edges(engine: Engine, hf: torch.nn.Modul
 
 
 def test_server_args_mapping() -> None:
-    args = parse_server_args(
+    """SGLang's keywords map through core.settings.resolve, as the server's flags do (the
+    table-driven comparison of every door is tests/test_settings.py)."""
+    s = resolve(
         "embedded", dtype="float32", context_length=512, chunked_prefill_size=-1, log_level="error",
         disable_radix_cache=True, schedule_policy="lpm", max_queued_requests=8, tp_size=1,
     )  # fmt: skip
-    assert args.engine == {"dtype": "float32", "max_input_len": 512, "enable_cache": False}
-    assert args.loop == {"policy": "lpm", "max_queue": 8}
+    assert (s.dtype, s.max_input_len, s.enable_cache) == ("float32", 512, False)
+    assert s.chunk_size == 0  # SGLang's -1: no chunking, which is our chunk size 0
+    assert (s.schedule_policy, s.max_queue) == ("lpm", 8)
     with pytest.raises(TypeError, match="unexpected keyword"):
-        parse_server_args("embedded", no_such_flag=1)
+        resolve("embedded", no_such_flag=1)
     with pytest.raises(ValueError, match="tp_size"):
-        parse_server_args("embedded", tp_size=2)
+        resolve("embedded", tp_size=2)
     with pytest.raises(ValueError, match="schedule_policy"):
-        parse_server_args("embedded", schedule_policy="dfs-weight")
+        resolve("embedded", schedule_policy="random")
+    assert resolve("embedded", schedule_policy="dfs-weight").schedule_policy == "lpm"
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.entrypoints.launch_server import DrainingServer, uvicorn_config
-from po_backend.server import EngineOptions, ServerArgs, create_app
+from po_backend.server import ServerArgs, Settings, create_app
 from tests.conftest import TINY_BASE
 from tests.server_utils import ServerProcess, error_message
 
@@ -191,7 +191,7 @@ class _FailingBackend:
 
 
 def test_500_body_carries_an_id_not_the_exception() -> None:
-    app = create_app(_FailingBackend(), ServerArgs(engine=EngineOptions(model_path="m")))  # type: ignore[arg-type]
+    app = create_app(_FailingBackend(), ServerArgs(engine=Settings(model_path="m")))  # type: ignore[arg-type]
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/generate", json={"input_ids": [1, 2, 3]})
         assert r.status_code == 500
@@ -223,7 +223,7 @@ def test_drain_deadline_answers_what_is_still_queued_503() -> None:
     """The shutdown deadline (what SIGTERM arms) fails every queued request with a 503 that
     carries Retry-After, so clients and the router retry elsewhere; nothing is dropped."""
     backend = _StalledBackend()
-    args = ServerArgs(engine=EngineOptions(model_path="m"))
+    args = ServerArgs(engine=Settings(model_path="m"))
     app = create_app(backend, args)  # type: ignore[arg-type]  # a duck-typed stand-in
     with TestClient(app, raise_server_exceptions=False) as client, ThreadPoolExecutor(2) as pool:
         calls = [pool.submit(client.post, "/generate", json={"input_ids": [1, 2, 3]}) for _ in range(2)]

@@ -15,7 +15,7 @@ import pytest
 from po_backend import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel, JCTSample, features
 from po_backend.serving import jct_profile as jct_mod
-from po_backend.serving.jct_profile import ProfileGrid, load_model, load_or_profile, profile, save_model
+from po_backend.serving.jct_profile import ProfileGrid, load_jct_model, load_or_profile, profile, save_model
 
 TRUE = (0.004, 0.0015, 0.8, 0.05, 0.01)  # seconds per FEATURES unit
 
@@ -74,7 +74,7 @@ def test_persistence_round_trip(tmp_path) -> None:
     model = JCTModel.fit(samples, key={"model_path": "x", "dtype": "torch.float32"})
     path = tmp_path / "jct" / "p.json"
     save_model(model, path, samples)
-    back = load_model(path)
+    back = load_jct_model(path)
     assert back == model
     assert len(json.loads(path.read_text())["samples"]) == 20
 

@@ -355,7 +355,7 @@ def test_fcfs_and_lpm_loops_run_no_profile(eng: Engine, monkeypatch) -> None:
         raise AssertionError("fcfs and lpm need no JCT model: nothing may be profiled")
 
     monkeypatch.setattr(jct_mod, "profile", no_profile)
-    monkeypatch.setattr(jct_mod, "load_model", no_profile)
+    monkeypatch.setattr(jct_mod, "load_jct_model", no_profile)
     reqs = _workload(users=2, items=2)
     for policy in ("fcfs", "lpm"):
         with EngineLoop(eng, policy=policy) as loop:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from po_backend import Engine
-from po_backend.server import EngineOptions, ServerArgs
+from po_backend.server import ServerArgs, Settings
 from tests.server_utils import ServerProcess
 from tests.tiny_tokenizer import tokenized_copy
 
@@ -204,7 +204,7 @@ def test_rerank_bad_input_is_400(url: str, path: str, body: dict[str, Any], mess
 
 
 def test_templates_are_checked_at_launch() -> None:
-    engine_opts = EngineOptions(model_path="m")
+    engine_opts = Settings(model_path="m")
     for bad in ("{doc} {query}", "{query}", "{query} {doc} {doc}"):
         with pytest.raises(ValueError, match="rerank_template"):
             ServerArgs(engine=engine_opts, rerank_template=bad)

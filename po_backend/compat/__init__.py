@@ -1,6 +1,7 @@
 """Drop-in compatibility with SGLang's Python APIs, run on our engine in this process.
 
-- `po_backend.compat.sglang.Engine`: SGLang's offline `sglang.Engine` (`score`, `shutdown`).
+- `po_backend.compat.sglang.Engine`: SGLang's offline `sglang.Engine` (`score`,
+  `get_server_info`, `shutdown`); the class is `SGLangEngine`.
 - `po_backend.compat.sgl_backend.PrefillOnlyBackend`: a frontend backend for `@sgl.function`
   programs (`sgl.set_default_backend(PrefillOnlyBackend("embedded"))`).
 - `po_backend.compat.frontend.import_sglang_frontend`: SGLang's frontend without its server
@@ -16,6 +17,7 @@ from typing import Any
 
 _EXPORTS = {
     "Engine": "po_backend.compat.sglang",
+    "SGLangEngine": "po_backend.compat.sglang",
     "PrefillOnlyBackend": "po_backend.compat.sgl_backend",
     "import_sglang_frontend": "po_backend.compat.frontend",
 }

@@ -31,7 +31,7 @@ from typing import Any
 
 from po_backend.compat.frontend import import_sglang_frontend
 from po_backend.compat.runtime import LocalRuntime
-from po_backend.compat.sglang import Engine
+from po_backend.compat.sglang import SGLangEngine
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 
@@ -42,12 +42,13 @@ class PrefillOnlyBackend(_sgl.BaseBackend):  # type: ignore[misc]
     """`sgl.set_default_backend(PrefillOnlyBackend("embedded"))`.
 
     model: a model path ("embedded", a HF folder, a .gguf; keyword arguments as for
-    `po_backend.compat.sglang.Engine`), or an Engine / LocalRuntime to share (then shutdown()
+    `po_backend.compat.sglang.Engine`, mapped by core.settings.resolve), or an SGLangEngine /
+    LocalRuntime to share (then shutdown()
     leaves it running). chat_template_name: as RuntimeEndpoint's; default by model path.
     """
 
     def __init__(
-        self, model: str | Engine | LocalRuntime = "embedded", *, chat_template_name: str | None = None,
+        self, model: str | SGLangEngine | LocalRuntime = "embedded", *, chat_template_name: str | None = None,
         **server_args: Any,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -57,7 +58,7 @@ class PrefillOnlyBackend(_sgl.BaseBackend):  # type: ignore[misc]
         else:
             if server_args:
                 raise TypeError("server arguments apply only when the backend loads the model itself")
-            self.runtime = model.runtime if isinstance(model, Engine) else model
+            self.runtime = model.runtime if isinstance(model, SGLangEngine) else model
             self._owned = False
         self.chat_template = (
             _sgl.get_chat_template(chat_template_name)
@@ -201,7 +202,7 @@ class PrefillOnlyBackend(_sgl.BaseBackend):  # type: ignore[misc]
         self.runtime.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
-        return {"model_path": self.runtime.model_path, "internal_states": [self.runtime.loop.stats()]}
+        return {**self.runtime.resolved(), "internal_states": [self.runtime.loop.stats()]}
 
     def shutdown(self) -> None:
         if self._owned:

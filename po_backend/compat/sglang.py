@@ -49,21 +49,23 @@ class ScoreOutput(list[list[float]]):
         return list(self)
 
 
-class Engine:
-    """`sglang.Engine` for prefill-only scoring. Keyword arguments are SGLang's ServerArgs names
-    (`model_path`, `dtype`, `context_length`, `chunked_prefill_size`, `max_prefill_tokens`,
-    `disable_radix_cache`, `schedule_policy`, `max_queued_requests`, ...); those that change
-    nothing here (`log_level`, `mem_fraction_static`, ...) are ignored, unknown ones raise
-    TypeError."""
+class SGLangEngine:
+    """`sglang.Engine` for prefill-only scoring (importable as `Engine`, the drop-in name).
+    Keyword arguments are SGLang's ServerArgs names (`model_path`, `dtype`, `context_length`,
+    `chunked_prefill_size`, `max_prefill_tokens`, `disable_radix_cache`, `schedule_policy`,
+    `max_queued_requests`, `mem_fraction_static`, ...) or ours, mapped by
+    `core.settings.resolve` exactly as the server's flags; those that change nothing here
+    (`log_level`, `random_seed`, ...) are ignored, unknown ones raise TypeError."""
 
     def __init__(self, runtime: LocalRuntime | None = None, **kwargs: Any) -> None:
         self.runtime = runtime if runtime is not None else LocalRuntime.launch(**kwargs)
         self.tokenizer = self.runtime.tokenizer
 
     @classmethod
-    def from_engine(cls, engine: Any, **loop_kwargs: Any) -> Engine:
-        """Serve a `po_backend.Engine` already loaded (loop_kwargs: EngineLoop's, e.g. `jct`)."""
-        return cls(LocalRuntime.wrap(engine, **loop_kwargs))
+    def from_engine(cls, engine: Any, **settings: Any) -> SGLangEngine:
+        """Serve a `po_backend.Engine` already loaded (`jct=`, and loop settings such as
+        `schedule_policy`; see LocalRuntime.wrap)."""
+        return cls(LocalRuntime.wrap(engine, **settings))
 
     # ---- scoring ------------------------------------------------------------------------------
 
@@ -186,25 +188,22 @@ class Engine:
         self.runtime.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
-        cfg = self.runtime.engine.config
-        return {
-            "model_path": self.runtime.model_path,
-            "dtype": str(cfg.dtype),
-            "device": str(cfg.device),
-            "max_input_len": cfg.max_input_len,
-            "schedule_policy": self.runtime.loop.config.policy,
-            "radix_cache": cfg.enable_cache,
-        }
+        """The resolved settings (the same keys and values as the server's /server_info for the
+        same arguments) and the loop's counters."""
+        return {**self.runtime.resolved(), "internal_states": [self.runtime.loop.stats()]}
 
     def shutdown(self) -> None:
         """Finish what is queued and stop the engine loop (idempotent)."""
         self.runtime.shutdown()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> SGLangEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+Engine = SGLangEngine  # SGLang's name: `from po_backend.compat.sglang import Engine` is the drop-in
 
 
 def _softmax(xs: Sequence[float], temperature: float) -> list[float]:

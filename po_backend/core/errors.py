@@ -44,6 +44,11 @@ class DrainingError(OverloadedError):
     worker, or this one restarted, can serve the request)."""
 
 
+class LoopClosedError(PrefillOnlyError):
+    """The engine loop is shutting down and accepts no new requests (HTTP 503 with Retry-After).
+    Not an OverloadedError: nothing is full, and waiting on this worker will not help."""
+
+
 class CancelledError(PrefillOnlyError):
     """The request was cancelled before it ran."""
 

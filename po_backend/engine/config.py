@@ -11,6 +11,7 @@ import torch
 
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
+from po_backend.core.settings import DEFAULT_CHUNK_SIZE
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k)
 _FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -178,7 +179,9 @@ class EngineConfig:
 
     dtype: torch.dtype
     device: torch.device
-    chunk_size: int = 512  # tokens per chunk of the token-wise work (hybrid prefilling); 0 = off
+    chunk_size: int = (
+        DEFAULT_CHUNK_SIZE  # tokens per chunk of the token-wise work (hybrid prefilling); 0 = off
+    )
     max_input_len: int = 8192
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
     max_batch_tokens: int = 8192

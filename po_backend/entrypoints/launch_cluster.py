@@ -75,6 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_worker_flags(model_path: str, extra: Sequence[str]) -> None:
+    """Parse the worker flags with the server's own parser and settings (`launch_server`,
+    `core.settings.resolve`) before anything starts: a bad flag fails once, here, with the text
+    a single server gives, instead of once per worker after the spawn."""
+    from po_backend.entrypoints.launch_server import build_parser as server_parser
+    from po_backend.entrypoints.launch_server import server_args
+
+    parser = server_parser()
+    parser.prog = "po-launch-cluster (worker flags)"
+    ns = parser.parse_args(["--model-path", model_path, "--port", "0", *extra])  # exits on a bad flag
+    try:
+        server_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def worker_command(model_path: str, port: int, extra: Sequence[str]) -> list[str]:
     return [
         sys.executable,
@@ -256,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--workers must be >= 1")
     if args.balance_abs_threshold < 0:
         raise SystemExit("--balance-abs-threshold must be >= 0")
+    check_worker_flags(args.model_path, extra)
     gpus = visible_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPUs (round robin)", args.workers, len(gpus))

@@ -14,7 +14,6 @@ t seconds beats every request that arrived more than (jct - jct_min) / lambda se
 from __future__ import annotations
 
 import bisect
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -25,13 +24,12 @@ from typing import Protocol
 
 from po_backend.core.request import sorted_neighbours
 
-POLICIES = ("po", "fcfs", "srjf", "lpm")
-# score = jct seconds - lambda * queueing seconds: lambda = 0.2 lets a request overtake one whose
-# predicted JCT is 1 s shorter after it has waited 5 s longer. Chosen on the simulator
-# (bench_schedule --simulate, two WL1 shapes x two arrival seeds): 0.1-0.2 sustained the most QPS
-# at a P99 bound; 0 starves long prompts (P99 explodes), >= 0.5 gives up cache hits to fairness.
-DEFAULT_FAIRNESS_LAMBDA = 0.2
-DEFAULT_MIN_SHARED_PREFIX = 32
+# The settings' defaults and checks are declared once, with every other setting.
+from po_backend.core.settings import (  # noqa: E402  (re-exported)
+    DEFAULT_FAIRNESS_LAMBDA,
+    DEFAULT_MIN_SHARED_PREFIX,
+    check_scheduler,
+)
 
 
 class Request(Protocol):
@@ -136,18 +134,10 @@ def fit_batch(
 class SchedulerConfig:
     policy: str = "po"
     fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA
-    # Waiting requests join the head's step when they share at least this many leading tokens
-    # with it (declared or not): enough to be a profile or a document, more than a chat
-    # template's few tokens ("User: "), which would pull every user's requests into one step.
-    min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX
+    min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX  # see core.settings
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"schedule policy must be one of {POLICIES}, got {self.policy!r}")
-        if not (self.fairness_lambda >= 0 and math.isfinite(self.fairness_lambda)):
-            raise ValueError(f"fairness_lambda must be a finite number >= 0, got {self.fairness_lambda}")
-        if self.min_shared_prefix < 1:
-            raise ValueError(f"min_shared_prefix must be >= 1, got {self.min_shared_prefix}")
+        check_scheduler(self.policy, self.fairness_lambda, self.min_shared_prefix)
 
     @property
     def needs_jct(self) -> bool:

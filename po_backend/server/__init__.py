@@ -4,7 +4,7 @@ health and Prometheus metrics.
 Every endpoint reads as parse -> run -> format: it turns its body into `ScoreRequest`s, submits
 them to the scheduling loop (which validates them and owns the engine) through `Runtime.run`,
 and formats the results in the shape its clients expect. The event loop never runs model code; a
-client that disconnects cancels its requests. `create_app` takes any `Backend`, so `--backend hf`
+client that disconnects cancels its requests. `create_app` takes any `ScoringService`, so `--backend hf`
 (the transformers baseline) serves the same API.
 
 Shapes follow SGLang 0.5.23 (`/generate` meta_info, `/v1/score`) and OpenAI (`/v1/completions`);
@@ -12,8 +12,8 @@ errors are `{"error": {"message", "type", "param", "code"}}` (what the openai cl
 
 Modules, each importing only those above it:
     protocol       request bodies (pydantic, the edge only)
-    args           `ServerArgs` (engine options, scheduler config, the HTTP edge's own fields)
-    backend        the `Backend` protocol, `LoopBackend`
+    args           `ServerArgs` (the engine's `core.settings.Settings`, the HTTP edge's own fields)
+    service        the `ScoringService` protocol, `LoopService` (a serving runtime behind the app)
     errors         `HTTPError`, error bodies, validation messages, exception handlers
     translate      pure request/result conversions (per-item fields, logit_bias, log-probs)
     metrics        Prometheus metrics
@@ -30,8 +30,9 @@ Modules, each importing only those above it:
 
 from __future__ import annotations
 
+from po_backend.core.settings import Settings
 from po_backend.server.app import create_app
-from po_backend.server.args import EngineOptions, ServerArgs
-from po_backend.server.backend import Backend, LoopBackend
+from po_backend.server.args import ServerArgs
+from po_backend.server.service import LoopService, ScoringService
 
-__all__ = ["Backend", "EngineOptions", "LoopBackend", "ServerArgs", "create_app"]
+__all__ = ["LoopService", "ScoringService", "ServerArgs", "Settings", "create_app"]

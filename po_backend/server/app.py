@@ -11,10 +11,10 @@ from fastapi import FastAPI
 
 from po_backend.server import admin, openai, rerank, scoring, sglang_native, tokenizer
 from po_backend.server.args import ServerArgs
-from po_backend.server.backend import Backend
 from po_backend.server.errors import add_exception_handlers
 from po_backend.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from po_backend.server.runtime import VERSION, Runtime
+from po_backend.server.service import ScoringService
 
 ROUTERS = (
     admin.router,
@@ -26,7 +26,7 @@ ROUTERS = (
 )
 
 
-def create_app(backend: Backend, args: ServerArgs) -> FastAPI:
+def create_app(backend: ScoringService, args: ServerArgs) -> FastAPI:
     """The FastAPI app over `backend`. `backend.shutdown()` runs when the app stops."""
 
     @contextlib.asynccontextmanager

@@ -1,72 +1,24 @@
-"""`ServerArgs`: every setting of one server, nested as in mini-sglang (the engine's options, the
-scheduler's config, then the HTTP edge's own fields). `launch_server.server_args` fills it from the
-command line in one place; /server_info reports it. Torch-free: the engine options stay the
-strings a user typed and become an `EngineConfig` in `Engine.from_pretrained(path, **overrides)`.
+"""`ServerArgs`: every setting of one server: what runs (`core.settings.Settings`, declared once
+for every entry point) and the HTTP edge's own fields, declared here with their defaults and help
+(`HTTP_HELP`; launch_server generates its flags from both). /server_info reports the resolved
+settings. Torch-free.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any
 
+from po_backend.core.settings import Settings, parse_bytes
 from po_backend.sched.scheduler import SchedulerConfig
-
-BACKENDS = ("prefillonly", "hf")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """The engine settings a user chooses; None means the engine's or the model's default."""
-
-    model_path: str
-    backend: str = "prefillonly"  # "prefillonly" (ours) | "hf" (the transformers baseline)
-    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
-    device: str | None = None  # default: cuda when available
-    max_input_len: int | None = None  # default: the model's context
-    max_batch_tokens: int | None = None
-    memory_budget: int | None = None  # bytes beyond the weights
-    memory_fraction: float | None = None  # or this share of the memory available at start
-    chunk_size: int = 512
-    prefill_mode: str = "hybrid"
-    enable_cache: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.model_path:
-            raise ValueError("model_path is required (a HF folder, a .gguf file, or 'embedded')")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("max_input_len", "max_batch_tokens", "memory_budget"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.chunk_size < 0:
-            raise ValueError(f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}")
-
-    def overrides(self) -> dict[str, Any]:
-        """`Engine.from_pretrained` keyword arguments (EngineConfig field names); unset ones are
-        left out so the engine picks its defaults."""
-        out = {
-            "dtype": None if self.dtype == "auto" else self.dtype,
-            "device": self.device,
-            "max_input_len": self.max_input_len,
-            "max_batch_tokens": self.max_batch_tokens,
-            "memory_budget": self.memory_budget,
-            "chunk_size": self.chunk_size,
-            "prefill_mode": self.prefill_mode,
-            "enable_cache": self.enable_cache,
-        }
-        return {k: v for k, v in out.items() if v is not None}
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     """One server: what runs (engine, scheduler) and how it is reached (the HTTP edge)."""
 
-    engine: EngineOptions
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Prompts the loop may hold queued; a call that does not fit gets 503 "overloaded".
-    max_queue: int = 4096
+    engine: Settings
     served_model_name: str = ""
     host: str = "127.0.0.1"
     port: int = 30000
@@ -107,8 +59,6 @@ class ServerArgs:
         for name in ("max_top_logprobs", "max_items_per_request", "max_labels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1:
@@ -121,6 +71,15 @@ class ServerArgs:
             raise ValueError(
                 f"timeout_keep_alive must be a positive number of seconds, got {self.timeout_keep_alive}"
             )
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        e = self.engine
+        return SchedulerConfig(e.schedule_policy, e.fairness_lambda, e.min_shared_prefix)
+
+    @property
+    def max_queue(self) -> int:
+        return self.engine.max_queue
 
     @property
     def model_path(self) -> str:
@@ -137,7 +96,29 @@ class ServerArgs:
     def public(self) -> dict[str, Any]:
         """The settings as one flat JSON object (what /server_info reports, as SGLang's does),
         without the API key."""
-        out: dict[str, Any] = {**asdict(self.engine), **asdict(self.scheduler)}
-        out["schedule_policy"] = out.pop("policy")
-        out.update((k, v) for k, v in asdict(self).items() if k not in ("engine", "scheduler", "api_key"))
+        out: dict[str, Any] = self.engine.public()
+        out.update(
+            (f.name, getattr(self, f.name)) for f in fields(self) if f.name not in ("engine", "api_key")
+        )
         return out
+
+
+# The HTTP edge's flags: help text and command-line type of each ServerArgs field (the defaults
+# are the fields' own). launch_server generates `--name-with-dashes` from these.
+HTTP_HELP: dict[str, tuple[str, Any]] = {
+    "host": ("bind address (default: loopback only)", str),
+    "port": ("TCP port", int),
+    "api_key": ("require 'Authorization: Bearer KEY' (or set $PREFILLONLY_API_KEY, which keeps the key out of `ps`)", str),
+    "served_model_name": ("model name in API responses (default: the model path)", str),
+    "max_body_bytes": ("larger request bodies get 413 (e.g. 64M)", parse_bytes),
+    "timeout_keep_alive": ("seconds an idle keep-alive connection stays open", float),
+    "shutdown_timeout": ("on SIGTERM: seconds to finish queued work; what is still queued then gets 503 + Retry-After", float),
+    "timeout_request_read": ("seconds a client may take to send a request's headers and body before it is cut off", float),
+    "log_level": ("debug | info | warning | error | critical", str),
+    "rerank_template": ("rerank prompt (text or a file) with {query} before {doc}, optional {instruct}; default: Qwen3-Reranker's format in the chat template", str),
+    "max_top_logprobs": ("top log-probs per position, /generate and /v1/completions (like vLLM's max_logprobs)", int),
+    "max_items_per_request": ("prompts or documents in one call", int),
+    "max_labels": ("labels in one classify call", int),
+    "classify_labels": ("labels of SGLang/vLLM-style /v1/classify {model, input}, comma-separated (e.g. yes,no)", str),
+    "classify_template": ("prompt of /v1/classify around {input} (text or a file)", str),
+}  # fmt: skip

@@ -19,7 +19,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from po_backend.core.errors import DrainingError, InvalidRequestError, OverloadedError, PrefillOnlyError
+from po_backend.core.errors import (
+    DrainingError,
+    InvalidRequestError,
+    LoopClosedError,
+    OverloadedError,
+    PrefillOnlyError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +106,11 @@ def add_exception_handlers(app: FastAPI) -> None:
         return error_response(400, f"{type(exc).__name__}: {exc}", "BadRequestError", request.url.path)
 
     @app.exception_handler(OverloadedError)
-    async def _overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+    @app.exception_handler(LoopClosedError)
+    async def _overloaded(request: Request, exc: PrefillOnlyError) -> JSONResponse:
         # Retry-After: a full queue or a draining server is temporary; clients and the router
         # back off and retry (elsewhere) instead of failing the request.
-        draining = isinstance(exc, DrainingError)
+        draining = isinstance(exc, DrainingError | LoopClosedError)
         resp = error_response(
             503,
             f"{'unavailable' if draining else 'overloaded'}: {exc}",

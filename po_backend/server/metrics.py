@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from po_backend.core.request import ScoreResult
-from po_backend.server.backend import Backend
+from po_backend.server.service import ScoringService
 
 
 class Metrics:
@@ -51,7 +51,7 @@ class Metrics:
         2400,
     )
 
-    def __init__(self, backend: Backend, model_name: str = "") -> None:
+    def __init__(self, backend: ScoringService, model_name: str = "") -> None:
         self.backend = backend
         r = self.registry = CollectorRegistry()
         self._sglang_series(r, model_name)

@@ -19,8 +19,6 @@ from po_backend.server.translate import biased_top, envelope, json_logprob, pars
 
 router = APIRouter()
 
-MAX_OPENAI_LOGPROBS = 20
-
 
 @dataclass(frozen=True)
 class Completion:
@@ -89,8 +87,9 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
         raise bad("suffix is not supported")
     if body.return_hidden_states:
         raise bad("return_hidden_states is not supported by the prefill-only server")
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_OPENAI_LOGPROBS:
-        raise bad(f"logprobs must be in [0, {MAX_OPENAI_LOGPROBS}], got {body.logprobs}")
+    cap = rt.args.max_top_logprobs
+    if body.logprobs is not None and not 0 <= body.logprobs <= cap:
+        raise bad(f"logprobs must be in [0, {cap}] (--max-top-logprobs), got {body.logprobs}")
     bias = parse_bias(body.logit_bias, rt.backend.vocab_size, "logit_bias")
     p = body.prompt
     if not isinstance(p, str) and p and not isinstance(p[0], int):

@@ -17,9 +17,9 @@ from fastapi.responses import StreamingResponse
 from po_backend.core.errors import DrainingError, EmptyPromptError, OverloadedError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.args import ServerArgs
-from po_backend.server.backend import Backend
 from po_backend.server.errors import ClientGone, HTTPError, bad
 from po_backend.server.metrics import Metrics
+from po_backend.server.service import ScoringService
 from po_backend.server.translate import json_logprob
 
 VERSION = "prefillonly-0.1.0"
@@ -35,7 +35,7 @@ T = TypeVar("T")
 class Runtime:
     """One app's backend, settings and metrics, and the steps its handlers share."""
 
-    def __init__(self, backend: Backend, args: ServerArgs) -> None:
+    def __init__(self, backend: ScoringService, args: ServerArgs) -> None:
         self.backend = backend
         self.args = args
         self.metrics = Metrics(backend, args.model_name)

@@ -251,7 +251,7 @@ def save_model(model: JCTModel, path: Path, samples: Sequence[JCTSample] = ()) -
         raise
 
 
-def load_model(path: Path) -> JCTModel:
+def load_jct_model(path: Path) -> JCTModel:
     return JCTModel.from_json(json.loads(path.read_text()))
 
 
@@ -270,7 +270,7 @@ def _try_load(path: Path, key: dict[str, Any]) -> JCTModel | None:
     if not path.is_file():
         return None
     try:
-        model = load_model(path)
+        model = load_jct_model(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("ignoring unreadable JCT profile %s: %s", path, e)
         return None

@@ -31,8 +31,9 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from po_backend.core.errors import CancelledError, OverloadedError, PrefillOnlyError
+from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError, PrefillOnlyError
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.settings import DEFAULT_MAX_QUEUE
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
 from po_backend.sched.scheduler import (
@@ -74,10 +75,6 @@ class Scorer(Protocol):
     def stats(self) -> ScorerStats: ...
 
     def flush_cache(self) -> None: ...
-
-
-class LoopClosedError(OverloadedError):
-    """The loop is shutting down and accepts no new requests (HTTP 503, like a full queue)."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +133,7 @@ class EngineLoop:
         policy: str = "po",
         fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA,
         min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX,
-        max_queue: int = 4096,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         jct: JCTModel | CalibratedJCT | None = None,
         calibrate: bool = True,
         clock: Callable[[], float] = time.monotonic,

@@ -1,5 +1,5 @@
-"""What the server needs from a model: the `Backend` protocol and `LoopBackend` (a scorer plus the
-scheduling loop that owns it)."""
+"""What the server needs from a model: the `ScoringService` protocol and `LoopService` (a
+`serving.runtime.EngineRuntime`: a scorer, the scheduling loop that owns it, its locked tokenizer)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from po_backend.core.request import ScoreRequest, ScoreResult
 
 
-class Backend(Protocol):
+class ScoringService(Protocol):
     """A tokenizer plus a scheduling loop that scores `ScoreRequest`s off the event loop."""
 
     tokenizer: Any
@@ -47,19 +47,26 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
-class LoopBackend:
-    """A `Backend` from a scorer (the Engine or the transformers baseline: tokenizer, vocabulary)
-    and the scheduling loop that owns it (queue, futures, cancellation, stats)."""
+class LoopService:
+    """A `ScoringService` from a scorer (the Engine or the transformers baseline: tokenizer,
+    vocabulary) and the scheduling loop that owns it (queue, futures, cancellation, stats)."""
 
     def __init__(
-        self, scorer: Any, loop: Any, max_input_len: int, settings: Mapping[str, Any] | None = None
+        self,
+        scorer: Any,
+        loop: Any,
+        max_input_len: int,
+        settings: Mapping[str, Any] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.scorer = scorer
         self.loop = loop
-        self.tokenizer = scorer.tokenizer
+        # The runtime's locked tokenizer when there is one (serving.runtime: every call holds its lock).
+        self.tokenizer = tokenizer if tokenizer is not None else scorer.tokenizer
         self.vocab_size = int(scorer.vocab_size)
         self.max_input_len = int(max_input_len)
-        self.settings = dict(settings or {})
+        self.settings: Mapping[str, Any] = dict(settings or {})
+
         # Our engine has its own model config; the transformers baseline has the HF one.
         model_cfg = getattr(scorer, "model_config", None)
         hf_cfg = getattr(getattr(scorer, "model", None), "config", None)
@@ -67,6 +74,11 @@ class LoopBackend:
             getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
         )
         self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
+
+    @classmethod
+    def from_runtime(cls, rt: Any) -> LoopService:
+        """Serve a `serving.runtime.EngineRuntime`; /server_info reports its resolved settings."""
+        return cls(rt.scorer, rt.loop, rt.max_input_len, rt.resolved(), rt.tokenizer)
 
     def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
         return self.loop.submit_many(reqs)
@@ -94,7 +106,7 @@ class LoopBackend:
 
 
 def _jsonable(stats: Any) -> Any:
-    """Backend stats (dicts, dataclasses) as plain JSON values."""
+    """Scorer and loop stats (dicts, dataclasses) as plain JSON values."""
     if hasattr(stats, "__dataclass_fields__"):
         stats = asdict(stats)
     if isinstance(stats, dict):

@@ -1,0 +1,390 @@
+"""The one source of an engine's settings: every entry point (the server's command line,
+`compat.sglang.Engine(**kwargs)`, the SGLang frontend backend, `po.Local(**options)`, the Ray
+actors, `launch_cluster`'s worker flags) turns what the user gave into a `Settings` through
+`resolve`, so the same arguments give the same settings, the same defaults and the same error
+text whichever door they came in by.
+
+Each field of `Settings` is declared once, with its default, its help text and its check; the
+command-line flags are generated from the fields (`add_arguments`). `ALIASES` maps SGLang's (and
+vLLM's) argument names onto the fields, with the value mapping each one needs; names that change
+nothing on a one-device prefill-only engine are accepted and ignored, and what it cannot do
+(`tp_size=2`, `schedule_policy="random"`) is a ValueError. An unknown name is a TypeError, as
+SGLang's `ServerArgs(**kwargs)` raises.
+
+Torch-free: the settings stay the strings and numbers a user typed; the engine resolves "auto"
+and None against the model and the machine (`serving.runtime.EngineRuntime.resolved` reports those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("po", "fcfs", "srjf", "lpm")
+# score = jct seconds - lambda * queueing seconds: lambda = 0.2 lets a request overtake one whose
+# predicted JCT is 1 s shorter after it has waited 5 s longer. Chosen on the simulator
+# (bench_schedule --simulate, two WL1 shapes x two arrival seeds): 0.1-0.2 sustained the most QPS
+# at a P99 bound; 0 starves long prompts (P99 explodes), >= 0.5 gives up cache hits to fairness.
+DEFAULT_FAIRNESS_LAMBDA = 0.2
+# Waiting requests join the head's step when they share at least this many leading tokens with
+# it (declared or not): enough to be a profile or a document, more than a chat template's few
+# tokens ("User: "), which would pull every user's requests into one step.
+DEFAULT_MIN_SHARED_PREFIX = 32
+
+BACKENDS = ("prefillonly", "hf")
+PREFILL_MODES = ("hybrid", "chunked")
+CACHE_POLICIES = ("all-but-last-k", "declared", "none")
+DEFAULT_CHUNK_SIZE = 512
+DEFAULT_MAX_QUEUE = 4096
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'1073741824', '1GiB', '512M', '1.5g' -> bytes (binary units: a memory budget, not disk)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 2147483648, 2GiB, 512M)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def arg_bytes(text: str) -> int:
+    """`parse_bytes` as an argparse type."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:  # argparse reports ArgumentTypeError's text as is
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _opt(help: str, *, type: Callable[[str], Any] | None = None, choices: tuple[str, ...] = ()) -> Any:
+    return {"help": help, "type": type, "choices": choices}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What runs: the engine (or the transformers baseline) and the scheduling loop in front of
+    it. None means the engine's or the model's default, resolved when the engine loads."""
+
+    model_path: str = field(metadata=_opt("HF folder, .gguf file, or 'embedded' (SmolLM2-135M)"))
+    backend: str = field(
+        default="prefillonly",
+        metadata=_opt(
+            "prefillonly (ours) | hf (the transformers baseline: FCFS, no prefix cache)", choices=BACKENDS
+        ),
+    )
+    dtype: str = field(default="auto", metadata=_opt("auto | bf16 | fp16 | fp32"))
+    device: str | None = field(default=None, metadata=_opt("cpu | cuda (default: cuda when available)"))
+    max_input_len: int | None = field(
+        default=None, metadata=_opt("longest prompt in tokens (default: the model's context)", type=int)
+    )
+    max_batch_tokens: int | None = field(
+        default=None, metadata=_opt("new tokens per forward (default: max(max-input-len, 2048))", type=int)
+    )
+    memory_budget: int | None = field(
+        default=None,
+        metadata=_opt("bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes),
+    )
+    mem_fraction_static: float | None = field(
+        default=None,
+        metadata=_opt(
+            "share of the memory available at start for activations + prefix cache (instead of --memory-budget)",
+            type=float,
+        ),
+    )
+    chunk_size: int = field(
+        default=DEFAULT_CHUNK_SIZE,
+        metadata=_opt(
+            "tokens per chunk of the non-attention work (hybrid prefilling); 0 = no chunking", type=int
+        ),
+    )
+    prefill_mode: str = field(
+        default="hybrid",
+        metadata=_opt(
+            "hybrid: the paper's hybrid prefilling; chunked: Sarathi-style chunked prefill (baseline)",
+            choices=PREFILL_MODES,
+        ),
+    )
+    enable_cache: bool = field(default=True, metadata=_opt("the prefix (radix) cache"))
+    cache_policy: str | None = field(
+        default=None,
+        metadata=_opt(
+            "which leading tokens of a request that declares none are cached (default: all-but-last-k)",
+            choices=CACHE_POLICIES,
+        ),
+    )
+    prefix_pool_tokens: int | None = field(
+        default=None,
+        metadata=_opt(
+            "tokens the prefix-KV pool holds at most (default: what the memory budget leaves)", type=int
+        ),
+    )
+    schedule_policy: str = field(
+        default="po",
+        metadata=_opt(
+            "po: prefix-aware SRJF with JCT calibration (the paper's); fcfs: arrival order (the only "
+            "one of --backend hf); srjf: JCT at arrival; lpm: longest cached prefix first. SGLang's "
+            "lof maps to fcfs and dfs-weight to lpm, with a warning; random is refused",
+            choices=(*POLICIES, "lof", "dfs-weight", "random"),
+        ),
+    )
+    fairness_lambda: float = field(
+        default=DEFAULT_FAIRNESS_LAMBDA,
+        metadata=_opt("po's starvation bound: score = jct - lambda * t_queue (seconds)", type=float),
+    )
+    min_shared_prefix: int = field(
+        default=DEFAULT_MIN_SHARED_PREFIX,
+        metadata=_opt(
+            "waiting requests sharing at least this many leading tokens run in one step, the shared part computed once",
+            type=int,
+        ),
+    )
+    max_queue: int = field(
+        default=DEFAULT_MAX_QUEUE,
+        metadata=_opt("queued prompts before requests get 503 'overloaded'", type=int),
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is required (a HF folder, a .gguf file, or 'embedded')")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("max_input_len", "max_batch_tokens", "memory_budget", "prefix_pool_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
+        if self.cache_policy is not None and self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        if self.mem_fraction_static is not None:
+            if self.memory_budget is not None:
+                raise ValueError("give memory_budget or mem_fraction_static, not both")
+            if not 0 < self.mem_fraction_static <= 1:
+                raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        check_scheduler(self.schedule_policy, self.fairness_lambda, self.min_shared_prefix)
+        if self.backend == "hf" and self.schedule_policy != "fcfs":
+            raise ValueError(f"backend hf runs FCFS only, got schedule_policy {self.schedule_policy!r}")
+
+    def overrides(self) -> dict[str, Any]:
+        """`Engine.from_pretrained` keyword arguments (EngineConfig field names); unset ones are
+        left out so the engine picks its defaults. mem_fraction_static becomes a memory budget
+        when the engine loads (it needs the device)."""
+        out = {
+            "dtype": None if self.dtype == "auto" else self.dtype,
+            "device": self.device,
+            "max_input_len": self.max_input_len,
+            "max_batch_tokens": self.max_batch_tokens,
+            "memory_budget": self.memory_budget,
+            "chunk_size": self.chunk_size,
+            "prefill_mode": self.prefill_mode,
+            "enable_cache": self.enable_cache,
+            "cache_policy": self.cache_policy,
+            "prefix_pool_tokens": self.prefix_pool_tokens,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+    def public(self) -> dict[str, Any]:
+        """The settings as asked for, as one flat JSON object."""
+        return asdict(self)
+
+
+FIELDS: Mapping[str, Any] = {f.name: f for f in fields(Settings)}
+
+
+@dataclass(frozen=True)
+class Alias:
+    """An argument name from SGLang or vLLM: the field it sets (None: accepted, changes nothing
+    here), how its value maps onto ours, or the one value we can honour."""
+
+    field: str | None
+    help: str
+    convert: Callable[[Any], Any] | None = None
+    type: Callable[[str], Any] | None = None  # command-line type; None and no fixed value: a switch
+    fixed: Any = None  # the one value accepted (see FIXED)
+
+
+def _no_chunking(value: int) -> int:
+    # SGLang's -1 (and 0) mean "do not chunk prefills"; our chunk_size 0 means the same.
+    return 0 if value is not None and value <= 0 else value
+
+
+_IGNORED = "accepted; changes nothing on a one-device prefill-only engine"
+ALIASES: Mapping[str, Alias] = {
+    # SGLang ServerArgs
+    "context_length": Alias("max_input_len", "SGLang's name of --max-input-len", type=int),
+    "chunked_prefill_size": Alias(
+        "chunk_size", "SGLang's name of --chunk-size; -1 (no chunking) is chunk size 0", _no_chunking, int
+    ),
+    "max_prefill_tokens": Alias("max_batch_tokens", "SGLang's name of --max-batch-tokens", type=int),
+    "max_queued_requests": Alias("max_queue", "SGLang's name of --max-queue", type=int),
+    "disable_radix_cache": Alias("enable_cache", "no prefix cache", lambda v: not v),
+    "tp_size": Alias(None, "1 only (one device per worker)", type=int, fixed=1),
+    "dp_size": Alias(None, "1 only: run N workers behind the SGLang router instead", type=int, fixed=1),
+    "pp_size": Alias(None, "1 only", type=int, fixed=1),
+    "tokenizer_path": Alias(
+        None, "must be the model's own folder (the tokenizer is read from there)", type=str
+    ),
+    "trust_remote_code": Alias(None, "accepted: no model code is ever loaded from the model folder"),
+    "random_seed": Alias(None, "accepted: answers are greedy (deterministic)", type=int),
+    "enable_metrics": Alias(None, "accepted: /metrics is always on"),
+    "skip_tokenizer_init": Alias(None, "False only: text in, text out needs the tokenizer", fixed=False),
+    "is_embedding": Alias(None, "False only", fixed=False),
+    # vLLM engine arguments
+    "max_model_len": Alias("max_input_len", "vLLM's name of --max-input-len", type=int),
+    "max_num_batched_tokens": Alias("max_batch_tokens", "vLLM's name of --max-batch-tokens", type=int),
+    "gpu_memory_utilization": Alias(
+        "mem_fraction_static", "vLLM's name of --mem-fraction-static", type=float
+    ),
+    "enable_prefix_caching": Alias("enable_cache", "vLLM's name of --enable-cache"),
+    "tensor_parallel_size": Alias(None, "vLLM's --tp-size: 1 only", type=int, fixed=1),
+    "data_parallel_size": Alias(None, "vLLM's --dp-size: 1 only", type=int, fixed=1),
+    "pipeline_parallel_size": Alias(None, "vLLM's --pp-size: 1 only", type=int, fixed=1),
+}
+# SGLang ServerArgs that change nothing about the answers of a one-device, prefill-only engine
+# (logging, GPU memory and kernel knobs), accepted in process so SGLang code runs. On the command
+# line log_level and served_model_name are the HTTP server's own flags.
+IGNORED: frozenset[str] = frozenset(
+    {
+        "log_level", "log_level_http", "served_model_name", "disable_cuda_graph", "cuda_graph_max_bs",
+        "attention_backend", "sampling_backend", "grammar_backend", "skip_server_warmup",
+        "show_time_cost", "watchdog_timeout", "max_running_requests", "stream_output",
+        "enable_cache_report", "kv_cache_dtype", "revision", "download_dir", "load_format",
+        "enable_mixed_chunk", "disable_overlap_schedule", "enable_torch_compile",
+    }
+)  # fmt: skip
+# Aliases whose one accepted value is `Alias.fixed` (None is that value too).
+FIXED = frozenset(
+    {"tp_size", "dp_size", "pp_size", "skip_tokenizer_init", "is_embedding", "tensor_parallel_size",
+     "data_parallel_size", "pipeline_parallel_size"}
+)  # fmt: skip
+_FIXED_TEXT = {
+    "tp_size": "tensor parallelism is not supported (one device per worker)",
+    "tensor_parallel_size": "tensor parallelism is not supported (one device per worker)",
+    "dp_size": "run N workers behind the SGLang router instead (see README, Scaling out)",
+    "data_parallel_size": "run N workers behind the SGLang router instead (see README, Scaling out)",
+}
+_POLICY_MAP = {"lof": "fcfs", "dfs-weight": "lpm"}
+
+
+def _policy(value: str) -> str:
+    """SGLang's scheduling policy names onto ours: every answer is one token, so lof (longest
+    output first) is arrival order, and dfs-weight (prefix-tree order) is longest prefix first."""
+    if value == "random":
+        raise ValueError("schedule_policy 'random' is not supported (use po, fcfs, srjf or lpm)")
+    if value in _POLICY_MAP:
+        log.warning("schedule_policy %s: runs as %s on a prefill-only engine", value, _POLICY_MAP[value])
+        return _POLICY_MAP[value]
+    return value
+
+
+def resolve(model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> Settings:
+    """Our field names, SGLang's and vLLM's names (`ALIASES`, `IGNORED`) -> `Settings`. None
+    means "the default". Raises TypeError for an unknown name, ValueError for a value or a
+    combination that cannot run (the same text at every entry point)."""
+    if model_path is not None:
+        if kwargs.get("model_path") not in (None, model_path):
+            raise ValueError("model_path given twice with different values")
+        kwargs["model_path"] = os.fspath(model_path)
+    values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in kwargs.items():
+        if key in FIELDS:
+            target = key
+        elif key in ALIASES:
+            alias = ALIASES[key]
+            if key in FIXED:
+                if value not in (None, alias.fixed):
+                    why = _FIXED_TEXT.get(key, f"only {alias.fixed!r} is supported")
+                    raise ValueError(f"{key}={value!r}: {why}")
+                continue
+            if alias.field is None:
+                if key == "trust_remote_code" and value:
+                    log.warning("trust_remote_code: ignored, our model code is our own (Llama, Qwen2, Qwen3)")
+                continue
+            target = alias.field
+            if value is not None and alias.convert is not None:
+                value = alias.convert(value)
+        elif key in IGNORED:
+            log.debug("ignoring %s=%r (no effect on a prefill-only engine)", key, value)
+            continue
+        else:
+            raise TypeError(f"got an unexpected keyword argument {key!r}")
+        if value is None:
+            continue
+        if target in values and values[target] != value:
+            raise ValueError(f"{given_as[target]} and {key} both set {target}: give one")
+        values[target], given_as[target] = value, key
+    tokenizer_path = kwargs.get("tokenizer_path")
+    if tokenizer_path and os.path.realpath(tokenizer_path) != os.path.realpath(
+        str(values.get("model_path", ""))
+    ):
+        raise ValueError("tokenizer_path must be the model's own folder: the tokenizer is read from there")
+    if "schedule_policy" in values:
+        values["schedule_policy"] = _policy(values["schedule_policy"])
+    elif values.get("backend") == "hf":
+        values["schedule_policy"] = "fcfs"  # the transformers baseline runs FCFS only
+    if "model_path" not in values:
+        raise ValueError("model_path is required (a HF folder, a .gguf file, or 'embedded')")
+    return Settings(**values)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One command-line flag per `Settings` field and per alias, generated from the declarations.
+    Every flag defaults to "not given" (argparse.SUPPRESS), so `settings_kwargs` hands `resolve`
+    only what the user typed and the defaults stay those of `Settings`."""
+    for f in fields(Settings):
+        meta = f.metadata
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
+        if f.default is not MISSING and f.default is not None:
+            kw["help"] += f" (default: {f.default})"
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            if meta["type"] is not None:
+                kw["type"] = meta["type"]
+            if meta["choices"]:
+                kw["choices"] = meta["choices"]
+        if f.name == "model_path":
+            kw["required"] = True
+        parser.add_argument(_flag(f.name), **kw)
+    for name, alias in ALIASES.items():
+        kw = {"dest": name, "default": argparse.SUPPRESS, "help": alias.help}
+        if alias.type is None:
+            kw["action"] = "store_true"
+        else:
+            kw["type"] = alias.type
+        parser.add_argument(_flag(name), **kw)
+
+
+def settings_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """What `add_arguments`' flags collected: the keyword arguments of `resolve`."""
+    names = set(FIELDS) | set(ALIASES)
+    return {k: v for k, v in vars(ns).items() if k in names}
+
+
+def check_scheduler(policy: str, fairness_lambda: float, min_shared_prefix: int) -> None:
+    """The scheduler settings' checks (SchedulerConfig runs them too: one text everywhere)."""
+    if policy not in POLICIES:
+        raise ValueError(f"schedule policy must be one of {POLICIES}, got {policy!r}")
+    if not (fairness_lambda >= 0 and math.isfinite(fairness_lambda)):
+        raise ValueError(f"fairness_lambda must be a finite number >= 0, got {fairness_lambda}")
+    if min_shared_prefix < 1:
+        raise ValueError(f"min_shared_prefix must be >= 1, got {min_shared_prefix}")

@@ -1,0 +1,259 @@
+"""The one factory of a running engine: `build_runtime(settings)` loads the scorer `settings`
+names (our Engine, or the transformers baseline), puts the scheduling loop in front of it, and
+wraps its tokenizer. The HTTP server, the SGLang compat layer (`sglang.Engine`, the frontend
+backend), `po.Local`, the Ray actors and the labeling tool all build through it, so one set of
+`Settings` runs the same way whichever entry point it came in by.
+
+Two rules live here, once:
+
+- JCT model: the loop's scheduler ranks by `serving.jct_profile.startup_jct(engine, policy)`
+  unless the caller passes `jct=`: fcfs and lpm need none; po and srjf load the profile persisted
+  for this engine and machine, or time a few short steps now and refine from real steps.
+- Tokenizer thread-safety: a fast tokenizer is not safe to call from several threads at once
+  (the Rust side raises "Already borrowed"). Every call into a tokenizer goes through a
+  `LockedTokenizer` (`EngineRuntime.tokenizer`, `encode`/`decode`), which holds the one lock of
+  that tokenizer object in this process (`tokenizer_lock`); nobody calls the scorer's own
+  tokenizer directly.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
+
+from po_backend.core.errors import InvalidRequestError
+from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.settings import Settings, resolve
+from po_backend.engine.engine import Engine
+from po_backend.sched.jct import CalibratedJCT, JCTModel
+from po_backend.serving.loop import EngineLoop
+
+R = TypeVar("R", bound="EngineRuntime")
+
+LOGPROB_FLOOR = -9999.0  # what the server puts in JSON for -inf (as SGLang does)
+
+
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def tokenizer_lock(tokenizer: Any) -> threading.RLock:
+    """The one lock of `tokenizer` in this process: two runtimes (a po.Local and an SGLang Engine
+    wrapping the same engine) serialise on the same lock."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(tokenizer)
+        if lock is None:
+            lock = _LOCKS[tokenizer] = threading.RLock()
+        return lock
+
+
+class LockedTokenizer:
+    """A tokenizer whose every method call holds its one lock (see the module docstring); plain
+    attributes (`eos_token_id`, `vocab_size`, `chat_template`) are read through."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if isinstance(tokenizer, LockedTokenizer):
+            tokenizer = tokenizer.unwrapped
+        self._tokenizer = tokenizer
+        self._lock = tokenizer_lock(tokenizer)
+
+    @property
+    def unwrapped(self) -> Any:
+        return self._tokenizer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._tokenizer, name)
+        if not callable(value):
+            return value
+        lock = self._lock
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return value(*args, **kwargs)
+
+        return locked
+
+
+class EngineRuntime:
+    """A scorer, the `EngineLoop` that owns it, and its locked tokenizer."""
+
+    def __init__(self, scorer: Any, loop: EngineLoop, settings: Settings) -> None:
+        self.scorer = scorer
+        self.loop = loop
+        self.settings = settings
+        self.model_path = settings.model_path
+        raw = getattr(scorer, "tokenizer", None)
+        self.tokenizer: LockedTokenizer | None = None if raw is None else LockedTokenizer(raw)
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def engine(self) -> Any:
+        return self.scorer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.scorer.vocab_size)
+
+    @property
+    def max_input_len(self) -> int:
+        return (
+            int(self.scorer.max_input_len)
+            if self.settings.backend == "hf"
+            else int(self.scorer.config.max_input_len)
+        )
+
+    def resolved(self) -> dict[str, Any]:
+        """The settings as they run: what was asked for, with "auto" and None replaced by what
+        the engine chose (dtype, device, lengths, memory). /server_info and
+        `sglang.Engine.get_server_info()` report this."""
+        out = self.settings.public()
+        if self.settings.backend == "hf":
+            out.update(
+                dtype=str(next(self.scorer.model.parameters()).dtype),
+                device=str(next(self.scorer.model.parameters()).device),
+                max_input_len=int(self.scorer.max_input_len),
+                enable_cache=False,
+            )
+        else:
+            cfg = self.scorer.config
+            cache = getattr(self.scorer, "cache", None)
+            out.update(
+                dtype=str(cfg.dtype),
+                device=str(cfg.device),
+                max_input_len=cfg.max_input_len,
+                max_batch_tokens=cfg.max_batch_tokens,
+                memory_budget=cfg.memory_budget,
+                chunk_size=cfg.chunk_size,
+                prefill_mode=cfg.prefill_mode,
+                enable_cache=cfg.enable_cache,
+                cache_policy=cfg.cache_policy,
+                # The pool as sized at load (what the memory budget left), not the cap asked for.
+                prefix_pool_tokens=cache.pool.num_total if cache is not None else cfg.prefix_pool_tokens,
+            )
+        sched = self.loop.config
+        out.update(
+            schedule_policy=sched.policy,
+            fairness_lambda=sched.fairness_lambda,
+            min_shared_prefix=sched.min_shared_prefix,
+            max_queue=self.loop.max_queue,
+        )
+        return out
+
+    # ---- tokens -------------------------------------------------------------------------------
+
+    def _tok(self) -> LockedTokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{self.model_path}: the model folder has no tokenizer")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        return tuple(self._tok().encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tok().decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (SGLang's `return_text_in_logprobs`), memoised."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.decode([token_id])
+        return text
+
+    def entry(self, logprob: float | None, token_id: int) -> list[Any]:
+        """SGLang's (logprob, token id, text) triple, as the server's /generate writes it."""
+        if logprob is not None and not math.isnan(logprob):
+            logprob = max(float(logprob), LOGPROB_FLOOR)
+        else:
+            logprob = None
+        return [logprob, token_id, self.token_text(token_id)]
+
+    # ---- running ------------------------------------------------------------------------------
+
+    def run(self, reqs: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """Submit together (the scheduler sees them as one burst, so items sharing a cached
+        prefix run as one multi-item forward) and wait for all."""
+        if not reqs:
+            return []
+        return [f.result() for f in self.loop.submit_many(reqs)]
+
+    def flush_cache(self) -> None:
+        self.loop.flush_cache()
+
+    def shutdown(self) -> None:
+        if not self.loop.closed:
+            self.loop.shutdown(drain=True)
+
+
+def load_scorer(settings: Settings) -> Any:
+    """The scorer `settings.backend` names, loaded with `settings`."""
+    if settings.backend == "hf":
+        from po_backend.engine.hf_scorer import HFScorer
+
+        return HFScorer.from_pretrained(
+            settings.model_path,
+            dtype=settings.overrides().get("dtype"),
+            device=settings.device,
+            max_input_len=settings.max_input_len,
+        )
+    overrides = settings.overrides()
+    if settings.mem_fraction_static is not None:  # a share of what is available now
+        import torch
+
+        from po_backend.engine.config import default_device
+        from po_backend.engine.memory import available_bytes
+
+        device = torch.device(settings.device) if settings.device else default_device()
+        overrides["memory_budget"] = int(settings.mem_fraction_static * available_bytes(device))
+    return Engine.from_pretrained(settings.model_path, **overrides)
+
+
+def build_runtime(
+    settings: Settings,
+    *,
+    scorer: Any = None,
+    jct: JCTModel | CalibratedJCT | None = None,
+    start: bool = True,
+    runtime_class: type[R] | None = None,
+) -> R:
+    """The scorer (`scorer`, or loaded from `settings`) and its loop. jct: None follows the
+    start-up rule of the module docstring; a model given is used as is."""
+    if scorer is None:
+        scorer = load_scorer(settings)
+    loop = EngineLoop(
+        scorer,
+        policy=settings.schedule_policy,
+        fairness_lambda=settings.fairness_lambda,
+        min_shared_prefix=settings.min_shared_prefix,
+        max_queue=settings.max_queue,
+        jct=jct,
+        start=start,
+    )
+    cls: Any = runtime_class or EngineRuntime
+    return cast(R, cls(scorer, loop, settings))
+
+
+def settings_of(engine: Engine, **kwargs: Any) -> Settings:
+    """The settings of an Engine loaded elsewhere (its config), plus `kwargs` for the loop,
+    through `resolve` like every other entry point's."""
+    cfg = engine.config
+    given = {
+        "max_input_len": cfg.max_input_len,
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "memory_budget": cfg.memory_budget,
+        "chunk_size": cfg.chunk_size,
+        "prefill_mode": cfg.prefill_mode,
+        "enable_cache": cfg.enable_cache,
+        "cache_policy": cfg.cache_policy,
+        "prefix_pool_tokens": cfg.prefix_pool_tokens,
+    }
+    return resolve(str(engine.model_path or "<engine>"), **{**given, **kwargs})
