@@ -34,7 +34,7 @@ import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from po_backend.core.settings import resolve
 from po_lang.api import Calibrate, Classifier, classify
@@ -120,15 +120,13 @@ def match_columns(fn: Classifier, columns: Sequence[str]) -> _Columns:
             continue
         elif name in columns:
             if p.kind is inspect.Parameter.POSITIONAL_ONLY:
-                raise ValueError(
-                    f"{fn.__name__}: parameter {name!r} is positional-only; columns bind by name"
-                )
+                raise ValueError(f"{_name(fn)}: parameter {name!r} is positional-only; columns bind by name")
             params.append(name)
         elif p.default is inspect.Parameter.empty:
             missing.append(name)
     if missing:
         raise ValueError(
-            f"{fn.__name__}{fn.signature}: no column for parameter(s) {missing}; the dataset has columns "
+            f"{_name(fn)}{fn.signature}: no column for parameter(s) {missing}; the dataset has columns "
             f"{list(columns)} (rename them, e.g. ds.rename_columns({{...}}), to the parameter names)"
         )
     clash = [c for c in (*OUTPUT_COLUMNS, PREFIX_COLUMN) if c in columns]
@@ -249,7 +247,9 @@ def classify_dataset(
     recipe = _Recipe.of(fn)
     if group_by_prefix:
         keyed = ds.map_batches(
-            _add_prefix_keys, batch_format="pandas", fn_kwargs={"recipe": recipe, "columns": columns}
+            _add_prefix_keys,  # type: ignore[arg-type]  # ray types the UDF without its fn_kwargs
+            batch_format="pandas",
+            fn_kwargs={"recipe": recipe, "columns": columns},
         )
         ds = keyed.sort(PREFIX_COLUMN)
     remote_args: dict[str, Any] = {}
@@ -273,6 +273,12 @@ def classify_dataset(
 def hit_rate(ds: ray.data.Dataset) -> float:
     """Prompt tokens served from the actors' prefix caches over all prompt tokens (of a
     `classify_dataset` result; materialize it first, or this runs the job again)."""
-    prompt = ds.sum("prompt_tokens") or 0
-    cached = ds.sum("cached_tokens") or 0
+    # Dataset.sum of one column is a number (a dict only when given several columns).
+    prompt = float(cast(float, ds.sum("prompt_tokens")) or 0)
+    cached = float(cast(float, ds.sum("cached_tokens")) or 0)
     return cached / prompt if prompt else 0.0
+
+
+def _name(fn: Classifier) -> str:
+    # update_wrapper copies the function's name onto the Classifier at run time.
+    return str(getattr(fn, "__name__", fn))

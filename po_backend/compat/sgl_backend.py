@@ -36,9 +36,11 @@ from po_backend.core.errors import EmptyPromptError, InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 
 _sgl = import_sglang_frontend()
+# SGLang's frontend is imported at run time through the shim, so its base class is only known then.
+_BaseBackend: Any = _sgl.BaseBackend
 
 
-class PrefillOnlyBackend(_sgl.BaseBackend):  # type: ignore[misc]
+class PrefillOnlyBackend(_BaseBackend):
     """`sgl.set_default_backend(PrefillOnlyBackend("embedded"))`.
 
     model: a model path ("embedded", a HF folder, a .gguf; keyword arguments as for

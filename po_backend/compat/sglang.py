@@ -176,10 +176,10 @@ class SGLangEngine:
             raise InvalidRequestError("Invalid combination of query/items types for score_request.")
         q = tuple(int(t) for t in query)
         for item, ls in zip(items, labels, strict=True):
-            it = tuple(int(t) for t in item)  # type: ignore[union-attr]
+            it = tuple(int(t) for t in item)
             ids = it + q if item_first else q + it
-            shared = len(it) if item_first else len(q)
-            reqs.append(ScoreRequest(ids, ls, cache_prefix_len=shared or None))
+            n_shared = len(it) if item_first else len(q)
+            reqs.append(ScoreRequest(ids, ls, cache_prefix_len=n_shared or None))
         return reqs
 
     # ---- the rest of sglang.Engine's surface that a prefill-only engine has ----------------------

@@ -103,7 +103,7 @@ class ReadDeadlineH11(H11Protocol):
 
     read_timeout = 30.0
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._arm()

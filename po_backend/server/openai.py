@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -97,11 +97,11 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
     if isinstance(p, str):
         prompts: list[tuple[tuple[int, ...], str | None]] = [(rt.encode_prompt(p), p)]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [(rt.encode_prompt(x), x) for x in p]  # type: ignore[arg-type]
+        prompts = [(rt.encode_prompt(x), x) for x in cast(list[str], p)]
     elif p and all(isinstance(x, list) for x in p):
-        prompts = [(tuple(x), None) for x in p]  # type: ignore[arg-type]
+        prompts = [(tuple(x), None) for x in cast(list[list[int]], p)]
     elif all(isinstance(x, int) for x in p):
-        prompts = [(tuple(p), None)]  # type: ignore[arg-type]
+        prompts = [(tuple(cast(list[int], p)), None)]
     else:
         raise bad("prompt must be a string, a list of strings, token ids or a list of token-id lists")
     echo_logprobs = body.echo and body.logprobs is not None
@@ -160,9 +160,9 @@ def completion_choice(
         for t in out_ids:
             tokens.append(t)
             values.append(chosen[t])
-            row = _alternatives(rt, top[:k])
-            row.setdefault(rt.token_text(t) or "", json_logprob(chosen[t]))
-            tops.append(row)
+            alts = _alternatives(rt, top[:k])
+            alts.setdefault(rt.token_text(t) or "", json_logprob(chosen[t]))
+            tops.append(alts)
         texts = [rt.token_text(t) or "" for t in tokens]
         offsets, pos = [], 0
         for s in texts:
