@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 from operator import itemgetter
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from po_backend.core.request import sorted_neighbours
 
@@ -51,10 +51,14 @@ class Predictor(Protocol):
     def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
 
 
-CachedLen = Callable[[Request], int]  # tokens the cache serves now (read-only)
-StoreLen = Callable[[Request], int]  # leading tokens the request will keep in the cache
+# The engine and the simulator pass functions of their own request type, so these are generic
+# over it (a function of ScoreRequest is not a function of every Request). The Scheduler itself
+# hands back to them the requests it was given, whatever their type, hence `Any` there.
+R = TypeVar("R", bound=Request)
+CachedLen = Callable[[R], int]  # tokens the cache serves now (read-only)
+StoreLen = Callable[[R], int]  # leading tokens the request will keep in the cache
 # (candidate index, tokens it reads instead of computing: from the cache or from a batch-mate)
-Batchable = Callable[[Sequence[Request]], list[tuple[int, int]]]
+Batchable = Callable[[Sequence[R]], list[tuple[int, int]]]
 
 
 class BatchStores:
@@ -89,9 +93,9 @@ class BatchStores:
 
 
 def fit_batch(
-    candidates: Sequence[Request],
-    cached_len: CachedLen,
-    store_len: StoreLen,
+    candidates: Sequence[R],
+    cached_len: CachedLen[R],
+    store_len: StoreLen[R],
     max_batch_tokens: int,
     share_in_batch: bool = True,
 ) -> list[tuple[int, int]]:
@@ -240,7 +244,9 @@ class Scheduler:
         assert self.jct is not None, "this policy needs a JCT predictor"
         return self.jct.predict(len(req.input_ids), n_cached)
 
-    def scores(self, cached_len: CachedLen) -> tuple[list[tuple[float, float, int, Waiting]], dict[int, int]]:
+    def scores(
+        self, cached_len: CachedLen[Any]
+    ) -> tuple[list[tuple[float, float, int, Waiting]], dict[int, int]]:
         """Every waiting request's sort key (lowest runs first), and the cached_len values read to
         get them (po and lpm read every request's: O(queue) cache probes per step)."""
         cfg, now = self.config, self.clock()
@@ -292,7 +298,7 @@ class Scheduler:
                 best, saved = n, (k + 1) * n
         return best
 
-    def pick(self, cached_len: CachedLen, batchable: Batchable) -> Pick | None:
+    def pick(self, cached_len: CachedLen[Any], batchable: Batchable[Any]) -> Pick | None:
         """Choose and remove the next step's requests: the policy's head plus the waiting requests
         that share its prefix (declared, or the longest worth sharing: `shared_len`), in policy
         order, as far as `batchable` lets them share one forward. None if nothing waits.

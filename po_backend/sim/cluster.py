@@ -279,7 +279,7 @@ def simulate_cluster(
     clocks = [VirtualClock() for _ in range(n_workers)]
     scheds = [Scheduler(config, model, c) for c in clocks]
     caches = [cache_factory() for _ in range(n_workers)]
-    batchables: list[Batchable] = [c.batchable for c in caches]
+    batchables: list[Batchable[Request]] = [c.batchable for c in caches]
     rt = Router(router, n_workers)
     order = sorted(range(len(trace)), key=lambda i: trace[i][0])
     loads = [0] * n_workers  # outstanding: routed, not finished
