@@ -194,7 +194,7 @@ class Classifier:
 
     def _render(self, bound: inspect.BoundArguments, replace: Mapping[str, Any] | None = None) -> Prompt:
         if replace:
-            bound = inspect.BoundArguments(self.signature, {**bound.arguments, **replace})  # type: ignore[arg-type]
+            bound = inspect.BoundArguments(self.signature, {**bound.arguments, **replace})
         return as_prompt(self._fn(*bound.args, **bound.kwargs))
 
     def _content_free_prompt(self, bound: inspect.BoundArguments, prompt: Prompt) -> Prompt:

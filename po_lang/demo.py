@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 import po_lang as po
+from po_lang.api import Calibrate
 
 # Three positive and three negative reviews. The raw 135M model calls too much "negative" (here
 # it gets the first and fifth wrong); content-free calibration fixes that. Measured on the 60
@@ -44,7 +45,7 @@ POSTS = (
 )
 
 
-def sentiment(backend: po.Backend, *, calibrate: po.Calibrate = "content-free") -> po.Classifier:
+def sentiment(backend: po.Backend, *, calibrate: Calibrate = "content-free") -> po.Classifier:
     # content-free: divide by the label prior of the prompt with the review replaced by "N/A"
     # (one extra request per shared prefix). With a few labeled rows, `fn.calibrate(rows)` fits it.
     @po.classify(labels=["positive", "negative"], chat=True, calibrate=calibrate, backend=backend)

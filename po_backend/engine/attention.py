@@ -117,6 +117,7 @@ def cpu_flash_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention with its log-sum-exp from torch's CPU flash kernel (CPU, fp32/bf16)."""
+    assert _CPU_FLASH is not None, "this torch has no CPU flash attention kernel"
     out, lse = _empty_partial(q)
     for hs, qj, kj, vj in _per_kv_head(q, k, v):
         o, s = _CPU_FLASH(qj, kj, vj, 0.0, causal, scale=scale)
@@ -141,6 +142,7 @@ def efficient_lse(
     """Partial attention with its log-sum-exp from CUDA's memory-efficient SDPA kernel, the one
     `F.scaled_dot_product_attention` dispatches to for these (expanded K/V) inputs. A causal call
     has as many queries as keys, where the kernel's top-left triangle is the right one."""
+    assert _EFFICIENT is not None, "this torch has no memory-efficient attention kernel"
     n = q.shape[0]
     out, lse = _empty_partial(q)
     for hs, qj, kj, vj in _per_kv_head(q, k, v):

@@ -80,7 +80,7 @@ def _ninja_on_path() -> None:
     if shutil.which("ninja") is not None:
         return
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
     except ImportError:
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

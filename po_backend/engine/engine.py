@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,6 +69,11 @@ class _Work:
     match_slots: torch.Tensor | None = None  # slots of the prefix it reads (cache or batch-mate)
     store_slots: torch.Tensor | None = None
     from_mate: bool = False  # its prefix includes tokens a batch-mate computes in this forward
+
+    @property
+    def planned(self) -> SeqPlan:
+        assert self.plan is not None, "the request is planned (_plan) before it runs"
+        return self.plan
 
 
 class Engine:
@@ -254,18 +259,21 @@ class Engine:
 
         cache_prefix_len: leading tokens worth caching, one value for all prompts or one each.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
+        batch: Sequence[str | Sequence[int]] = (
+            [cast("str | Sequence[int]", prompts)]  # a single prompt
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else cast("Sequence[str | Sequence[int]]", prompts)
+        )
         if cache_prefix_len is None or isinstance(cache_prefix_len, int):
-            cache_prefix_len = [cache_prefix_len] * len(prompts)
-        if len(cache_prefix_len) != len(prompts):
+            cache_prefix_len = [cache_prefix_len] * len(batch)
+        if len(cache_prefix_len) != len(batch):
             raise InvalidRequestError(
-                f"cache_prefix_len has {len(cache_prefix_len)} values for {len(prompts)} prompts"
+                f"cache_prefix_len has {len(cache_prefix_len)} values for {len(batch)} prompts"
             )
         labels = tuple(int(t) for t in label_token_ids)
         reqs = [
             ScoreRequest(self.encode(p), labels, top_k=top_k, cache_prefix_len=c)
-            for p, c in zip(prompts, cache_prefix_len, strict=True)
+            for p, c in zip(batch, cache_prefix_len, strict=True)
         ]
         return self.run(reqs)
 
@@ -317,7 +325,7 @@ class Engine:
         try:
             for w in batch:
                 self._plan(w, batch, groups, stores)
-            computed = sum(w.plan.token_ids.numel() for w in batch)
+            computed = sum(w.planned.token_ids.numel() for w in batch)
             if len(batch) > 1 and computed > self.config.max_batch_tokens:
                 # A batch-mate could not get pool slots for the prefix the others were to read
                 # from it (the pool is full of locked prefixes): one forward per request keeps
@@ -326,15 +334,17 @@ class Engine:
                     self._release(w)
                 return [res for r in requests for res in self.step([r])]
             # Items of one prefix group must be adjacent so attention reads their prefix once.
-            ordered = sorted(batch, key=lambda w: (w.plan.prefix_group is None, w.plan.prefix_group or 0))
+            ordered = sorted(
+                batch, key=lambda w: (w.planned.prefix_group is None, w.planned.prefix_group or 0)
+            )
             pool = self.cache.pool if self.cache else None
             t0 = time.perf_counter()
-            hidden = self.runner.forward([w.plan for w in ordered], pool)
+            hidden = self.runner.forward([w.planned for w in ordered], pool)
             out: dict[int, ScoreResult] = {}
             row = 0
             for w in ordered:
-                m = w.plan.logit_offsets.numel()
-                out[w.index] = self._extract(w.req, hidden[row : row + m], cached=w.plan.start_pos)
+                m = w.planned.logit_offsets.numel()
+                out[w.index] = self._extract(w.req, hidden[row : row + m], cached=w.planned.start_pos)
                 row += m
             self.last_step_seconds = time.perf_counter() - t0
             for w in batch:  # in batch order: a batch-mate's prefix is in the tree before its readers
@@ -344,8 +354,8 @@ class Engine:
             c["requests"] += len(batch)
             for w in batch:
                 c["prompt"] += len(w.req.input_ids)
-                c["cached"] += w.plan.start_pos
-                c["computed"] += len(w.req.input_ids) - w.plan.start_pos
+                c["cached"] += w.planned.start_pos
+                c["computed"] += len(w.req.input_ids) - w.planned.start_pos
             return [out[w.index] for w in batch]
         finally:
             for w in batch:
@@ -359,7 +369,8 @@ class Engine:
         computes, and the pool slots that receive what it stores."""
         ids = w.req.input_ids
         n, limit = len(ids), w.req.reusable_len
-        start, prefix, source = 0, None, None
+        start, prefix = 0, None
+        source: tuple[int, ...] | None = None
         if self.cache is not None:
             m = self.cache.match_prefix(ids[:limit])
             if m.length:
@@ -393,13 +404,14 @@ class Engine:
         if self.cache is None:
             return
         if w.store_slots is not None:
+            assert w.match_slots is not None, "set by _plan"
             slots = torch.cat([w.match_slots, w.store_slots])
             self.cache.insert(w.req.input_ids[: slots.numel()], slots)
             w.store_slots = None  # owned by the tree now
         if w.from_mate:
             # The prefix it read from a batch-mate is in the tree now (the mate inserted it
             # first): mark it reused, so eviction keeps it before never-read tails.
-            self.cache.match_prefix(w.req.input_ids[: w.plan.start_pos])
+            self.cache.match_prefix(w.req.input_ids[: w.planned.start_pos])
 
     def _release(self, w: _Work) -> None:
         """Unlock and return uninserted slots, also when the forward failed."""

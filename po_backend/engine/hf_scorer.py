@@ -45,7 +45,8 @@ class HFScorer:
         model_dir = resolve_model_dir(path)
         dev = torch.device(device) if device is not None else default_device()
         dt = parse_dtype(dtype, dev)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(dev).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
+        model = model.to(dev).eval()  # type: ignore[arg-type]  # transformers types .to() as a decorator
         context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 8192
         return cls(model, load_tokenizer(model_dir), max_input_len or context, model_path=str(path))
 

@@ -116,7 +116,7 @@ class HybridRunner(Runner):
         k_all = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(total, cfg.num_kv_heads, cfg.head_dim)
         v_all = qkv[:, cfg.q_size + cfg.kv_size :].view(total, cfg.num_kv_heads, cfg.head_dim)
 
-        for li, layer in enumerate(self.model.layers):
+        for li, layer in enumerate(self.model.decoder_layers):
             for a, b in bounds:
                 layer.qkv_chunk(h[a:b], x[: b - a], qkv[a:b], cos[a:b], sin[a:b])
             for s, a in zip(seqs, starts, strict=False):
@@ -200,16 +200,16 @@ class ChunkedRunner(Runner):
             q = qkv[:c, : cfg.q_size].view(c, cfg.num_heads, cfg.head_dim)
             k = qkv[:c, cfg.q_size : cfg.q_size + cfg.kv_size].view(c, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:c, cfg.q_size + cfg.kv_size :].view(c, cfg.num_kv_heads, cfg.head_dim)
-            for li, layer in enumerate(self.model.layers):
+            for li, layer in enumerate(self.model.decoder_layers):
                 layer.qkv_chunk(h[:c], x[:c], qkv[:c], cos, sin)
                 for i, lo, hi, r in parts:
                     k_own, v_own = own[i][0, li], own[i][1, li]
                     m = hi - lo
                     k_own[lo:hi], v_own[lo:hi] = k[r : r + m], v[r : r + m]
                     ctx_k, ctx_v = k_own[:lo], v_own[:lo]  # this sequence's earlier chunks
-                    key = seq_prefix[i]
-                    if key is not None:
-                        k_p, v_p = prefix_kv[key]
+                    pkey = seq_prefix[i]
+                    if pkey is not None:
+                        k_p, v_p = prefix_kv[pkey]
                         ctx_k, ctx_v = torch.cat([k_p[li], ctx_k]), torch.cat([v_p[li], ctx_v])
                     attend(
                         q[r : r + m], k_own[lo:hi], v_own[lo:hi], attn[r : r + m], self.scale, ctx_k, ctx_v

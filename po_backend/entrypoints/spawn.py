@@ -45,7 +45,7 @@ def wait_until(
     while True:
         for p in procs:
             if p.poll() is not None:
-                raise ChildExitedError(f"{' '.join(map(str, p.args))[:160]} exited with {p.returncode}")
+                raise ChildExitedError(f"{str(p.args)[:160]} exited with {p.returncode}")
         try:
             if httpx.get(url, timeout=2.0, headers=dict(headers or {})).status_code == 200:
                 return

@@ -131,7 +131,8 @@ class Runtime:
         waiters = asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            done, _ = await asyncio.wait({waiters, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            both: set[asyncio.Future[Any]] = {waiters, watcher}
+            done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
             if waiters in done:
                 results = waiters.result()
                 self.metrics.observe(results, time.perf_counter() - t0, output_tokens)

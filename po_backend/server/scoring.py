@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
@@ -189,12 +189,12 @@ def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
     if isinstance(query, str):
         if items and not all(isinstance(x, str) for x in items):
             raise bad("a text query needs text items")
-        return _text_score_requests(rt, query, items, labels, body.item_first)  # type: ignore[arg-type]
+        return _text_score_requests(rt, query, cast(list[str], items), labels, body.item_first)
     if items and not all(isinstance(x, list) for x in items):
         raise bad("a token-id query needs token-id items")
     reqs = []
     for item, label_ids in zip(items, labels, strict=True):
-        q, it = tuple(query), tuple(item)  # type: ignore[arg-type]
+        q, it = tuple(query), tuple(cast(list[int], item))
         ids = it + q if body.item_first else q + it
         shared_len = len(it) if body.item_first else len(q)
         reqs.append(ScoreRequest(ids, label_ids, cache_prefix_len=shared_len or None))
@@ -206,9 +206,9 @@ def _score_labels(label_token_ids: list[int] | list[list[int]], n_items: int) ->
     if isinstance(label_token_ids[0], list):
         if len(label_token_ids) != n_items:
             raise bad("label_token_ids must have one list per item")
-        labels = [tuple(x) for x in label_token_ids]  # type: ignore[arg-type]
+        labels = [tuple(x) for x in label_token_ids]
     else:
-        labels = [tuple(label_token_ids)] * n_items  # type: ignore[arg-type]
+        labels = [tuple(label_token_ids)] * n_items
     for ls in labels:
         if not ls:
             raise bad("each item must have a nonempty label_token_ids list")
@@ -314,23 +314,23 @@ def _classify_prompts(
     """(ids, text or None, shared prefix tokens) per prompt."""
     p, k = body.prompt, body.shared_prefix_len
     if isinstance(p, str) or (p and all(isinstance(x, str) for x in p)):
-        texts: list[str] = [p] if isinstance(p, str) else list(p)  # type: ignore[list-item]
+        texts: list[str] = [p] if isinstance(p, str) else list(cast(list[str], p))
         if k is None:
             return [(rt.encode_prompt(t), t, None) for t in texts]
-        out = []
+        out: list[tuple[tuple[int, ...], str | None, int | None]] = []
         for t in texts:
             # The shared part is tokenised on its own so its ids are an exact prefix whatever
             # follows (a merge across the boundary would break cache reuse).
             head = rt.encode(t[:k])
             out.append((head + rt.encode(t[k:], add_special_tokens=False), t, len(head)))
         return out
-    rows = [p] if p and all(isinstance(x, int) for x in p) else p
+    rows = [cast(list[int], p)] if p and all(isinstance(x, int) for x in p) else cast(list[list[int]], p)
     vocab = rt.backend.vocab_size
     for r in rows:  # before anything decodes them (the tokenizer overflows on ids like 2**40)
-        bad_ids = [t for t in r if not 0 <= t < vocab]  # type: ignore[union-attr,operator]
+        bad_ids = [t for t in r if not 0 <= t < vocab]
         if bad_ids:
             raise bad(f"prompt token ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}")
-    return [(tuple(r), None, k) for r in rows]  # type: ignore[union-attr,arg-type]
+    return [(tuple(r), None, k) for r in rows]
 
 
 def classification(

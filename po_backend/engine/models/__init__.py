@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from po_backend.core.errors import UnsupportedModelError
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
@@ -16,7 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[cfg.model_type]
     except KeyError:

@@ -8,6 +8,7 @@ chunked and where attention runs (hybrid prefilling), so no op here sees more th
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -43,6 +44,12 @@ class FusedParam:
         _copy_loader(param.narrow(0, start, size), loaded, None)
 
 
+def _set_loader(param: nn.Parameter, loader: FusedParam) -> None:
+    # A fused parameter carries the loader that places each checkpoint shard (nano-vllm's rule);
+    # torch Parameters take such attributes, its stubs do not declare them.
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -50,16 +57,16 @@ class DecoderLayer(nn.Module):
         qkv_out = cfg.q_size + 2 * cfg.kv_size
         self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
         self.qkv_proj = _param(qkv_out, cfg.hidden_size, dtype=dtype)
-        self.qkv_proj.weight_loader = FusedParam({"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size})
+        _set_loader(self.qkv_proj, FusedParam({"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}))
         self.qkv_bias = _param(qkv_out, dtype=dtype) if cfg.qkv_bias else None
         if self.qkv_bias is not None:
-            self.qkv_bias.weight_loader = FusedParam({"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size})
+            _set_loader(self.qkv_bias, FusedParam({"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}))
         self.q_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
         self.o_proj = _param(cfg.hidden_size, cfg.q_size, dtype=dtype)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
         self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
-        self.gate_up_proj.weight_loader = FusedParam({0: cfg.intermediate_size, 1: cfg.intermediate_size})
+        _set_loader(self.gate_up_proj, FusedParam({0: cfg.intermediate_size, 1: cfg.intermediate_size}))
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
 
     def qkv_chunk(
@@ -78,6 +85,7 @@ class DecoderLayer(nn.Module):
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(c, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+            assert self.k_norm is not None, "q_norm and k_norm come together"
             rms_norm(q, self.q_norm, cfg.rms_norm_eps, out=q)
             rms_norm(k, self.k_norm, cfg.rms_norm_eps, out=k)
         Rotary.apply_(qk, cos, sin)
@@ -130,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        # The same modules, typed: the runners call their chunk methods.
+        self.decoder_layers: list[DecoderLayer] = [cast(DecoderLayer, m) for m in self.layers]
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         # Tied models share the embedding matrix: no second [vocab, hidden] copy in memory.
         self.lm_head = (
@@ -154,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         if rest in self.packed_modules_mapping:
             attr, shard = self.packed_modules_mapping[rest]
             param = getattr(layer, attr)
-            return (param, param.weight_loader, shard) if param is not None else None
+            return (param, getattr(param, "weight_loader"), shard) if param is not None else None  # noqa: B009
         if rest in self.renamed:
             param = getattr(layer, self.renamed[rest])
             return (param, _copy_loader, None) if param is not None else None

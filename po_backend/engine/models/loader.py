@@ -23,6 +23,7 @@ from safetensors import safe_open
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import model_class
+from po_backend.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def _convert(gguf: Path, target: Path) -> None:
         # save_pretrained refuses a GGUF-"quantized" model; the weights are already dequantised.
         model.config.quantization_config = None
         if hasattr(model, "hf_quantizer"):
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]  # typed as always set; GGUF models carry none
         phase(3, "writing safetensors")
         model.save_pretrained(tmp, safe_serialization=True)
         phase(4, "converting the tokenizer")
@@ -142,7 +143,7 @@ def read_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     t0 = time.perf_counter()
     cfg = read_config(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
@@ -154,7 +155,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tor
     expected = {
         (name, shard)
         for name, p in model.named_parameters()
-        for shard in (getattr(p, "weight_loader", None) and p.weight_loader.offsets or [None])
+        for shard in (getattr(getattr(p, "weight_loader", None), "offsets", None) or [None])
     }
     ids = {id(p): name for name, p in model.named_parameters()}
     loaded: set[tuple[str, str | int | None]] = set()
