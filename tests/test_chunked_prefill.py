@@ -11,7 +11,7 @@ import torch
 from po_backend import Engine, ScoreRequest
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.runner import SeqPlan, activation_bytes, chunked_activation_bytes
-from po_backend.entrypoints.launch_server import build_parser
+from po_backend.entrypoints.launch_server import build_parser, server_args
 from tests.conftest import hf_all_logprobs, hf_next_logprobs, save_llama
 
 
@@ -92,11 +92,12 @@ def test_prefill_mode_validated_and_exposed_by_launcher() -> None:
         from po_backend.engine.config import EngineConfig
 
         EngineConfig(dtype=torch.float32, device=torch.device("cpu"), prefill_mode="sarathi")  # type: ignore[arg-type]
-    assert (
-        build_parser().parse_args(["--model-path", "x", "--prefill-mode", "chunked"]).prefill_mode
-        == "chunked"
-    )
-    assert build_parser().parse_args(["--model-path", "x"]).prefill_mode == "hybrid"
+
+    def launched(*flags: str) -> str:
+        return server_args(build_parser().parse_args(["--model-path", "x", *flags])).engine.prefill_mode
+
+    assert launched("--prefill-mode", "chunked") == "chunked"
+    assert launched() == "hybrid"
 
 
 # ---- memory ------------------------------------------------------------------------------------
