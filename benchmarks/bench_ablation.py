@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -105,9 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         r.update(lam=lam_x)
         doc["lambda"].append(r)
         print(f"  {policy} lambda {lam_x:g}: mean {r['mean_s']:.2f} s, P99 {r['p99_s']:.2f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {args.out}")
+    harness.save(args.out, doc)
 
 
 if __name__ == "__main__":

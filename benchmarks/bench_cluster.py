@@ -477,10 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["ratios"] = report.cluster_ratios(doc)
     md = report.cluster_markdown(doc)
     print("\n" + md)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    args.out.with_suffix(".md").write_text(md)
-    print(f"wrote {args.out} and {args.out.with_suffix('.md').name} in {doc['seconds']:.0f} s")
+    harness.save(args.out, doc, md)
     failed = sum(r["calls"] - r["ok"] for r in rows)
     return 1 if failed else 0
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import harness, report
 from benchmarks.harness import RESULTS, sim_step_model
 from po_backend.entrypoints.launch_cluster import BALANCE_ABS_THRESHOLD
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
@@ -232,14 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     md = report.cluster_sim_markdown(doc)
     print("\n" + md)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    args.out.with_suffix(".md").write_text(md)
+    harness.save(args.out, doc, md)
     report.plot_cluster_sim(doc, args.out.with_suffix(".png"))
-    print(
-        f"wrote {args.out}, {args.out.with_suffix('.md').name}, {args.out.with_suffix('.png').name} "
-        f"in {doc['seconds']:.0f} s"
-    )
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import load_engine, machine_info, tokenizer
+from benchmarks.harness import load_engine, machine_info, save, tokenizer
 from benchmarks.workloads import add_trace_args, build_traces, label_ids
 from po_backend.core.cpu import cpu_flags
 
@@ -149,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} "
             f"({doc['ours_vs_llamacpp']:.2f}x); label agreement {doc['agreement']:.0%}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, default=str))
+    save(args.out, doc)
     return 0
 
 

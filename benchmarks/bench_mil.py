@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, wait_for_quiet
+from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, save, wait_for_quiet
 from po_backend.engine.config import ModelConfig, parse_dtype
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models.loader import read_config, resolve_model_dir
@@ -299,9 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "speed": speed,
         "mil": mil,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, default=str))
-    print(f"wrote {args.out}")
+    save(args.out, doc)
     return 0
 
 

@@ -18,7 +18,6 @@ steps); ratios against the transformers loop.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -123,9 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         mults = [float(x) for x in args.mults.split(",")]
         doc["workloads"][name] = harness.sweep(ours, jct, setups, reqs, unit, mults, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {args.out}")
+    harness.save(args.out, doc)
 
 
 if __name__ == "__main__":

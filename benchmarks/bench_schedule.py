@@ -150,11 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + md)
     if args.quick:
         return
-    (harness.RESULTS / "schedule.json").write_text(json.dumps(doc, indent=1))
-    (harness.RESULTS / "schedule.md").write_text(md)
+    harness.save(harness.RESULTS / "schedule.json", doc, md)
     report.plot_sweeps(doc["workloads"], harness.RESULTS / "schedule.png")
     partial.unlink(missing_ok=True)
-    print(f"wrote {harness.RESULTS / 'schedule.json'}, schedule.md, schedule.png")
 
 
 # ---- simulation ---------------------------------------------------------------------------------
@@ -216,10 +214,8 @@ def simulate_main(
         )
     md = report.schedule_sim_markdown(doc, policies)
     print("\n" + md)
-    (harness.RESULTS / "schedule_sim.json").write_text(json.dumps(doc, indent=1))
-    (harness.RESULTS / "schedule_sim.md").write_text(md)
+    harness.save(harness.RESULTS / "schedule_sim.json", doc, md)
     report.plot_sweeps(doc["workloads"], harness.RESULTS / "schedule_sim.png")
-    print(f"wrote {harness.RESULTS / 'schedule_sim.json'}, schedule_sim.md, schedule_sim.png")
 
 
 if __name__ == "__main__":

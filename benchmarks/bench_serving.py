@@ -23,7 +23,6 @@ import json
 import math
 import random
 import re
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -201,15 +200,13 @@ def scrape(url: str, args: argparse.Namespace) -> dict[str, float]:
 def launched_server(name: str, args: argparse.Namespace, port: int) -> ServerProcess:
     """Our server with config `name`'s flags (`base`: from `--base-checkout`); its output goes to a
     temporary file, shown if it fails to start."""
-    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", args.model_path]
-    cmd += ["--port", str(port), "--dtype", args.dtype, "--log-level", "warning", *LAUNCH[name]]
-    if args.max_input_len:
-        cmd += ["--max-input-len", str(args.max_input_len)]
+    flags = ["--dtype", args.dtype, *LAUNCH[name]]
+    flags += ["--max-input-len", str(args.max_input_len)] if args.max_input_len else []
     if name == "base" and not args.base_checkout:
         raise ValueError("--launch base needs --base-checkout DIR")
     # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
     cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
-    return ServerProcess([*cmd, *args.server_args.split()], f"http://127.0.0.1:{port}", cwd=cwd)
+    return harness.our_server([*flags, *args.server_args.split()], args.model_path, port, cwd)
 
 
 def bench_one(
@@ -364,14 +361,11 @@ def main() -> None:
     }
     md = report.serving_markdown(doc)
     print(md)
-    harness.RESULTS.mkdir(exist_ok=True)
-    (harness.RESULTS / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
-    (harness.RESULTS / f"{args.out}.md").write_text(md)
+    harness.save(harness.RESULTS / f"{args.out}.json", doc, md)
     if not args.no_plot:
         report.plot_sweeps(
             {f"{args.workload} via /{args.api}": {"runs": rows}}, harness.RESULTS / f"{args.out}.png"
         )
-    print(f"results: {harness.RESULTS / args.out}.json .md" + ("" if args.no_plot else " .png"))
     if args.json:
         print(json.dumps(rows))
 

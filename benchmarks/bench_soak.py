@@ -16,7 +16,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,7 +26,6 @@ import numpy as np
 import psutil
 
 from benchmarks import harness
-from po_backend.entrypoints.spawn import ServerProcess, free_port
 
 WORDS = "user likes hiking coffee camping photos tax news betting stocks cats dogs trail guide".split()
 
@@ -121,12 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--big-share", type=float, default=0.1, help="share of calls that are 40-item scorings")
     ap.add_argument("--out", type=Path, default=harness.RESULTS / "soak.json")
     args = ap.parse_args(argv)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_server", "--model-path", args.model_path]
-    cmd += ["--port", str(port), "--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"]
-    server = ServerProcess([*cmd, "--log-level", "warning"], url, cwd=harness.REPO_ROOT).start()
-    proc = server.proc
+    flags = ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"]
+    server = harness.our_server(flags, args.model_path).start()
+    url, proc = server.url, server.proc
     assert proc is not None, "started"
     try:
         server.wait_ready()
@@ -176,9 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         "sigterm_burst": dict(drained),
         "exit_code": code,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
+    harness.save(args.out, summary)
 
 
 if __name__ == "__main__":

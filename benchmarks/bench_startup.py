@@ -15,19 +15,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.harness import RESULTS, our_server, save
 from po_backend.core.cpu import cpu_model
-from po_backend.entrypoints.spawn import ServerProcess, free_port
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def time_starts(workers: int, timeout: float) -> dict[str, object]:
@@ -36,13 +32,8 @@ def time_starts(workers: int, timeout: float) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="po-start-") as cache:
         env = {**os.environ, "PREFILLONLY_CACHE": cache}
         for phase, n in (("first", workers), ("later", 1)):
-            servers = []
-            for _ in range(n):
-                port = free_port()
-                cmd = [sys.executable, "-m", "po_backend.launch_server", "--model-path", "embedded"]
-                servers.append(
-                    ServerProcess([*cmd, "--port", str(port)], f"http://127.0.0.1:{port}", env=env)
-                )
+            # The default log level: the counts below read its INFO lines.
+            servers = [our_server(env=env, log_level="info") for _ in range(n)]
             t0 = time.monotonic()
             ready = []
             try:
@@ -169,8 +160,7 @@ def main() -> None:
         result["accuracy"] = accuracy(length, warmup, held)
     result["load_avg_at_end"] = os.getloadavg()
     out = a.out or RESULTS / f"startup{'_quick' if a.quick else ''}.json"
-    out.write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out}")
+    save(out, result)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from benchmarks.workloads import Item
 from po_backend.core.cpu import cpu_flags, cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
+from po_backend.entrypoints.launch_cluster import worker_command
+from po_backend.entrypoints.spawn import ServerProcess, free_port
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.serving.jct_profile import load_or_profile
@@ -37,6 +39,29 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_INPUT_LEN = 4096
 Setup = tuple[Any, str]  # (a scorer EngineLoop can drive, its scheduling policy)
+
+
+def save(out: Path, doc: dict[str, Any], md: str | None = None) -> None:
+    """A benchmark's result: `out` (JSON) and, given `md`, the markdown beside it (.md)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    if md is not None:
+        out.with_suffix(".md").write_text(md)
+    print(f"wrote {out}" + ("" if md is None else f" and {out.with_suffix('.md').name}"))
+
+
+def our_server(
+    flags: Sequence[str] = (),
+    model_path: str = "embedded",
+    port: int | None = None,
+    cwd: str | os.PathLike[str] | None = REPO_ROOT,
+    env: dict[str, str] | None = None,
+    log_level: str = "warning",
+) -> ServerProcess:
+    """Our server as launch_cluster starts a worker, on `port` (a free one when None); not started."""
+    port = free_port() if port is None else port
+    cmd = worker_command(model_path, port, ["--log-level", log_level, *flags])
+    return ServerProcess(cmd, f"http://127.0.0.1:{port}", cwd=cwd, env=env)
 
 
 # ---- machine --------------------------------------------------------------------------------------

@@ -54,13 +54,14 @@ def _order(r: dict[str, Any]) -> tuple[float, int]:
     return r["qps"], QPS_ORDER.index(r["config"]) if r["config"] in QPS_ORDER else len(QPS_ORDER)
 
 
-def _not_run(title: str, why: str) -> list[str]:
-    return [title, "", why, ""]
+def _section(title: str, *parts: str) -> list[str]:
+    """A REPORT.md section: its title, then paragraphs (tables, figures), a blank line after each."""
+    return [title, ""] + [line for p in parts for line in (p, "")]
 
 
 def _doc_md(title: str, *parts: str) -> str:
     """A results/*.md file: a title, then paragraphs."""
-    return f"# {title}\n\n" + "\n\n".join(parts) + "\n"
+    return "\n".join(_section(f"# {title}", *parts))
 
 
 def sweep_rows(workloads: dict[str, Any], extra: bool = True) -> list[list[Any]]:
@@ -80,7 +81,7 @@ def sweep_rows(workloads: dict[str, Any], extra: bool = True) -> list[list[Any]]
 def header(meta: dict[str, Any] | None) -> list[str]:
     title = "# PrefillOnly evaluation report"
     if meta is None:
-        return _not_run(title, "(no meta.json: machine unknown)")
+        return _section(title, "(no meta.json: machine unknown)")
     m = meta["machine"]
     flags = ", ".join(k for k, v in m.get("flags", {}).items() if v) or "none of the listed"
     lines = [
@@ -131,11 +132,10 @@ def qps_section(
 ) -> tuple[list[str], dict[str, Any]]:
     title = "## Throughput-latency (paper Fig. 6/7)"
     if qps is None:
-        return _not_run(title, "Not run (no qps.json)."), {}
+        return _section(title, "Not run (no qps.json)."), {}
     ana, a = qps_analysis(qps), qps["args"]
-    lines = [
+    lines = _section(
         title,
-        "",
         "`benchmarks/bench_qps.py`: Poisson arrivals (same seeded pattern for every point and config) at "
         f"{a['mults']} x the {a.get('anchor', 'saturated')} throughput (isolated: 1 / mean latency of ours "
         "with one request at a time; saturated: `po` with every request queued at t=0); in-process on the "
@@ -143,31 +143,31 @@ def qps_section(
         f"{a['wl1_users']} users x {a['wl1_items']} posts, profiles ~{a['wl1_profile']} tokens, posts "
         f"{a['wl1_item_tokens']} tokens; WL2: {a['wl2_requests']} histories of {a['wl2_min']}-{a['wl2_max']} "
         f"tokens. Prefix pool: {qps.get('pool_tokens', '?')} tokens ({a['cache_profiles']:g} WL1 profiles).",
-        "",
-        *[f"Note: {n}\n" for n in qps.get("notes", [])],  # e.g. a workload re-run and merged in
+        *[f"Note: {n}" for n in qps.get("notes", [])],  # e.g. a workload re-run and merged in
         "Highest QPS with P99 <= SLO (log-log interpolation between sweep points; `>=` every point passed, "
         "`<` none did) and po's ratio to each baseline:",
-        "",
-    ]
-    rows = [
-        [name, QPS_NAMES.get(c, c), f"{s[1]}{s[0]:.3f}", "-" if c == "po" else w["ratios"][c][0]]
-        for name, w in ana.items()
-        for c, s in w["sustained"].items()
-    ]
-    lines += [markdown_table(["workload", "config", "QPS at P99 SLO", "po / this"], rows), ""]
-    table = markdown_table(SWEEP_HEADER.rsplit(" | ", 3)[0], sweep_rows(qps["workloads"], extra=False))
-    lines += ["<details><summary>All sweep points</summary>", "", table, "", "</details>", ""]
+        markdown_table(
+            ["workload", "config", "QPS at P99 SLO", "po / this"],
+            [
+                [name, QPS_NAMES.get(c, c), f"{s[1]}{s[0]:.3f}", "-" if c == "po" else w["ratios"][c][0]]
+                for name, w in ana.items()
+                for c, s in w["sustained"].items()
+            ],
+        ),
+        "<details><summary>All sweep points</summary>",
+        markdown_table(SWEEP_HEADER.rsplit(" | ", 3)[0], sweep_rows(qps["workloads"], extra=False)),
+        "</details>",
+    )
     for name, w in qps["workloads"].items():
-        png = f"qps_{name.lower()}.png"
-        plot_sweeps({name: w}, folder / png, QPS_NAMES)
-        lines += [f"![{name} latency vs QPS]({png_prefix}{png})", ""]
+        plot_sweeps({name: w}, folder / f"qps_{name.lower()}.png", QPS_NAMES)
+        lines += [f"![{name} latency vs QPS]({png_prefix}qps_{name.lower()}.png)", ""]
     return lines, ana
 
 
 def mil_section(mil: dict[str, Any] | None) -> tuple[list[str], dict[str, float]]:
     title = "## Maximum input length (paper Table 2)"
     if mil is None:
-        return _not_run(title, "Not run (no mil.json)."), {}
+        return _section(title, "Not run (no mil.json)."), {}
     base = mil["mil"].get("hf-default")
     rows, ratios = [], {}
     for c, m in mil["mil"].items():
@@ -183,17 +183,14 @@ def mil_section(mil: dict[str, Any] | None) -> tuple[list[str], dict[str, float]
             f"{ratios[c]:.1f}x" if c in ratios else "-",
         ]
         rows.append(cells)
-    lines = [
+    lines = _section(
         title,
-        "",
         "`benchmarks/bench_mil.py`: one cold forward per (config, length) in a fresh process; peak RSS above "
         "the RSS before the forward (weights excluded). MIL = where a line through the measured peaks "
         f"reaches {mil['budget_mib']:g} MiB: **measured** = bracketed by a measured length that fits and one "
         f"that does not; **extrapolated** = outside the measured lengths {mil['args']['lengths']}.",
-        "",
         markdown_table(["config", "KiB/token", "c0 MiB", "MIL (tokens)", "kind", "vs HF default"], rows),
-        "",
-    ]
+    )
     # Hybrid prefilling on/off: the same forward with and without chunking the token-wise ops.
     by = {(r["config"], r["n"]): r for r in mil["rows"] if r.get("status") == "ok"}
     hy = []
@@ -207,28 +204,27 @@ def mil_section(mil: dict[str, Any] | None) -> tuple[list[str], dict[str, float]
     if hy:
         head = "n | hybrid peak MiB | no-chunk peak MiB | memory saved | speed hybrid / no-chunk"
         head += " | hybrid / chunked prefill | hybrid / HF ltk=1"
-        lines += ["### Ablation: hybrid prefilling on/off (paper Fig. 10)", "", markdown_table(head, hy), ""]
+        lines += _section("### Ablation: hybrid prefilling on/off (paper Fig. 10)", markdown_table(head, hy))
     return lines, ratios
 
 
 def ablation_section(ab: dict[str, Any] | None, folder: Path, png_prefix: str) -> list[str]:
     title = "## Ablations (paper Fig. 10/11)"
     if ab is None:
-        return _not_run(title, "Not run (no ablation.json).")
+        return _section(title, "Not run (no ablation.json).")
     on, off = ab["suffix"]["on"], ab["suffix"]["off"]
-    rows = []
-    for mode, d in (("on (declared prefix only)", on), ("off (all but the last token)", off)):
-        s, p = d["saturated"], d["poisson"]
-        row = [mode, f"{s['items_per_s']:.3f}{_flag(s)}", f"{s['hit_rate']:.0%}", s["inserted_tokens"]]
-        rows.append(
-            row
-            + [
-                s["evicted_tokens"],
-                f"{p['mean_s']:.2f}{_flag(p)}",
-                f"{p['p99_s']:.2f}",
-                f"{p['hit_rate']:.0%}",
-            ]
-        )
+    rows = [
+        [
+            mode,
+            f"{s['items_per_s']:.3f}{_flag(s)}",
+            f"{s['hit_rate']:.0%}",
+            s["inserted_tokens"],
+            s["evicted_tokens"],
+        ]
+        + [f"{p['mean_s']:.2f}{_flag(p)}", f"{p['p99_s']:.2f}", f"{p['hit_rate']:.0%}"]
+        for mode, d in (("on (declared prefix only)", on), ("off (all but the last token)", off))
+        for s, p in [(d["saturated"], d["poisson"])]
+    ]
     tput = on["saturated"]["items_per_s"] / off["saturated"]["items_per_s"]
     head = "suffix discarding | items/s (all at t=0) | hits | tokens inserted | tokens evicted"
     head += f" | mean s at {ab['qps']:.3f} qps | P99 s | hits"
@@ -242,29 +238,21 @@ def ablation_section(ab: dict[str, Any] | None, folder: Path, png_prefix: str) -
         for r in ab["lambda"]
     ]
     plot_lambda(ab["lambda"], folder / "lambda.png")
-    return [
+    return _section(
         title,
-        "",
         f"### Suffix discarding on/off (WL1-style, {ab['requests']} requests, `po`, prefix pool "
         f"{ab['pool_tokens']} tokens)",
-        "",
         markdown_table(head, rows),
-        "",
         f"Throughput with / without suffix discarding: **{tput:.2f}x**. Off, every request declares its "
         "whole prompt as its cache key, so (besides suffixes taking pool space) items of one user that "
         "arrive together no longer wait for one of them to cache the shared profile: in the all-at-t=0 "
         "run part of the loss is that duplicated profile work; the Poisson run shows mostly the pool effect.",
-        "",
         "### Fairness lambda sweep (paper Fig. 11)",
-        "",
         f"`po` with score = JCT - lambda x queueing time, Poisson at {ab['qps']:.3f} qps ({ab['args']['mult']:g} x "
         "saturated), same arrivals; `fcfs` for reference.",
-        "",
         markdown_table(["policy", "lambda", "mean s", "P99 s"], lam_rows),
-        "",
         f"![lambda sweep]({png_prefix}lambda.png)",
-        "",
-    ]
+    )
 
 
 def jct_section(qps: dict[str, Any] | None, folder: Path, png_prefix: str) -> tuple[list[str], float | None]:
@@ -273,7 +261,7 @@ def jct_section(qps: dict[str, Any] | None, folder: Path, png_prefix: str) -> tu
     from po_backend.sched.jct import pearson_r
 
     if qps is None:
-        return _not_run("## JCT model", "Not run."), None
+        return _section("## JCT model", "Not run."), None
     pts = [
         (s[0], s[1], s[2])
         for w in qps["workloads"].values()
@@ -282,44 +270,37 @@ def jct_section(qps: dict[str, Any] | None, folder: Path, png_prefix: str) -> tu
         for s in r.get("step_log", [])
     ]
     if len(pts) < 3:
-        return _not_run("## JCT model", "Too few steps logged."), None
+        return _section("## JCT model", "Too few steps logged."), None
     raw, cal = (pearson_r([p[i] for p in pts], [p[2] for p in pts]) for i in (0, 1))
     plot_jct(pts, raw, folder / "jct.png")
     fit_r = qps.get("jct_fit", {}).get("pearson_r")
-    return [
+    return _section(
         "## JCT model fit",
-        "",
         f"Held-out Pearson r on the {len(pts)} steps ours ran in the throughput sweep: **{raw:.3f}** (fitted model), "
         f"{cal:.3f} (with online calibration). Start-up profile leave-one-out r: "
         f"{'-' if fit_r is None else f'{fit_r:.3f}'}. Paper: r = 0.987 for the proxy n_input - n_cached.",
-        "",
         f"![JCT predicted vs measured]({png_prefix}jct.png)",
-        "",
-    ], raw
+    ), raw
 
 
 def llamacpp_section(lc: dict[str, Any] | None) -> list[str]:
     title = "## llama.cpp (optional)"
     if lc is None:
-        return _not_run(title, "Not run (run_all --llamacpp).")
+        return _section(title, "Not run (run_all --llamacpp).")
     if lc.get("status") != "ok":
-        return _not_run(title, f"{lc.get('status')}. Install once (cached wheel): `{lc.get('install', '')}`")
+        return _section(title, f"{lc.get('status')}. Install once (cached wheel): `{lc.get('install', '')}`")
     o, c = lc["ours"], lc["llamacpp"]
     rows = [
         ["ours", f"{o['items_per_s']:.2f}", f"{o['mean_s']:.3f}", f"{lc['ours_vs_llamacpp']:.2f}x"],
         ["llama.cpp", f"{c['items_per_s']:.2f}", f"{c['mean_s']:.3f}", "1.00x"],
     ]
-    return [
+    return _section(
         title,
-        "",
         f"Same GGUF ({lc['gguf']}), {lc['items']} WL1-style items one at a time with prefix reuse on both sides. "
         "llama.cpp computes on the quantised weights; ours on weights dequantised once.",
-        "",
         markdown_table(["engine", "items/s", "mean latency s", "ratio"], rows),
-        "",
         f"Label agreement (argmax Yes/No): {lc['agreement']:.0%}; max |P(Yes) difference| {lc['max_abs_dp_yes']:.3f}.",
-        "",
-    ]
+    )
 
 
 def headline(ana: dict[str, Any], mil_ratios: dict[str, float]) -> tuple[list[str], list[str]]:
@@ -514,30 +495,20 @@ def cluster_markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     intro = f"Machine: {m.get('cpu')}, {m.get('cores')} cores. {_cluster_intro(doc)} A `*` marks runs during "
     intro += f"which other processes used more than {CONTENDED_CORES} cores."
-    table = markdown_table(CLUSTER_HEADER, cluster_rows(doc))
     return _doc_md(
-        "bench_cluster: prefix affinity through the SGLang router (measured)",
-        intro,
-        table,
-        "\n".join(_cluster_ratio_lines(doc)),
+        "bench_cluster: prefix affinity through the SGLang router (measured)", *_cluster_parts(doc, intro)
     )
+
+
+def _cluster_parts(doc: dict[str, Any], intro: str) -> tuple[str, ...]:
+    return intro, markdown_table(CLUSTER_HEADER, cluster_rows(doc)), "\n".join(_cluster_ratio_lines(doc))
 
 
 def cluster_section(doc: dict[str, Any] | None) -> list[str]:
     title = "## Prefix affinity through the SGLang router (measured)"
     if doc is None:
-        return _not_run(title, "Not run (no cluster.json).")
-    table = markdown_table(CLUSTER_HEADER, cluster_rows(doc))
-    return [
-        title,
-        "",
-        f"`benchmarks/bench_cluster.py`: {_cluster_intro(doc)}",
-        "",
-        table,
-        "",
-        *_cluster_ratio_lines(doc),
-        "",
-    ]
+        return _section(title, "Not run (no cluster.json).")
+    return _section(title, *_cluster_parts(doc, f"`benchmarks/bench_cluster.py`: {_cluster_intro(doc)}"))
 
 
 def cluster_summary(doc: dict[str, Any] | None) -> list[str]:
@@ -678,22 +649,16 @@ def cluster_sim_markdown(doc: dict[str, Any]) -> str:
 def cluster_sim_section(doc: dict[str, Any] | None, folder: Path, png_prefix: str) -> list[str]:
     title = "## Scaling out past one machine (simulated)"
     if doc is None:
-        return _not_run(title, "Not run (no cluster_sim.json).")
+        return _section(title, "Not run (no cluster_sim.json).")
     plot_cluster_sim(doc, folder / "cluster_sim.png")
-    return [
+    return _section(
         title,
-        "",
         f"`benchmarks/bench_cluster_sim.py`, {_cluster_sim_intro(doc)}",
-        "",
         markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc)),
-        "",
         f"![sustained QPS, hit rate and imbalance vs workers]({png_prefix}cluster_sim.png)",
-        "",
         "Where scaling stops, and why:",
-        "",
-        *[f"- {line}" for line in cluster_sim_findings(doc)],
-        "",
-    ]
+        "\n".join(f"- {line}" for line in cluster_sim_findings(doc)),
+    )
 
 
 # ---- bench_schedule and bench_serving ---------------------------------------------------------------
