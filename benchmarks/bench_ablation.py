@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     lam = DEFAULT_FAIRNESS_LAMBDA
     doc: dict[str, Any] = {
         "machine": harness.machine_info(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": vars(args),  # harness.save writes paths as strings
         "pool_tokens": pool,
         "requests": len(reqs),
         "suffix": {},

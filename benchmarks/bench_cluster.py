@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_one(shape, rate, policy, workers, traces[shape], unit, seen, args))
     doc: dict[str, Any] = {
         "machine": machine,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": vars(args),  # harness.save writes paths as strings
         "threads_per_worker": worker_threads(args.workers),
         # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
         "worker_settings": {k: v for k, v in info.items() if k != "internal_states"},

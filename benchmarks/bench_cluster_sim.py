@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['balanced_by_load']}, {runs} runs in {time.perf_counter() - t:.1f} s"
             )
     doc = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": vars(args),  # harness.save writes paths as strings
         "jct_source": source,
         "coef": model.coef,
         "kv_bytes_per_token": per_token,

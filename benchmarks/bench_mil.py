@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     doc = {
         "machine": machine_info(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": vars(args),  # harness.save writes paths as strings
         "dtype": str(dtype),
         "gemm_peak_gflops": roofs,
         "configs": {c: CONFIGS[c] for c in configs},

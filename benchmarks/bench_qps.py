@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"dtype {ours.config.dtype}; JCT profile ready in {time.perf_counter() - t:.1f} s; pool {pool}")
     doc: dict[str, Any] = {
         "machine": harness.machine_info(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": vars(args),  # harness.save writes paths as strings
         "configs": {c: CONFIGS[c] for c in configs},
         "dtype": str(ours.config.dtype),
         "jct_fit": {"coef": jct.coef, "pearson_r": q.pearson_r if q else None},

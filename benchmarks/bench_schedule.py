@@ -32,8 +32,9 @@ from typing import Any
 from benchmarks import harness, report
 from benchmarks.workloads import add_trace_args, build_traces, label_ids
 from po_backend.core.request import ScoreRequest
+from po_backend.core.settings import POLICIES
 from po_backend.sched.jct import CalibratedJCT, JCTModel
-from po_backend.sched.scheduler import POLICIES, SchedulerConfig
+from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.sim.simulator import PrefixLRU, simulate
 
