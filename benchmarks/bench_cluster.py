@@ -67,7 +67,6 @@ from po_backend.entrypoints.spawn import ServerProcess, free_port, stop, wait_un
 
 SHAPES = ("generate", "rerank")
 POLICIES = ("cache_aware", "round_robin")
-NO_AUTH = argparse.Namespace(api_key=None)  # bench_serving's helpers read the key from their args
 
 
 # ---- the tap: which worker got which request --------------------------------------------------------
@@ -284,7 +283,7 @@ def rerank_requests(calls: list[Call], tok: Any) -> list[Request]:
 
 def token_counters(url: str) -> tuple[float, float]:
     """(prompt tokens, tokens read from the prefix cache) a worker has scored so far."""
-    m = scrape(url, NO_AUTH)
+    m = scrape(url)
     if "po_prompt_tokens_total" not in m:
         raise RuntimeError(f"{url}/metrics has no po_prompt_tokens_total: not a PrefillOnly worker?")
     return m["po_prompt_tokens_total"], m["po_cache_hit_tokens_total"]
@@ -445,17 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     warm = gen[-1]  # the trace's last call: its user is flushed again before every run
     with workers_up(args, seen) as workers:
         for w in workers:  # one-off start-up costs (allocator, kernels) stay out of the numbers
-            warm_up(
-                w.url,
-                warm,
-                argparse.Namespace(api="generate", prefix_hint=False, api_key=None, timeout=args.timeout),
-                label_ids(tok),
-            )
-            r = httpx.post(
-                w.url + "/v1/rerank", json=rerank_requests([warm], tok)[0].body, timeout=args.timeout
-            )
-            if r.status_code != 200:
-                raise RuntimeError(f"warm-up rerank failed: HTTP {r.status_code}: {r.text[:300]}")
+            for r in (*generate_requests([warm], args, tok), *rerank_requests([warm], tok)):
+                warm_up(w.url, r.path, r.body, args.timeout)
         info = httpx.get(workers[0].url + "/server_info", timeout=10).json()
         points = [(shape, rate) for shape in args.shapes for rate in args.items_per_s]
         for k, (shape, rate) in enumerate(points):

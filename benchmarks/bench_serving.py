@@ -175,10 +175,10 @@ def summarize(outcomes: list[Outcome], span: float, qps: float, items_per_call: 
     }
 
 
-def scrape(url: str, args: argparse.Namespace) -> dict[str, float]:
+def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """Our server's counters (an SGLang server has other names: then empty)."""
     try:
-        text = httpx.get(url + "/metrics", headers=_auth(args), timeout=10).text
+        text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     except httpx.HTTPError:
         return {}
     out = {}
@@ -221,11 +221,11 @@ def bench_one(
     per_call = sum(len(c.suffixes) for c in calls) / len(calls)
     for qps in args.qps:
         httpx.post(url + "/flush_cache", headers=_auth(args), timeout=60)  # every rate starts cold
-        before = scrape(url, args)
+        before = scrape(url, _auth(args))
         # Without a pid (a server not launched here) the server's own use counts as "other".
         with harness.CpuShare(pid) as load:
             outcomes, span = asyncio.run(run_load(url, calls, qps, args, labels))
-        after = scrape(url, args)
+        after = scrape(url, _auth(args))
         row = {
             "config": name,
             **summarize(outcomes, span, qps, per_call),
@@ -247,10 +247,11 @@ def bench_one(
     return rows
 
 
-def warm_up(url: str, call: Call, args: argparse.Namespace, labels: tuple[int, int]) -> None:
+def warm_up(
+    url: str, path: str, body: dict[str, Any], timeout: float, headers: dict[str, str] | None = None
+) -> None:
     """One request first: one-off start-up costs (allocator, kernels) stay out of the numbers."""
-    path, body = request_body(call, args, labels)
-    r = httpx.post(url + path, json=body, headers=_auth(args), timeout=args.timeout)
+    r = httpx.post(url + path, json=body, headers=headers, timeout=timeout)
     if r.status_code != 200:
         raise RuntimeError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
 
@@ -349,7 +350,7 @@ def main() -> None:
             srv = launched_server(name, args, args.port + i).start()
             try:
                 srv.wait_ready()
-                warm_up(srv.url, calls[0], args, labels)
+                warm_up(srv.url, *request_body(calls[0], args, labels), args.timeout, _auth(args))
                 rows += bench_one(name, srv.url, calls, args, labels, pid=srv.proc.pid if srv.proc else None)
             finally:
                 srv.stop()
