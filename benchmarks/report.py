@@ -513,9 +513,7 @@ def cluster_section(doc: dict[str, Any] | None) -> list[str]:
 
 def cluster_summary(doc: dict[str, Any] | None) -> list[str]:
     """run_all's summary lines for bench_cluster."""
-    return (
-        [] if doc is None else [f"cluster {line}" for line in _cluster_ratio_lines(doc, bold="", bullet="")]
-    )
+    return [f"cluster {line}" for line in _cluster_ratio_lines(doc, bold="", bullet="")] if doc else []
 
 
 MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
@@ -800,7 +798,8 @@ def _decorate(ax: Any, xlabel: str, ylabel: str, title: str, legend: dict[str, A
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(**(legend or {}))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**(legend or {}))
 
 
 def plot_sweeps(workloads: dict[str, Any], path: Path, names: dict[str, str] | None = None) -> None:
@@ -828,10 +827,7 @@ def plot_lambda(runs: list[dict[str, Any]], path: Path) -> None:
         lab = "fcfs" if r["policy"] == "fcfs" else f"po λ={r['lam']:g}"
         ax.scatter(r["mean_s"], r["p99_s"], marker="s" if r["policy"] == "fcfs" else "o")
         ax.annotate(lab, (r["mean_s"], r["p99_s"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.set_xlabel("mean latency (s)")
-    ax.set_ylabel("P99 latency (s)")
-    ax.set_title("fairness λ: mean vs P99")
-    ax.grid(True, alpha=0.3)
+    _decorate(ax, "mean latency (s)", "P99 latency (s)", "fairness λ: mean vs P99")
     _save(fig, path)
 
 
@@ -841,12 +837,8 @@ def plot_jct(pts: list[tuple[float, float, float]], r: float, path: Path) -> Non
     ax.scatter(pred, meas, s=12, alpha=0.7)
     hi = max(max(pred), max(meas)) * 1.05
     ax.plot([0, hi], [0, hi], color="grey", linestyle="--", label="y = x")
-    _decorate(
-        ax,
-        "predicted step time (s)",
-        "measured step time (s)",
-        f"JCT model: r = {r:.3f} over {len(pts)} steps",
-    )
+    title = f"JCT model: r = {r:.3f} over {len(pts)} steps"
+    _decorate(ax, "predicted step time (s)", "measured step time (s)", title)
     _save(fig, path)
 
 
@@ -870,13 +862,8 @@ def plot_cluster_sim(doc: dict[str, Any], path: Path) -> None:
         a.set_xscale("log", base=2)
         _plain_ticks(a.xaxis, subs=())
     small = {"fontsize": 7}
-    _decorate(
-        ax,
-        "workers",
-        f"QPS at P99 <= {doc['slo_p99_s']:.1f} s",
-        "sustained QPS vs workers (simulated)",
-        small,
-    )
+    ylabel = f"QPS at P99 <= {doc['slo_p99_s']:.1f} s"
+    _decorate(ax, "workers", ylabel, "sustained QPS vs workers (simulated)", small)
     _decorate(ax2, "workers", "fraction", "hit rate; imbalance (max/mean items) - 1", small)
     _save(fig, path)
 
