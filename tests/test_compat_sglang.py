@@ -200,6 +200,7 @@ def test_sgl_function_same_decisions_as_http(sgl: Any, engine: Engine, server: s
     # set_default_backend: the program runs without naming a backend.
     sgl.set_default_backend(local_backend)
     state = program.run(post=REVIEWS[0])
+    state.sync()  # the program's later gen runs on its own thread: let it end before the next test
     assert state["answer"] == remote[0]["answer"]
     local_backend.shutdown()  # shared engine: left running
     assert not engine.runtime.loop.closed
