@@ -342,6 +342,28 @@ class Classifier:
         return out
 
 
+@dataclass(frozen=True)
+class Parameters:
+    """How a classifier's parameters bind to a row's fields (a dataset's columns, a file's keys):
+    by name, so `*args` takes none and `**kwargs` takes every other field."""
+
+    names: tuple[str, ...]  # every parameter a field can bind, in signature order
+    required: tuple[str, ...]  # of those, the ones without a default
+    positional_only: tuple[str, ...]  # of those, the ones a name cannot reach
+    var_keyword: bool  # `**kwargs`: every other field goes there too
+
+
+def parameters(signature: inspect.Signature) -> Parameters:
+    kinds = signature.parameters
+    named = [n for n, p in kinds.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return Parameters(
+        names=tuple(named),
+        required=tuple(n for n in named if kinds[n].default is inspect.Parameter.empty),
+        positional_only=tuple(n for n in named if kinds[n].kind is inspect.Parameter.POSITIONAL_ONLY),
+        var_keyword=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in kinds.values()),
+    )
+
+
 def classify(
     labels: Sequence[str],
     *,

@@ -30,14 +30,13 @@ Only `import po_lang.ray` imports ray (lazily, when called); `import po_lang` ne
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from po_backend.core.settings import resolve
-from po_lang.api import Calibrate, Classifier, classify
+from po_lang.api import Calibrate, Classifier, classify, parameters
 from po_lang.backends import Backend
 from po_lang.compiler import ClassifySpec
 from po_lang.errors import BackendUnavailable
@@ -110,20 +109,14 @@ class _Columns:
 def match_columns(fn: Classifier, columns: Sequence[str]) -> _Columns:
     """Map dataset columns to `fn`'s parameters by name; a required parameter without a column, or
     one only passable by position, is a ValueError that names the columns there are."""
-    params: list[str] = []
-    missing: list[str] = []
-    var_keyword = False
-    for name, p in fn.signature.parameters.items():
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            var_keyword = True
-        elif p.kind is inspect.Parameter.VAR_POSITIONAL:
-            continue
-        elif name in columns:
-            if p.kind is inspect.Parameter.POSITIONAL_ONLY:
-                raise ValueError(f"{_name(fn)}: parameter {name!r} is positional-only; columns bind by name")
-            params.append(name)
-        elif p.default is inspect.Parameter.empty:
-            missing.append(name)
+    ps = parameters(fn.signature)
+    unreachable = [n for n in ps.positional_only if n in columns]
+    if unreachable:
+        raise ValueError(
+            f"{_name(fn)}: parameter {unreachable[0]!r} is positional-only; columns bind by name"
+        )
+    params = [n for n in ps.names if n in columns]
+    missing = [n for n in ps.required if n not in columns]
     if missing:
         raise ValueError(
             f"{_name(fn)}{fn.signature}: no column for parameter(s) {missing}; the dataset has columns "
@@ -132,7 +125,7 @@ def match_columns(fn: Classifier, columns: Sequence[str]) -> _Columns:
     clash = [c for c in (*OUTPUT_COLUMNS, PREFIX_COLUMN) if c in columns]
     if clash:
         raise ValueError(f"the dataset already has column(s) {clash} that classify_dataset adds; rename them")
-    return _Columns(tuple(params), var_keyword)
+    return _Columns(tuple(params), ps.var_keyword)
 
 
 def prefix_key(fn: Classifier, kwargs: Mapping[str, Any]) -> str:

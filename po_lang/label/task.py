@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from po_lang.api import Calibrate, Classifier, classify
+from po_lang.api import Calibrate, Classifier, classify, parameters
 from po_lang.backends import Backend
 from po_lang.ir import Prompt, shared
 from po_lang.label.source import UsageError
@@ -201,20 +201,11 @@ def from_function(
         recipe = dataclasses.replace(recipe, calibrate=None, content_free_args=None)
     elif calibrate == "content-free":
         recipe = dataclasses.replace(recipe, calibrate="content-free")
-    params: list[str] = []
-    required: list[str] = []
-    var_keyword = False
-    for pname, p in fn.signature.parameters.items():
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            var_keyword = True
-        elif p.kind is inspect.Parameter.VAR_POSITIONAL:
-            continue
-        elif p.kind is inspect.Parameter.POSITIONAL_ONLY:
-            raise UsageError(f"{fn!r}: parameter {pname!r} is positional-only; fields bind by name")
-        else:
-            params.append(pname)
-            if p.default is inspect.Parameter.empty:
-                required.append(pname)
+    ps = parameters(fn.signature)
+    if ps.positional_only:
+        raise UsageError(
+            f"{fn!r}: parameter {ps.positional_only[0]!r} is positional-only; fields bind by name"
+        )
     try:
         source = inspect.getsource(fn.__wrapped__)  # type: ignore[attr-defined]
     except (OSError, TypeError):
@@ -222,7 +213,7 @@ def from_function(
     name = getattr(fn, "__qualname__", repr(fn))
     identity = f"function:{fn.__module__}:{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
     clf = recipe.build(backend, batch_size)
-    return Task(clf, tuple(required), None if var_keyword else tuple(params), False, identity)
+    return Task(clf, ps.required, None if ps.var_keyword else ps.names, False, identity)
 
 
 def file_hash(path: Path) -> str:
