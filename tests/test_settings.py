@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from po_backend.compat.sglang import Engine, SGLangEngine
 from po_backend.core.settings import FIELDS, Settings, resolve
 from po_backend.entrypoints.launch_cluster import check_worker_flags
 from po_backend.entrypoints.launch_server import build_parser, build_service, server_args
-from po_backend.server import create_app
+from po_backend.server import ServerArgs, create_app
 from po_backend.serving.runtime import LockedTokenizer
 
 
@@ -181,6 +182,34 @@ def test_cluster_worker_flags_fail_once_with_the_servers_text(capsys: pytest.Cap
         check_worker_flags("m", ["--tp-size", "2"])
     assert "tensor parallelism" in capsys.readouterr().err
     check_worker_flags("m", ["--schedule-policy", "lof", "--chunked-prefill-size", "-1"])
+
+
+def test_http_flags_generated_from_server_args(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The HTTP edge's flags come from ServerArgs' fields: one flag each, the fields' defaults
+    when not given, the fields' checks in process too."""
+    monkeypatch.delenv("PREFILLONLY_API_KEY", raising=False)
+    parser = build_parser()
+    dests = {a.dest for a in parser._actions}
+    assert {f.name for f in fields(ServerArgs)} - {"engine"} <= dests
+    assert server_args(parser.parse_args(["--model-path", "m"])) == ServerArgs(
+        engine=Settings(model_path="m")
+    )
+    template = tmp_path / "t.txt"
+    template.write_text("Q: {input}\nA:")
+    a = server_args(
+        parser.parse_args(
+            ["--model-path", "m", "--classify-labels", "yes, no", "--max-body-bytes", "1M",
+             "--classify-template", str(template), "--log-level", "debug", "--port", "0"]
+        )
+    )  # fmt: skip
+    assert a.classify_labels == ("yes", "no") and a.max_body_bytes == 1 << 20 and a.port == 0
+    assert a.classify_template == "Q: {input}\nA:" and a.log_level == "debug"
+    monkeypatch.setenv("PREFILLONLY_API_KEY", "k")
+    assert server_args(parser.parse_args(["--model-path", "m"])).api_key == "k"
+    with pytest.raises(ValueError, match="log_level must be one of"):
+        ServerArgs(engine=Settings(model_path="m"), log_level="loud")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--log-level", "loud"])
 
 
 def test_engine_is_sglang_engine() -> None:

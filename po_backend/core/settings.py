@@ -66,7 +66,10 @@ def arg_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _opt(help: str, *, type: Callable[[str], Any] | None = None, choices: tuple[str, ...] = ()) -> Any:
+def flag(help: str, *, type: Callable[[str], Any] | None = None, choices: tuple[str, ...] = ()) -> Any:
+    """A dataclass field's command-line declaration (its `metadata`): help text, the type that
+    parses the flag's text, the choices. `add_fields` generates the flag from it and the field's
+    default."""
     return {"help": help, "type": type, "choices": choices}
 
 
@@ -75,62 +78,62 @@ class Settings:
     """What runs: the engine (or the transformers baseline) and the scheduling loop in front of
     it. None means the engine's or the model's default, resolved when the engine loads."""
 
-    model_path: str = field(metadata=_opt("HF folder, .gguf file, or 'embedded' (SmolLM2-135M)"))
+    model_path: str = field(metadata=flag("HF folder, .gguf file, or 'embedded' (SmolLM2-135M)"))
     backend: str = field(
         default="prefillonly",
-        metadata=_opt(
+        metadata=flag(
             "prefillonly (ours) | hf (the transformers baseline: FCFS, no prefix cache)", choices=BACKENDS
         ),
     )
-    dtype: str = field(default="auto", metadata=_opt("auto | bf16 | fp16 | fp32"))
-    device: str | None = field(default=None, metadata=_opt("cpu | cuda (default: cuda when available)"))
+    dtype: str = field(default="auto", metadata=flag("auto | bf16 | fp16 | fp32"))
+    device: str | None = field(default=None, metadata=flag("cpu | cuda (default: cuda when available)"))
     max_input_len: int | None = field(
-        default=None, metadata=_opt("longest prompt in tokens (default: the model's context)", type=int)
+        default=None, metadata=flag("longest prompt in tokens (default: the model's context)", type=int)
     )
     max_batch_tokens: int | None = field(
-        default=None, metadata=_opt("new tokens per forward (default: max(max-input-len, 2048))", type=int)
+        default=None, metadata=flag("new tokens per forward (default: max(max-input-len, 2048))", type=int)
     )
     memory_budget: int | None = field(
         default=None,
-        metadata=_opt("bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes),
+        metadata=flag("bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes),
     )
     mem_fraction_static: float | None = field(
         default=None,
-        metadata=_opt(
+        metadata=flag(
             "share of the memory available at start for activations + prefix cache (instead of --memory-budget)",
             type=float,
         ),
     )
     chunk_size: int = field(
         default=DEFAULT_CHUNK_SIZE,
-        metadata=_opt(
+        metadata=flag(
             "tokens per chunk of the non-attention work (hybrid prefilling); 0 = no chunking", type=int
         ),
     )
     prefill_mode: str = field(
         default="hybrid",
-        metadata=_opt(
+        metadata=flag(
             "hybrid: the paper's hybrid prefilling; chunked: Sarathi-style chunked prefill (baseline)",
             choices=PREFILL_MODES,
         ),
     )
-    enable_cache: bool = field(default=True, metadata=_opt("the prefix (radix) cache"))
+    enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache"))
     cache_policy: str | None = field(
         default=None,
-        metadata=_opt(
+        metadata=flag(
             "which leading tokens of a request that declares none are cached (default: all-but-last-k)",
             choices=CACHE_POLICIES,
         ),
     )
     prefix_pool_tokens: int | None = field(
         default=None,
-        metadata=_opt(
+        metadata=flag(
             "tokens the prefix-KV pool holds at most (default: what the memory budget leaves)", type=int
         ),
     )
     schedule_policy: str = field(
         default="po",
-        metadata=_opt(
+        metadata=flag(
             "po: prefix-aware SRJF with JCT calibration (the paper's); fcfs: arrival order (the only "
             "one of --backend hf); srjf: JCT at arrival; lpm: longest cached prefix first. SGLang's "
             "lof maps to fcfs and dfs-weight to lpm, with a warning; random is refused",
@@ -139,18 +142,18 @@ class Settings:
     )
     fairness_lambda: float = field(
         default=DEFAULT_FAIRNESS_LAMBDA,
-        metadata=_opt("po's starvation bound: score = jct - lambda * t_queue (seconds)", type=float),
+        metadata=flag("po's starvation bound: score = jct - lambda * t_queue (seconds)", type=float),
     )
     min_shared_prefix: int = field(
         default=DEFAULT_MIN_SHARED_PREFIX,
-        metadata=_opt(
+        metadata=flag(
             "waiting requests sharing at least this many leading tokens run in one step, the shared part computed once",
             type=int,
         ),
     )
     max_queue: int = field(
         default=DEFAULT_MAX_QUEUE,
-        metadata=_opt("queued prompts before requests get 503 'overloaded'", type=int),
+        metadata=flag("queued prompts before requests get 503 'overloaded'", type=int),
     )
 
     def __post_init__(self) -> None:
@@ -346,14 +349,17 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One command-line flag per `Settings` field and per alias, generated from the declarations.
-    Every flag defaults to "not given" (argparse.SUPPRESS), so `settings_kwargs` hands `resolve`
-    only what the user typed and the defaults stay those of `Settings`."""
-    for f in fields(Settings):
+def add_fields(parser: argparse._ActionsContainer, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One `--name-with-dashes` flag per field of the dataclass `cls` declared with `flag(...)`
+    metadata (the fields in `skip` and those without metadata get none). Every flag defaults to
+    "not given" (argparse.SUPPRESS): what the user did not type is left to the dataclass' own
+    default, so a default exists once, on its field."""
+    for f in fields(cls):
         meta = f.metadata
+        if f.name in skip or "help" not in meta:
+            continue
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
-        if f.default is not MISSING and f.default is not None:
+        if f.default not in (MISSING, None, "", ()):
             kw["help"] += f" (default: {f.default})"
         if f.type in ("bool", bool):
             kw["action"] = argparse.BooleanOptionalAction
@@ -362,21 +368,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 kw["type"] = meta["type"]
             if meta["choices"]:
                 kw["choices"] = meta["choices"]
-        if f.name == "model_path":
+        if f.default is MISSING and f.default_factory is MISSING:
             kw["required"] = True
         parser.add_argument(_flag(f.name), **kw)
+
+
+def given(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The flags of `cls`' fields that the user typed (`add_fields`), by field name."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in vars(ns).items() if k in names}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags: one per `Settings` field and one per SGLang/vLLM alias, generated from
+    the declarations; `settings_kwargs` hands `resolve` only what the user typed."""
+    group = parser.add_argument_group("engine and scheduler (also as keyword arguments in process)")
+    add_fields(group, Settings)
+    names = parser.add_argument_group("SGLang / vLLM names (mapped onto the settings above)")
     for name, alias in ALIASES.items():
-        kw = {"dest": name, "default": argparse.SUPPRESS, "help": alias.help}
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": alias.help}
         if alias.type is None:
             kw["action"] = "store_true"
         else:
             kw["type"] = alias.type
-        parser.add_argument(_flag(name), **kw)
+        names.add_argument(_flag(name), **kw)
 
 
 def settings_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """What `add_arguments`' flags collected: the keyword arguments of `resolve`."""
-    names = set(FIELDS) | set(ALIASES)
+    names = set(FIELDS) | set(ALIASES)  # in the order typed: "a and b both set x" names them so
     return {k: v for k, v in vars(ns).items() if k in names}
 
 

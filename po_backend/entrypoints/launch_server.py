@@ -21,8 +21,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import MISSING, fields
-from pathlib import Path
 from typing import Any
 
 import h11
@@ -30,9 +28,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from po_backend.core.errors import DrainingError
-from po_backend.core.settings import add_arguments, arg_bytes, parse_bytes, resolve, settings_kwargs
+from po_backend.core.settings import add_arguments, add_fields, given, parse_bytes, resolve, settings_kwargs
 from po_backend.server import LoopService, ServerArgs, create_app
-from po_backend.server.args import HTTP_HELP
 
 log = logging.getLogger("po_backend.entrypoints.launch_server")
 
@@ -42,48 +39,25 @@ API_KEY_ENV = "PREFILLONLY_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags, generated: the engine and scheduler settings (and their SGLang/vLLM names) from
-    `core.settings.Settings`, the HTTP edge's from `ServerArgs` (defaults) and `HTTP_HELP`."""
+    """The flags, generated from the declarations: the engine and scheduler settings (and their
+    SGLang/vLLM names) from `core.settings.Settings`, the HTTP edge's from `ServerArgs`."""
     ap = argparse.ArgumentParser(
         prog="po-launch-server", description=__doc__.splitlines()[0] if __doc__ else None
     )
     add_arguments(ap)
-    for f in fields(ServerArgs):
-        if f.name == "engine":
-            continue
-        help_text, kind = HTTP_HELP[f.name]
-        default = f.default if f.default is not MISSING else None
-        if f.name == "classify_labels":
-            default = ""
-        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
-        if f.name == "log_level":
-            kw["choices"] = ("debug", "info", "warning", "error", "critical")
-        if kind is parse_bytes:
-            kw["type"] = arg_bytes
-        elif kind is not str:
-            kw["type"] = kind
-        ap.add_argument("--" + f.name.replace("_", "-"), **kw)
+    add_fields(ap.add_argument_group("HTTP server"), ServerArgs, skip=("engine",))
     return ap
 
 
 def server_args(a: argparse.Namespace) -> ServerArgs:
     """The command line as `ServerArgs`: the engine settings through `core.settings.resolve`
-    (the same mapping and checks as every in-process entry point). Raises ValueError for values
-    or combinations that cannot run, TypeError never (argparse knows every flag)."""
+    (the same mapping and checks as every in-process entry point), the flags not given left to
+    the fields' defaults. Raises ValueError for values or combinations that cannot run, TypeError
+    never (argparse knows every flag)."""
     engine = resolve(**settings_kwargs(a))
-    http = {f.name: getattr(a, f.name) for f in fields(ServerArgs) if f.name != "engine"}
-    http["api_key"] = a.api_key or os.environ.get(API_KEY_ENV) or None
-    http["served_model_name"] = a.served_model_name or ""
-    http["rerank_template"] = _text_or_file(a.rerank_template)
-    http["classify_template"] = _text_or_file(a.classify_template)
-    labels = a.classify_labels
-    http["classify_labels"] = tuple(x.strip() for x in labels.split(",")) if labels else ()
+    http = given(a, ServerArgs)
+    http["api_key"] = http.get("api_key") or os.environ.get(API_KEY_ENV) or None
     return ServerArgs(engine=engine, **http)
-
-
-def _text_or_file(value: str) -> str:
-    """A template flag: the text itself, or the contents of the file it names."""
-    return Path(value).read_text() if value and os.path.isfile(value) else value
 
 
 def build_service(args: ServerArgs) -> LoopService:
@@ -179,7 +153,7 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     def _deadline(self) -> None:
-        n = self.runtime.backend.abandon_waiting(DrainingError("the server is shutting down"))
+        n = self.runtime.service.abandon_waiting(DrainingError("the server is shutting down"))
         if n:
             log.warning("shutdown deadline: %d queued requests answered 503 (Retry-After)", n)
 

@@ -24,7 +24,7 @@ async def health(rt: RuntimeDep) -> Response:
 @router.get("/ready")
 async def ready(rt: RuntimeDep) -> Response:
     """200 when a call would be queued now: healthy and the queue has room."""
-    stats = rt.backend.stats()
+    stats = rt.service.stats()
     room = float(stats.get("queued", 0) or 0) < rt.args.max_queue
     return Response(status_code=200 if rt.healthy() and room else 503)
 

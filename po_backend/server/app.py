@@ -1,4 +1,4 @@
-"""`create_app`: one FastAPI app over one backend, assembled from the API modules' routers, the
+"""`create_app`: one FastAPI app over one scoring service, assembled from the API modules' routers, the
 error handlers and the middleware."""
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ ROUTERS = (
 )
 
 
-def create_app(backend: ScoringService, args: ServerArgs) -> FastAPI:
-    """The FastAPI app over `backend`. `backend.shutdown()` runs when the app stops."""
+def create_app(service: ScoringService, args: ServerArgs) -> FastAPI:
+    """The FastAPI app over `service`. `service.shutdown()` runs when the app stops."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await asyncio.to_thread(backend.shutdown)
+        await asyncio.to_thread(service.shutdown)
 
     app = FastAPI(title="PrefillOnly", version=VERSION, lifespan=lifespan)
-    runtime = app.state.runtime = Runtime(backend, args)
+    runtime = app.state.runtime = Runtime(service, args)
     add_exception_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -1,44 +1,105 @@
 """`ServerArgs`: every setting of one server: what runs (`core.settings.Settings`, declared once
-for every entry point) and the HTTP edge's own fields, declared here with their defaults and help
-(`HTTP_HELP`; launch_server generates its flags from both). /server_info reports the resolved
-settings. Torch-free.
+for every entry point) and the HTTP edge's own fields, declared here with their defaults, help and
+checks (launch_server generates its flags from both with `core.settings.add_fields`).
+/server_info reports the resolved settings. Torch-free.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
-from po_backend.core.settings import Settings, parse_bytes
+from po_backend.core.settings import Settings, arg_bytes, flag
 from po_backend.sched.scheduler import SchedulerConfig
+
+
+def _labels(text: str) -> tuple[str, ...]:
+    """--classify-labels: comma-separated."""
+    return tuple(x.strip() for x in text.split(",")) if text else ()
+
+
+def _text_or_file(value: str) -> str:
+    """A template flag: the text itself, or the contents of the file it names."""
+    return Path(value).read_text() if value and os.path.isfile(value) else value
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """One server: what runs (engine, scheduler) and how it is reached (the HTTP edge)."""
+    """One server: what runs (engine, scheduler) and how it is reached (the HTTP edge). Each HTTP
+    field is declared once here: default, command-line help (`core.settings.flag`) and check."""
 
     engine: Settings
-    served_model_name: str = ""
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    max_body_bytes: int = 64 << 20
-    timeout_keep_alive: float = 65.0  # seconds an idle keep-alive connection stays open
-    shutdown_timeout: float = 30.0  # on SIGTERM: seconds to finish queued work, then 503s
-    timeout_request_read: float = 30.0  # seconds a client may take to send headers and body
-    log_level: str = "info"
+    served_model_name: str = field(
+        default="", metadata=flag("model name in API responses (default: the model path)")
+    )
+    host: str = field(default="127.0.0.1", metadata=flag("bind address (loopback only unless given)"))
+    port: int = field(default=30000, metadata=flag("TCP port", type=int))
+    api_key: str | None = field(
+        default=None,
+        metadata=flag(
+            "require 'Authorization: Bearer KEY' (or set $PREFILLONLY_API_KEY, which keeps the key out of `ps`)"
+        ),
+    )
+    max_body_bytes: int = field(
+        default=64 << 20, metadata=flag("larger request bodies get 413 (e.g. 64M)", type=arg_bytes)
+    )
+    timeout_keep_alive: float = field(
+        default=65.0, metadata=flag("seconds an idle keep-alive connection stays open", type=float)
+    )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata=flag(
+            "on SIGTERM: seconds to finish queued work; what is still queued then gets 503 + Retry-After",
+            type=float,
+        ),
+    )
+    timeout_request_read: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds a client may take to send a request's headers and body before it is cut off", type=float
+        ),
+    )
+    log_level: str = field(default="info", metadata=flag("the server's log level", choices=LOG_LEVELS))
     # Rerank prompt with {query} before {doc} (and optional {instruct}); "" = Qwen3-Reranker's
     # turns in the model's chat template (po_backend/server/rerank.py).
-    rerank_template: str = ""
+    rerank_template: str = field(
+        default="",
+        metadata=flag(
+            "rerank prompt (text or a file) with {query} before {doc}, optional {instruct}; default: "
+            "Qwen3-Reranker's format in the chat template",
+            type=_text_or_file,
+        ),
+    )
     # Per-call limits, checked before any tokenizing. Top log-probs per position are capped like
     # vLLM's max_logprobs (a full-vocabulary list per item would be a response of gigabytes).
-    max_top_logprobs: int = 20
-    max_items_per_request: int = 1024  # prompts (or documents) in one call
-    max_labels: int = 64  # labels in one classify call
+    max_top_logprobs: int = field(
+        default=20,
+        metadata=flag(
+            "top log-probs per position, /generate and /v1/completions (like vLLM's max_logprobs)", type=int
+        ),
+    )
+    max_items_per_request: int = field(
+        default=1024, metadata=flag("prompts or documents in one call", type=int)
+    )
+    max_labels: int = field(default=64, metadata=flag("labels in one classify call", type=int))
     # SGLang/vLLM-style /v1/classify: the labels and the prompt around {input}.
-    classify_labels: tuple[str, ...] = ()
-    classify_template: str = "{input}"
+    classify_labels: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "labels of SGLang/vLLM-style /v1/classify {model, input}, comma-separated (e.g. yes,no)",
+            type=_labels,
+        ),
+    )
+    classify_template: str = field(
+        default="{input}",
+        metadata=flag("prompt of /v1/classify around {input} (text or a file)", type=_text_or_file),
+    )
 
     def __post_init__(self) -> None:
         if self.rerank_template and not (
@@ -59,6 +120,8 @@ class ServerArgs:
         for name in ("max_top_logprobs", "max_items_per_request", "max_labels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1:
@@ -101,24 +164,3 @@ class ServerArgs:
             (f.name, getattr(self, f.name)) for f in fields(self) if f.name not in ("engine", "api_key")
         )
         return out
-
-
-# The HTTP edge's flags: help text and command-line type of each ServerArgs field (the defaults
-# are the fields' own). launch_server generates `--name-with-dashes` from these.
-HTTP_HELP: dict[str, tuple[str, Any]] = {
-    "host": ("bind address (default: loopback only)", str),
-    "port": ("TCP port", int),
-    "api_key": ("require 'Authorization: Bearer KEY' (or set $PREFILLONLY_API_KEY, which keeps the key out of `ps`)", str),
-    "served_model_name": ("model name in API responses (default: the model path)", str),
-    "max_body_bytes": ("larger request bodies get 413 (e.g. 64M)", parse_bytes),
-    "timeout_keep_alive": ("seconds an idle keep-alive connection stays open", float),
-    "shutdown_timeout": ("on SIGTERM: seconds to finish queued work; what is still queued then gets 503 + Retry-After", float),
-    "timeout_request_read": ("seconds a client may take to send a request's headers and body before it is cut off", float),
-    "log_level": ("debug | info | warning | error | critical", str),
-    "rerank_template": ("rerank prompt (text or a file) with {query} before {doc}, optional {instruct}; default: Qwen3-Reranker's format in the chat template", str),
-    "max_top_logprobs": ("top log-probs per position, /generate and /v1/completions (like vLLM's max_logprobs)", int),
-    "max_items_per_request": ("prompts or documents in one call", int),
-    "max_labels": ("labels in one classify call", int),
-    "classify_labels": ("labels of SGLang/vLLM-style /v1/classify {model, input}, comma-separated (e.g. yes,no)", str),
-    "classify_template": ("prompt of /v1/classify around {input} (text or a file)", str),
-}  # fmt: skip

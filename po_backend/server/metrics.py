@@ -51,8 +51,8 @@ class Metrics:
         2400,
     )
 
-    def __init__(self, backend: ScoringService, model_name: str = "") -> None:
-        self.backend = backend
+    def __init__(self, service: ScoringService, model_name: str = "") -> None:
+        self.service = service
         r = self.registry = CollectorRegistry()
         self._sglang_series(r, model_name)
         self.requests = Counter("po_http_requests", "HTTP requests", ["endpoint", "status"], registry=r)
@@ -155,7 +155,7 @@ class Metrics:
     def _token_usage(self) -> float:
         """Share of the prefix pool's slots in use (SGLang: of the KV cache)."""
         try:
-            cache = self.backend.stats().get("cache") or {}
+            cache = self.service.stats().get("cache") or {}
             total = float(cache.get("total_slots", 0) or 0)
             return 1.0 - float(cache.get("free_slots", 0)) / total if total else 0.0
         except Exception:  # a scrape must not fail because a stat is missing
@@ -163,13 +163,13 @@ class Metrics:
 
     def _cache_stat(self, key: str) -> float:
         try:
-            return float((self.backend.stats().get("cache") or {}).get(key, 0) or 0)
+            return float((self.service.stats().get("cache") or {}).get(key, 0) or 0)
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 
     def _stat(self, key: str) -> float:
         try:
-            return float(self.backend.stats().get(key, 0) or 0)
+            return float(self.service.stats().get(key, 0) or 0)
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 

@@ -37,7 +37,7 @@ def _model_card(rt: Runtime) -> dict[str, Any]:
         "created": int(time.time()),
         "owned_by": "prefillonly",
         "root": rt.args.model_path,
-        "max_model_len": rt.backend.max_input_len,
+        "max_model_len": rt.service.max_input_len,
     }
 
 
@@ -90,7 +90,7 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
     cap = rt.args.max_top_logprobs
     if body.logprobs is not None and not 0 <= body.logprobs <= cap:
         raise bad(f"logprobs must be in [0, {cap}] (--max-top-logprobs), got {body.logprobs}")
-    bias = parse_bias(body.logit_bias, rt.backend.vocab_size, "logit_bias")
+    bias = parse_bias(body.logit_bias, rt.service.vocab_size, "logit_bias")
     p = body.prompt
     if not isinstance(p, str) and p and not isinstance(p[0], int):
         rt.check_items(len(p), "prompts")

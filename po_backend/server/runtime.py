@@ -1,4 +1,4 @@
-"""What every endpoint shares: `Runtime` (the backend, the settings, the metrics; tokenizing, token
+"""What every endpoint shares: `Runtime` (the scoring service, the settings, the metrics; tokenizing, token
 text, log-prob entries; submitting a call's requests and awaiting them with cancel-on-disconnect),
 the `RuntimeDep` that hands it to a handler, and the SSE response."""
 
@@ -33,12 +33,12 @@ T = TypeVar("T")
 
 
 class Runtime:
-    """One app's backend, settings and metrics, and the steps its handlers share."""
+    """One app's scoring service, settings and metrics, and the steps its handlers share."""
 
-    def __init__(self, backend: ScoringService, args: ServerArgs) -> None:
-        self.backend = backend
+    def __init__(self, service: ScoringService, args: ServerArgs) -> None:
+        self.service = service
         self.args = args
-        self.metrics = Metrics(backend, args.model_name)
+        self.metrics = Metrics(service, args.model_name)
         self._token_text: dict[int, str] = {}
         # Parsing a call tokenizes: CPU work of up to a few hundred ms for a large batch. It runs
         # here, off the event loop, which keeps answering /health and other clients meanwhile.
@@ -48,7 +48,7 @@ class Runtime:
 
     def healthy(self) -> bool:
         """Liveness: the scoring loop runs and the server is not shutting down."""
-        return self.backend.alive() and not self.draining
+        return self.service.alive() and not self.draining
 
     async def parse(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` (a handler's parse step) on the parse pool."""
@@ -69,20 +69,20 @@ class Runtime:
 
     @property
     def tokenizer(self) -> Any:
-        if self.backend.tokenizer is None:
+        if self.service.tokenizer is None:
             raise bad("this model has no tokenizer: send input_ids instead of text")
-        return self.backend.tokenizer
+        return self.service.tokenizer
 
     @property
     def eos_token_id(self) -> int | None:
-        return getattr(self.backend.tokenizer, "eos_token_id", None)
+        return getattr(self.service.tokenizer, "eos_token_id", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
-        limit = MAX_CHARS_PER_TOKEN * self.backend.max_input_len
+        limit = MAX_CHARS_PER_TOKEN * self.service.max_input_len
         if len(text) > limit:
             raise bad(
                 f"the text has {len(text)} characters: it cannot fit max_input_len="
-                f"{self.backend.max_input_len} tokens (refused before tokenizing above {limit} characters)"
+                f"{self.service.max_input_len} tokens (refused before tokenizing above {limit} characters)"
             )
         return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -98,11 +98,11 @@ class Runtime:
 
     def token_text(self, token: int) -> str | None:
         """One token decoded on its own (SGLang's `return_text_in_logprobs`), memoised."""
-        if self.backend.tokenizer is None:
+        if self.service.tokenizer is None:
             return None
         text = self._token_text.get(token)
         if text is None:
-            text = self._token_text[token] = self.backend.tokenizer.decode([token])
+            text = self._token_text[token] = self.service.tokenizer.decode([token])
         return text
 
     def entry(self, logprob: float | None, token: int, with_text: bool) -> list[Any]:
@@ -123,7 +123,7 @@ class Runtime:
             raise DrainingError("the server is shutting down")
         try:
             # Validation and a queue push: fast and thread-safe, fine on the event loop.
-            futs = self.backend.submit_many(reqs)
+            futs = self.service.submit_many(reqs)
         except OverloadedError:
             self.metrics.rejected.inc(len(reqs))
             raise
@@ -146,7 +146,7 @@ class Runtime:
                 waiters.add_done_callback(_discard_outcome)
                 unfinished = [f for f in futs if not f.done()]
                 for f in unfinished:
-                    self.backend.cancel(f)
+                    self.service.cancel(f)
                 self.metrics.cancelled.inc(len(unfinished))
                 self.metrics.sgl_aborted.inc(len(unfinished))
 

@@ -325,7 +325,7 @@ def _classify_prompts(
             out.append((head + rt.encode(t[k:], add_special_tokens=False), t, len(head)))
         return out
     rows = [cast(list[int], p)] if p and all(isinstance(x, int) for x in p) else cast(list[list[int]], p)
-    vocab = rt.backend.vocab_size
+    vocab = rt.service.vocab_size
     for r in rows:  # before anything decodes them (the tokenizer overflows on ids like 2**40)
         bad_ids = [t for t in r if not 0 <= t < vocab]
         if bad_ids:

@@ -63,7 +63,7 @@ async def generate(body: GenerateRequest, request: Request, rt: RuntimeDep) -> R
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def model_info(rt: RuntimeDep) -> dict[str, Any]:
-    args, backend = rt.args, rt.backend
+    args, service = rt.args, rt.service
     model_path, tok_dir = await asyncio.to_thread(router_paths, rt)
     return {
         "model_path": model_path,
@@ -73,11 +73,11 @@ async def model_info(rt: RuntimeDep) -> dict[str, Any]:
         "weight_version": "default",
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        "model_type": backend.model_type,
-        "architectures": list(backend.architectures),
+        "model_type": service.model_type,
+        "architectures": list(service.architectures),
         "served_model_name": args.model_name,
-        "max_input_len": backend.max_input_len,
-        "vocab_size": backend.vocab_size,
+        "max_input_len": service.max_input_len,
+        "vocab_size": service.vocab_size,
         "backend": args.backend,
     }
 
@@ -87,7 +87,7 @@ def router_paths(rt: Runtime) -> tuple[str, str | None]:
     only: the SGLang router loads a tokenizer from the `model_path` of /server_info and goes to
     the hub for anything that is not a local folder ("embedded", a .gguf file)."""
     model_path = rt.args.model_path
-    tok_dir = tokenizer_dir(rt.backend.tokenizer)
+    tok_dir = tokenizer_dir(rt.service.tokenizer)
     if os.path.isfile(os.path.join(model_path, "tokenizer.json")):
         return model_path, tok_dir
     return tok_dir or model_path, tok_dir
@@ -117,26 +117,26 @@ def tokenizer_dir(tokenizer: Any) -> str | None:
 @router.get("/get_server_info")
 def server_info(rt: RuntimeDep) -> dict[str, Any]:
     # Sync, so FastAPI runs it in its thread pool: stats() takes the engine loop's lock.
-    backend = rt.backend
+    service = rt.service
     # The effective settings (resolved dtype, device, policy) override what was asked for.
     model_path, tok_dir = router_paths(rt)
     info = {
         **rt.args.public(),
-        "model_type": backend.model_type,
-        "architectures": list(backend.architectures),
+        "model_type": service.model_type,
+        "architectures": list(service.architectures),
     }
-    info.update(backend.settings)
+    info.update(service.settings)
     # Not the flag as given: the router loads its tokenizer from here (see router_paths). The
     # name clients send stays served_model_name, which defaults to the flag, as SGLang's does.
     info.update(model_path=model_path, tokenizer_path=tok_dir, served_model_name=rt.args.model_name)
-    return {**info, "internal_states": [backend.stats()], "version": VERSION}
+    return {**info, "internal_states": [service.stats()], "version": VERSION}
 
 
 @router.post("/flush_cache")
 @router.get("/flush_cache")
 async def flush_cache(rt: RuntimeDep) -> Response:
     try:
-        await asyncio.to_thread(rt.backend.flush_cache)
+        await asyncio.to_thread(rt.service.flush_cache)
     except PrefillOnlyError as e:
         return PlainTextResponse(f"Cache not flushed: {e}\n", status_code=400)
     return PlainTextResponse("Cache flushed.\n")
@@ -225,7 +225,7 @@ def _parse_item(
             f"token_ids_logprob asks {len(ids_lp)} ids at {len(ids) - start} prompt positions, more than "
             f"{MAX_INPUT_ID_CELLS} values: ask fewer ids or a later logprob_start_len"
         )
-    bias = parse_bias(sp.logit_bias, rt.backend.vocab_size, "logit_bias")
+    bias = parse_bias(sp.logit_bias, rt.service.vocab_size, "logit_bias")
     top_k = top_n if want_logprob else 0
     if max_new == 1:
         top_k = max(top_k, 1 + len(bias))  # enough unbiased candidates for the argmax
@@ -284,7 +284,7 @@ def format_generate(rt: Runtime, it: GenItem, res: ScoreResult, latency: float) 
     if it.max_new_tokens == 1:
         (token, _), *_ = biased_top(res, req.label_token_ids, it.bias, 1)
         out_ids = [token]
-        if rt.backend.tokenizer is not None:
+        if rt.service.tokenizer is not None:
             text = rt.decode([token], skip_special_tokens=it.skip_special_tokens)
         if token == rt.eos_token_id:
             finish = {"type": "stop", "matched": token}

@@ -27,7 +27,7 @@ async def tokenize(body: TokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
         body = body.model_copy(update={"add_special_tokens": False})
     if prompt is None:
         raise bad("send the text to tokenize as 'prompt' (or a chat as 'messages')")
-    max_len = rt.backend.max_input_len
+    max_len = rt.service.max_input_len
     if isinstance(prompt, str):
         ids = list(rt.encode(prompt, body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
@@ -46,7 +46,7 @@ async def detokenize_v1(body: DetokenizeRequest, rt: RuntimeDep) -> dict[str, An
 async def detokenize(body: DetokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
     batch = bool(body.tokens) and isinstance(body.tokens[0], list)
     rows: list[list[int]] = body.tokens if batch else [body.tokens]  # type: ignore[assignment,list-item]
-    vocab = rt.backend.vocab_size
+    vocab = rt.service.vocab_size
     for t in (t for row in rows for t in row):
         if not 0 <= t < vocab:
             raise bad(f"token id {t} is outside the vocabulary [0, {vocab})")
