@@ -39,14 +39,18 @@ class OverloadedError(PrefillOnlyError):
     """The engine's queue is full (HTTP 503)."""
 
 
-class DrainingError(OverloadedError):
-    """The server is shutting down and takes no more work (HTTP 503 with Retry-After: another
-    worker, or this one restarted, can serve the request)."""
+class UnavailableError(PrefillOnlyError):
+    """This worker takes no new work: it is shutting down (HTTP 503 with Retry-After: another
+    worker, or this one restarted, can serve the request). Not an OverloadedError: nothing is
+    full, and waiting on this worker will not help."""
 
 
-class LoopClosedError(PrefillOnlyError):
-    """The engine loop is shutting down and accepts no new requests (HTTP 503 with Retry-After).
-    Not an OverloadedError: nothing is full, and waiting on this worker will not help."""
+class DrainingError(UnavailableError):
+    """The server is shutting down and takes no more work."""
+
+
+class LoopClosedError(UnavailableError):
+    """The engine loop is shutting down and accepts no new requests."""
 
 
 class CancelledError(PrefillOnlyError):

@@ -20,11 +20,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from po_backend.core.errors import (
-    DrainingError,
     InvalidRequestError,
-    LoopClosedError,
     OverloadedError,
     PrefillOnlyError,
+    UnavailableError,
 )
 
 log = logging.getLogger(__name__)
@@ -106,11 +105,11 @@ def add_exception_handlers(app: FastAPI) -> None:
         return error_response(400, f"{type(exc).__name__}: {exc}", "BadRequestError", request.url.path)
 
     @app.exception_handler(OverloadedError)
-    @app.exception_handler(LoopClosedError)
+    @app.exception_handler(UnavailableError)
     async def _overloaded(request: Request, exc: PrefillOnlyError) -> JSONResponse:
         # Retry-After: a full queue or a draining server is temporary; clients and the router
         # back off and retry (elsewhere) instead of failing the request.
-        draining = isinstance(exc, DrainingError | LoopClosedError)
+        draining = isinstance(exc, UnavailableError)
         resp = error_response(
             503,
             f"{'unavailable' if draining else 'overloaded'}: {exc}",

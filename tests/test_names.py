@@ -1,0 +1,84 @@
+"""One meaning per name: the SGLang drop-in keeps its public name, the second `load_model` is the
+JCT profile's `load_jct_model`, and a worker that takes no new work (a closed loop, a draining
+server) is `UnavailableError`, not `OverloadedError`: the server answers it 503 "unavailable"
+with Retry-After, and a full queue 503 "overloaded"."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from po_backend.core.errors import (
+    DrainingError,
+    LoopClosedError,
+    OverloadedError,
+    PrefillOnlyError,
+    UnavailableError,
+)
+from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.settings import Settings
+from po_backend.server import ServerArgs, create_app
+
+
+def test_public_names() -> None:
+    from po_backend.compat import sglang
+    from po_backend.engine.models import loader
+    from po_backend.serving import jct_profile
+
+    assert sglang.Engine is sglang.SGLangEngine
+    assert callable(jct_profile.load_jct_model) and not hasattr(jct_profile, "load_model")
+    assert callable(loader.load_model)  # the weights loader keeps the name
+
+
+@pytest.mark.parametrize("error", [LoopClosedError, DrainingError])
+def test_unavailable_is_not_overloaded(error: type[PrefillOnlyError]) -> None:
+    assert issubclass(error, UnavailableError) and not issubclass(error, OverloadedError)
+
+
+class _Refusing:
+    """A scoring service whose submit raises the error it is given."""
+
+    tokenizer = None
+    vocab_size = 100
+    max_input_len = 64
+    model_type = "llama"
+    architectures = ("LlamaForCausalLM",)
+    settings: dict[str, Any] = {}
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def submit_many(self, reqs: list[ScoreRequest]) -> list[Future[ScoreResult]]:
+        raise self.error
+
+    def cancel(self, fut: Future[ScoreResult]) -> None: ...
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def flush_cache(self) -> None: ...
+    def alive(self) -> bool:
+        return True
+
+    def abandon_waiting(self, error: BaseException) -> int:
+        return 0
+
+    def shutdown(self) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("error", "word"),
+    [
+        (LoopClosedError("the engine loop is shutting down"), "unavailable"),
+        (DrainingError("the server is shutting down"), "unavailable"),
+        (OverloadedError("queue full (max_queue=3); retry later"), "overloaded"),
+    ],
+)
+def test_503_with_retry_after(error: PrefillOnlyError, word: str) -> None:
+    app = create_app(_Refusing(error), ServerArgs(engine=Settings(model_path="m")))  # type: ignore[arg-type]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/generate", json={"input_ids": [1, 2, 3]})
+    assert r.status_code == 503 and r.headers.get("retry-after")
+    assert word in r.text and str(error) in r.text
