@@ -1,6 +1,6 @@
 """The serving loop: one worker thread owns a scorer; any thread submits requests and gets futures.
 
-The scorer is our `Engine` or the transformers baseline (`hf_backend.HFScorer`): anything with the
+The scorer is our `Engine` or the transformers baseline (`engine.hf_scorer.HFScorer`): anything with the
 `Scorer` methods. The loop is the only place requests wait and get ordered, for both.
 
     loop = EngineLoop(engine, policy="po")
