@@ -243,8 +243,8 @@ def test_locked_tokenizer_serialises_calls() -> None:
 
 ARGS = ["--dtype", "fp32", "--context-length", "128", "--schedule-policy", "lof"]
 ARGS += ["--chunked-prefill-size", "-1", "--max-queued-requests", "9", "--min-shared-prefix", "8"]
-KWARGS = {"dtype": "fp32", "context_length": 128, "schedule_policy": "lof", "chunked_prefill_size": -1}
-KWARGS |= {"max_queued_requests": 9, "min_shared_prefix": 8}
+KWARGS: dict[str, Any] = {"dtype": "fp32", "context_length": 128, "schedule_policy": "lof"}
+KWARGS |= {"chunked_prefill_size": -1, "max_queued_requests": 9, "min_shared_prefix": 8}
 
 
 def test_server_info_equals_get_server_info(tokenized_llama: Path) -> None:
