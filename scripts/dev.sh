@@ -33,11 +33,12 @@ setup() {
     fi
 }
 
+# Chained with &&: `set -e` does not apply inside a function called from an && list (`test`).
 lint() {
-    "$venv/bin/ruff" check .
-    "$venv/bin/ruff" format --check .
-    "$venv/bin/lint-imports"
-    "$venv/bin/mypy"
+    "$venv/bin/ruff" check . &&
+        "$venv/bin/ruff" format --check . &&
+        "$venv/bin/lint-imports" &&
+        "$venv/bin/mypy"
 }
 
 cmd=${1:-demo}
