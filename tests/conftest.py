@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -156,3 +156,18 @@ def tokenized_llama(
     from tests.tiny_tokenizer import tokenized_copy
 
     return tokenized_copy(tiny_model("llama")[0], tmp_path_factory.mktemp("tokenized"))
+
+
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[None]:
+    """One local Ray on 2 CPUs for the whole session: starting Ray costs seconds, and every Ray
+    test only needs a running cluster, not a fresh one."""
+    from tests.deps import require
+
+    ray = require("ray", "pip install 'ray[data]'")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -672,17 +672,6 @@ def test_server_labels_as_in_process_and_resumes(
     assert read_output(tmp_path / "remote.labeled.jsonl") == before
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """A local Ray on 2 CPUs (as tests/test_ray.py), shut down after this module's tests."""
-    ray = require("ray", "pip install 'ray[data]'")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.slow
 def test_ray_labels_as_in_process_resumes_and_stops_on_a_dead_server(
     tmp_path: Path,

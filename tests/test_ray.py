@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,6 @@ pytestmark = pytest.mark.slow  # a local Ray cluster
 
 PROFILES = ["likes cats and dogs", "likes tax news", "likes a cat video"]
 POSTS = ["a cat video", "a dog", "tax news", "cats and dogs"]
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def make_fn() -> po.Classifier:
