@@ -26,6 +26,7 @@ attention with its log-sum-exp depends on the device (`lse_attention`):
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -91,9 +92,10 @@ def attend(
     K/V and builds a [n, p + n] mask: the chunked baseline's way (its bound counts both); items
     over a shared prefix use `attend_items`.
     """
-    if attention_cpu.supported(q):
+    if attention_cpu.supported(q, k, v, prefix_k, prefix_v):
         attention_cpu.attend(q, k, v, out, scale, prefix_k, prefix_v)
         return
+    k, v, prefix_k, prefix_v = _like_q(q, k, v, prefix_k, prefix_v)
     n, heads, d = q.shape
     mask = None
     if prefix_k is not None and prefix_k.shape[0] > 0:
@@ -105,6 +107,31 @@ def attend(
     for hs, qj, kj, vj in _per_kv_head(q, k, v):
         o = F.scaled_dot_product_attention(qj, kj, vj, attn_mask=mask, is_causal=mask is None, scale=scale)
         o3[:, hs].copy_(o.squeeze(0).transpose(0, 1))
+
+
+@functools.cache
+def _warn_cast(q: torch.dtype, kv: torch.dtype) -> None:
+    log.warning("attention: K/V in %s, queries in %s: K/V are cast to the queries' dtype", kv, q)
+
+
+def _cast(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == q.dtype:
+        return t
+    _warn_cast(q.dtype, t.dtype)
+    return t.to(q.dtype)
+
+
+def _like_q(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor | None, pv: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """K/V in the queries' dtype (a cast copy where they differ, e.g. a pool in another dtype):
+    every attention path below takes one dtype."""
+    return (
+        _cast(q, k),
+        _cast(q, v),
+        None if pk is None else _cast(q, pk),
+        None if pv is None else _cast(q, pv),
+    )
 
 
 def _empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,9 +259,11 @@ def attend_items(
     partial: the partial-attention implementation; None picks the device's: the bf16 CPU kernel
     in one call (each query's online softmax runs on from the prefix into its own item, nothing
     to merge), else `lse_attention`."""
-    if partial is None and attention_cpu.supported(q):
+    if partial is None and attention_cpu.supported(q, k, v, prefix_k, prefix_v):
         attention_cpu.attend_items(q, k, v, out, scale, bounds, prefix_k, prefix_v)
         return
+    k, v = _cast(q, k), _cast(q, v)
+    prefix_k, prefix_v = _cast(q, prefix_k), _cast(q, prefix_v)
     if partial is None:
         partial = lse_attention(q.device, q.dtype)
     lo, hi = bounds[0][0], bounds[-1][1]

@@ -87,7 +87,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_path = model_path
-        self.runner = make_runner(model, config.device, config.chunk_size, config.prefill_mode)
+        self.runner = make_runner(
+            model, config.device, config.chunk_size, config.prefill_mode, config.residual_dtype
+        )
         self.cache: RadixCache | None = None
         self.activation_budget = 0
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
