@@ -90,6 +90,7 @@ class Engine:
         self.model_path = model_path
         self.runner = make_runner(model, config.device, config.chunk_size, config.prefill_mode)
         self.cache: RadixCache | None = None
+        self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
         self.activation_budget = 0
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
         self._counts = {"requests": 0, "forwards": 0, "prompt": 0, "computed": 0, "cached": 0}
@@ -214,6 +215,7 @@ class Engine:
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (raises CacheInUseError while requests hold prefixes)."""
+        self._probes.clear()
         if self.cache is not None:
             self.cache.reset()
 
@@ -299,7 +301,10 @@ class Engine:
 
     def cached_len(self, req: ScoreRequest) -> int:
         """Tokens of `req` the cache would serve right now (read-only: no LRU touch, no split)."""
-        return self.cache.match_len(req.input_ids[: req.reusable_len]) if self.cache else 0
+        memo = self._probes.get(id(req))  # the entry holds the request, so its id is not reused
+        if self.cache is not None and (memo is None or memo[0] is not req):
+            memo = self._probes[id(req)] = (req, self.cache.match_len(req.input_ids[: req.reusable_len]))
+        return memo[1] if memo is not None else 0
 
     @property
     def shares_in_batch(self) -> bool:
@@ -319,6 +324,7 @@ class Engine:
     def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
         new prefixes, unlock. Callers choose the batch (see `batchable`)."""
+        self._probes.clear()  # the cache changes from here on
         batch = [_Work(i, r, self.store_len(r)) for i, r in enumerate(requests)]
         groups: dict[tuple[int, ...], int] = {}  # what a prefix is read from -> runner group
         stores = BatchStores()

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError, PrefillOnlyError
+from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.settings import DEFAULT_MAX_QUEUE
 from po_backend.engine.engine import Engine
@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STEP_LOG = 4096  # recent steps kept for stats (percentiles, prediction quality)
+# Steps failed in a row after which the loop reports itself failing: one bad batch is that batch's
+# problem, several in a row with no success between them is the device's or the model's.
+FAILING_STEPS = 3
 
 
 class ScorerStats(Protocol):
@@ -171,6 +174,7 @@ class EngineLoop:
         self._counts = dict.fromkeys(("submitted", "completed", "failed", "cancelled", "rejected"), 0)
         self._steps: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self._n_steps = 0
+        self._failed_streak = 0  # steps failed in a row since the last one that succeeded
         self._thread = threading.Thread(target=self._work, name="po-engine-loop", daemon=True)
         self._started = False
         if start:
@@ -215,6 +219,13 @@ class EngineLoop:
     def alive(self) -> bool:
         """The worker thread runs (or has not been started yet): what a liveness probe asks."""
         return not self._started or self._thread.is_alive()
+
+    @property
+    def failing(self) -> bool:
+        """The last FAILING_STEPS steps all failed (a device error that every step hits): the
+        worker runs but serves nothing, which a liveness probe must report too. One success
+        clears it."""
+        return self._failed_streak >= FAILING_STEPS
 
     def abandon_waiting(self, error: BaseException) -> int:
         """Fail every queued request with `error` now (the step running completes); how many.
@@ -314,14 +325,27 @@ class EngineLoop:
                     self._calls.clear()
                     if not calls and not len(self._sched):
                         return  # closing, and (drained or failed by shutdown) nothing is left
-                    batch = None if calls else self._next_batch()
+                    waiting = [] if calls else [j.req for j in self._jobs.values()]
                 for fn, fut in calls:
                     self._run_call(fn, fut)
+                if calls:
+                    continue
+                # The cache probes (a radix walk per waiting prompt, the bulk of a pick's work) run
+                # here, outside the lock, so submitters and stats readers never wait on them: only
+                # this thread changes the cache, and a scorer that memoises them (the Engine, until
+                # its next step) answers the pick below from the memo.
+                for req in waiting:
+                    self.engine.cached_len(req)
+                with self._cond:
+                    batch = self._next_batch()
                 if batch is not None:
                     self._run_step(*batch)
         except BaseException as e:  # a bug in the loop itself: nothing may be left pending
             log.exception("engine loop worker died")
-            error = PrefillOnlyError(f"the engine loop stopped: {e!r}")
+            # Clients get a 503 to retry elsewhere; the exception itself (internals) goes to the log only.
+            error = LoopClosedError(
+                f"the engine loop stopped after an internal error ({type(e).__name__}; see the server log)"
+            )
             with self._cond:
                 self._closing = True
                 self._fail_waiting(error)
@@ -383,6 +407,7 @@ class EngineLoop:
             with self._cond:
                 self._running = []
                 self._counts["failed"] += len(jobs)
+                self._failed_streak += 1
                 self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score, True))
             for j in jobs:
                 j.future.set_exception(e)
@@ -393,6 +418,7 @@ class EngineLoop:
         with self._cond:
             self._running = []
             self._counts["completed"] += len(jobs)
+            self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
         for j, r in zip(jobs, results, strict=True):
             j.future.set_result(r)
