@@ -15,7 +15,8 @@ import torch
 from po_backend.core.errors import CapacityError, InvalidRequestError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
 from po_backend.engine.cache import CacheStats, KVPool, RadixCache
-from po_backend.engine.config import EngineConfig, ModelConfig, default_device, parse_dtype
+from po_backend.engine.config import EngineConfig, ModelConfig, parse_dtype
+from po_backend.engine.device import resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import load_model, read_config, resolve_model_dir
@@ -122,8 +123,7 @@ class Engine:
         if config is not None:
             config = replace(config, **given)
         else:
-            device = given.get("device")
-            dev = torch.device(device) if device is not None else default_device()
+            dev = resolve_device(given.get("device"))
             max_input_len = given.get("max_input_len", mcfg.max_position_embeddings)
             given = {
                 **given,
@@ -135,7 +135,7 @@ class Engine:
             }
             config = EngineConfig(**given)
         # Strings (a CLI's or a server's) become torch objects here, "auto"/None the default dtype.
-        dev = torch.device(config.device)
+        dev = resolve_device(config.device)
         config = replace(config, device=dev, dtype=parse_dtype(config.dtype, dev))
         if config.max_input_len > mcfg.max_position_embeddings:
             log.warning(
