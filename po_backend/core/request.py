@@ -38,6 +38,9 @@ class ScoreRequest:
     # OpenAI's echo with logprobs). Bounded per position, so a long span stays cheap.
     input_top_k: int = 0
     input_token_ids: tuple[int, ...] = ()
+    # The model's pooled output instead of next-token log-probs: a classifier head's logits or an
+    # embedding (`ScoreResult.outputs`), whichever the loaded model's task is.
+    pool: bool = False
 
     @property
     def reusable_len(self) -> int:
@@ -59,6 +62,7 @@ class ScoreResult:
     input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    outputs: list[float] = field(default_factory=list)  # pooled requests: head logits or embedding
 
 
 def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> None:
