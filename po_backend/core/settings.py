@@ -40,6 +40,15 @@ DEFAULT_FAIRNESS_LAMBDA = 0.2
 # it (declared or not): enough to be a profile or a document, more than a chat template's few
 # tokens ("User: "), which would pull every user's requests into one step.
 DEFAULT_MIN_SHARED_PREFIX = 32
+# With priority scheduling on, the classes behind the most urgent one still get at least this share
+# of the step time while more urgent work keeps the engine busy (their starvation credit): a
+# labeling job slows to a crawl under an online burst, it never stops.
+DEFAULT_BATCH_MIN_SHARE = 0.05
+# A batch step is sized to take at most this share of the online latency target: an online call
+# that arrives during it waits for the rest of it, and needs the remaining share for its own step.
+BACKFILL_SLO_SHARE = 0.5
+# A request that names no priority has this one (SGLang's default).
+DEFAULT_PRIORITY = 0
 
 BACKENDS = ("prefillonly", "hf")
 PREFILL_MODES = ("hybrid", "chunked")
@@ -157,6 +166,37 @@ class Settings:
             type=int,
         ),
     )
+    enable_priority_scheduling: bool = field(
+        default=False,
+        metadata=flag(
+            "order by each request's `priority` first (strict between values), the policy within one; "
+            "off: priorities are ignored"
+        ),
+    )
+    schedule_low_priority_values_first: bool = field(
+        default=False,
+        metadata=flag(
+            "with priority scheduling: lower `priority` values run first (vLLM's order); "
+            "default: higher values first (SGLang's)"
+        ),
+    )
+    online_slo_ms: float | None = field(
+        default=None,
+        metadata=flag(
+            "with priority scheduling: the P99 latency target of online calls (the default priority, "
+            "0, or more urgent). Batch steps (less urgent) are sized to take at most half of it, so an "
+            "online call that arrives during one waits little; default: batch steps are not sized",
+            type=float,
+        ),
+    )
+    batch_min_share: float = field(
+        default=DEFAULT_BATCH_MIN_SHARE,
+        metadata=flag(
+            "with priority scheduling: the share of step time less urgent classes get while more "
+            "urgent work keeps the engine busy (their starvation credit; 0 = strict priority)",
+            type=float,
+        ),
+    )
     max_queue: int = field(
         default=DEFAULT_MAX_QUEUE,
         metadata=flag("queued prompts before requests get 503 'overloaded'", type=int),
@@ -206,6 +246,7 @@ class Settings:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.backend == "hf" and self.task not in ("auto", "generate"):
             raise ValueError(f"backend hf scores label tokens only (task generate), got task {self.task!r}")
+        check_priority(self.online_slo_ms, self.batch_min_share)
         if self.backend == "hf" and self.schedule_policy != "fcfs":
             raise ValueError(f"backend hf runs FCFS only, got schedule_policy {self.schedule_policy!r}")
 
@@ -453,3 +494,11 @@ def check_scheduler(policy: str, fairness_lambda: float, min_shared_prefix: int)
         raise ValueError(f"fairness_lambda must be a finite number >= 0, got {fairness_lambda}")
     if min_shared_prefix < 1:
         raise ValueError(f"min_shared_prefix must be >= 1, got {min_shared_prefix}")
+
+
+def check_priority(online_slo_ms: float | None, batch_min_share: float) -> None:
+    """The priority settings' checks (SchedulerConfig runs them too)."""
+    if online_slo_ms is not None and not (online_slo_ms > 0 and math.isfinite(online_slo_ms)):
+        raise ValueError(f"online_slo_ms must be a finite number > 0, got {online_slo_ms}")
+    if not 0 <= batch_min_share < 1:
+        raise ValueError(f"batch_min_share must be in [0, 1), got {batch_min_share}")

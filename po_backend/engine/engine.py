@@ -14,6 +14,7 @@ import torch
 from po_backend.core.errors import CapacityError, InvalidRequestError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
 from po_backend.core.task import ModelTask, probabilities
+from po_backend.engine import outputs
 from po_backend.engine.cache import CacheStats, KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, default_device, parse_dtype
 from po_backend.engine.memory import PeakMemory, available_bytes
@@ -24,15 +25,6 @@ from po_backend.engine.models.loader import (
     read_config,
     read_task,
     resolve_model_dir,
-)
-from po_backend.engine.outputs import (
-    PromptSpan,
-    check_task,
-    pool_bytes,
-    pooled,
-    pooled_result,
-    prepare,
-    score_result,
 )
 from po_backend.engine.runner import LOGIT_ROWS, SeqPlan, make_runner
 from po_backend.sched.scheduler import BatchStores, fit_batch
@@ -112,6 +104,7 @@ class Engine:
         self.model_path = model_path
         self.runner = make_runner(model, config.device, config.chunk_size, config.prefill_mode)
         self.cache: RadixCache | None = None
+        self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
         self.activation_budget = 0
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
         self._counts = {"requests": 0, "forwards": 0, "prompt": 0, "computed": 0, "cached": 0}
@@ -182,7 +175,7 @@ class Engine:
             budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
-        bound += pool_bytes(mcfg, self.task, cfg.dtype, longest)
+        bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
         if cfg.profile_full:
             peak = max(bound, self._profile(longest))
         else:
@@ -229,7 +222,7 @@ class Engine:
         self.runner.forward([plan])  # warm-up: first calls allocate one-off state
         with PeakMemory(self.config.device) as pm:
             hidden = self.runner.forward([plan])
-            pooled(self.model, task, hidden) if task.pooled else self.model.final_logits(hidden)
+            outputs.pooled(self.model, task, hidden) if task.pooled else self.model.final_logits(hidden)
         return pm.peak
 
     def stats(self) -> EngineStats:
@@ -242,6 +235,7 @@ class Engine:
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (raises CacheInUseError while requests hold prefixes)."""
+        self._probes.clear()
         if self.cache is not None:
             self.cache.reset()
 
@@ -260,7 +254,7 @@ class Engine:
 
     def validate(self, req: ScoreRequest) -> None:
         validate_request(req, self.vocab_size, self.config.max_input_len)
-        check_task(req, self.task)
+        outputs.check_task(req, self.task)
 
     def store_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` worth keeping in the prefix cache once computed (suffix
@@ -350,8 +344,11 @@ class Engine:
 
     def cached_len(self, req: ScoreRequest) -> int:
         """Tokens of `req` the cache would serve right now (read-only: no LRU touch, no split)."""
-        req = prepare(req, self.task)
-        return self.cache.match_len(req.input_ids[: req.reusable_len]) if self.cache else 0
+        memo = self._probes.get(id(req))  # the entry holds the request, so its id is not reused
+        if self.cache is not None and (memo is None or memo[0] is not req):
+            ran = outputs.prepare(req, self.task)  # what the engine computes of it (a head's pads dropped)
+            memo = self._probes[id(req)] = (req, self.cache.match_len(ran.input_ids[: ran.reusable_len]))
+        return memo[1] if memo is not None else 0
 
     @property
     def shares_in_batch(self) -> bool:
@@ -365,7 +362,7 @@ class Engine:
         the tokens each reads instead of computing: `scheduler.fit_batch` on this engine's cache,
         token budget and runner."""
         return fit_batch(
-            [prepare(c, self.task) for c in candidates],
+            [outputs.prepare(c, self.task) for c in candidates],
             self.cached_len,
             self.store_len,
             self.config.max_batch_tokens,
@@ -375,8 +372,9 @@ class Engine:
     def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
         new prefixes, unlock. Callers choose the batch (see `batchable`)."""
+        self._probes.clear()  # the cache changes from here on
         asked = list(requests)
-        requests = [prepare(r, self.task) for r in asked]
+        requests = [outputs.prepare(r, self.task) for r in asked]
         batch = [_Work(i, r, self.store_len(r)) for i, r in enumerate(requests)]
         groups: dict[tuple[int, ...], int] = {}  # what a prefix is read from -> runner group
         stores = BatchStores()
@@ -487,12 +485,12 @@ class Engine:
         """Log-probs from the hidden rows of one request; the LM head runs in row blocks so a long
         prompt-logprob span never materialises [n, vocab] at once. Pooled requests: `outputs`."""
         if req.pool:
-            return pooled_result(self.model, self.task, req, hidden, cached)
+            return outputs.pooled_result(self.model, self.task, req, hidden, cached)
         n = len(req.input_ids)
         targets = torch.tensor(req.input_ids[n - hidden.shape[0] + 1 :], dtype=torch.int64)
-        span = PromptSpan(req)
+        span = outputs.PromptSpan(req)
         for a in range(0, hidden.shape[0], LOGIT_ROWS):
             logits = self.model.final_logits(hidden[a : a + LOGIT_ROWS])
             logp = torch.log_softmax(logits, dim=-1)
             span.add(logp, targets[a : a + LOGIT_ROWS])
-        return score_result(req, logp[-1], span, cached)
+        return outputs.score_result(req, logp[-1], span, cached)

@@ -39,7 +39,7 @@ class ScoringService(Protocol):
     def flush_cache(self) -> None: ...
 
     def alive(self) -> bool:
-        """The scoring loop runs (what /health reports)."""
+        """The scoring loop runs and its recent steps did not all fail (what /health reports)."""
         ...
 
     def abandon_waiting(self, error: BaseException) -> int:
@@ -99,7 +99,8 @@ class LoopService:
         self.loop.flush_cache()
 
     def alive(self) -> bool:
-        return bool(self.loop.alive)
+        # A worker whose every recent step failed (a device error) is as good as dead to clients.
+        return bool(self.loop.alive) and not self.loop.failing
 
     def abandon_waiting(self, error: BaseException) -> int:
         return int(self.loop.abandon_waiting(error))

@@ -30,6 +30,7 @@ from po_backend.core.settings import Settings, resolve
 from po_backend.core.task import ModelTask
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel
+from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.loop import EngineLoop
 
 R = TypeVar("R", bound="EngineRuntime")
@@ -148,6 +149,10 @@ class EngineRuntime:
             schedule_policy=sched.policy,
             fairness_lambda=sched.fairness_lambda,
             min_shared_prefix=sched.min_shared_prefix,
+            enable_priority_scheduling=sched.enable_priority,
+            schedule_low_priority_values_first=sched.low_priority_first,
+            online_slo_ms=None if sched.online_slo_s is None else sched.online_slo_s * 1e3,
+            batch_min_share=sched.batch_min_share,
             max_queue=self.loop.max_queue,
         )
         return out
@@ -239,9 +244,7 @@ def build_runtime(
         scorer = load_scorer(settings)
     loop = EngineLoop(
         scorer,
-        policy=settings.schedule_policy,
-        fairness_lambda=settings.fairness_lambda,
-        min_shared_prefix=settings.min_shared_prefix,
+        scheduler=SchedulerConfig.from_settings(settings),
         max_queue=settings.max_queue,
         jct=jct,
         start=start,
