@@ -31,6 +31,11 @@ class ModelNotFoundError(PrefillOnlyError, FileNotFoundError):
     pass
 
 
+class DeviceUnavailableError(PrefillOnlyError, ValueError):
+    """The device asked for (`--device`) does not exist here: CUDA on a CPU-only torch or
+    machine, a GPU index beyond the visible ones, an unknown device name."""
+
+
 class CapacityError(PrefillOnlyError):
     """The configured memory budget cannot hold what was asked (e.g. max_input_len at start)."""
 

@@ -16,7 +16,8 @@ from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
 from po_backend.engine.cache import CacheStats, KVPool, RadixCache
-from po_backend.engine.config import EngineConfig, ModelConfig, default_device, parse_dtype
+from po_backend.engine.config import EngineConfig, ModelConfig, parse_dtype
+from po_backend.engine.device import resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
@@ -137,8 +138,7 @@ class Engine:
         if config is not None:
             config = replace(config, **given)
         else:
-            device = given.get("device")
-            dev = torch.device(device) if device is not None else default_device()
+            dev = resolve_device(given.get("device"))
             max_input_len = given.get("max_input_len", mcfg.max_position_embeddings)
             given = {
                 **given,
@@ -150,7 +150,7 @@ class Engine:
             }
             config = EngineConfig(**given)
         # Strings (a CLI's or a server's) become torch objects here, "auto"/None the default dtype.
-        dev = torch.device(config.device)
+        dev = resolve_device(config.device)
         config = replace(config, device=dev, dtype=parse_dtype(config.dtype, dev))
         if config.max_input_len > mcfg.max_position_embeddings:
             log.warning(

@@ -220,12 +220,10 @@ def load_scorer(settings: Settings) -> Any:
         )
     overrides = settings.overrides()
     if settings.mem_fraction_static is not None:  # a share of what is available now
-        import torch
-
-        from po_backend.engine.config import default_device
+        from po_backend.engine.device import resolve_device
         from po_backend.engine.memory import available_bytes
 
-        device = torch.device(settings.device) if settings.device else default_device()
+        device = resolve_device(settings.device)
         overrides["memory_budget"] = int(settings.mem_fraction_static * available_bytes(device))
     return Engine.from_pretrained(settings.model_path, **overrides)
 
