@@ -365,6 +365,10 @@ class EngineConfig:
     # Tokens the prefix-KV pool may hold at most; None = what the memory budget leaves after the
     # activations (capped at 64 full-length prompts under the default budget).
     prefix_pool_tokens: int | None = None
+    # What the model is served for (core.task.TASKS; "auto": from the checkpoint's files) and an
+    # embedder's pooling (None: its sentence-transformers config, else last token).
+    task: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")

@@ -86,6 +86,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 return super().resolve(ours + name[len(prefix) :])
         return super().resolve(name)
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         return gemma_rms_norm(h.float(), self.norm, self.cfg.rms_norm_eps, out=x)

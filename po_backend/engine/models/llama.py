@@ -163,11 +163,6 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:
             out.mul_(self.embed_scale)
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The final norm of h [m, hidden] (the scored rows), in fp32."""
-        x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        return rms_norm(h.float(), self.norm.float(), self.cfg.rms_norm_eps, out=x)
-
     def resolve(self, name: str) -> tuple[torch.Tensor, WeightLoader, str | int | None] | None:
         """Map a checkpoint tensor name to (our parameter, its loader, shard); None = not ours."""
         if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
@@ -190,6 +185,14 @@ class LlamaForCausalLM(nn.Module):
             return (param, _copy_loader, None) if param is not None else None
         return None
 
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h [m, hidden] -> the final norm of it in fp32: what the LM head, a classifier head and
+        an embedding's pooling read (transformers' `last_hidden_state`). An architecture with
+        another final norm overrides this, and every head follows."""
+        x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        rms_norm(h.float(), self.norm.float(), self.cfg.rms_norm_eps, out=x)
+        return x
+
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [m, hidden] at the scored positions only -> logits [m, vocab], computed in fp32.
 
@@ -197,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         0.125), so different prompts get identical probabilities and rankings tie. The scored rows
         are few, so the final norm and the head run in fp32; the head's weight is upcast
         `HEAD_CHUNK_ELEMS` at a time, which bounds the extra memory for any vocabulary."""
-        x = self.final_norm(h)
+        x = self.final_hidden(h)
         if self.lm_head.dtype == torch.float32:
             out = torch.matmul(x, self.lm_head.t())
         else:
