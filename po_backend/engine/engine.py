@@ -158,6 +158,8 @@ class Engine:
             budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
+        # The first forwards pay one-off kernel set-up (seconds on a busy CPU): say what runs.
+        log.info("sizing memory: profile run of the activation peak (%d tokens)", longest)
         if cfg.profile_full:
             peak = max(bound, self._profile(longest))
         else:
