@@ -12,6 +12,7 @@ import torch
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
 from po_backend.core.settings import DEFAULT_CHUNK_SIZE
+from po_backend.engine.device import cuda_dtype, resolve_device
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k)
 _FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -140,12 +141,12 @@ class ModelConfig:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(None)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
-        return torch.bfloat16
+        return cuda_dtype(device)
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
@@ -200,6 +201,10 @@ class EngineConfig:
     # Tokens the prefix-KV pool may hold at most; None = what the memory budget leaves after the
     # activations (capped at 64 full-length prompts under the default budget).
     prefix_pool_tokens: int | None = None
+    # What the model is served for (core.task.TASKS; "auto": from the checkpoint's files) and an
+    # embedder's pooling (None: its sentence-transformers config, else last token).
+    task: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")

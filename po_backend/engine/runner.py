@@ -97,7 +97,14 @@ class HybridRunner(Runner):
         cfg, dev, dt = self.cfg, self.device, self.dtype
         ids, starts, positions = _pack(seqs, dev)
         total = ids.numel()
-        groups = _prefix_groups(seqs, starts)
+        # Slot ids live on the CPU (the pool's free list); moved to the device once per forward,
+        # not once per layer, so a GPU forward issues no host-to-device copy inside the layers.
+        groups = [(p if p is None else p.to(dev), m) for p, m in _prefix_groups(seqs, starts)]
+        stores = [
+            (s.store_slots.to(dev), a)
+            for s, a in zip(seqs, starts, strict=False)
+            if pool is not None and s.store_slots is not None and s.store_slots.numel()
+        ]
         # cos/sin are the same for every layer: compute them once per forward.
         cos, sin = self.rotary.cos_sin(positions, dt)
         chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
@@ -119,10 +126,10 @@ class HybridRunner(Runner):
         for li, layer in enumerate(self.model.decoder_layers):
             for a, b in bounds:
                 layer.qkv_chunk(h[a:b], x[: b - a], qkv[a:b], cos[a:b], sin[a:b])
-            for s, a in zip(seqs, starts, strict=False):
-                if pool is not None and s.store_slots is not None and s.store_slots.numel():
-                    m = s.store_slots.numel()
-                    pool.write(li, s.store_slots, k_all[a : a + m], v_all[a : a + m])
+            for slots, a in stores:
+                assert pool is not None, "store slots need the pool"
+                m = slots.numel()
+                pool.write(li, slots, k_all[a : a + m], v_all[a : a + m])
             for prefix, members in groups:
                 if prefix is None:
                     for a, b in members:
@@ -183,7 +190,9 @@ class ChunkedRunner(Runner):
         x = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
         gate_up = torch.empty(chunk, 2 * cfg.intermediate_size, dtype=dt, device=dev)
         act = torch.empty(chunk, cfg.intermediate_size, dtype=dt, device=dev)
-        rows = torch.cat([s.logit_offsets.to(dev) + a for s, a in zip(seqs, starts, strict=False)])
+        # Which output rows each chunk fills, found on the CPU: a boolean mask over device tensors
+        # would read its count back from the device (a sync per chunk on a GPU).
+        rows = torch.cat([s.logit_offsets + a for s, a in zip(seqs, starts, strict=False)])
         out = torch.empty(rows.numel(), cfg.hidden_size, dtype=dt, device=dev)
 
         for a in range(0, total, chunk):
@@ -215,8 +224,9 @@ class ChunkedRunner(Runner):
                         q[r : r + m], k_own[lo:hi], v_own[lo:hi], attn[r : r + m], self.scale, ctx_k, ctx_v
                     )
                 layer.out_mlp_chunk(h[:c], attn[:c], x[:c], gate_up[:c], act[:c])
-            here = (rows >= a) & (rows < b)
-            out[here] = h[rows[here] - a]
+            here = ((rows >= a) & (rows < b)).nonzero().squeeze(1)
+            if here.numel():
+                out.index_copy_(0, here.to(dev), h.index_select(0, (rows[here] - a).to(dev)))
 
         for s, kv in zip(seqs, own, strict=True):
             if pool is not None and s.store_slots is not None and s.store_slots.numel():

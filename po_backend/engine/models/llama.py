@@ -170,6 +170,14 @@ class LlamaForCausalLM(nn.Module):
             return (param, _copy_loader, None) if param is not None else None
         return None
 
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h [m, hidden] -> the final norm of it in fp32: what the LM head, a classifier head and
+        an embedding's pooling read (transformers' `last_hidden_state`). An architecture with
+        another final norm overrides this, and every head follows."""
+        x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        rms_norm(h.float(), self.norm.float(), self.cfg.rms_norm_eps, out=x)
+        return x
+
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [m, hidden] at the scored positions only -> logits [m, vocab], computed in fp32.
 
@@ -177,8 +185,7 @@ class LlamaForCausalLM(nn.Module):
         0.125), so different prompts get identical probabilities and rankings tie. The scored rows
         are few, so the final norm and the head run in fp32; the head's weight is upcast
         `HEAD_CHUNK_ELEMS` at a time, which bounds the extra memory for any vocabulary."""
-        x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        rms_norm(h.float(), self.norm.float(), self.cfg.rms_norm_eps, out=x)
+        x = self.final_hidden(h)
         if self.lm_head.dtype == torch.float32:
             return torch.matmul(x, self.lm_head.t())
         vocab, hidden = self.lm_head.shape
