@@ -64,3 +64,8 @@ class CancelledError(PrefillOnlyError):
 
 class CacheInUseError(PrefillOnlyError):
     """The cache cannot be flushed while running requests hold locked prefixes."""
+
+
+class TaskMismatchError(InvalidRequestError):
+    """A request or route the loaded model's task cannot answer (label tokens from a classifier,
+    an embedding from a causal LM); the text names the routes the model serves (HTTP 400)."""

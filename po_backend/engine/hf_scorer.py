@@ -14,8 +14,9 @@ import torch
 from po_backend.core.request import ScoreRequest, ScoreResult, validate_request
 from po_backend.engine.config import parse_dtype
 from po_backend.engine.device import resolve_device
-from po_backend.engine.engine import EngineStats, PromptSpan, load_tokenizer, score_result
-from po_backend.engine.models.loader import resolve_model_dir
+from po_backend.engine.engine import EngineStats
+from po_backend.engine.models.loader import load_tokenizer, resolve_model_dir
+from po_backend.engine.outputs import PromptSpan, score_result
 
 
 class HFScorer:
