@@ -222,25 +222,14 @@ def speed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (dtype, n) where both ran: ours (hybrid) vs transformers logits_to_keep=1, tok/s, the
     ratio, ours' achieved GFLOP/s and its share of the GEMM peak, attention's share of ours."""
     by = {(r["dtype"], r["config"], r["n"]): r for r in rows if r.get("status") == "ok"}
-    out = []
-    for dt, c, n in by:
-        hf = by.get((dt, "hf-ltk1", n))
-        if c != "hybrid" or hf is None:
-            continue
-        ours = by[(dt, c, n)]
-        out.append(
-            {
-                "dtype": dt,
-                "n": n,
-                "ours_tok_per_s": ours["tok_per_s"],
-                "hf_tok_per_s": hf["tok_per_s"],
-                "ratio": ours["tok_per_s"] / hf["tok_per_s"],
-                "ours_gflops": ours["tflops"] * 1e3,
-                "ours_gemm_peak_frac": ours["gemm_peak_frac"],
-                "attention_share": ours["attention_share"],
-            }
-        )
-    return out
+    pairs = [(dt, n, o, by.get((dt, "hf-ltk1", n))) for (dt, c, n), o in by.items() if c == "hybrid"]
+    return [
+        {"dtype": dt, "n": n, "ours_tok_per_s": o["tok_per_s"], "hf_tok_per_s": hf["tok_per_s"]}
+        | {"ratio": o["tok_per_s"] / hf["tok_per_s"], "ours_gflops": o["tflops"] * 1e3}
+        | {"ours_gemm_peak_frac": o["gemm_peak_frac"], "attention_share": o["attention_share"]}
+        for dt, n, o, hf in pairs
+        if hf is not None
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -409,7 +409,7 @@ def serving_markdown(doc: dict[str, Any]) -> str:
     """results/serving.md from bench_serving."""
     args, m = doc["args"], doc["machine"]
     base, head, table = serving_rows(doc["results"])
-    api = "v1/score" if args["api"] == "score" else "generate"
+    api = "generate" if args["api"] == "generate" else f"v1/{args['api']}"
     intro = (
         f"Machine: {m.get('cpu')}, {m.get('cores')} cores. Workload: {json.dumps(doc['workload'])}.\nOpen-loop "
         f"Poisson arrivals; latency = send to response; ratios against `{base}` "
