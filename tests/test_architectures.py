@@ -264,3 +264,68 @@ def test_unsupported_gemma_features_are_refused(arch) -> None:
         ModelConfig.from_hf({**base, "hidden_activation": "relu"})
     with pytest.raises(UnsupportedModelError, match="supported model types.*gemma2.*phi3"):
         ModelConfig.from_hf({**base, "model_type": "gemma"})
+
+
+def _build_head(kind: str, root: Path, auto: type, **extra: object) -> tuple[Path, torch.nn.Module]:
+    """A tiny random `<Arch>ForSequenceClassification` (auto = AutoModelForSequenceClassification)
+    or bare decoder (AutoModel), saved with transformers."""
+    cls, base = ARCHS[kind]
+    cfg = cls(**{**BASE, **base, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = auto.from_config(cfg, dtype=torch.float32)
+    randomize_(model, 3)
+    if kind.startswith("gemma"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.sub_(1.0)
+    path = root / f"{kind}-{auto.__name__}"
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+# Every architecture here whose transformers has a sequence-classification class.
+HEAD_KINDS = ["gemma2", "gemma3", "phi3"]
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_classifier_head_matches_transformers(kind: str, tmp_path: Path) -> None:
+    """Gemma2/Gemma3Text/Phi3ForSequenceClassification: the score head on the last token's final
+    hidden state (Gemma's (1 + w) final norm, no logit soft-cap), cold, over a cached prefix longer
+    than the window, and as one multi-item forward."""
+    id2label = {0: "neg", 1: "neu", 2: "pos"}
+    path, hf = _build_head(
+        kind, tmp_path, transformers.AutoModelForSequenceClassification, num_labels=3, id2label=id2label
+    )
+    eng = _engine(path, chunk_size=16, cache_policy="declared")
+    assert eng.task.kind == "classify" and eng.task.labels == ("neg", "neu", "pos")
+    prefix = [t for t in _rand(PREFIX, 800) if t != 0]  # pad_token_id 0 must not end a prompt
+    items = [prefix + [t or 1 for t in _rand(n, 900 + n)] for n in (2, WINDOW + 4, 21)]
+    cold = [_rand(30, 7)]
+    reqs = [ScoreRequest(tuple(p), pool=True, cache_prefix_len=len(prefix)) for p in items]
+    results = eng.run([ScoreRequest(tuple(cold[0]), pool=True), *reqs])
+    assert [r.cached_tokens for r in results[1:]] == [0, len(prefix), len(prefix)]
+    again = eng.run(reqs[1:2])
+    assert again[0].cached_tokens == len(prefix)
+    for ids, res in zip([*cold, *items, items[1]], [*results, *again], strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0].float()
+        assert max(abs(a - b) for a, b in zip(res.outputs, want.tolist(), strict=True)) <= TOL
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_mean_pooled_embedding_matches_transformers(kind: str, tmp_path: Path) -> None:
+    """A bare Gemma2Model / Gemma3TextModel / Phi3Model as an embedder (mean pooling, forced by the
+    task setting): the mean over a cached prefix read through sliding windows equals the cold one."""
+    path, hf = _build_head(kind, tmp_path, transformers.AutoModel)
+    eng = _engine(path, chunk_size=16, cache_policy="declared", task="embed", pooling="mean")
+    prefix = _rand(PREFIX, 1000)
+    items = [prefix + _rand(n, 1100 + n) for n in (3, 17)]
+    got = eng.embed(items, cache_prefix_len=PREFIX) + eng.embed(items[1:], cache_prefix_len=PREFIX)
+    for ids, vec in zip([*items, items[1]], got, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).last_hidden_state[0].float().mean(0)
+        if eng.task.normalize:  # a forced embed task normalises, as vLLM's default does
+            want = torch.nn.functional.normalize(want, dim=0)
+        assert max(abs(a - b) for a, b in zip(vec, want.tolist(), strict=True)) <= TOL
