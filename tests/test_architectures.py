@@ -487,3 +487,59 @@ def test_bf16_close_to_fp32(arch, kind: str) -> None:
     for a, b in zip(e32.run(_reqs(prompts)), e16.run(_reqs(prompts)), strict=True):
         # bf16 keeps ~3 significant digits; the tiny random model has large logits.
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 0.5
+
+
+# config.json as checkpoints on the hub spell them (transformers 4.x keys: rope_theta, rope_scaling,
+# rope_local_base_freq, sliding_window_pattern, no layer_types), shrunk to the tiny sizes.
+LEGACY: dict[str, tuple[type, dict]] = {
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            model_type="gemma2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16,
+            attn_logit_softcapping=4.0, final_logit_softcapping=6.0, sliding_window=WINDOW,
+            cache_implementation="hybrid", rope_theta=10000.0, tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            model_type="gemma3_text", hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=WINDOW,
+            sliding_window_pattern=2, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0}, attn_logit_softcapping=None,
+            final_logit_softcapping=None, tie_word_embeddings=True,
+        ),
+    ),
+    "phi4-mini": (
+        transformers.Phi3Config,
+        dict(
+            model_type="phi3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+            partial_rotary_factor=0.75, original_max_position_embeddings=128, rope_theta=10000.0,
+            rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(12)],
+                          "long_factor": [4.0] * 12},
+            sliding_window=262144, hidden_act="silu", tie_word_embeddings=True,
+        ),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(LEGACY))
+def test_hub_style_configs_match_transformers(kind: str, tmp_path: Path) -> None:
+    """transformers reads these legacy keys into its own layout; our reader must agree with it on
+    every layer's RoPE base, scaling and window (the model saved, then its config.json replaced by
+    the legacy one)."""
+    cls, legacy = LEGACY[kind]
+    cfg = cls(**{**BASE, **legacy})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize_(hf, 5)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **legacy}))
+    eng = _engine(tmp_path, chunk_size=16, enable_cache=False)
+    if kind != "phi4-mini":
+        want = [t == "sliding_attention" for t in cfg.layer_types]
+        assert list(eng.model_config.sliding_layers) == want
+    prompts = [_rand(n, 1200 + n) for n in (6, 70)]
+    _check(hf.eval(), prompts, eng.run(_reqs(prompts)))
