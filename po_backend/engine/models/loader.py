@@ -188,7 +188,10 @@ def load_model(
                     continue
                 param, loader, shard = target
                 loader(param.data, f.get_tensor(name).to(dtype), shard)
-                loaded.add((ids[id(param)], shard))
+                # A fused tensor stored whole (shard None) fills every shard of its parameter.
+                shards = getattr(getattr(param, "weight_loader", None), "offsets", None)
+                for s in shards if shard is None and shards else [shard]:
+                    loaded.add((ids[id(param)], s))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
