@@ -133,8 +133,21 @@ def qps_analysis(qps: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sweep_intro(doc: dict[str, Any]) -> str:
+    """What a bench_schedule sweep ran: arrivals, the SLO, the traces, the prefix pool."""
+    a = doc["args"]
+    return (
+        "Poisson arrivals (same seeded pattern for every point and config) at "
+        f"{a['mults']} x the {a.get('anchor', 'saturated')} throughput (isolated: 1 / mean latency of ours "
+        "with one request at a time; saturated: `po` with every request queued at t=0); in-process on the "
+        f"server's own loop (no HTTP). P99 SLO = {a['slo_x']:g} x the mean isolated latency of ours. WL1: "
+        f"{a['wl1_users']} users x {a['wl1_items']} posts, profiles ~{a['wl1_profile']} tokens, posts "
+        f"{a['wl1_item_tokens']} tokens; WL2: {a['wl2_requests']} histories of {a['wl2_min']}-{a['wl2_max']} "
+        f"tokens. Prefix pool: {doc.get('pool_tokens', '?')} tokens ({a['cache_profiles']:g} WL1 profiles)."
+    )
+
+
 def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
-    a = qps["args"]
     cells = [
         [name, QPS_NAMES.get(c, c), f"{s[1]}{s[0]:.3f}", "-" if c == "po" else w["ratios"][c][0]]
         for name, w in qps_analysis(qps).items()
@@ -145,13 +158,7 @@ def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
         plot_sweeps({name: w}, folder / f"qps_{name.lower()}.png", QPS_NAMES)
         figures.append(f"![{name} latency vs QPS]({png}qps_{name.lower()}.png)")
     return [
-        "`benchmarks/bench_schedule.py`: Poisson arrivals (same seeded pattern for every point and config) at "
-        f"{a['mults']} x the {a.get('anchor', 'saturated')} throughput (isolated: 1 / mean latency of ours "
-        "with one request at a time; saturated: `po` with every request queued at t=0); in-process on the "
-        f"server's own loop (no HTTP). P99 SLO = {a['slo_x']:g} x the mean isolated latency of ours. WL1: "
-        f"{a['wl1_users']} users x {a['wl1_items']} posts, profiles ~{a['wl1_profile']} tokens, posts "
-        f"{a['wl1_item_tokens']} tokens; WL2: {a['wl2_requests']} histories of {a['wl2_min']}-{a['wl2_max']} "
-        f"tokens. Prefix pool: {qps.get('pool_tokens', '?')} tokens ({a['cache_profiles']:g} WL1 profiles).",
+        f"`benchmarks/bench_schedule.py`: {sweep_intro(qps)}",
         *[f"Note: {n}" for n in qps.get("notes", [])],  # e.g. a workload re-run and merged in
         "Highest QPS with P99 <= SLO (log-log interpolation between sweep points; `>=` every point passed, "
         "`<` none did) and po's ratio to each baseline:",
@@ -352,14 +359,10 @@ def schedule_markdown(doc: dict[str, Any], policies: list[str]) -> str:
         for name, w in doc["workloads"].items()
     ]
     intro = (
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. fairness lambda "
-        f"{a['fairness_lambda']}; P99 SLO = {a['slo_x']:g} x mean isolated latency; prefix pool = "
-        f"{a['cache_profiles']:g} WL1 profiles.\nWL1: {a['wl1_users']} users x {a['wl1_items']} posts, "
-        f"profiles ~{a['wl1_profile']} tokens, posts {a['wl1_item_tokens']} tokens. WL2: {a['wl2_requests']} "
-        f"histories of {a['wl2_min']}-{a['wl2_max']} tokens. Arrivals: Poisson, seed {a['seed']}, shuffled order.\n"
-        "A `*` marks runs during which other processes used more than half a core. Sustained QPS: "
-        "interpolated (log-log) where P99 crosses the SLO; `>=` every point passed, `<` none did; "
-        f"(Nx) = as a multiple of the anchor: the {a['anchor']} throughput."
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. {sweep_intro(doc)} Fairness lambda "
+        f"{a['fairness_lambda']}; request order shuffled (seed {a['seed']}). A `*` marks runs during which "
+        "other processes used more than half a core. Sustained QPS: interpolated (log-log) where P99 crosses "
+        "the SLO; `>=` every point passed, `<` none did; (Nx) = as a multiple of the anchor throughput."
     )
     title = "bench_schedule: scheduling policies under Poisson load (embedded SmolLM2-135M, CPU)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
@@ -409,7 +412,7 @@ def serving_markdown(doc: dict[str, Any]) -> str:
     """results/serving.md from bench_serving."""
     args, m = doc["args"], doc["machine"]
     base, head, table = serving_rows(doc["results"])
-    api = "v1/score" if args["api"] == "score" else "generate"
+    api = "generate" if args["api"] == "generate" else f"v1/{args['api']}"
     intro = (
         f"Machine: {m.get('cpu')}, {m.get('cores')} cores. Workload: {json.dumps(doc['workload'])}.\nOpen-loop "
         f"Poisson arrivals; latency = send to response; ratios against `{base}` "
