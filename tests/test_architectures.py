@@ -543,3 +543,28 @@ def test_hub_style_configs_match_transformers(kind: str, tmp_path: Path) -> None
         assert list(eng.model_config.sliding_layers) == want
     prompts = [_rand(n, 1200 + n) for n in (6, 70)]
     _check(hf.eval(), prompts, eng.run(_reqs(prompts)))
+
+
+def test_measured_peak_within_activation_budget_with_softcap_and_windows(tmp_path: Path) -> None:
+    """The soft-capped full layer's score blocks and the sliding layers' windows are counted: a
+    full-length forward that also fills the pool stays within the profile run's budget."""
+    from po_backend.engine.attention import masked_scratch_bytes
+    from po_backend.engine.memory import PeakMemory
+
+    n = 3072
+    cfg = transformers.Gemma2Config(
+        vocab_size=4000, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=512,
+        max_position_embeddings=n, attn_logit_softcapping=50.0,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    eng = Engine.from_pretrained(
+        tmp_path, dtype="fp32", max_input_len=n, chunk_size=256, memory_budget=1 << 30
+    )
+    assert eng.runner.activation_bound(n) >= masked_scratch_bytes(8, n, torch.float32)
+    ids = tuple(int(t) for t in torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(0)))
+    eng.run([ScoreRequest(ids[:256], (1,), cache_prefix_len=0)])  # warm-up; stores nothing
+    with PeakMemory(torch.device("cpu")) as pm:
+        eng.run([ScoreRequest(ids, (1,), cache_prefix_len=n - 1)])
+    pool_written = (n - 1) * eng.cache.pool.bytes_per_slot(2, 2, 32, torch.float32)
+    assert pm.peak <= eng.activation_budget + pool_written, (pm.peak, eng.activation_budget)
