@@ -53,6 +53,16 @@ def _flag(run: dict[str, Any]) -> str:
     return "*" if oc is not None and not math.isnan(oc) and oc > CONTENDED_CORES else ""
 
 
+def cells(r: dict[str, Any], spec: str) -> list[str]:
+    """A result row's table cells: r[key] formatted for each space-separated `key[:format][*]` of
+    `spec` (`*`: the run's contention flag appended)."""
+    out = []
+    for token in spec.split():
+        key, _, fmt = token.rstrip("*").partition(":")
+        out.append(format(r[key], fmt) + (_flag(r) if token.endswith("*") else ""))
+    return out
+
+
 def _order(r: dict[str, Any]) -> tuple[float, int]:
     return r["qps"], QPS_ORDER.index(r["config"]) if r["config"] in QPS_ORDER else len(QPS_ORDER)
 
@@ -80,9 +90,8 @@ def sweep_rows(workloads: dict[str, Any], extra: bool = True) -> list[list[Any]]
     rows = []
     for name, w in workloads.items():
         for r in sorted(w["runs"], key=_order):
-            row = [name, f"{r['mult']:g}", f"{r['qps']:.3f}", r["config"] + _flag(r), f"{r['mean_s']:.2f}"]
-            row += [f"{r['p99_s']:.2f}", f"{r['hit_rate']:.0%}"]
-            rows.append(row + ([f"{r['p50_s']:.2f}", r["steps"], f"{r['mean_batch']:.1f}"] if extra else []))
+            row = [name, *cells(r, "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%")]
+            rows.append(row + (cells(r, "p50_s:.2f steps mean_batch:.1f") if extra else []))
     return rows
 
 
@@ -211,26 +220,14 @@ def mil_section(mil: dict[str, Any], folder: Path, png: str) -> list[str]:
 def ablation_section(ab: dict[str, Any], folder: Path, png: str) -> list[str]:
     on, off = ab["suffix"]["on"], ab["suffix"]["off"]
     rows = [
-        [
-            mode,
-            f"{s['items_per_s']:.3f}{_flag(s)}",
-            f"{s['hit_rate']:.0%}",
-            s["inserted_tokens"],
-            s["evicted_tokens"],
-        ]
-        + [f"{p['mean_s']:.2f}{_flag(p)}", f"{p['p99_s']:.2f}", f"{p['hit_rate']:.0%}"]
+        [mode, *cells(d["saturated"], "items_per_s:.3f* hit_rate:.0% inserted_tokens evicted_tokens")]
+        + cells(d["poisson"], "mean_s:.2f* p99_s:.2f hit_rate:.0%")
         for mode, d in (("on (declared prefix only)", on), ("off (all but the last token)", off))
-        for s, p in [(d["saturated"], d["poisson"])]
     ]
     head = "suffix discarding | items/s (all at t=0) | hits | tokens inserted | tokens evicted"
     head += f" | mean s at {ab['qps']:.3f} qps | P99 s | hits"
     lam = [
-        [
-            r["policy"],
-            "-" if r["policy"] == "fcfs" else f"{r['lam']:g}",
-            f"{r['mean_s']:.2f}{_flag(r)}",
-            f"{r['p99_s']:.2f}",
-        ]
+        [r["policy"], "-" if r["policy"] == "fcfs" else f"{r['lam']:g}", *cells(r, "mean_s:.2f* p99_s:.2f")]
         for r in ab["lambda"]
     ]
     plot_lambda(ab["lambda"], folder / "lambda.png")
@@ -281,8 +278,8 @@ def llamacpp_section(lc: dict[str, Any], folder: Path, png: str) -> list[str]:
         return [f"{lc.get('status')}. Install once (cached wheel): `{lc.get('install', '')}`"]
     o, c = lc["ours"], lc["llamacpp"]
     rows = [
-        ["ours", f"{o['items_per_s']:.2f}", f"{o['mean_s']:.3f}", f"{lc['ours_vs_llamacpp']:.2f}x"],
-        ["llama.cpp", f"{c['items_per_s']:.2f}", f"{c['mean_s']:.3f}", "1.00x"],
+        ["ours", *cells(o, "items_per_s:.2f mean_s:.3f"), f"{lc['ours_vs_llamacpp']:.2f}x"],
+        ["llama.cpp", *cells(c, "items_per_s:.2f mean_s:.3f"), "1.00x"],
     ]
     return [
         f"Same GGUF ({lc['gguf']}), {lc['items']} WL1-style items one at a time with prefix reuse on both sides. "
@@ -398,8 +395,8 @@ def serving_rows(rows: list[dict[str, Any]]) -> tuple[str, str, list[list[str]]]
     table = []
     for r in rows:
         b = by.get((base, r["qps"]))
-        row = [r["config"], f"{r['qps']:g}", f"{r['ok']}/{r['calls']}", f"{r['items_per_s']:.2f}"]
-        row += [f"{r[k]:.2f}" for k in ("mean_s", "p50_s", "p99_s")]
+        row = [*cells(r, "config qps:g"), f"{r['ok']}/{r['calls']}"]
+        row += cells(r, "items_per_s:.2f mean_s:.2f p50_s:.2f p99_s:.2f")
         row.append(f"{r['cache_hit_rate']:.0%}" if "cache_hit_rate" in r else "-")
         row.append(f"{r['items_per_s'] / b['items_per_s']:.2f}x" if b and b["items_per_s"] else "n/a")
         row.append(f"{b['mean_s'] / r['mean_s']:.2f}x" if b and r["mean_s"] else "n/a")
@@ -480,8 +477,8 @@ def cluster_rows(doc: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in doc["runs"]:
         mean, most, one = _affinity(r)
-        row = [r["shape"], f"{r['rate']:g}", r["policy"] + _flag(r), f"{r['ok']}/{r['calls']}"]
-        row += [f"{r[k]:.2f}" for k in ("items_per_s", "p50_s", "p99_s")]
+        row = [*cells(r, "shape rate:g policy*"), f"{r['ok']}/{r['calls']}"]
+        row += cells(r, "items_per_s:.2f p50_s:.2f p99_s:.2f")
         row += [f"{1e3 * _cpu_per_item(r):.0f}", f"{r['hit_rate']:.0%}"]
         row += [
             " / ".join(f"{w['share']:.0%}" for w in r["workers"]),
@@ -572,9 +569,9 @@ def cluster_sim_rows(doc: dict[str, Any]) -> list[list[str]]:
         eff, rr, q = _efficiency(doc, r), by.get((SPREAD, r["workers"])), r["sustained_qps"]
         row = [r["router"], str(r["workers"]), f"{q:.3f}", f"{q / r['workers']:.3f}"]
         row += ["-" if eff is None else f"{eff:.2f}", f"{q / rr['sustained_qps']:.2f}x" if rr else "-"]
-        row += [f"{r['hit_rate']:.1%}", f"{r['imbalance']:.3f}", f"{r['p99_s']:.1f}", f"{r['mean_s']:.2f}"]
+        row += cells(r, "hit_rate:.1% imbalance:.3f p99_s:.1f mean_s:.2f mean_batch:.2f")
         span = r["span_over_bound"]
-        out.append(row + [f"{r['mean_batch']:.2f}", f"{span:.0f}" + ("" if span >= MIN_SPAN else " †")])
+        out.append(row + [f"{span:.0f}" + ("" if span >= MIN_SPAN else " †")])
     return out
 
 
