@@ -245,7 +245,7 @@ def _llama_family(cfg: dict[str, Any], model_type: str) -> ModelConfig:
         rope=RopeConfig.from_hf(cfg),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
-        sliding_window=int(window) if any(sliding) else None,
+        sliding_window=int(window) if window and any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
     )
 
