@@ -9,10 +9,14 @@ cost, scores rounded to bf16 by the GEMM, elementwise passes over the score tile
 keeps the scores in fp32 registers between the two dot-product passes.
 
 Build: `torch.utils.cpp_extension.load` compiles the kernel into a per-user cache
-(`$PREFILLONLY_CACHE` or `~/.cache/prefillonly`, under `ext/<torch version>/`) the first time a
-bf16 attention runs on a CPU with avx512_bf16; later processes load the cached library. No
-install step compiles anything: without a compiler, or if the build fails, one warning is logged
-and attention stays on SDPA (`po_backend.engine.attention`).
+(`$PREFILLONLY_CACHE` or `~/.cache/prefillonly`, under `ext/po_attention_bf16-<hash>/`, the hash
+of the source, the compiler and its flags and torch's version) when an engine that will use it
+starts (`decide`), never inside a request; later processes load the cached library. Builds of
+one folder take turns under an OS file lock (`fcntl.flock`, released when its holder dies; the
+wait is bounded by $PO_KERNEL_LOCK_TIMEOUT seconds). A cache folder owned by another user or
+writable by others is refused: the library loaded from it could be theirs. No install step
+compiles anything: without a compiler, or if the build fails, one warning is logged and
+attention stays on SDPA (`po_backend.engine.attention`).
 
 Used for: bf16 on a CPU with avx512_bf16 and no AMX (with AMX, SDPA's own kernel uses AMX), head
 dims that are multiples of 64. Everything else (fp32, AVX2-only CPUs, fp16, other devices)
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from po_backend.core.cpu import cpu_flags  # a module global: tests patch it here
 
@@ -224,17 +229,23 @@ def load_kernel() -> bool:
     return hasattr(torch.ops.po_attn, "fwd")
 
 
-def supported(q: torch.Tensor, *kv: torch.Tensor | None) -> bool:
-    """Whether the kernel can take these queries and keys/values (device, dtype, head dim) and
-    is built. K/V in another dtype than q (the kernel reads bf16 only) fall back."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and all(t is None or t.dtype == torch.bfloat16 for t in kv)
-        and q.shape[-1] % HEAD_DIM_MULTIPLE == 0
-        and choose(q.dtype, q.device) == "kernel"
-        and load_kernel()
-    )
+@functools.cache
+def _note_head_dim(d: int) -> None:
+    log.info("bf16 CPU attention kernel: head dim %d is not a multiple of 64; attention runs on SDPA", d)
+
+
+def supported(q: Tensor, *kv: Tensor | None) -> bool:
+    """Whether the kernel can take these queries and keys/values (device, dtype, head dim) and is
+    built; where it would run but for the head dim, the reason is logged once. K/V in another
+    dtype than q (the kernel reads bf16 only) fall back."""
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or choose(q.dtype, q.device) != "kernel":
+        return False
+    if any(t is not None and t.dtype != torch.bfloat16 for t in kv):
+        return False
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:
+        _note_head_dim(q.shape[-1])
+        return False
+    return load_kernel()
 
 
 def _empty_kv(like: torch.Tensor) -> torch.Tensor:
@@ -242,44 +253,31 @@ def _empty_kv(like: torch.Tensor) -> torch.Tensor:
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-    prefix_k: torch.Tensor | None = None,
-    prefix_v: torch.Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, prefix: tuple[Tensor, Tensor] | None = None
 ) -> None:
-    """Causal attention of one sequence after an optional prefix, into out [n, heads * d]."""
+    """Causal attention of one sequence after an optional prefix (its K, V), into out [n, heads * d]."""
     n, heads, d = q.shape
     if n == 0:
         return
-    if prefix_k is None or prefix_k.shape[0] == 0:
-        prefix_k = prefix_v = _empty_kv(k)
-    elif prefix_v is None:
-        raise ValueError("prefix_k given without prefix_v")
-    torch.ops.po_attn.fwd(
-        q, prefix_k, prefix_v, k, v, _EMPTY_I32, out.view(n, heads, d), _NO_LSE, scale, False
-    )
+    pk, pv = prefix if prefix is not None and prefix[0].shape[0] else (_empty_kv(k), _empty_kv(k))
+    torch.ops.po_attn.fwd(q, pk, pv, k, v, _EMPTY_I32, out.view(n, heads, d), _NO_LSE, scale, False)
 
 
 def attend_items(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
     scale: float,
     bounds: list[tuple[int, int]],
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
+    prefix: tuple[Tensor, Tensor],
 ) -> None:
     """Items sharing one cached prefix: item i (rows bounds[i]) attends to the whole prefix and
     causally to its own rows only. One kernel call per run of adjacent items (the runner's items
     are one run): each query's online softmax runs on from the prefix into its own item's keys,
     so there are no partial outputs to merge, and the prefix is packed once per call."""
     n, heads, d = q.shape
-    if prefix_k.shape[0] == 0:
-        prefix_k = prefix_v = _empty_kv(k)
+    prefix_k, prefix_v = prefix if prefix[0].shape[0] else (_empty_kv(k), _empty_kv(k))
     o3 = out.view(n, heads, d)
     run: list[tuple[int, int]] = []
     for a, b in [*bounds, (-1, -1)]:

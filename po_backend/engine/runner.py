@@ -20,7 +20,6 @@ picks one from `EngineConfig.prefill_mode`.
 from __future__ import annotations
 
 import logging
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -28,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from po_backend.engine import attention_cpu
-from po_backend.engine.attention import attend, attend_items, fallback_scratch_bytes
+from po_backend.engine.attention import attend, attend_items, fallback_scratch_bytes, masked_scratch_bytes
 from po_backend.engine.cache.kv_pool import KVPool
 from po_backend.engine.config import PREFILL_MODES, ModelConfig, PrefillMode, ResidualDtype, resolve_residual
 from po_backend.engine.models.layers import Rotary
@@ -92,8 +91,19 @@ class Runner(ABC):
             _name(self.resid_dtype),
         )
         self.chunk_size = chunk_size
-        self.rotary = Rotary(self.cfg.rope.inv_freq(self.cfg.head_dim), device)
-        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        cfg = self.cfg
+        # One Rotary per distinct RoPE (Gemma 3: the sliding layers' base differs), and each
+        # layer's index into them; cos/sin are computed once per forward (or chunk) per RoPE.
+        ropes = [cfg.layer_rope(li) for li in range(cfg.num_layers)]
+        distinct = list(dict.fromkeys(ropes))
+        self.rotaries = [Rotary(r.inv_freq(cfg.head_dim), device, r.attention_factor) for r in distinct]
+        self.layer_rotary = [distinct.index(r) for r in ropes]
+        self.scale = cfg.scale
+        self.windows = [cfg.layer_window(li) for li in range(cfg.num_layers)]
+        self.softcap = cfg.attn_softcap
+
+    def cos_sin(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [r.cos_sin(positions, self.dtype) for r in self.rotaries]
 
     @abstractmethod
     def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
@@ -127,9 +137,16 @@ class HybridRunner(Runner):
         cfg, dev, dt = self.cfg, self.device, self.dtype
         ids, starts, positions = _pack(seqs, dev)
         total = ids.numel()
-        groups = _prefix_groups(seqs, starts)
-        # cos/sin are the same for every layer: compute them once per forward.
-        cos, sin = self.rotary.cos_sin(positions, dt)
+        # Slot ids live on the CPU (the pool's free list); moved to the device once per forward,
+        # not once per layer, so a GPU forward issues no host-to-device copy inside the layers.
+        groups = [(p if p is None else p.to(dev), m) for p, m in _prefix_groups(seqs, starts)]
+        stores = [
+            (s.store_slots.to(dev), a)
+            for s, a in zip(seqs, starts, strict=False)
+            if pool is not None and s.store_slots is not None and s.store_slots.numel()
+        ]
+        # cos/sin are the same for every layer of one RoPE: compute them once per forward.
+        rope = self.cos_sin(positions)
         chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
         bounds = [(a, min(a + chunk, total)) for a in range(0, total, chunk)]
 
@@ -137,7 +154,7 @@ class HybridRunner(Runner):
         # norms read it in fp32 and each sublayer's output is added to it without rounding h.
         h = torch.empty(total, cfg.hidden_size, dtype=self.resid_dtype, device=dev)
         for a, b in bounds:
-            h[a:b] = self.model.embed_tokens.index_select(0, ids[a:b])
+            self.model.embed(ids[a:b], h[a:b])
         qkv = torch.empty(total, cfg.q_size + 2 * cfg.kv_size, dtype=dt, device=dev)
         attn = torch.empty(total, cfg.q_size, dtype=dt, device=dev)
         x = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
@@ -156,23 +173,35 @@ class HybridRunner(Runner):
         va = qkv_a[:, cfg.q_size + cfg.kv_size :].view(total, cfg.num_kv_heads, cfg.head_dim)
 
         for li, layer in enumerate(self.model.decoder_layers):
+            cos, sin = rope[self.layer_rotary[li]]
+            window, softcap = self.windows[li], self.softcap
             for a, b in bounds:
                 layer.qkv_chunk(h[a:b], x[: b - a], qkv[a:b], cos[a:b], sin[a:b])
-            for s, a in zip(seqs, starts, strict=False):
-                if pool is not None and s.store_slots is not None and s.store_slots.numel():
-                    m = s.store_slots.numel()
-                    pool.write(li, s.store_slots, k_all[a : a + m], v_all[a : a + m])
+            for slots, a in stores:
+                assert pool is not None, "store slots need the pool"
+                m = slots.numel()
+                pool.write(li, slots, k_all[a : a + m], v_all[a : a + m])
             if wide:
                 qkv_a.copy_(qkv)
             for prefix, members in groups:
                 if prefix is None:
                     for a, b in members:
-                        attend(qa[a:b], ka[a:b], va[a:b], attn_a[a:b], self.scale)
+                        attend(
+                            qa[a:b],
+                            ka[a:b],
+                            va[a:b],
+                            attn_a[a:b],
+                            self.scale,
+                            window=window,
+                            softcap=softcap,
+                        )
                 else:
                     assert pool is not None, "a sequence with a cached prefix needs the pool"
                     pk, pv = pool.read(li, prefix)  # once per layer for all items sharing it
                     pk, pv = pk.to(self.attn_dtype), pv.to(self.attn_dtype)
-                    attend_items(qa, ka, va, attn_a, self.scale, members, pk, pv)
+                    attend_items(
+                        qa, ka, va, attn_a, self.scale, members, pk, pv, window=window, softcap=softcap
+                    )
             if wide:
                 attn.copy_(attn_a)
             for a, b in bounds:
@@ -229,7 +258,9 @@ class ChunkedRunner(Runner):
         x = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
         gate_up = torch.empty(chunk, 2 * cfg.intermediate_size, dtype=dt, device=dev)
         act = torch.empty(chunk, cfg.intermediate_size, dtype=dt, device=dev)
-        rows = torch.cat([s.logit_offsets.to(dev) + a for s, a in zip(seqs, starts, strict=False)])
+        # Which output rows each chunk fills, found on the CPU: a boolean mask over device tensors
+        # would read its count back from the device (a sync per chunk on a GPU).
+        rows = torch.cat([s.logit_offsets + a for s, a in zip(seqs, starts, strict=False)])
         out = torch.empty(rows.numel(), cfg.hidden_size, dtype=self.resid_dtype, device=dev)
 
         for a in range(0, total, chunk):
@@ -241,12 +272,13 @@ class ChunkedRunner(Runner):
                 for i, (s0, s1) in enumerate(zip(starts, starts[1:], strict=False))
                 if s0 < b and s1 > a
             ]
-            cos, sin = self.rotary.cos_sin(positions[a:b], dt)
-            h[:c] = self.model.embed_tokens.index_select(0, ids[a:b])
+            rope = self.cos_sin(positions[a:b])
+            self.model.embed(ids[a:b], h[:c])
             q = qkv[:c, : cfg.q_size].view(c, cfg.num_heads, cfg.head_dim)
             k = qkv[:c, cfg.q_size : cfg.q_size + cfg.kv_size].view(c, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:c, cfg.q_size + cfg.kv_size :].view(c, cfg.num_kv_heads, cfg.head_dim)
             for li, layer in enumerate(self.model.decoder_layers):
+                cos, sin = rope[self.layer_rotary[li]]
                 layer.qkv_chunk(h[:c], x[:c], qkv[:c], cos, sin)
                 for i, lo, hi, r in parts:
                     k_own, v_own = own[i][0, li], own[i][1, li]
@@ -257,32 +289,25 @@ class ChunkedRunner(Runner):
                     if pkey is not None:
                         k_p, v_p = prefix_kv[pkey]
                         ctx_k, ctx_v = torch.cat([k_p[li], ctx_k]), torch.cat([v_p[li], ctx_v])
-                    if self.attn_dtype == dt:
-                        attend(
-                            q[r : r + m],
-                            k_own[lo:hi],
-                            v_own[lo:hi],
-                            attn[r : r + m],
-                            self.scale,
-                            ctx_k,
-                            ctx_v,
-                        )
-                    else:  # fp32 attention (`_attention_dtype`) on copies of this part's K/V
-                        ad = self.attn_dtype
-                        o = torch.empty(m, cfg.q_size, dtype=ad, device=dev)
-                        attend(
-                            q[r : r + m].to(ad),
-                            k_own[lo:hi].to(ad),
-                            v_own[lo:hi].to(ad),
-                            o,
-                            self.scale,
-                            ctx_k.to(ad),
-                            ctx_v.to(ad),
-                        )
+                    ad = self.attn_dtype  # fp32 attention (`_attention_dtype`): copies of this part
+                    o = attn[r : r + m] if ad == dt else torch.empty(m, cfg.q_size, dtype=ad, device=dev)
+                    attend(
+                        q[r : r + m].to(ad),
+                        k_own[lo:hi].to(ad),
+                        v_own[lo:hi].to(ad),
+                        o,
+                        self.scale,
+                        ctx_k.to(ad),
+                        ctx_v.to(ad),
+                        window=self.windows[li],
+                        softcap=self.softcap,
+                    )
+                    if ad != dt:
                         attn[r : r + m] = o
                 layer.out_mlp_chunk(h[:c], attn[:c], x[:c], gate_up[:c], act[:c])
-            here = (rows >= a) & (rows < b)
-            out[here] = h[rows[here] - a]
+            here = ((rows >= a) & (rows < b)).nonzero().squeeze(1)
+            if here.numel():
+                out.index_copy_(0, here.to(dev), h.index_select(0, (rows[here] - a).to(dev)))
 
         for s, kv in zip(seqs, own, strict=True):
             if pool is not None and s.store_slots is not None and s.store_slots.numel():
@@ -363,7 +388,9 @@ def activation_bytes(
     rit = torch.empty((), dtype=resid_dtype or dtype).element_size()
     chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
     q, kv = cfg.q_size, cfg.kv_size
-    per_token = rit * cfg.hidden_size + it * (q + 2 * kv + q + cfg.head_dim)  # h, qkv, attn, cos/sin
+    per_token = rit * cfg.hidden_size + it * (
+        q + 2 * kv + q + _ropes(cfg) * cfg.head_dim
+    )  # h, qkv, attn, cos/sin
     per_token += it * 2 * q  # SDPA output of one KV-head group and its transpose copy (bound)
     per_token += 4 * 2 * q if prefix_tokens else 0  # fp32 partial outputs merged after a prefix
     # Contiguous copies of K/V stored into the pool, ids/positions/rotary angles, allocator slack:
@@ -381,7 +408,24 @@ def activation_bytes(
         group = cfg.num_heads // cfg.num_kv_heads
         dev = device or torch.device("cpu")
         prefix += fallback_scratch_bytes(dev, dtype, group, prefix_tokens + n_tokens)
-    return per_token * n_tokens + scratch + head + prefix
+    return (
+        per_token * n_tokens + scratch + head + prefix + _masked_bytes(cfg, dtype, prefix_tokens + n_tokens)
+    )
+
+
+def _ropes(cfg: ModelConfig) -> int:
+    """How many cos/sin tables a forward holds (one per distinct RoPE)."""
+    return len({cfg.layer_rope(li) for li in range(cfg.num_layers)})
+
+
+def _masked_bytes(cfg: ModelConfig, dtype: torch.dtype, keys: int) -> int:
+    """`windowed_attend`'s block scratch for layers with soft-capping or a window, over up to
+    `keys` keys (a sliding layer's blocks read at most twice its window)."""
+    spans = [
+        keys if cfg.attn_softcap is not None else 0,
+        *(min(keys, 2 * w) for w in {cfg.layer_window(li) for li in range(cfg.num_layers)} if w),
+    ]
+    return masked_scratch_bytes(cfg.num_heads, max(spans), dtype) if max(spans) else 0
 
 
 def chunked_activation_bytes(
@@ -412,7 +456,8 @@ def chunked_activation_bytes(
     scratch += (rit - it) * chunk * cfg.hidden_size  # h in the residual dtype
     per_token = rit * cfg.hidden_size + it * cfg.head_dim + 64  # output rows, ids, positions, cos/sin
     head = _head_bytes(cfg, it)
-    return resident_kv + attention + scratch + per_token * n_tokens + head
+    masked = _masked_bytes(cfg, dtype, n)
+    return resident_kv + attention + scratch + per_token * n_tokens + head + masked
 
 
 # Rows of the LM head computed at once: bounds the [rows, vocab] logits of long logprob spans.

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.task import ModelTask
 
 
 class ScoringService(Protocol):
@@ -20,6 +21,7 @@ class ScoringService(Protocol):
     max_input_len: int
     model_type: str
     architectures: tuple[str, ...]
+    task: ModelTask  # generate (label scoring), classify (a score head) or embed
     # The effective engine and loop settings (resolved dtype, device, policy...) for /server_info.
     settings: Mapping[str, Any]
 
@@ -37,7 +39,7 @@ class ScoringService(Protocol):
     def flush_cache(self) -> None: ...
 
     def alive(self) -> bool:
-        """The scoring loop runs (what /health reports)."""
+        """The scoring loop runs and its recent steps did not all fail (what /health reports)."""
         ...
 
     def abandon_waiting(self, error: BaseException) -> int:
@@ -74,6 +76,8 @@ class LoopService:
             getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
         )
         self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
+        self.task: ModelTask = getattr(scorer, "task", None) or ModelTask()
+        self.hidden_size = int(getattr(model_cfg, "hidden_size", 0) or 0)  # an embedding's width
 
     @classmethod
     def from_runtime(cls, rt: Any) -> LoopService:
@@ -96,7 +100,8 @@ class LoopService:
         self.loop.flush_cache()
 
     def alive(self) -> bool:
-        return bool(self.loop.alive)
+        # A worker whose every recent step failed (a device error) is as good as dead to clients.
+        return bool(self.loop.alive) and not self.loop.failing
 
     def abandon_waiting(self, error: BaseException) -> int:
         return int(self.loop.abandon_waiting(error))

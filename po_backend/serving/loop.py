@@ -18,6 +18,7 @@ queued with CancelledError. The worker sleeps on a condition variable when idle 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -31,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError, PrefillOnlyError
+from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.settings import DEFAULT_MAX_QUEUE
 from po_backend.engine.engine import Engine
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STEP_LOG = 4096  # recent steps kept for stats (percentiles, prediction quality)
+# Steps failed in a row after which the loop reports itself failing: one bad batch is that batch's
+# problem, several in a row with no success between them is the device's or the model's.
+FAILING_STEPS = 3
 
 
 class ScorerStats(Protocol):
@@ -114,6 +118,7 @@ class LoopStats:
     jct_online_r: float  # r of calibrated predictions vs measured over recent steps
     jct_source: str  # where the coefficients came from (JCTModel.source), "" without a JCT model
     jct_refits: int  # times the coefficients were refitted on real steps (a start-up estimate's)
+    queued_by_class: dict[str, int]  # waiting per priority class (sched.scheduler.CLASSES)
 
 
 class _Job:
@@ -138,21 +143,26 @@ class EngineLoop:
         calibrate: bool = True,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         """engine: the scorer this loop owns (an Engine, or any `Scorer`).
         jct: the step-time model. None: `jct_profile.startup_jct` (fcfs and lpm run without one;
         po and srjf load the profile persisted for this engine and machine, or time a few short
-        steps now and refine from real ones). A CalibratedJCT is used as is, so what an earlier
+        steps now and refine from real ones). scheduler: the whole scheduler configuration (priority classes included), instead of
+        policy, fairness_lambda and min_shared_prefix. A CalibratedJCT is used as is, so what an earlier
         loop learned online carries over. start=False leaves the worker stopped until `start()` (tests; submitting a
         burst that is scheduled as a whole)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
-        self.config = SchedulerConfig(policy, fairness_lambda, min_shared_prefix)
+        self.config = scheduler or SchedulerConfig(policy, fairness_lambda, min_shared_prefix)
         if jct is None and self.config.needs_jct:
             if not isinstance(engine, Engine):
-                raise ValueError(f"policy {policy!r} needs a JCT model: pass jct= for this scorer")
-            jct = startup_jct(engine, policy)
+                raise ValueError(
+                    f"policy {self.config.policy!r} needs a JCT model: pass jct= for this scorer"
+                )
+            # (a policy's name only tells startup_jct whether one is needed, settled above)
+            jct = startup_jct(engine, "po")
         if jct is not None and not isinstance(jct, CalibratedJCT):
             jct = CalibratedJCT(jct)
         self.jct: CalibratedJCT | None = jct
@@ -171,6 +181,7 @@ class EngineLoop:
         self._counts = dict.fromkeys(("submitted", "completed", "failed", "cancelled", "rejected"), 0)
         self._steps: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self._n_steps = 0
+        self._failed_streak = 0  # steps failed in a row since the last one that succeeded
         self._thread = threading.Thread(target=self._work, name="po-engine-loop", daemon=True)
         self._started = False
         if start:
@@ -215,6 +226,13 @@ class EngineLoop:
     def alive(self) -> bool:
         """The worker thread runs (or has not been started yet): what a liveness probe asks."""
         return not self._started or self._thread.is_alive()
+
+    @property
+    def failing(self) -> bool:
+        """The last FAILING_STEPS steps all failed (a device error that every step hits): the
+        worker runs but serves nothing, which a liveness probe must report too. One success
+        clears it."""
+        return self._failed_streak >= FAILING_STEPS
 
     def abandon_waiting(self, error: BaseException) -> int:
         """Fail every queued request with `error` now (the step running completes); how many.
@@ -314,14 +332,27 @@ class EngineLoop:
                     self._calls.clear()
                     if not calls and not len(self._sched):
                         return  # closing, and (drained or failed by shutdown) nothing is left
-                    batch = None if calls else self._next_batch()
+                    waiting = [] if calls else [j.req for j in self._jobs.values()]
                 for fn, fut in calls:
                     self._run_call(fn, fut)
+                if calls:
+                    continue
+                # The cache probes (a radix walk per waiting prompt, the bulk of a pick's work) run
+                # here, outside the lock, so submitters and stats readers never wait on them: only
+                # this thread changes the cache, and a scorer that memoises them (the Engine, until
+                # its next step) answers the pick below from the memo.
+                for req in waiting:
+                    self.engine.cached_len(req)
+                with self._cond:
+                    batch = self._next_batch()
                 if batch is not None:
                     self._run_step(*batch)
         except BaseException as e:  # a bug in the loop itself: nothing may be left pending
             log.exception("engine loop worker died")
-            error = PrefillOnlyError(f"the engine loop stopped: {e!r}")
+            # Clients get a 503 to retry elsewhere; the exception itself (internals) goes to the log only.
+            error = LoopClosedError(
+                f"the engine loop stopped after an internal error ({type(e).__name__}; see the server log)"
+            )
             with self._cond:
                 self._closing = True
                 self._fail_waiting(error)
@@ -383,6 +414,7 @@ class EngineLoop:
             with self._cond:
                 self._running = []
                 self._counts["failed"] += len(jobs)
+                self._failed_streak += 1
                 self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score, True))
             for j in jobs:
                 j.future.set_exception(e)
@@ -393,9 +425,10 @@ class EngineLoop:
         with self._cond:
             self._running = []
             self._counts["completed"] += len(jobs)
+            self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
         for j, r in zip(jobs, results, strict=True):
-            j.future.set_result(r)
+            j.future.set_result(dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted)))
 
     def _record(self, rec: StepRecord) -> None:
         self._steps.append(rec)
@@ -422,6 +455,7 @@ class EngineLoop:
         with self._cond:
             steps = list(self._steps)
             queued, running = len(self._sched), len(self._running)
+            by_class = self._sched.waiting_by_class()
             counts = dict(self._counts)
             n_steps = self._n_steps
         secs = np.array([s.seconds for s in steps if not s.error])
@@ -445,5 +479,6 @@ class EngineLoop:
             jct_online_r=pearson_r([s.predicted for s in ok], [s.seconds for s in ok]),
             jct_source=self.jct.model.source if self.jct else "",
             jct_refits=self.jct.refits if self.jct else 0,
+            queued_by_class=by_class,
             **counts,
         )
