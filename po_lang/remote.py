@@ -82,8 +82,11 @@ class Remote:
         """The server model's classifier labels (its /v1/models card) when it is a classifier head."""
         if self._card is None:
             # A server that does not answer it (an older one, SGLang's) scores label tokens.
-            resp = self._client.get("/v1/models")
-            data = resp.json().get("data") if resp.status_code == 200 else None
+            try:
+                resp = self._client.get("/v1/models")
+                data = resp.json().get("data") if resp.status_code == 200 else None
+            except Exception:  # no answer a head could come from: label tokens, as before
+                data = None
             self._card = data[0] if data else {}
         return tuple(self._card["labels"]) if self._card.get("task") == "classify" else None
 
