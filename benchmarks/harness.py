@@ -172,7 +172,7 @@ def pool_tokens(items: Sequence[Item], profiles: float) -> int:
 
 def load_engine(prefix_pool_tokens: int | None = None, prefill_mode: str = "hybrid") -> Engine:
     # "declared": only the prefix a request declares (the user profile) enters the cache: the
-    # paper's suffix discarding (bench_ablation turns it off per request).
+    # paper's suffix discarding (bench_schedule --ablation turns it off per request).
     return Engine.from_pretrained(
         "embedded",
         cache_policy="declared",

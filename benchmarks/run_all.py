@@ -5,9 +5,9 @@
     ... run_all --llamacpp                       # also llama.cpp, if llama-cpp-python is installed
 
 Steps (each a subprocess writing JSON into benchmarks/results/report/, its log next to it):
-  qps       bench_qps       throughput-latency, WL1/WL2, hf / fcfs+cache / chunked prefill / po
+  qps       bench_schedule  throughput-latency, WL1/WL2, hf / fcfs+cache / chunked prefill / po
   mil       bench_mil       max input length in a fixed activation budget; hybrid on/off
-  ablation  bench_ablation  suffix discarding on/off; fairness lambda sweep
+  ablation  bench_schedule --ablation  suffix discarding on/off; fairness lambda sweep
   cluster_sim  bench_cluster_sim  1..64 simulated workers behind the router (cache_aware vs round robin;
                             ~3 min, --quick ~15 s)
   cluster   bench_cluster   2 real workers behind the real SGLang router: prefix affinity, cache_aware
@@ -36,14 +36,25 @@ from benchmarks.harness import REPO_ROOT, RESULTS, machine_info
 from benchmarks.report import build_report
 from po_backend.engine.config import parse_dtype
 
-STEPS = ("qps", "mil", "ablation", "cluster_sim", "cluster")
+# step -> its benchmark and flags (the sizes each step has always run at)
+SCHEDULE = "bench_schedule --wl1-items 6 --quiet-wait 30 --slo-extra= --mults-wl2="
+STEPS = {
+    "qps": f"{SCHEDULE} --configs hf,fcfs,chunked,po --mults 0.25,0.5,1,2,4 --wl1-users 4 --wl1-profile 600 "
+    "--wl1-item-tokens 80 --wl2-requests 8 --wl2-min 1500 --wl2-max 2500",
+    "mil": "bench_mil",
+    "ablation": f"{SCHEDULE} --ablation --wl1-items 8 --wl1-users 4 --wl1-profile 600 --wl1-item-tokens 80",
+    "cluster_sim": "bench_cluster_sim",
+    "cluster": "bench_cluster",
+    "llamacpp": "bench_llamacpp",
+}
 
 
 def run_step(name: str, extra: list[str], folder: Path) -> tuple[bool, float]:
-    """Run benchmarks.bench_<name>, its output shown and kept in <folder>/<name>.log. True if it
+    """Run step `name`'s benchmark, its output shown and kept in <folder>/<name>.log. True if it
     wrote its JSON."""
     out = folder / f"{name}.json"
-    cmd = [sys.executable, "-m", f"benchmarks.bench_{name}", "--out", str(out), *extra]
+    module, *flags = STEPS[name].split()
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *flags, "--out", str(out), *extra]
     print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
     t = time.perf_counter()
     with (folder / f"{name}.log").open("w") as log:
@@ -62,7 +73,7 @@ def run_step(name: str, extra: list[str], folder: Path) -> tuple[bool, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run (a few minutes)")
-    ap.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
+    ap.add_argument("--steps", default=",".join(list(STEPS)[:-1]), help=f"subset of {','.join(STEPS)}")
     ap.add_argument(
         "--llamacpp", action="store_true", help="also llama.cpp, if llama-cpp-python is installed"
     )
@@ -74,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     # Results of an earlier run must never be mixed into this report.
     for old in [*folder.glob("*.json"), *folder.glob("*.png"), *folder.glob("*.log")]:
         old.unlink()
-    steps = [s for s in STEPS if s in args.steps.split(",")]
+    steps = [s for s in list(STEPS)[:-1] if s in args.steps.split(",")]
     extra = ["--quick"] if args.quick else []
     t0 = time.perf_counter()
     meta = {

@@ -97,12 +97,33 @@ CASES: list[tuple[list[str], dict[str, Any], dict[str, Any]]] = [
     (["--fairness-lambda", "0.5"], {"fairness_lambda": 0.5}, {"fairness_lambda": 0.5}),
     (["--min-shared-prefix", "64"], {"min_shared_prefix": 64}, {"min_shared_prefix": 64}),
     (["--max-queue", "7"], {"max_queue": 7}, {"max_queue": 7}),
+    (
+        ["--enable-priority-scheduling", "--schedule-low-priority-values-first", "--online-slo-ms", "500"],
+        {
+            "enable_priority_scheduling": True,
+            "schedule_low_priority_values_first": True,
+            "online_slo_ms": 500.0,
+        },
+        {
+            "enable_priority_scheduling": True,
+            "schedule_low_priority_values_first": True,
+            "online_slo_ms": 500.0,
+        },
+    ),
+    (["--batch-min-share", "0.2"], {"batch_min_share": 0.2}, {"batch_min_share": 0.2}),
     (["--max-queued-requests", "7"], {"max_queued_requests": 7}, {"max_queue": 7}),
     (["--backend", "hf"], {"backend": "hf"}, {"backend": "hf", "schedule_policy": "fcfs"}),
     (["--tp-size", "1", "--dp-size", "1"], {"tp_size": 1, "dp_size": 1, "pp_size": 1}, {}),
     (["--random-seed", "3", "--enable-metrics"], {"random_seed": 3, "enable_metrics": True}, {}),
     (["--trust-remote-code"], {"trust_remote_code": True}, {}),
     (["--tokenizer-path", "m"], {"tokenizer_path": "m"}, {}),
+    (["--task", "classify"], {"task": "classify"}, {"task": "classify"}),
+    (["--task", "embedding"], {"task": "embedding"}, {"task": "embed"}),
+    (["--is-embedding"], {"is_embedding": True}, {"task": "pooling"}),
+    (["--runner", "pooling"], {"runner": "pooling"}, {"task": "pooling"}),
+    (["--convert", "reward"], {"convert": "reward"}, {"task": "classify"}),
+    (["--pooling", "mean"], {"pooling": "mean"}, {"pooling": "mean"}),
+    (["--pooling-type", "MEAN"], {"pooling_type": "MEAN"}, {"pooling": "mean"}),
 ]
 
 

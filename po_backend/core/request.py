@@ -38,6 +38,12 @@ class ScoreRequest:
     # OpenAI's echo with logprobs). Bounded per position, so a long span stays cheap.
     input_top_k: int = 0
     input_token_ids: tuple[int, ...] = ()
+    # The model's pooled output instead of next-token log-probs: a classifier head's logits or an
+    # embedding (`ScoreResult.outputs`), whichever the loaded model's task is.
+    pool: bool = False
+    # SGLang's / vLLM's request priority (None: the default, 0). Which values run first, and
+    # whether it counts at all, is the server's setting (`enable_priority_scheduling`).
+    priority: int | None = None
 
     @property
     def reusable_len(self) -> int:
@@ -59,6 +65,8 @@ class ScoreResult:
     input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    outputs: list[float] = field(default_factory=list)  # pooled requests: head logits or embedding
+    queue_seconds: float = 0.0  # from submission to the start of its step (the serving loop's)
 
 
 def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> None:
@@ -85,6 +93,8 @@ def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> 
         raise InvalidRequestError(
             f"logprob_start_len must be in [-1, {n - 1}] for a {n}-token prompt, got {req.logprob_start_len}"
         )
+    if req.priority is not None and (type(req.priority) is not int or abs(req.priority) >= 2**63):
+        raise InvalidRequestError(f"priority must be a 64-bit integer, got {req.priority!r}")
     if req.cache_prefix_len is not None and not 0 <= req.cache_prefix_len <= n:
         raise InvalidRequestError(f"cache_prefix_len must be in [0, {n}], got {req.cache_prefix_len}")
 

@@ -26,10 +26,16 @@ from po_backend.core.request import sorted_neighbours
 
 # The settings' defaults and checks are declared once, with every other setting.
 from po_backend.core.settings import (  # noqa: E402  (re-exported)
+    BACKFILL_SLO_SHARE,
+    DEFAULT_BATCH_MIN_SHARE,
     DEFAULT_FAIRNESS_LAMBDA,
     DEFAULT_MIN_SHARED_PREFIX,
+    DEFAULT_PRIORITY,
+    check_priority,
     check_scheduler,
 )
+
+CLASSES = ("online", "batch")  # the default priority or more urgent; less urgent
 
 
 class Request(Protocol):
@@ -44,11 +50,16 @@ class Request(Protocol):
     @property
     def reusable_len(self) -> int: ...
 
+    @property
+    def priority(self) -> int | None: ...
+
 
 class Predictor(Protocol):
     """Predicted seconds of one request's forward (`po_backend.sched.jct.JCTModel` / `CalibratedJCT`)."""
 
     def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
+
+    def predict_items(self, items: Sequence[tuple[int, int]]) -> float: ...
 
 
 # The engine and the simulator pass functions of their own request type, so these are generic
@@ -139,14 +150,51 @@ class SchedulerConfig:
     policy: str = "po"
     fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA
     min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX  # see core.settings
+    # Priority classes (core.settings: enable_priority_scheduling and the three after it)
+    enable_priority: bool = False
+    low_priority_first: bool = False
+    online_slo_s: float | None = None
+    batch_min_share: float = DEFAULT_BATCH_MIN_SHARE
 
     def __post_init__(self) -> None:
         check_scheduler(self.policy, self.fairness_lambda, self.min_shared_prefix)
+        check_priority(None if self.online_slo_s is None else self.online_slo_s * 1e3, self.batch_min_share)
+
+    def rank(self, req: Request) -> int:
+        """A request's class, lower runs first: its priority in the configured order (0 for the
+        default priority, and for every request with priority scheduling off)."""
+        if not self.enable_priority:
+            return 0
+        p = req.priority if req.priority is not None else DEFAULT_PRIORITY
+        return p - DEFAULT_PRIORITY if self.low_priority_first else DEFAULT_PRIORITY - p
+
+    def priority_class(self, req: Request) -> str:
+        """ "online" (the default priority or more urgent) or "batch" (less urgent)."""
+        return CLASSES[self.rank(req) > 0]
+
+    @classmethod
+    def from_settings(cls, s: Any) -> SchedulerConfig:
+        """The scheduler part of a `core.settings.Settings`."""
+        slo = s.online_slo_ms
+        return cls(
+            s.schedule_policy,
+            s.fairness_lambda,
+            s.min_shared_prefix,
+            enable_priority=s.enable_priority_scheduling,
+            low_priority_first=s.schedule_low_priority_values_first,
+            online_slo_s=None if slo is None else slo / 1e3,
+            batch_min_share=s.batch_min_share,
+        )
 
     @property
     def needs_jct(self) -> bool:
-        """fcfs and lpm order without predicting step times; srjf and po need a JCT model."""
-        return self.policy not in ("fcfs", "lpm")
+        """fcfs and lpm order without predicting step times; srjf and po need a JCT model, and so
+        does sizing batch steps to an online latency target."""
+        return self.policy not in ("fcfs", "lpm") or self.sizes_batch_steps
+
+    @property
+    def sizes_batch_steps(self) -> bool:
+        return self.enable_priority and self.online_slo_s is not None
 
 
 @dataclass(frozen=True)
@@ -168,6 +216,7 @@ class Pick:
     # computes them in the same step (prices the step)
     n_cached: tuple[int, ...]
     head_score: float  # the head's score under the policy (lower ran first)
+    credit: bool = False  # a less urgent class ran on its starvation credit ahead of waiting work
 
     @property
     def items(self) -> list[tuple[int, int]]:
@@ -197,6 +246,10 @@ class Scheduler:
         # srjf's JCT "at arrival": set at the first pick after arrival (the first moment the loop
         # may read the cache; the cache cannot change between an arrival and that pick).
         self._arrival_jct: dict[int, float] = {}
+        self._class_waiting: Counter[str] = Counter()  # waiting requests per priority class
+        # Predicted step seconds the classes behind the most urgent one have earned and not yet
+        # used (`pick`): their share of the steps run while they waited.
+        self._credit = 0.0
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -210,6 +263,7 @@ class Scheduler:
         bisect.insort(self._by_ids, (tuple(req.input_ids), rid))
         if call >= 0:
             self._call_waiting[call] += 1
+        self._class_waiting[self.config.priority_class(req)] += 1
         return w
 
     def remove(self, rid: int) -> bool:
@@ -221,6 +275,7 @@ class Scheduler:
         i = bisect.bisect_left(self._by_ids, (tuple(w.req.input_ids), rid))
         assert self._by_ids[i][1] == rid, "the sorted queue lost a request"
         del self._by_ids[i]
+        self._class_waiting[self.config.priority_class(w.req)] -= 1
         if w.call >= 0:
             self._call_waiting[w.call] -= 1
             if not self._call_waiting[w.call]:
@@ -230,12 +285,17 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def waiting_by_class(self) -> dict[str, int]:
+        """Waiting requests per priority class (`CLASSES`)."""
+        return {c: self._class_waiting[c] for c in CLASSES}
+
     def pop_all(self) -> list[Waiting]:
         out = list(self._waiting.values())
         self._waiting.clear()
         self._by_ids.clear()
         self._arrival_jct.clear()
         self._call_waiting.clear()
+        self._class_waiting.clear()
         return out
 
     # ---- policy -----------------------------------------------------------------------------
@@ -275,7 +335,10 @@ class Scheduler:
                 siblings = self._call_waiting.get(w.call, 1) if w.call >= 0 else 1
                 score = self._predict(w.req, n_cached(w)) - cfg.fairness_lambda * wait / siblings
             keyed.append((score, w.arrival, w.rid, w))
-        keyed.sort(key=lambda k: k[:3])  # ties: earlier arrival, then submission order
+        # Priority class first (all 0 with priority scheduling off); ties: earlier arrival, then
+        # submission order
+        rank = cfg.rank
+        keyed.sort(key=lambda k: (rank(k[3].req), *k[:3]))
         return keyed, cached
 
     def shared_len(self, head: Waiting) -> int:
@@ -306,19 +369,38 @@ class Scheduler:
         fcfs is strict, as in SGLang and vLLM: only the requests right behind the head in arrival
         order join it, so requests start in arrival order.
         Pulling a later request of the same prefix past earlier ones is a prefix-aware reordering,
-        which is what lpm and po are for."""
+        which is what lpm and po are for.
+
+        Priority classes (`SchedulerConfig.enable_priority`): the most urgent class waiting runs
+        first, the policy orders within it, and a step takes no less urgent request. The classes
+        behind it earn `batch_min_share` of each step's predicted time while they wait, and their
+        best request runs once that credit pays for it, so they are never starved. A batch step
+        (less urgent than the default) with an online latency target takes batch-mates only while
+        its predicted time stays within `BACKFILL_SLO_SHARE` of the target."""
         if not self._waiting:
             return None
+        cfg = self.config
         keyed, cached = self.scores(cached_len)
-        head = keyed[0][3]
+        top = cfg.rank(keyed[0][3].req)
+        lower = next((i for i, k in enumerate(keyed) if cfg.rank(k[3].req) != top), None)
+        at = 0
+        if lower is not None and self._credit > 0:
+            w = keyed[lower][3]
+            if self._credit >= self._step_cost(
+                [(len(w.req.input_ids), cached.get(w.rid) or cached_len(w.req))]
+            ):
+                at = lower
+        head = keyed[at][3]
+        rank = cfg.rank(head.req)
         if head.rid not in cached:
             cached[head.rid] = cached_len(head.req)
         prefix = max(self.shared_len(head), head.req.cache_prefix_len or 0)
-        strict = self.config.policy == "fcfs"
+        strict = cfg.policy == "fcfs"
         group = [head]
         if prefix > 0:
             key = head.req.input_ids[:prefix]
-            rest = (k[3] for k in keyed[1:])
+            # Policy order; equally or more urgent requests only (keyed is sorted by class)
+            rest = (k[3] for i, k in enumerate(keyed) if i != at and cfg.rank(k[3].req) <= rank)
             if strict:  # only the run right behind the head: nobody overtakes an earlier arrival
                 group += takewhile(lambda w: w.req.input_ids[:prefix] == key, rest)
             else:
@@ -327,7 +409,35 @@ class Scheduler:
         assert chosen and chosen[0][0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
+        if cfg.online_slo_s is not None and rank > 0:
+            chosen = self._backfill(group, chosen, cfg.online_slo_s * BACKFILL_SLO_SHARE)
         entries = tuple(group[i] for i, _ in chosen)
         for w in entries:
             self.remove(w.rid)
-        return Pick(entries, tuple(reused for _, reused in chosen), keyed[0][0])
+        pick = Pick(entries, tuple(reused for _, reused in chosen), keyed[at][0], credit=at > 0)
+        if lower is None:
+            self._credit = 0.0  # one class waits: nothing to owe (idle time is not banked)
+        else:  # less urgent work waited through this step: it earns a share, or spends its credit
+            cost = self._step_cost(pick.items)
+            self._credit += -cost if at else cfg.batch_min_share * cost
+        return pick
+
+    def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
+        """A step's predicted seconds ((n_input, n_cached) per item); without a JCT model (fcfs,
+        lpm), its computed tokens: the credit only compares steps with each other."""
+        if self.jct is None:
+            return float(sum(n - c for n, c in items))
+        return self.jct.predict_items(items)
+
+    def _backfill(
+        self, group: Sequence[Waiting], chosen: list[tuple[int, int]], budget_s: float
+    ) -> list[tuple[int, int]]:
+        """The leading part of `chosen` (the head always) whose step fits `budget_s` predicted
+        seconds. A leading part, since a batch-mate may read a prefix an earlier one computes."""
+        if self.jct is None:
+            return chosen
+        items = [(len(group[i].req.input_ids), c) for i, c in chosen]
+        n = 1
+        while n < len(chosen) and self.jct.predict_items(items[: n + 1]) <= budget_s:
+            n += 1
+        return chosen[:n]

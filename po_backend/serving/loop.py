@@ -18,6 +18,7 @@ queued with CancelledError. The worker sleeps on a condition variable when idle 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -117,6 +118,7 @@ class LoopStats:
     jct_online_r: float  # r of calibrated predictions vs measured over recent steps
     jct_source: str  # where the coefficients came from (JCTModel.source), "" without a JCT model
     jct_refits: int  # times the coefficients were refitted on real steps (a start-up estimate's)
+    queued_by_class: dict[str, int]  # waiting per priority class (sched.scheduler.CLASSES)
 
 
 class _Job:
@@ -141,21 +143,26 @@ class EngineLoop:
         calibrate: bool = True,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         """engine: the scorer this loop owns (an Engine, or any `Scorer`).
         jct: the step-time model. None: `jct_profile.startup_jct` (fcfs and lpm run without one;
         po and srjf load the profile persisted for this engine and machine, or time a few short
-        steps now and refine from real ones). A CalibratedJCT is used as is, so what an earlier
+        steps now and refine from real ones). scheduler: the whole scheduler configuration (priority classes included), instead of
+        policy, fairness_lambda and min_shared_prefix. A CalibratedJCT is used as is, so what an earlier
         loop learned online carries over. start=False leaves the worker stopped until `start()` (tests; submitting a
         burst that is scheduled as a whole)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
-        self.config = SchedulerConfig(policy, fairness_lambda, min_shared_prefix)
+        self.config = scheduler or SchedulerConfig(policy, fairness_lambda, min_shared_prefix)
         if jct is None and self.config.needs_jct:
             if not isinstance(engine, Engine):
-                raise ValueError(f"policy {policy!r} needs a JCT model: pass jct= for this scorer")
-            jct = startup_jct(engine, policy)
+                raise ValueError(
+                    f"policy {self.config.policy!r} needs a JCT model: pass jct= for this scorer"
+                )
+            # (a policy's name only tells startup_jct whether one is needed, settled above)
+            jct = startup_jct(engine, "po")
         if jct is not None and not isinstance(jct, CalibratedJCT):
             jct = CalibratedJCT(jct)
         self.jct: CalibratedJCT | None = jct
@@ -421,7 +428,7 @@ class EngineLoop:
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
         for j, r in zip(jobs, results, strict=True):
-            j.future.set_result(r)
+            j.future.set_result(dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted)))
 
     def _record(self, rec: StepRecord) -> None:
         self._steps.append(rec)
@@ -448,6 +455,7 @@ class EngineLoop:
         with self._cond:
             steps = list(self._steps)
             queued, running = len(self._sched), len(self._running)
+            by_class = self._sched.waiting_by_class()
             counts = dict(self._counts)
             n_steps = self._n_steps
         secs = np.array([s.seconds for s in steps if not s.error])
@@ -471,5 +479,6 @@ class EngineLoop:
             jct_online_r=pearson_r([s.predicted for s in ok], [s.seconds for s in ok]),
             jct_source=self.jct.model.source if self.jct else "",
             jct_refits=self.jct.refits if self.jct else 0,
+            queued_by_class=by_class,
             **counts,
         )

@@ -27,8 +27,10 @@ from typing import Any, TypeVar, cast
 from po_backend.core.errors import InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.settings import Settings, resolve
+from po_backend.core.task import ModelTask
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel
+from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.loop import EngineLoop
 
 R = TypeVar("R", bound="EngineRuntime")
@@ -119,6 +121,7 @@ class EngineRuntime:
         out = self.settings.public()
         if self.settings.backend == "hf":
             out.update(
+                task="generate",
                 dtype=str(next(self.scorer.model.parameters()).dtype),
                 device=str(next(self.scorer.model.parameters()).device),
                 max_input_len=int(self.scorer.max_input_len),
@@ -139,12 +142,17 @@ class EngineRuntime:
                 cache_policy=cfg.cache_policy,
                 # The pool as sized at load (what the memory budget left), not the cap asked for.
                 prefix_pool_tokens=cache.pool.num_total if cache is not None else cfg.prefix_pool_tokens,
+                **task_of(self.scorer).describe(),
             )
         sched = self.loop.config
         out.update(
             schedule_policy=sched.policy,
             fairness_lambda=sched.fairness_lambda,
             min_shared_prefix=sched.min_shared_prefix,
+            enable_priority_scheduling=sched.enable_priority,
+            schedule_low_priority_values_first=sched.low_priority_first,
+            online_slo_ms=None if sched.online_slo_s is None else sched.online_slo_s * 1e3,
+            batch_min_share=sched.batch_min_share,
             max_queue=self.loop.max_queue,
         )
         return out
@@ -194,6 +202,11 @@ class EngineRuntime:
             self.loop.shutdown(drain=True)
 
 
+def task_of(scorer: Any) -> ModelTask:
+    """What the scorer serves: the engine's task; the transformers baseline scores label tokens."""
+    return getattr(scorer, "task", None) or ModelTask()
+
+
 def load_scorer(settings: Settings) -> Any:
     """The scorer `settings.backend` names, loaded with `settings`."""
     if settings.backend == "hf":
@@ -207,12 +220,10 @@ def load_scorer(settings: Settings) -> Any:
         )
     overrides = settings.overrides()
     if settings.mem_fraction_static is not None:  # a share of what is available now
-        import torch
-
-        from po_backend.engine.config import default_device
+        from po_backend.engine.device import resolve_device
         from po_backend.engine.memory import available_bytes
 
-        device = torch.device(settings.device) if settings.device else default_device()
+        device = resolve_device(settings.device)
         overrides["memory_budget"] = int(settings.mem_fraction_static * available_bytes(device))
     return Engine.from_pretrained(settings.model_path, **overrides)
 
@@ -231,9 +242,7 @@ def build_runtime(
         scorer = load_scorer(settings)
     loop = EngineLoop(
         scorer,
-        policy=settings.schedule_policy,
-        fairness_lambda=settings.fairness_lambda,
-        min_shared_prefix=settings.min_shared_prefix,
+        scheduler=SchedulerConfig.from_settings(settings),
         max_queue=settings.max_queue,
         jct=jct,
         start=start,
@@ -255,5 +264,6 @@ def settings_of(engine: Engine, **kwargs: Any) -> Settings:
         "enable_cache": cfg.enable_cache,
         "cache_policy": cfg.cache_policy,
         "prefix_pool_tokens": cfg.prefix_pool_tokens,
+        "task": task_of(engine).kind,
     }
     return resolve(str(engine.model_path or "<engine>"), **{**given, **kwargs})
