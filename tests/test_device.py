@@ -22,6 +22,7 @@ from po_backend.engine.memory import PeakMemory, available_bytes
 from po_backend.engine.models import model_class
 from po_backend.engine.runner import SeqPlan, activation_bytes, make_runner
 from tests.conftest import TINY_BASE
+from tests.deps import require
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
 
@@ -77,6 +78,7 @@ def test_engine_with_cuda_fails_before_loading(tiny_model, monkeypatch) -> None:
 
 @no_gpu
 def test_server_with_cuda_exits_with_the_reason(tiny_model, capsys) -> None:
+    require("uvicorn", "the server extras: pip install '.[server]'")
     from po_backend.entrypoints.launch_server import main
 
     path, _ = tiny_model("llama")
