@@ -23,12 +23,13 @@ from pydantic import Field
 
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.core.task import ModelTask, mismatch_text
+from po_backend.server.body import BodyRoute
 from po_backend.server.errors import bad
 from po_backend.server.protocol import IntList, TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import envelope
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 Inputs = str | list[str] | IntList | list[IntList]
 
