@@ -9,7 +9,7 @@ to paste into benchmarks/results/REPORT.md with the GPU's name.
    the device's GEMM peak).
 
     scripts/dev.sh gpu-check                       # on a CUDA machine: the whole check
-    python -m benchmarks.gpu_check --device cpu --quick --out /tmp/check.md   # a rehearsal on a CPU
+    python -m scripts.gpu_check --device cpu --quick --out /tmp/check.md   # a rehearsal on a CPU
 
 Exit status 0 only when every test passed and every benchmark row ran; without the device asked
 for it stops at once (status 2) and says why.
@@ -30,10 +30,9 @@ from typing import Any
 import torch
 import transformers
 
-from benchmarks.bench_mil import device_name
 from benchmarks.harness import REPO_ROOT, MiB
 from po_backend.core.errors import DeviceUnavailableError
-from po_backend.engine.device import resolve_device
+from po_backend.engine.device import describe, resolve_device
 
 TEST_FILES = ("tests/test_cuda.py", "tests/test_device.py", "tests/test_attention_items.py")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu-check.md"
@@ -93,7 +92,7 @@ def run_bench(device: torch.device, quick: bool, out: Path) -> dict[str, Any]:
 def render(device: torch.device, tests: dict[str, Any], bench: dict[str, Any], commit: str) -> str:
     c = tests["counts"]
     lines = [
-        f"## GPU check: {device_name(device)}",
+        f"## GPU check: {describe(device)}",
         "",
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
         f"commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceUnavailableError as e:
         print(f"gpu-check: {e}", file=sys.stderr)
         return 2
-    print(f"gpu-check on {device_name(device)}", flush=True)
+    print(f"gpu-check on {describe(device)}", flush=True)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
     ).stdout.strip()
