@@ -9,7 +9,7 @@ to paste into benchmarks/results/REPORT.md with the GPU's name.
    the device's GEMM peak).
 
     scripts/dev.sh gpu-check                       # on a CUDA machine: the whole check
-    python -m benchmarks.gpu_check --device cpu --quick --out /tmp/check.md   # a rehearsal on a CPU
+    python -m scripts.gpu_check --device cpu --quick --out /tmp/check.md   # a rehearsal on a CPU
 
 Exit status 0 only when every test passed and every benchmark row ran; without the device asked
 for it stops at once (status 2) and says why.
