@@ -84,6 +84,7 @@ class SGLangEngine:
         temperature: float = 1.0,
         return_token_logprobs: bool = False,
         stacked_query_item_embed_overrides: Any = None,
+        priority: int | None = None,
     ) -> ScoreOutput:
         """P(label | query + item) per item and label; see the module docstring."""
         for name, value in (
@@ -110,7 +111,7 @@ class SGLangEngine:
         item_list: list[TextOrIds] = [items] if isinstance(items, str) else list(items)
         labels = self._labels(label_token_ids, len(item_list))
         reqs = self._requests(query, item_list, item_first, labels)
-        results = self.runtime.run(reqs)
+        results = self.runtime.run(reqs, priority)
         rows = [
             _softmax(r.logprobs, temperature) if apply_softmax else [math.exp(x) for x in r.logprobs]
             for r in results

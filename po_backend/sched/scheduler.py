@@ -163,14 +163,21 @@ class SchedulerConfig:
     def rank(self, req: Request) -> int:
         """A request's class, lower runs first: its priority in the configured order (0 for the
         default priority, and for every request with priority scheduling off)."""
+        return self.rank_of(req.priority) if self.enable_priority else 0
+
+    def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:
             return 0
-        p = req.priority if req.priority is not None else DEFAULT_PRIORITY
+        p = DEFAULT_PRIORITY if priority is None else priority
         return p - DEFAULT_PRIORITY if self.low_priority_first else DEFAULT_PRIORITY - p
 
+    def class_of(self, priority: int | None) -> str:
+        """The class of a priority: online (the default priority or more urgent) or batch (less
+        urgent); online for every priority with priority scheduling off."""
+        return CLASSES[self.rank_of(priority) > 0]
+
     def priority_class(self, req: Request) -> str:
-        """ "online" (the default priority or more urgent) or "batch" (less urgent)."""
-        return CLASSES[self.rank(req) > 0]
+        return self.class_of(req.priority) if self.enable_priority else CLASSES[0]
 
     @classmethod
     def from_settings(cls, s: Any) -> SchedulerConfig:

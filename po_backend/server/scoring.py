@@ -15,7 +15,7 @@ from typing import Annotated, Any, cast
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, StrictInt, ValidationError
 
 from po_backend.core.labels import (
     LabelIds,
@@ -51,6 +51,7 @@ class LaunchClassifyBody(TolerantBody):
 
     input: str | list[str] | IntList
     model: str | None = None
+    priority: StrictInt | None = None
 
 
 class GenerativeScoringBody(TolerantBody):
@@ -64,12 +65,13 @@ class GenerativeScoringBody(TolerantBody):
     item_first: bool = False
     add_special_tokens: bool = True
     model: str | None = None
+    priority: StrictInt | None = None
 
 
 @router.post("/v1/score")
 async def score(body: ScoreRequestBody, request: Request, rt: RuntimeDep) -> JSONResponse:
     reqs = await rt.parse(parse_score, rt, body)
-    results = await rt.run(request, reqs)
+    results = await rt.run(request, reqs, priority=body.priority)
     if body.apply_softmax:
         scores = [softmax(r.logprobs, body.temperature) for r in results]
     else:
@@ -118,7 +120,7 @@ async def classify_input(body: LaunchClassifyBody, request: Request, rt: Runtime
             "(and --classify-template), or send our {prompt, labels} form"
         )
     inner = await rt.parse(launch_classify_request, rt, body, labels)
-    items, data, total = await run_classify(rt, request, inner)
+    items, data, total = await run_classify(rt, request, inner, body.priority)
     out = []
     for i, (it, group) in enumerate(zip(items, data, strict=True)):
         c = classification(i, it, group, inner)
@@ -132,7 +134,7 @@ async def generative_scoring(body: GenerativeScoringBody, request: Request, rt: 
     """vLLM's generative scoring: per item the probability of the first label token (softmax over
     the labels by default, full vocabulary with apply_softmax=false)."""
     reqs = await rt.parse(parse_generative, rt, body)
-    results = await rt.run(request, reqs)
+    results = await rt.run(request, reqs, priority=body.priority)
     data = []
     for i, r in enumerate(results):
         p = softmax(r.logprobs)[0] if body.apply_softmax else math.exp(r.logprobs[0])
@@ -143,11 +145,15 @@ async def generative_scoring(body: GenerativeScoringBody, request: Request, rt: 
 
 
 async def run_classify(
-    rt: Runtime, request: Request, body: ClassifyRequest
+    rt: Runtime, request: Request, body: ClassifyRequest, priority: int | None = None
 ) -> tuple[list[ClassifyItem], list[list[ScoreResult]], int]:
     """The prompts parsed, their results grouped per prompt, the prompt tokens in all."""
     items = await rt.parse(parse_classify, rt, body)
-    results = await rt.run(request, [r for it in items for r in it.requests])
+    results = await rt.run(
+        request,
+        [r for it in items for r in it.requests],
+        priority=priority if body.priority is None else body.priority,
+    )
     groups = []
     pos = 0
     for it in items:
