@@ -15,6 +15,7 @@ _EXPORTS = {
     "ScoreRequest": "po_backend.core.request",
     "ScoreResult": "po_backend.core.request",
     "CapacityError": "po_backend.core.errors",
+    "DeviceUnavailableError": "po_backend.core.errors",
     "EmptyPromptError": "po_backend.core.errors",
     "InvalidRequestError": "po_backend.core.errors",
     "InvalidTokenError": "po_backend.core.errors",
@@ -27,6 +28,7 @@ _EXPORTS = {
 
 __all__ = [
     "CapacityError",
+    "DeviceUnavailableError",
     "EmptyPromptError",
     "Engine",
     "InvalidRequestError",
@@ -44,6 +46,7 @@ assert sorted(__all__) == sorted(_EXPORTS), "__all__ and _EXPORTS must name the 
 if TYPE_CHECKING:
     from po_backend.core.errors import (
         CapacityError,
+        DeviceUnavailableError,
         EmptyPromptError,
         InvalidRequestError,
         InvalidTokenError,

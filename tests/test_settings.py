@@ -117,6 +117,13 @@ CASES: list[tuple[list[str], dict[str, Any], dict[str, Any]]] = [
     (["--random-seed", "3", "--enable-metrics"], {"random_seed": 3, "enable_metrics": True}, {}),
     (["--trust-remote-code"], {"trust_remote_code": True}, {}),
     (["--tokenizer-path", "m"], {"tokenizer_path": "m"}, {}),
+    (["--task", "classify"], {"task": "classify"}, {"task": "classify"}),
+    (["--task", "embedding"], {"task": "embedding"}, {"task": "embed"}),
+    (["--is-embedding"], {"is_embedding": True}, {"task": "pooling"}),
+    (["--runner", "pooling"], {"runner": "pooling"}, {"task": "pooling"}),
+    (["--convert", "reward"], {"convert": "reward"}, {"task": "classify"}),
+    (["--pooling", "mean"], {"pooling": "mean"}, {"pooling": "mean"}),
+    (["--pooling-type", "MEAN"], {"pooling_type": "MEAN"}, {"pooling": "mean"}),
 ]
 
 

@@ -31,6 +31,11 @@ class ModelNotFoundError(PrefillOnlyError, FileNotFoundError):
     pass
 
 
+class DeviceUnavailableError(PrefillOnlyError, ValueError):
+    """The device asked for (`--device`) does not exist here: CUDA on a CPU-only torch or
+    machine, a GPU index beyond the visible ones, an unknown device name."""
+
+
 class CapacityError(PrefillOnlyError):
     """The configured memory budget cannot hold what was asked (e.g. max_input_len at start)."""
 
@@ -59,3 +64,8 @@ class CancelledError(PrefillOnlyError):
 
 class CacheInUseError(PrefillOnlyError):
     """The cache cannot be flushed while running requests hold locked prefixes."""
+
+
+class TaskMismatchError(InvalidRequestError):
+    """A request or route the loaded model's task cannot answer (label tokens from a classifier,
+    an embedding from a causal LM); the text names the routes the model serves (HTTP 400)."""

@@ -38,6 +38,9 @@ class ScoreRequest:
     # OpenAI's echo with logprobs). Bounded per position, so a long span stays cheap.
     input_top_k: int = 0
     input_token_ids: tuple[int, ...] = ()
+    # The model's pooled output instead of next-token log-probs: a classifier head's logits or an
+    # embedding (`ScoreResult.outputs`), whichever the loaded model's task is.
+    pool: bool = False
     # SGLang's / vLLM's request priority (None: the default, 0). Which values run first, and
     # whether it counts at all, is the server's setting (`enable_priority_scheduling`).
     priority: int | None = None
@@ -62,6 +65,7 @@ class ScoreResult:
     input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    outputs: list[float] = field(default_factory=list)  # pooled requests: head logits or embedding
     queue_seconds: float = 0.0  # from submission to the start of its step (the serving loop's)
 
 

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from po_backend.core.task import POOLINGS, TASKS
+
 log = logging.getLogger(__name__)
 
 POLICIES = ("po", "fcfs", "srjf", "lpm")
@@ -53,6 +55,10 @@ PREFILL_MODES = ("hybrid", "chunked")
 CACHE_POLICIES = ("all-but-last-k", "declared", "none")
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_MAX_QUEUE = 4096
+
+# vLLM's task names (--task, --runner, --convert) onto ours: its score and reward tasks are a
+# classifier head; none leaves the choice to the checkpoint.
+_VLLM_TASKS = {"embedding": "embed", "score": "classify", "reward": "classify", "none": "auto"}
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -195,6 +201,21 @@ class Settings:
         default=DEFAULT_MAX_QUEUE,
         metadata=flag("queued prompts before requests get 503 'overloaded'", type=int),
     )
+    task: str = field(
+        default="auto",
+        metadata=flag(
+            "what the model is served for: generate (label scoring through the LM head), classify "
+            "(a *ForSequenceClassification head), embed (pooled hidden states), pooling (classify when "
+            "the checkpoint has a score head, else embed); auto reads it from config.json / modules.json",
+            choices=(*TASKS, *_VLLM_TASKS),
+        ),
+    )
+    pooling: str | None = field(
+        default=None,
+        metadata=flag(
+            "an embedder's pooling (default: its sentence-transformers config, else last)", choices=POOLINGS
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -219,6 +240,12 @@ class Settings:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         check_scheduler(self.schedule_policy, self.fairness_lambda, self.min_shared_prefix)
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.backend == "hf" and self.task not in ("auto", "generate"):
+            raise ValueError(f"backend hf scores label tokens only (task generate), got task {self.task!r}")
         check_priority(self.online_slo_ms, self.batch_min_share)
         if self.backend == "hf" and self.schedule_policy != "fcfs":
             raise ValueError(f"backend hf runs FCFS only, got schedule_policy {self.schedule_policy!r}")
@@ -238,6 +265,8 @@ class Settings:
             "enable_cache": self.enable_cache,
             "cache_policy": self.cache_policy,
             "prefix_pool_tokens": self.prefix_pool_tokens,
+            "task": self.task,
+            "pooling": self.pooling,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -266,6 +295,15 @@ def _no_chunking(value: int) -> int:
     return 0 if value is not None and value <= 0 else value
 
 
+def _vllm_task(value: str) -> str:
+    return _VLLM_TASKS.get(value, value)
+
+
+def _is_embedding(value: bool) -> str | None:
+    # SGLang serves classifier checkpoints with --is-embedding too; False leaves it to the model.
+    return "pooling" if value else None
+
+
 _IGNORED = "accepted; changes nothing on a one-device prefill-only engine"
 ALIASES: Mapping[str, Alias] = {
     # SGLang ServerArgs
@@ -286,7 +324,9 @@ ALIASES: Mapping[str, Alias] = {
     "random_seed": Alias(None, "accepted: answers are greedy (deterministic)", type=int),
     "enable_metrics": Alias(None, "accepted: /metrics is always on"),
     "skip_tokenizer_init": Alias(None, "False only: text in, text out needs the tokenizer", fixed=False),
-    "is_embedding": Alias(None, "False only", fixed=False),
+    "is_embedding": Alias(
+        "task", "SGLang: serve an embedding or classifier model (--task pooling)", _is_embedding
+    ),
     # vLLM engine arguments
     "max_model_len": Alias("max_input_len", "vLLM's name of --max-input-len", type=int),
     "max_num_batched_tokens": Alias("max_batch_tokens", "vLLM's name of --max-batch-tokens", type=int),
@@ -294,6 +334,9 @@ ALIASES: Mapping[str, Alias] = {
         "mem_fraction_static", "vLLM's name of --mem-fraction-static", type=float
     ),
     "enable_prefix_caching": Alias("enable_cache", "vLLM's name of --enable-cache"),
+    "runner": Alias("task", "vLLM: generate | pooling (--task); auto reads the checkpoint", _vllm_task, str),
+    "convert": Alias("task", "vLLM: embed | classify | reward (--task embed / classify)", _vllm_task, str),
+    "pooling_type": Alias("pooling", "vLLM's pooler type: LAST | MEAN | CLS (--pooling)", str.lower, str),
     "tensor_parallel_size": Alias(None, "vLLM's --tp-size: 1 only", type=int, fixed=1),
     "data_parallel_size": Alias(None, "vLLM's --dp-size: 1 only", type=int, fixed=1),
     "pipeline_parallel_size": Alias(None, "vLLM's --pp-size: 1 only", type=int, fixed=1),
@@ -312,7 +355,7 @@ IGNORED: frozenset[str] = frozenset(
 )  # fmt: skip
 # Aliases whose one accepted value is `Alias.fixed` (None is that value too).
 FIXED = frozenset(
-    {"tp_size", "dp_size", "pp_size", "skip_tokenizer_init", "is_embedding", "tensor_parallel_size",
+    {"tp_size", "dp_size", "pp_size", "skip_tokenizer_init", "tensor_parallel_size",
      "data_parallel_size", "pipeline_parallel_size"}
 )  # fmt: skip
 _FIXED_TEXT = {
@@ -377,6 +420,8 @@ def resolve(model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> 
         str(values.get("model_path", ""))
     ):
         raise ValueError("tokenizer_path must be the model's own folder: the tokenizer is read from there")
+    if "task" in values:
+        values["task"] = _vllm_task(values["task"])
     if "schedule_policy" in values:
         values["schedule_policy"] = _policy(values["schedule_policy"])
     elif values.get("backend") == "hf":

@@ -22,10 +22,18 @@ attention with its log-sum-exp depends on the device (`lse_attention`):
 - Anything else (fp16 on CPU, MPS, a torch without those ops, a shape the CUDA kernel rejects):
   plain torch ops over blocks of query rows, at most `FALLBACK_BLOCK_ELEMS` scores at a time, so
   its memory is a constant the activation bound counts (`fallback_scratch_bytes`).
+
+Sliding windows and soft-capping (Gemma 2/3, Phi-3): a layer whose keys may lie outside its window,
+or that soft-caps its scores (`cap * tanh(s / cap)`, which no fused kernel here applies), runs
+`windowed_attend`: plain torch over blocks of query rows, each reading only the keys its window
+reaches (the cached prefix and the item's own keys as two reads, never concatenated), fp32 scores
+and softmax in transformers' order. A sliding layer whose sequences all fit in the window is plain
+causal attention and keeps the fast paths above. The dispatch rule is `needs_masking`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -49,6 +57,98 @@ FALLBACK_BLOCK_ELEMS = 1 << 22
 LseAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]
 ]
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.info(message)
+
+
+def needs_masking(span: int, window: int | None, softcap: float | None) -> bool:
+    """Whether attention over `span` keys (a cached prefix + the longest own sequence) needs
+    `windowed_attend`: soft-capped scores, or a window some query's keys reach beyond."""
+    return softcap is not None or (window is not None and span > window)
+
+
+def _masked_rows(heads: int, n: int, span: int, window: int | None) -> int:
+    """Query rows per block of `windowed_attend`: a block's scores stay within
+    FALLBACK_BLOCK_ELEMS (at least one row). With a window, a block of r rows reads at most
+    r + window - 1 keys, so r <= window keeps it under 2 * window."""
+    keys = span if window is None else min(span, 2 * window)
+    rows = max(1, FALLBACK_BLOCK_ELEMS // (heads * max(keys, 1)))
+    return min(rows, n, window) if window is not None else min(rows, n)
+
+
+def masked_scratch_bytes(heads: int, keys: int, dtype: torch.dtype) -> int:
+    """What `windowed_attend` allocates at once for up to `keys` keys: a block's fp32 score parts,
+    their concatenation and softmax, its copy in `dtype`, the mask (at least one query row)."""
+    it = torch.empty((), dtype=dtype).element_size()
+    return max(FALLBACK_BLOCK_ELEMS, heads * keys) * (3 * 4 + it + 1)
+
+
+def windowed_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    prefix_k: torch.Tensor | None = None,
+    prefix_v: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Causal attention of one sequence after an optional prefix, with a sliding window (query at
+    position i sees keys j with i - window < j <= i, as transformers' mask) and/or soft-capped
+    scores, written into out [n, heads * d]. Positions: the prefix holds 0..p-1, q/k/v p..p+n-1.
+
+    All query heads in one batched product per block (K/V broadcast by a view); the softmax runs
+    in fp32 after `scale` and the cap, in transformers' eager order."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    p = 0 if prefix_k is None else prefix_k.shape[0]
+    o3 = out.view(n, heads, d)
+    rows = _masked_rows(heads, n, p + n, window)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        r = b - a
+        lo = 0 if window is None else max(0, p + a - window + 1)  # first key position any row sees
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if lo < p:
+            assert prefix_k is not None and prefix_v is not None, "prefix_k given without prefix_v"
+            parts.append((prefix_k[lo:], prefix_v[lo:]))
+        parts.append((k[max(lo - p, 0) : b], v[max(lo - p, 0) : b]))
+        # [kv_heads, r * g, d]: a KV head's query heads are rows of one product.
+        qb = q[a:b].view(r, kv_heads, g, d).permute(1, 0, 2, 3).reshape(kv_heads, r * g, d)
+        scores = [torch.matmul(qb, kp.permute(1, 2, 0)) for kp, _ in parts]
+        s = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)).float().mul_(scale)
+        if softcap is not None:
+            s.div_(softcap).tanh_().mul_(softcap)
+        keys = s.shape[-1]
+        qpos = torch.arange(p + a, p + b, device=q.device)[:, None]
+        kpos = torch.arange(lo, lo + keys, device=q.device)[None, :]
+        hidden = kpos > qpos
+        if window is not None:
+            hidden |= qpos - kpos >= window
+        s = s.view(kv_heads, r, g, keys).masked_fill_(hidden[None, :, None, :], -torch.inf)
+        prob = torch.softmax(s, dim=-1).to(v.dtype).view(kv_heads, r * g, keys)
+        o = None
+        start = 0
+        for _, vp in parts:
+            m = vp.shape[0]
+            term = torch.matmul(prob[..., start : start + m], vp.permute(1, 0, 2))
+            o = term if o is None else o.add_(term)
+            start += m
+        assert o is not None
+        o3[a:b].copy_(o.view(kv_heads, r, g, d).permute(1, 0, 2, 3).reshape(r, heads, d))
+
+
+def _masked_fallback_note(q: torch.Tensor) -> None:
+    if attention_cpu.choose(q.dtype, q.device) == "kernel":
+        _log_once(
+            "the bf16 CPU attention kernel takes neither sliding windows nor soft-capping: "
+            "layers that need them run plain torch attention"
+        )
 
 
 def _causal_after_prefix(n_q: int, n_prefix: int, device: torch.device) -> torch.Tensor:
@@ -83,14 +183,21 @@ def attend(
     scale: float,
     prefix_k: torch.Tensor | None = None,
     prefix_v: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of one sequence after an optional prefix, written into `out`.
 
     q: [n, heads, d]; k, v: [n, kv_heads, d] (the sequence's own tokens); prefix_k/v:
     [p, kv_heads, d]; out: [n, heads * d]. Works on any device. With a prefix it concatenates the
     K/V and builds a [n, p + n] mask: the chunked baseline's way (its bound counts both); items
-    over a shared prefix use `attend_items`.
+    over a shared prefix use `attend_items`. window/softcap: see `windowed_attend`.
     """
+    p = 0 if prefix_k is None else prefix_k.shape[0]
+    if needs_masking(p + q.shape[0], window, softcap):
+        _masked_fallback_note(q)
+        windowed_attend(q, k, v, out, scale, prefix_k, prefix_v, window, softcap)
+        return
     if attention_cpu.supported(q):
         attention_cpu.attend(q, k, v, out, scale, prefix_k, prefix_v)
         return
@@ -225,13 +332,22 @@ def attend_items(
     prefix_k: torch.Tensor,
     prefix_v: torch.Tensor,
     partial: LseAttention | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Items that share one cached prefix: item i (rows bounds[i] of q/k/v/out) attends to the
     whole prefix and causally to its own tokens only, never to another item.
 
     partial: the partial-attention implementation; None picks the device's: the bf16 CPU kernel
     in one call (each query's online softmax runs on from the prefix into its own item, nothing
-    to merge), else `lse_attention`."""
+    to merge), else `lse_attention`. window/softcap: items whose keys need them run
+    `windowed_attend` one by one, each reading only the part of the prefix its window reaches."""
+    longest = max(b - a for a, b in bounds)
+    if needs_masking(prefix_k.shape[0] + longest, window, softcap):
+        _masked_fallback_note(q)
+        for a, b in bounds:
+            windowed_attend(q[a:b], k[a:b], v[a:b], out[a:b], scale, prefix_k, prefix_v, window, softcap)
+        return
     if partial is None and attention_cpu.supported(q):
         attention_cpu.attend_items(q, k, v, out, scale, bounds, prefix_k, prefix_v)
         return

@@ -121,15 +121,20 @@ def load_kernel() -> bool:
     return hasattr(torch.ops.po_attn, "fwd")
 
 
+@functools.cache
+def _note_head_dim(d: int) -> None:
+    log.info("bf16 CPU attention kernel: head dim %d is not a multiple of 64; attention runs on SDPA", d)
+
+
 def supported(q: torch.Tensor) -> bool:
-    """Whether the kernel can take these queries (device, dtype, head dim) and is built."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and q.shape[-1] % 64 == 0
-        and choose(q.dtype, q.device) == "kernel"
-        and load_kernel()
-    )
+    """Whether the kernel can take these queries (device, dtype, head dim) and is built; where it
+    would run but for the head dim, the reason is logged once."""
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or choose(q.dtype, q.device) != "kernel":
+        return False
+    if q.shape[-1] % 64:
+        _note_head_dim(q.shape[-1])
+        return False
+    return load_kernel()
 
 
 def _empty_kv(like: torch.Tensor) -> torch.Tensor:

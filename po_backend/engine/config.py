@@ -12,50 +12,108 @@ import torch
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
 from po_backend.core.settings import DEFAULT_CHUNK_SIZE
+from po_backend.engine.device import cuda_dtype, resolve_device
 
-# model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k)
+# model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k) for the Llama family
 _FAMILIES: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
 }
+# Decoders with their own model code (engine/models/gemma.py, phi.py). "gemma3" is the multimodal
+# checkpoint: its text model is served, the vision tower ignored.
+_OTHER_TYPES = ("gemma2", "gemma3", "gemma3_text", "phi3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted((*_FAMILIES, *_OTHER_TYPES)))
+_ROPE_KINDS = ("default", "linear", "llama3", "longrope")
+
+
+def _rope_params(cfg: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """One layer type's RoPE parameters from a config.json of any transformers version.
+
+    transformers 5 keeps theta and scaling together in `rope_parameters` (per layer type for
+    Gemma 3); 4.x used `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`, its
+    scaling applying to the global layers only)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        return dict(params[layer_type])
+    if layer_type == "sliding_attention":
+        # Gemma 3 before transformers 5: local layers rotate with their own base, unscaled.
+        return {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    scaling = cfg.get("rope_scaling") or {}
+    return {**scaling, **params}
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # Fraction of each head's dims that rotate (Phi-4-mini: 0.75); the rest pass through.
+    partial_rotary_factor: float = 1.0
+    # longrope: per-pair divisors of the frequencies, and the factor cos/sin are multiplied by.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
-        # transformers 5 keeps theta and scaling together in `rope_parameters`; 4.x used
-        # `rope_theta` + `rope_scaling`. Accept both so any config.json on disk loads.
-        params = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or {}
-        params = {**scaling, **params}
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    def from_hf(
+        cls, cfg: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0
+    ) -> RopeConfig:
+        params = _rope_params(cfg, layer_type)
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"rope type {kind!r} is not supported (default, linear, llama3 are)")
+        kind = "longrope" if kind == "su" else kind  # "su" is longrope's first name (Phi-3)
+        if kind not in _ROPE_KINDS:
+            raise UnsupportedModelError(f"rope type {kind!r} is not supported ({', '.join(_ROPE_KINDS)} are)")
+        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        attention_factor = 1.0
+        if kind == "longrope":
+            original = int(original or cfg.get("max_position_embeddings", 2048))
+            if params.get("attention_factor") is not None:
+                attention_factor = float(params["attention_factor"])
+            else:
+                # transformers' rule: the factor defaults to the context's growth over pretraining.
+                factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
+                if factor > 1.0:
+                    attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
         return cls(
             theta=theta,
             kind=kind,
-            factor=float(params.get("factor", 1.0)),
+            factor=float(params.get("factor") or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position=int(original or 8192),
+            partial_rotary_factor=partial,
+            short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+            attention_factor=attention_factor,
         )
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """Per-pair rotation frequencies (fp32), following the transformers definitions."""
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        dim = self.rotary_dim(head_dim)
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if self.kind == "linear":
             return inv / self.factor
+        if self.kind == "longrope":
+            # The short factors: contexts are capped at the pretraining length (ModelConfig.from_hf),
+            # within which transformers uses them too.
+            if len(self.short_factor) != dim // 2:
+                raise UnsupportedModelError(
+                    f"longrope short_factor has {len(self.short_factor)} entries, the rotary dims need {dim // 2}"
+                )
+            return 1.0 / (
+                torch.tensor(self.short_factor, dtype=torch.float32)
+                * self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+            )
         if self.kind == "llama3":
             low_wavelen = self.original_max_position / self.low_freq_factor
             high_wavelen = self.original_max_position / self.high_freq_factor
@@ -86,6 +144,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (Gemma)
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
+    sliding_window: int | None = None  # a key is seen by queries fewer than this many positions on
+    sliding_layers: tuple[bool, ...] = ()  # which layers use sliding_window (empty: none)
+    rope_local: RopeConfig | None = None  # RoPE of the sliding layers, where it differs (Gemma 3)
 
     @property
     def q_size(self) -> int:
@@ -95,57 +160,157 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None where it attends to the whole context."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.rope_local is not None and self.sliding_layers and self.sliding_layers[layer]:
+            return self.rope_local
+        return self.rope
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a transformers `config.json` dict; unsupported features raise, never degrade."""
         model_type = cfg.get("model_type", "")
-        if model_type not in _FAMILIES:
+        if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
+            tie = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", True))
+            cfg = {**cfg["text_config"], "model_type": "gemma3_text", "tie_word_embeddings": tie}
+            model_type = "gemma3_text"
+        if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or []
             raise UnsupportedModelError(
-                f"unsupported architecture {model_type or archs!r}; supported model types: {sorted(_FAMILIES)}"
+                f"unsupported architecture {model_type or archs!r}; supported model types: "
+                f"{list(SUPPORTED_MODEL_TYPES)}"
             )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
-        qkv_bias, qk_norm = _FAMILIES[model_type]
-        if model_type in ("llama", "mistral") and cfg.get("attention_bias", False):
-            qkv_bias = True  # some Llama derivatives (e.g. InternLM-style) set attention_bias
-        if cfg.get("mlp_bias", False):
-            raise UnsupportedModelError("mlp_bias=True is not supported")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // heads
-        max_pos = int(cfg.get("max_position_embeddings", 2048))
-        # A sliding window only changes attention beyond the window, so capping the usable
-        # context at the window keeps our full-attention kernels exact (Mistral v0.1, Qwen2).
-        window = cfg.get("sliding_window")
-        if window and (model_type == "mistral" or cfg.get("use_sliding_window", False)):
-            max_pos = min(max_pos, int(window))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_hf(cfg),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            qk_norm=qk_norm,
+        if model_type in _FAMILIES:
+            return _llama_family(cfg, model_type)
+        if model_type == "phi3":
+            return _phi3(cfg)
+        return _gemma(cfg, model_type)
+
+
+def _common(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The fields every decoder's config.json spells the same way."""
+    if cfg.get("mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return dict(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _check_act(act: str, supported: tuple[str, ...]) -> str:
+    if act not in supported:
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only {', '.join(supported)})")
+    return act
+
+
+def _llama_family(cfg: dict[str, Any], model_type: str) -> ModelConfig:
+    _check_act(cfg.get("hidden_act", "silu"), ("silu",))
+    qkv_bias, qk_norm = _FAMILIES[model_type]
+    if model_type in ("llama", "mistral") and cfg.get("attention_bias", False):
+        qkv_bias = True  # some Llama derivatives (e.g. InternLM-style) set attention_bias
+    fields = _common(cfg, model_type)
+    # A sliding window only changes attention beyond the window, so capping the usable
+    # context at the window keeps our full-attention kernels exact (Mistral v0.1, Qwen2).
+    window = cfg.get("sliding_window")
+    if window and (model_type == "mistral" or cfg.get("use_sliding_window", False)):
+        fields["max_position_embeddings"] = min(fields["max_position_embeddings"], int(window))
+    return ModelConfig(**fields, rope=RopeConfig.from_hf(cfg), qkv_bias=qkv_bias, qk_norm=qk_norm)
+
+
+def _phi3(cfg: dict[str, Any]) -> ModelConfig:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: Llama's layer with fused checkpoint projections, partial
+    rotary (Phi-4-mini), longrope, and a sliding window over every layer where set (Phi-3-mini)."""
+    _check_act(cfg.get("hidden_act", "silu"), ("silu",))
+    if cfg.get("attention_bias", False):
+        raise UnsupportedModelError("phi3 with attention_bias=True is not supported")
+    fields = _common(cfg, "phi3")
+    rope = RopeConfig.from_hf(cfg)
+    if rope.kind == "longrope" and fields["max_position_embeddings"] > rope.original_max_position:
+        # Beyond the pretraining length transformers switches EVERY position to the long factors
+        # (the whole sequence's frequencies depend on its length), so K/V cached for a shorter
+        # prompt would be wrong for a longer one: serve the short-factor range, exactly.
+        fields["max_position_embeddings"] = rope.original_max_position
+    window = cfg.get("sliding_window")
+    return ModelConfig(
+        **fields,
+        rope=rope,
+        qkv_bias=False,
+        qk_norm=False,
+        sliding_window=int(window) if window else None,
+        sliding_layers=(True,) * fields["num_layers"] if window else (),
+    )
+
+
+def _gemma(cfg: dict[str, Any], model_type: str) -> ModelConfig:
+    """Gemma 2 and Gemma 3 text: (1 + w) norms, scaled embeddings, gelu-tanh MLP, sliding-window
+    layers, soft-capping (Gemma 2), q/k norms and local/global RoPE bases (Gemma 3)."""
+    gemma3 = model_type == "gemma3_text"
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    _check_act(act, ("gelu_pytorch_tanh",))
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention (use_bidirectional_attention) is not supported")
+    if cfg.get("attention_bias", False):
+        raise UnsupportedModelError(f"{model_type} with attention_bias=True is not supported")
+    fields = _common(cfg, model_type)
+    n = fields["num_layers"]
+    types = cfg.get("layer_types")
+    if not types:  # configs written before transformers listed layer types: the fixed pattern
+        pattern = int(
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (6 if gemma3 else 2)
         )
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(
+            f"layer_types {types!r} is not supported (sliding_attention, full_attention)"
+        )
+    window = cfg.get("sliding_window")
+    sliding = tuple(t == "sliding_attention" and bool(window) for t in types)
+
+    def cap(key: str) -> float | None:
+        value = cfg.get(key)
+        return float(value) if value else None
+
+    return ModelConfig(
+        **fields,
+        rope=RopeConfig.from_hf(cfg, "full_attention" if gemma3 else None, 1e6 if gemma3 else 1e4),
+        rope_local=RopeConfig.from_hf(cfg, "sliding_attention") if gemma3 else None,
+        qkv_bias=False,
+        qk_norm=gemma3,
+        hidden_act=act,
+        attn_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
+        # Gemma 3's attention does not soft-cap (transformers ignores the field there).
+        attn_softcap=None if gemma3 else cap("attn_logit_softcapping"),
+        final_softcap=cap("final_logit_softcapping"),
+        sliding_window=int(window) if window else None,
+        sliding_layers=sliding if any(sliding) else (),
+    )
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(None)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
-        return torch.bfloat16
+        return cuda_dtype(device)
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
@@ -200,6 +365,10 @@ class EngineConfig:
     # Tokens the prefix-KV pool may hold at most; None = what the memory budget leaves after the
     # activations (capped at 64 full-length prompts under the default budget).
     prefix_pool_tokens: int | None = None
+    # What the model is served for (core.task.TASKS; "auto": from the checkpoint's files) and an
+    # embedder's pooling (None: its sentence-transformers config, else last token).
+    task: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")

@@ -7,22 +7,32 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from po_backend.core.errors import CapacityError, InvalidRequestError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
+from po_backend.core.task import ModelTask, probabilities
+from po_backend.engine import outputs
 from po_backend.engine.cache import CacheStats, KVPool, RadixCache
-from po_backend.engine.config import EngineConfig, ModelConfig, default_device, parse_dtype
+from po_backend.engine.config import EngineConfig, ModelConfig, parse_dtype
+from po_backend.engine.device import resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes
 from po_backend.engine.models.llama import LlamaForCausalLM
-from po_backend.engine.models.loader import load_model, read_config, resolve_model_dir
+from po_backend.engine.models.loader import (
+    load_model,
+    load_tokenizer,
+    read_config,
+    read_task,
+    resolve_model_dir,
+)
 from po_backend.engine.runner import LOGIT_ROWS, SeqPlan, make_runner
 from po_backend.sched.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
+
+PrefixLens = int | Sequence[int | None] | None  # one cache_prefix_len for all prompts, or one each
 
 
 @dataclass(frozen=True)
@@ -80,9 +90,15 @@ class Engine:
     """Prefill-only scoring on one model. Not thread-safe: the async loop owns one."""
 
     def __init__(
-        self, model: LlamaForCausalLM, tokenizer: Any, config: EngineConfig, model_path: str = ""
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Any,
+        config: EngineConfig,
+        model_path: str = "",
+        task: ModelTask | None = None,
     ) -> None:
         self.model = model
+        self.task = task or ModelTask()  # generate (label scoring), classify or embed
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
         self.config = config
@@ -122,8 +138,7 @@ class Engine:
         if config is not None:
             config = replace(config, **given)
         else:
-            device = given.get("device")
-            dev = torch.device(device) if device is not None else default_device()
+            dev = resolve_device(given.get("device"))
             max_input_len = given.get("max_input_len", mcfg.max_position_embeddings)
             given = {
                 **given,
@@ -135,7 +150,7 @@ class Engine:
             }
             config = EngineConfig(**given)
         # Strings (a CLI's or a server's) become torch objects here, "auto"/None the default dtype.
-        dev = torch.device(config.device)
+        dev = resolve_device(config.device)
         config = replace(config, device=dev, dtype=parse_dtype(config.dtype, dev))
         if config.max_input_len > mcfg.max_position_embeddings:
             log.warning(
@@ -144,8 +159,9 @@ class Engine:
                 config.max_input_len,
                 mcfg.max_position_embeddings,
             )
-        model = load_model(model_dir, config.dtype, config.device)
-        return cls(model, load_tokenizer(model_dir), config, model_path=str(path))
+        task = read_task(model_dir, config.task, config.pooling)
+        model = load_model(model_dir, config.dtype, config.device, task)
+        return cls(model, load_tokenizer(model_dir), config, model_path=str(path), task=task)
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -159,6 +175,7 @@ class Engine:
             budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
+        bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
         if cfg.profile_full:
             peak = max(bound, self._profile(longest))
         else:
@@ -198,11 +215,14 @@ class Engine:
 
     def _profile(self, n_tokens: int) -> int:
         ids = torch.randint(0, self.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0))
-        plan = SeqPlan(token_ids=ids, logit_offsets=torch.tensor([n_tokens - 1]))
+        task = self.task
+        every_row = task.kind == "embed" and task.pooling != "last"  # mean / first-token pooling
+        rows = torch.arange(n_tokens) if every_row else torch.tensor([n_tokens - 1])
+        plan = SeqPlan(token_ids=ids, logit_offsets=rows)
         self.runner.forward([plan])  # warm-up: first calls allocate one-off state
         with PeakMemory(self.config.device) as pm:
             hidden = self.runner.forward([plan])
-            self.model.final_logits(hidden)
+            outputs.pooled(self.model, task, hidden) if task.pooled else self.model.final_logits(hidden)
         return pm.peak
 
     def stats(self) -> EngineStats:
@@ -234,6 +254,7 @@ class Engine:
 
     def validate(self, req: ScoreRequest) -> None:
         validate_request(req, self.vocab_size, self.config.max_input_len)
+        outputs.check_task(req, self.task)
 
     def store_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` worth keeping in the prefix cache once computed (suffix
@@ -255,12 +276,36 @@ class Engine:
         label_token_ids: Sequence[int] = (),
         *,
         top_k: int = 0,
-        cache_prefix_len: int | Sequence[int | None] | None = None,
+        cache_prefix_len: PrefixLens = None,
     ) -> list[ScoreResult]:
         """Next-token log-probs of `label_token_ids` after each prompt (a string or token ids).
 
         cache_prefix_len: leading tokens worth caching, one value for all prompts or one each.
         """
+        labels = tuple(int(t) for t in label_token_ids)
+        return self.run(self._requests(prompts, cache_prefix_len, label_token_ids=labels, top_k=top_k))
+
+    def embed(
+        self, prompts: Sequence[Prompt] | Prompt, *, cache_prefix_len: PrefixLens = None
+    ) -> list[list[float]]:
+        """The embedding of each prompt (an embedder: task embed); a shared instruction declared
+        as `cache_prefix_len` is computed once and read from the cache after (last-token pooling)."""
+        return [r.outputs for r in self.run(self._requests(prompts, cache_prefix_len, pool=True))]
+
+    def classify(
+        self, prompts: Sequence[Prompt] | Prompt, *, cache_prefix_len: PrefixLens = None
+    ) -> list[list[float]]:
+        """A classifier head's probabilities per prompt (task classify), in `task.labels`' order:
+        softmax, or sigmoid for one logit / multi-label (raw logits: `run` with pool=True)."""
+        results = self.run(self._requests(prompts, cache_prefix_len, pool=True))
+        return [probabilities(self.task, r.outputs) for r in results]
+
+    def _requests(
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        cache_prefix_len: PrefixLens,
+        **fields: Any,
+    ) -> list[ScoreRequest]:
         batch: Sequence[str | Sequence[int]] = (
             [cast("str | Sequence[int]", prompts)]  # a single prompt
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
@@ -272,12 +317,10 @@ class Engine:
             raise InvalidRequestError(
                 f"cache_prefix_len has {len(cache_prefix_len)} values for {len(batch)} prompts"
             )
-        labels = tuple(int(t) for t in label_token_ids)
-        reqs = [
-            ScoreRequest(self.encode(p), labels, top_k=top_k, cache_prefix_len=c)
+        return [
+            ScoreRequest(self.encode(p), cache_prefix_len=c, **fields)
             for p, c in zip(batch, cache_prefix_len, strict=True)
         ]
-        return self.run(reqs)
 
     def run(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """Score requests offline, in order; all are validated before any work.
@@ -303,7 +346,8 @@ class Engine:
         """Tokens of `req` the cache would serve right now (read-only: no LRU touch, no split)."""
         memo = self._probes.get(id(req))  # the entry holds the request, so its id is not reused
         if self.cache is not None and (memo is None or memo[0] is not req):
-            memo = self._probes[id(req)] = (req, self.cache.match_len(req.input_ids[: req.reusable_len]))
+            ran = outputs.prepare(req, self.task)  # what the engine computes of it (a head's pads dropped)
+            memo = self._probes[id(req)] = (req, self.cache.match_len(ran.input_ids[: ran.reusable_len]))
         return memo[1] if memo is not None else 0
 
     @property
@@ -318,13 +362,19 @@ class Engine:
         the tokens each reads instead of computing: `scheduler.fit_batch` on this engine's cache,
         token budget and runner."""
         return fit_batch(
-            candidates, self.cached_len, self.store_len, self.config.max_batch_tokens, self.shares_in_batch
+            [outputs.prepare(c, self.task) for c in candidates],
+            self.cached_len,
+            self.store_len,
+            self.config.max_batch_tokens,
+            self.shares_in_batch,
         )
 
     def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
         new prefixes, unlock. Callers choose the batch (see `batchable`)."""
         self._probes.clear()  # the cache changes from here on
+        asked = list(requests)
+        requests = [outputs.prepare(r, self.task) for r in asked]
         batch = [_Work(i, r, self.store_len(r)) for i, r in enumerate(requests)]
         groups: dict[tuple[int, ...], int] = {}  # what a prefix is read from -> runner group
         stores = BatchStores()
@@ -338,7 +388,7 @@ class Engine:
                 # the activation bound.
                 for w in batch:
                     self._release(w)
-                return [res for r in requests for res in self.step([r])]
+                return [res for r in asked for res in self.step([r])]
             # Items of one prefix group must be adjacent so attention reads their prefix once.
             ordered = sorted(
                 batch, key=lambda w: (w.planned.prefix_group is None, w.planned.prefix_group or 0)
@@ -362,7 +412,8 @@ class Engine:
                 c["prompt"] += len(w.req.input_ids)
                 c["cached"] += w.planned.start_pos
                 c["computed"] += len(w.req.input_ids) - w.planned.start_pos
-            return [out[w.index] for w in batch]
+            # Usage counts the tokens sent (a classifier's trailing pads were not computed).
+            return [replace(out[w.index], prompt_tokens=len(asked[w.index].input_ids)) for w in batch]
         finally:
             for w in batch:
                 self._release(w)
@@ -432,69 +483,14 @@ class Engine:
 
     def _extract(self, req: ScoreRequest, hidden: torch.Tensor, cached: int) -> ScoreResult:
         """Log-probs from the hidden rows of one request; the LM head runs in row blocks so a long
-        prompt-logprob span never materialises [n, vocab] at once."""
+        prompt-logprob span never materialises [n, vocab] at once. Pooled requests: `outputs`."""
+        if req.pool:
+            return outputs.pooled_result(self.model, self.task, req, hidden, cached)
         n = len(req.input_ids)
         targets = torch.tensor(req.input_ids[n - hidden.shape[0] + 1 :], dtype=torch.int64)
-        span = PromptSpan(req)
+        span = outputs.PromptSpan(req)
         for a in range(0, hidden.shape[0], LOGIT_ROWS):
             logits = self.model.final_logits(hidden[a : a + LOGIT_ROWS])
             logp = torch.log_softmax(logits, dim=-1)
             span.add(logp, targets[a : a + LOGIT_ROWS])
-        return score_result(req, logp[-1], span, cached)
-
-
-class PromptSpan:
-    """What a request asked of its prompt positions, gathered block by block from log-softmax
-    rows (each row predicts the next prompt token; the row after the last target is the
-    next-token distribution and belongs to no position)."""
-
-    def __init__(self, req: ScoreRequest) -> None:
-        self.req = req
-        self.logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.ids: list[list[float]] = []
-
-    def add(self, logp: torch.Tensor, targets: torch.Tensor) -> None:
-        if self.req.logprob_start_len < 0:
-            return
-        rows = logp[: targets.numel()]
-        self.logprobs += rows.gather(1, targets.to(rows.device)[:, None]).squeeze(1).tolist()
-        if self.req.input_top_k:
-            values, ids = rows.topk(self.req.input_top_k, dim=-1)
-            self.top += [
-                list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
-            ]
-        if self.req.input_token_ids:
-            cols = torch.tensor(self.req.input_token_ids, dtype=torch.int64, device=rows.device)
-            self.ids += rows[:, cols].tolist()
-
-
-def score_result(req: ScoreRequest, last: torch.Tensor, span: PromptSpan, cached: int) -> ScoreResult:
-    """The result of one request from the log-softmax of its last position (labels, top-k) and its
-    prompt positions; the engine and the transformers baseline both answer through it."""
-    labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=last.device)
-    top: list[tuple[int, float]] = []
-    if req.top_k:
-        values, ids = last.topk(req.top_k)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return ScoreResult(
-        logprobs=last[labels].tolist(),
-        top_logprobs=top,
-        input_token_logprobs=span.logprobs,
-        input_top_logprobs=span.top,
-        input_token_ids_logprobs=span.ids,
-        prompt_tokens=len(req.input_ids),
-        cached_tokens=cached,
-    )
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    """transformers' tokenizer for the folder, or None for weight-only folders (tests)."""
-    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+        return outputs.score_result(req, logp[-1], span, cached)

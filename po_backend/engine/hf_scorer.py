@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from po_backend.core.request import ScoreRequest, ScoreResult, validate_request
-from po_backend.engine.config import default_device, parse_dtype
-from po_backend.engine.engine import EngineStats, PromptSpan, load_tokenizer, score_result
-from po_backend.engine.models.loader import resolve_model_dir
+from po_backend.engine.config import parse_dtype
+from po_backend.engine.device import resolve_device
+from po_backend.engine.engine import EngineStats
+from po_backend.engine.models.loader import load_tokenizer, resolve_model_dir
+from po_backend.engine.outputs import PromptSpan, score_result
 
 
 class HFScorer:
@@ -43,7 +45,7 @@ class HFScorer:
         from transformers import AutoModelForCausalLM
 
         model_dir = resolve_model_dir(path)
-        dev = torch.device(device) if device is not None else default_device()
+        dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
         model = model.to(dev).eval()  # type: ignore[arg-type]  # transformers types .to() as a decorator

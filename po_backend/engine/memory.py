@@ -27,10 +27,13 @@ def _status_bytes(field: str) -> int | None:
 
 
 def available_bytes(device: torch.device) -> int:
-    """Memory the process could still use: free GPU memory, or MemAvailable of the machine."""
+    """Memory the process could still use: on CUDA the device's free memory plus the blocks torch's
+    caching allocator holds without using (freed tensors it keeps for reuse: the driver counts them
+    as used, yet they are this process's to fill); elsewhere MemAvailable of the machine."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

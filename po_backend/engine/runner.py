@@ -19,14 +19,13 @@ picks one from `EngineConfig.prefill_mode`.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from po_backend.engine.attention import attend, attend_items, fallback_scratch_bytes
+from po_backend.engine.attention import attend, attend_items, fallback_scratch_bytes, masked_scratch_bytes
 from po_backend.engine.cache.kv_pool import KVPool
 from po_backend.engine.config import PREFILL_MODES, ModelConfig, PrefillMode
 from po_backend.engine.models.layers import Rotary
@@ -71,8 +70,19 @@ class Runner(ABC):
         self.device = device
         self.dtype = model.embed_tokens.dtype
         self.chunk_size = chunk_size
-        self.rotary = Rotary(self.cfg.rope.inv_freq(self.cfg.head_dim), device)
-        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        cfg = self.cfg
+        # One Rotary per distinct RoPE (Gemma 3: the sliding layers' base differs), and each
+        # layer's index into them; cos/sin are computed once per forward (or chunk) per RoPE.
+        ropes = [cfg.layer_rope(li) for li in range(cfg.num_layers)]
+        distinct = list(dict.fromkeys(ropes))
+        self.rotaries = [Rotary(r.inv_freq(cfg.head_dim), device, r.attention_factor) for r in distinct]
+        self.layer_rotary = [distinct.index(r) for r in ropes]
+        self.scale = cfg.scale
+        self.windows = [cfg.layer_window(li) for li in range(cfg.num_layers)]
+        self.softcap = cfg.attn_softcap
+
+    def cos_sin(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [r.cos_sin(positions, self.dtype) for r in self.rotaries]
 
     @abstractmethod
     def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
@@ -97,15 +107,22 @@ class HybridRunner(Runner):
         cfg, dev, dt = self.cfg, self.device, self.dtype
         ids, starts, positions = _pack(seqs, dev)
         total = ids.numel()
-        groups = _prefix_groups(seqs, starts)
-        # cos/sin are the same for every layer: compute them once per forward.
-        cos, sin = self.rotary.cos_sin(positions, dt)
+        # Slot ids live on the CPU (the pool's free list); moved to the device once per forward,
+        # not once per layer, so a GPU forward issues no host-to-device copy inside the layers.
+        groups = [(p if p is None else p.to(dev), m) for p, m in _prefix_groups(seqs, starts)]
+        stores = [
+            (s.store_slots.to(dev), a)
+            for s, a in zip(seqs, starts, strict=False)
+            if pool is not None and s.store_slots is not None and s.store_slots.numel()
+        ]
+        # cos/sin are the same for every layer of one RoPE: compute them once per forward.
+        rope = self.cos_sin(positions)
         chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
         bounds = [(a, min(a + chunk, total)) for a in range(0, total, chunk)]
 
         h = torch.empty(total, cfg.hidden_size, dtype=dt, device=dev)
         for a, b in bounds:
-            torch.index_select(self.model.embed_tokens, 0, ids[a:b], out=h[a:b])
+            self.model.embed(ids[a:b], h[a:b])
         qkv = torch.empty(total, cfg.q_size + 2 * cfg.kv_size, dtype=dt, device=dev)
         attn = torch.empty(total, cfg.q_size, dtype=dt, device=dev)
         x = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
@@ -117,20 +134,32 @@ class HybridRunner(Runner):
         v_all = qkv[:, cfg.q_size + cfg.kv_size :].view(total, cfg.num_kv_heads, cfg.head_dim)
 
         for li, layer in enumerate(self.model.decoder_layers):
+            cos, sin = rope[self.layer_rotary[li]]
+            window, softcap = self.windows[li], self.softcap
             for a, b in bounds:
                 layer.qkv_chunk(h[a:b], x[: b - a], qkv[a:b], cos[a:b], sin[a:b])
-            for s, a in zip(seqs, starts, strict=False):
-                if pool is not None and s.store_slots is not None and s.store_slots.numel():
-                    m = s.store_slots.numel()
-                    pool.write(li, s.store_slots, k_all[a : a + m], v_all[a : a + m])
+            for slots, a in stores:
+                assert pool is not None, "store slots need the pool"
+                m = slots.numel()
+                pool.write(li, slots, k_all[a : a + m], v_all[a : a + m])
             for prefix, members in groups:
                 if prefix is None:
                     for a, b in members:
-                        attend(q_all[a:b], k_all[a:b], v_all[a:b], attn[a:b], self.scale)
+                        attend(
+                            q_all[a:b],
+                            k_all[a:b],
+                            v_all[a:b],
+                            attn[a:b],
+                            self.scale,
+                            window=window,
+                            softcap=softcap,
+                        )
                 else:
                     assert pool is not None, "a sequence with a cached prefix needs the pool"
                     pk, pv = pool.read(li, prefix)  # once per layer for all items sharing it
-                    attend_items(q_all, k_all, v_all, attn, self.scale, members, pk, pv)
+                    attend_items(
+                        q_all, k_all, v_all, attn, self.scale, members, pk, pv, window=window, softcap=softcap
+                    )
             for a, b in bounds:
                 layer.out_mlp_chunk(h[a:b], attn[a:b], x[: b - a], gate_up[: b - a], act[: b - a])
 
@@ -183,7 +212,9 @@ class ChunkedRunner(Runner):
         x = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
         gate_up = torch.empty(chunk, 2 * cfg.intermediate_size, dtype=dt, device=dev)
         act = torch.empty(chunk, cfg.intermediate_size, dtype=dt, device=dev)
-        rows = torch.cat([s.logit_offsets.to(dev) + a for s, a in zip(seqs, starts, strict=False)])
+        # Which output rows each chunk fills, found on the CPU: a boolean mask over device tensors
+        # would read its count back from the device (a sync per chunk on a GPU).
+        rows = torch.cat([s.logit_offsets + a for s, a in zip(seqs, starts, strict=False)])
         out = torch.empty(rows.numel(), cfg.hidden_size, dtype=dt, device=dev)
 
         for a in range(0, total, chunk):
@@ -195,12 +226,13 @@ class ChunkedRunner(Runner):
                 for i, (s0, s1) in enumerate(zip(starts, starts[1:], strict=False))
                 if s0 < b and s1 > a
             ]
-            cos, sin = self.rotary.cos_sin(positions[a:b], dt)
-            torch.index_select(self.model.embed_tokens, 0, ids[a:b], out=h[:c])
+            rope = self.cos_sin(positions[a:b])
+            self.model.embed(ids[a:b], h[:c])
             q = qkv[:c, : cfg.q_size].view(c, cfg.num_heads, cfg.head_dim)
             k = qkv[:c, cfg.q_size : cfg.q_size + cfg.kv_size].view(c, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:c, cfg.q_size + cfg.kv_size :].view(c, cfg.num_kv_heads, cfg.head_dim)
             for li, layer in enumerate(self.model.decoder_layers):
+                cos, sin = rope[self.layer_rotary[li]]
                 layer.qkv_chunk(h[:c], x[:c], qkv[:c], cos, sin)
                 for i, lo, hi, r in parts:
                     k_own, v_own = own[i][0, li], own[i][1, li]
@@ -212,11 +244,20 @@ class ChunkedRunner(Runner):
                         k_p, v_p = prefix_kv[pkey]
                         ctx_k, ctx_v = torch.cat([k_p[li], ctx_k]), torch.cat([v_p[li], ctx_v])
                     attend(
-                        q[r : r + m], k_own[lo:hi], v_own[lo:hi], attn[r : r + m], self.scale, ctx_k, ctx_v
+                        q[r : r + m],
+                        k_own[lo:hi],
+                        v_own[lo:hi],
+                        attn[r : r + m],
+                        self.scale,
+                        ctx_k,
+                        ctx_v,
+                        window=self.windows[li],
+                        softcap=self.softcap,
                     )
                 layer.out_mlp_chunk(h[:c], attn[:c], x[:c], gate_up[:c], act[:c])
-            here = (rows >= a) & (rows < b)
-            out[here] = h[rows[here] - a]
+            here = ((rows >= a) & (rows < b)).nonzero().squeeze(1)
+            if here.numel():
+                out.index_copy_(0, here.to(dev), h.index_select(0, (rows[here] - a).to(dev)))
 
         for s, kv in zip(seqs, own, strict=True):
             if pool is not None and s.store_slots is not None and s.store_slots.numel():
@@ -270,7 +311,7 @@ def activation_bytes(
     it = torch.empty((), dtype=dtype).element_size()
     chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
     q, kv = cfg.q_size, cfg.kv_size
-    per_token = it * (cfg.hidden_size + q + 2 * kv + q + cfg.head_dim)  # h, qkv, attn, cos/sin
+    per_token = it * (cfg.hidden_size + q + 2 * kv + q + _ropes(cfg) * cfg.head_dim)  # h, qkv, attn, cos/sin
     per_token += it * 2 * q  # SDPA output of one KV-head group and its transpose copy (bound)
     per_token += 4 * 2 * q if prefix_tokens else 0  # fp32 partial outputs merged after a prefix
     # Contiguous copies of K/V stored into the pool, ids/positions/rotary angles, allocator slack:
@@ -285,7 +326,24 @@ def activation_bytes(
         group = cfg.num_heads // cfg.num_kv_heads
         dev = device or torch.device("cpu")
         prefix += fallback_scratch_bytes(dev, dtype, group, prefix_tokens + n_tokens)
-    return per_token * n_tokens + scratch + head + prefix
+    return (
+        per_token * n_tokens + scratch + head + prefix + _masked_bytes(cfg, dtype, prefix_tokens + n_tokens)
+    )
+
+
+def _ropes(cfg: ModelConfig) -> int:
+    """How many cos/sin tables a forward holds (one per distinct RoPE)."""
+    return len({cfg.layer_rope(li) for li in range(cfg.num_layers)})
+
+
+def _masked_bytes(cfg: ModelConfig, dtype: torch.dtype, keys: int) -> int:
+    """`windowed_attend`'s block scratch for layers with soft-capping or a window, over up to
+    `keys` keys (a sliding layer's blocks read at most twice its window)."""
+    spans = [
+        keys if cfg.attn_softcap is not None else 0,
+        *(min(keys, 2 * w) for w in {cfg.layer_window(li) for li in range(cfg.num_layers)} if w),
+    ]
+    return masked_scratch_bytes(cfg.num_heads, max(spans), dtype) if max(spans) else 0
 
 
 def chunked_activation_bytes(
@@ -305,7 +363,8 @@ def chunked_activation_bytes(
     scratch = it * chunk * (2 * cfg.hidden_size + 3 * q + 2 * kv + cfg.head_dim + 3 * cfg.intermediate_size)
     per_token = it * (cfg.hidden_size + cfg.head_dim) + 64  # output rows, ids, positions, cos/sin
     head = _head_bytes(cfg, it)
-    return resident_kv + attention + scratch + per_token * n_tokens + head
+    masked = _masked_bytes(cfg, dtype, n)
+    return resident_kv + attention + scratch + per_token * n_tokens + head + masked
 
 
 # Rows of the LM head computed at once: bounds the [rows, vocab] logits of long logprob spans.

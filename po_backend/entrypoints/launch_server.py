@@ -27,7 +27,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from po_backend.core.errors import DrainingError
+from po_backend.core.errors import DeviceUnavailableError, DrainingError
 from po_backend.core.settings import add_arguments, add_fields, given, parse_bytes, resolve, settings_kwargs
 from po_backend.server import LoopService, ServerArgs, create_app
 
@@ -171,7 +171,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    app = create_app(build_service(args), args)
+    try:
+        service = build_service(args)
+    except DeviceUnavailableError as e:  # --device names hardware this machine lacks
+        parser.error(str(e))
+    app = create_app(service, args)
     log.info(
         "ready in %.1f s: serving %s (%s backend) on http://%s:%d",
         time.monotonic() - t0,

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.task import ModelTask
 
 
 class ScoringService(Protocol):
@@ -20,6 +21,7 @@ class ScoringService(Protocol):
     max_input_len: int
     model_type: str
     architectures: tuple[str, ...]
+    task: ModelTask  # generate (label scoring), classify (a score head) or embed
     # The effective engine and loop settings (resolved dtype, device, policy...) for /server_info.
     settings: Mapping[str, Any]
 
@@ -74,6 +76,7 @@ class LoopService:
             getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
         )
         self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
+        self.task: ModelTask = getattr(scorer, "task", None) or ModelTask()
 
     @classmethod
     def from_runtime(cls, rt: Any) -> LoopService:

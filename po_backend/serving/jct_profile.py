@@ -114,7 +114,8 @@ def profile(
     cfg = engine.config
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.vocab_size
-    labels = (0,)
+    pool = engine.task.pooled  # a classifier or embedder answers pooled requests only
+    labels = () if pool else (0,)
     limit = profile_limit(engine)
     samples: list[JCTSample] = []
 
@@ -130,13 +131,15 @@ def profile(
         if engine.cache is None:
             cuts = []
         # The cold sample caches the longest cut; shorter cuts match part of it (a node split).
-        samples.append(timed([ScoreRequest(base, labels, cache_prefix_len=max(cuts, default=0))]))
+        samples.append(timed([ScoreRequest(base, labels, pool=pool, cache_prefix_len=max(cuts, default=0))]))
         for c in cuts:
             tail = _rand_ids(gen, vocab, n - c)
             if tail[0] == base[c]:  # the match would run one token past the cut
                 tail = ((tail[0] + 1) % vocab, *tail[1:])
             ids = base[:c] + tail
-            samples.append(timed([ScoreRequest(ids, labels, cache_prefix_len=c)]))  # stores nothing new
+            samples.append(
+                timed([ScoreRequest(ids, labels, pool=pool, cache_prefix_len=c)])
+            )  # stores nothing new
 
     batches = [
         (k, prefix, item)
@@ -158,7 +161,9 @@ def profile(
         )
 
     engine.flush_cache()
-    timed([ScoreRequest(_rand_ids(gen, vocab, min(64, limit)), labels, cache_prefix_len=0)])  # warm-up
+    timed(
+        [ScoreRequest(_rand_ids(gen, vocab, min(64, limit)), labels, pool=pool, cache_prefix_len=0)]
+    )  # warm-up
     for i, n in enumerate(lengths, 1):
         one_length(n, grid.cached_fractions)
         done(i, f"{n} tokens")
@@ -171,10 +176,16 @@ def profile(
         shared = _rand_ids(gen, vocab, prefix)
         if prefix and engine.cache is not None:
             samples.append(
-                timed([ScoreRequest(shared + _rand_ids(gen, vocab, item), labels, cache_prefix_len=prefix)])
+                timed(
+                    [
+                        ScoreRequest(
+                            shared + _rand_ids(gen, vocab, item), labels, pool=pool, cache_prefix_len=prefix
+                        )
+                    ]
+                )
             )
         reqs = [
-            ScoreRequest(shared + _rand_ids(gen, vocab, item), labels, cache_prefix_len=prefix)
+            ScoreRequest(shared + _rand_ids(gen, vocab, item), labels, pool=pool, cache_prefix_len=prefix)
             for _ in range(k)
         ]
         samples.append(timed(reqs))

@@ -28,6 +28,7 @@ from typing import Any, TypeVar, cast
 from po_backend.core.errors import InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.settings import Settings, resolve
+from po_backend.core.task import ModelTask
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel
 from po_backend.sched.scheduler import SchedulerConfig
@@ -121,6 +122,7 @@ class EngineRuntime:
         out = self.settings.public()
         if self.settings.backend == "hf":
             out.update(
+                task="generate",
                 dtype=str(next(self.scorer.model.parameters()).dtype),
                 device=str(next(self.scorer.model.parameters()).device),
                 max_input_len=int(self.scorer.max_input_len),
@@ -141,6 +143,7 @@ class EngineRuntime:
                 cache_policy=cfg.cache_policy,
                 # The pool as sized at load (what the memory budget left), not the cap asked for.
                 prefix_pool_tokens=cache.pool.num_total if cache is not None else cfg.prefix_pool_tokens,
+                **task_of(self.scorer).describe(),
             )
         sched = self.loop.config
         out.update(
@@ -202,6 +205,11 @@ class EngineRuntime:
             self.loop.shutdown(drain=True)
 
 
+def task_of(scorer: Any) -> ModelTask:
+    """What the scorer serves: the engine's task; the transformers baseline scores label tokens."""
+    return getattr(scorer, "task", None) or ModelTask()
+
+
 def load_scorer(settings: Settings) -> Any:
     """The scorer `settings.backend` names, loaded with `settings`."""
     if settings.backend == "hf":
@@ -215,12 +223,10 @@ def load_scorer(settings: Settings) -> Any:
         )
     overrides = settings.overrides()
     if settings.mem_fraction_static is not None:  # a share of what is available now
-        import torch
-
-        from po_backend.engine.config import default_device
+        from po_backend.engine.device import resolve_device
         from po_backend.engine.memory import available_bytes
 
-        device = torch.device(settings.device) if settings.device else default_device()
+        device = resolve_device(settings.device)
         overrides["memory_budget"] = int(settings.mem_fraction_static * available_bytes(device))
     return Engine.from_pretrained(settings.model_path, **overrides)
 
@@ -261,5 +267,6 @@ def settings_of(engine: Engine, **kwargs: Any) -> Settings:
         "enable_cache": cfg.enable_cache,
         "cache_policy": cfg.cache_policy,
         "prefix_pool_tokens": cfg.prefix_pool_tokens,
+        "task": task_of(engine).kind,
     }
     return resolve(str(engine.model_path or "<engine>"), **{**given, **kwargs})

@@ -14,6 +14,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     return out
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm: scales by (1 + w), and multiplies before casting back (transformers'
+    Gemma rule; Llama's casts first). A (1 + w) stored in bf16 would lose w's low bits, so the
+    offset is added in fp32 at each call (a [hidden] op)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out.copy_(xf * (1.0 + weight.float()))
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [gate | up] buffer: silu in place on the gate half, then one multiply."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -22,20 +32,35 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class Rotary:
-    """Rotary position embedding (rotate-half layout, as transformers' Llama/Qwen)."""
+def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma's gelu_pytorch_tanh) on a fused [gate | up] buffer, like `silu_mul`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.mul(F.gelu(gate, approximate="tanh"), up, out=out)
+    return out
 
-    def __init__(self, inv_freq: torch.Tensor, device: torch.device) -> None:
+
+class Rotary:
+    """Rotary position embedding (rotate-half layout, as transformers' Llama/Qwen), over the first
+    2 * len(inv_freq) dims of each head (partial rotary: the rest pass through unchanged)."""
+
+    def __init__(self, inv_freq: torch.Tensor, device: torch.device, scaling: float = 1.0) -> None:
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.scaling = scaling  # longrope multiplies cos and sin by its attention factor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape [n, 1, head_dim/2]; computed once per chunk and shared by all layers."""
+        """cos/sin of shape [n, 1, rotary_dim/2]; computed once per chunk and shared by all layers."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     @staticmethod
     def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [n, heads, head_dim] in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s."""
+        rot = 2 * cos.shape[-1]
+        if rot < x.shape[-1]:
+            x = x[..., :rot]
         x1, x2 = x.chunk(2, dim=-1)
         # transformers computes x*cos + rotate_half(x)*sin in the model dtype; the same
         # products, each rounded, in the same order keep bf16 results bit-identical to it.

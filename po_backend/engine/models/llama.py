@@ -1,5 +1,6 @@
 """The Llama-family decoder: Llama 2/3, SmolLM2, Mistral (no sliding window), Qwen2 (qkv bias)
 and Qwen3 (per-head q/k RMSNorm) differ only in those two flags, so one file serves them all.
+Gemma (`gemma.py`) and Phi-3 (`phi.py`) subclass these classes.
 
 The modules hold weights and expose per-chunk operations; `runner.py` decides how tokens are
 chunked and where attention runs (hybrid prefilling), so no op here sees more than one chunk.
@@ -39,6 +40,9 @@ class FusedParam:
             start += size
 
     def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None = None) -> None:
+        if shard is None:  # a checkpoint that stores the fused tensor itself (Phi-3's qkv_proj)
+            _copy_loader(param, loaded, None)
+            return
         assert shard in self.offsets, f"unknown shard {shard!r} (known: {list(self.offsets)})"
         start, size = self.offsets[shard]
         _copy_loader(param.narrow(0, start, size), loaded, None)
@@ -113,8 +117,10 @@ HEAD_CHUNK_ELEMS = 1 << 22
 
 
 class LlamaForCausalLM(nn.Module):
+    # The decoder layer's class (subclasses of this model swap in their own).
+    layer_class: type[DecoderLayer] = DecoderLayer
     # checkpoint name fragment -> (our parameter name, shard of a fused parameter)
-    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+    packed_modules_mapping: dict[str, tuple[str, str | int | None]] = {
         "self_attn.q_proj.weight": ("qkv_proj", "q"),
         "self_attn.k_proj.weight": ("qkv_proj", "k"),
         "self_attn.v_proj.weight": ("qkv_proj", "v"),
@@ -137,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, dtype) for _ in range(cfg.num_layers))
         # The same modules, typed: the runners call their chunk methods.
         self.decoder_layers: list[DecoderLayer] = [cast(DecoderLayer, m) for m in self.layers]
         self.norm = _param(cfg.hidden_size, dtype=dtype)
@@ -147,6 +153,15 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         )
+        # What token embeddings are multiplied by (Gemma: sqrt(hidden), rounded to the dtype as
+        # transformers does); None: nothing.
+        self.embed_scale: torch.Tensor | None = None
+
+    def embed(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Token embeddings of ids [c] into out [c, hidden]."""
+        torch.index_select(self.embed_tokens, 0, ids, out=out)
+        if self.embed_scale is not None:
+            out.mul_(self.embed_scale)
 
     def resolve(self, name: str) -> tuple[torch.Tensor, WeightLoader, str | int | None] | None:
         """Map a checkpoint tensor name to (our parameter, its loader, shard); None = not ours."""
@@ -170,6 +185,14 @@ class LlamaForCausalLM(nn.Module):
             return (param, _copy_loader, None) if param is not None else None
         return None
 
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h [m, hidden] -> the final norm of it in fp32: what the LM head, a classifier head and
+        an embedding's pooling read (transformers' `last_hidden_state`). An architecture with
+        another final norm overrides this, and every head follows."""
+        x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        rms_norm(h.float(), self.norm.float(), self.cfg.rms_norm_eps, out=x)
+        return x
+
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [m, hidden] at the scored positions only -> logits [m, vocab], computed in fp32.
 
@@ -177,13 +200,14 @@ class LlamaForCausalLM(nn.Module):
         0.125), so different prompts get identical probabilities and rankings tie. The scored rows
         are few, so the final norm and the head run in fp32; the head's weight is upcast
         `HEAD_CHUNK_ELEMS` at a time, which bounds the extra memory for any vocabulary."""
-        x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        rms_norm(h.float(), self.norm.float(), self.cfg.rms_norm_eps, out=x)
+        x = self.final_hidden(h)
         if self.lm_head.dtype == torch.float32:
-            return torch.matmul(x, self.lm_head.t())
-        vocab, hidden = self.lm_head.shape
-        out = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
-        rows = max(1, HEAD_CHUNK_ELEMS // hidden)
-        for a in range(0, vocab, rows):
-            out[:, a : a + rows] = torch.matmul(x, self.lm_head[a : a + rows].float().t())
-        return out
+            out = torch.matmul(x, self.lm_head.t())
+        else:
+            vocab, hidden = self.lm_head.shape
+            out = torch.empty(h.shape[0], vocab, dtype=torch.float32, device=h.device)
+            rows = max(1, HEAD_CHUNK_ELEMS // hidden)
+            for a in range(0, vocab, rows):
+                out[:, a : a + rows] = torch.matmul(x, self.lm_head[a : a + rows].float().t())
+        cap = self.cfg.final_softcap
+        return out.div_(cap).tanh_().mul_(cap) if cap is not None else out

@@ -16,11 +16,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
+from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import model_class
 from po_backend.engine.models.llama import LlamaForCausalLM
@@ -143,14 +145,32 @@ def read_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def read_task(model_dir: Path, task: str = "auto", pooling: str | None = None) -> ModelTask:
+    return detect_task(json.loads((model_dir / "config.json").read_text()), model_dir, task, pooling)
+
+
+# Checkpoint names of the heads the loader places itself (any architecture): a classifier's score.
+SCORE_WEIGHT = "score.weight"
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, task: ModelTask | None = None
+) -> LlamaForCausalLM:
+    """The decoder with what `task` needs on top: the LM head for generate; a `score` parameter
+    [num_labels, hidden] for classify; neither for embed (an untied LM head is not even kept)."""
     t0 = time.perf_counter()
     cfg = read_config(model_dir)
+    task = task or ModelTask()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{model_dir} has no *.safetensors weights")
     with torch.device(device):
         model = model_class(cfg)(cfg, dtype)
+        if task.pooled and not cfg.tie_word_embeddings:
+            model.lm_head = None  # type: ignore[assignment]  # pooled tasks never read it
+        if task.kind == "classify":
+            score = torch.nn.Parameter(torch.empty(task.num_labels, cfg.hidden_size, dtype=dtype), False)
+            model.register_parameter("score", score)
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
     expected = {
         (name, shard)
@@ -162,15 +182,52 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = model.resolve(name)
+                target = _resolve(model, name, task)
                 if target is None:
                     log.debug("ignoring checkpoint tensor %s", name)
                     continue
                 param, loader, shard = target
                 loader(param.data, f.get_tensor(name).to(dtype), shard)
-                loaded.add((ids[id(param)], shard))
+                # A fused tensor stored whole (shard None) fills every shard of its parameter.
+                shards = getattr(getattr(param, "weight_loader", None), "offsets", None)
+                for s in shards if shard is None and shards else [shard]:
+                    loaded.add((ids[id(param)], s))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
     log.info("loaded %d weight tensors from %s in %.1f s", len(loaded), model_dir, time.perf_counter() - t0)
     return model.eval()
+
+
+def _resolve(model: LlamaForCausalLM, name: str, task: ModelTask) -> Any:
+    """The model's own mapping, plus what any architecture shares: the classifier's `score`, no
+    LM head for pooled tasks, and bare-decoder checkpoints (an embedder saved from `Qwen3Model`)
+    whose names lack the `model.` prefix."""
+    if name == SCORE_WEIGHT:
+        return (model.score, _copy, None) if task.kind == "classify" else None
+    if name.startswith("lm_head.") and task.pooled:
+        return None
+    target = model.resolve(name)
+    if target is None and not name.startswith(("model.", "lm_head.")):
+        target = model.resolve("model." + name)
+    return target
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None = None) -> None:
+    if param.shape != loaded.shape:
+        raise UnsupportedModelError(
+            f"score head shape {tuple(loaded.shape)}, config says {tuple(param.shape)}"
+        )
+    param.copy_(loaded)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """transformers' tokenizer for the folder, or None for weight-only folders (tests)."""
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

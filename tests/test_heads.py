@@ -1,0 +1,147 @@
+"""Classifier, reranker and reward heads (`*ForSequenceClassification`) against transformers'
+own classes on the same random weights: cold, over a cached prefix, and as one multi-item
+forward; the task read from config.json and the errors for what a head model cannot answer."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from po_backend import Engine, ScoreRequest
+from po_backend.core.errors import TaskMismatchError, UnsupportedModelError
+from po_backend.core.task import detect_task, probabilities
+from tests.conftest import TINY_BASE, TINY_CONFIGS, randomize_
+
+SEQ_CLS = ["llama", "qwen2", "qwen3", "mistral"]
+PAD = 5
+
+
+def build_classifier(
+    kind: str, root: Path, num_labels: int = 3, **extra: object
+) -> tuple[Path, torch.nn.Module]:
+    """A tiny random `<Kind>ForSequenceClassification` saved with transformers."""
+    cls, base = TINY_CONFIGS[kind]
+    id2label = {i: f"class_{i}" for i in range(num_labels)}
+    cfg = cls(
+        **{**TINY_BASE, **base, "num_labels": num_labels, "id2label": id2label, "pad_token_id": PAD, **extra}
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
+    randomize_(model, 1)
+    path = root / f"{kind}-cls{num_labels}"
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("cls")
+    return {kind: build_classifier(kind, root) for kind in SEQ_CLS}
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().tolist()
+
+
+def _close(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _prompts(n: int, length: int, seed: int, vocab: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, vocab) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", SEQ_CLS)
+def test_head_matches_transformers_cold_cached_and_multi_item(classifiers, kind: str) -> None:
+    path, hf = classifiers[kind]
+    engine = Engine.from_pretrained(path, dtype="fp32", chunk_size=16)
+    assert engine.task.kind == "classify" and engine.task.labels == ("class_0", "class_1", "class_2")
+    cold = _prompts(3, 40, seed=1)
+    for ids, res in zip(cold, engine.run([ScoreRequest(tuple(p), pool=True) for p in cold]), strict=True):
+        assert _close(res.outputs, hf_logits(hf, ids)) <= 1e-4
+        assert res.cached_tokens == 0 and res.logprobs == []
+
+    # A shared instruction, then items: the first computes and caches it, the rest read it in one
+    # multi-item forward; a later call reads it from the cache.
+    prefix = _prompts(1, 50, seed=2)[0]
+    items = [prefix + tail for tail in _prompts(4, 12, seed=3)]
+    forwards = engine.stats().forwards
+    first = engine.run([ScoreRequest(tuple(p), pool=True, cache_prefix_len=len(prefix)) for p in items])
+    assert engine.stats().forwards == forwards + 1  # one multi-item forward
+    again = engine.run([ScoreRequest(tuple(items[2]), pool=True, cache_prefix_len=len(prefix))])
+    assert again[0].cached_tokens == len(prefix)
+    for ids, res in zip([*items, items[2]], [*first, *again], strict=True):
+        assert _close(res.outputs, hf_logits(hf, ids)) <= 1e-4
+
+
+def test_trailing_pad_tokens_follow_transformers(classifiers) -> None:
+    """transformers scores the last token that is not pad_token_id (the first when all are)."""
+    path, hf = classifiers["qwen2"]
+    engine = Engine.from_pretrained(path, dtype="fp32")
+    (ids,) = _prompts(1, 20, seed=4)
+    for prompt in (ids + [PAD, PAD], [PAD] * 4, ids[:5] + [PAD] + ids[5:9]):
+        (res,) = engine.run([ScoreRequest(tuple(prompt), pool=True)])
+        assert _close(res.outputs, hf_logits(hf, prompt)) <= 1e-4
+        assert res.prompt_tokens == len(prompt)
+
+
+def test_classify_probabilities_and_one_logit_reranker(tmp_path: Path) -> None:
+    path, hf = build_classifier("qwen3", tmp_path, num_labels=1)
+    engine = Engine.from_pretrained(path, dtype="fp32")
+    assert engine.task.activation == "sigmoid"
+    prompts = _prompts(2, 30, seed=5)
+    for ids, probs in zip(prompts, engine.classify(prompts), strict=True):
+        want = torch.sigmoid(torch.tensor(hf_logits(hf, ids))).tolist()
+        assert _close(probs, want) <= 1e-5
+    multi, _ = build_classifier("llama", tmp_path, num_labels=4)
+    e4 = Engine.from_pretrained(multi, dtype="fp32")
+    (p,) = e4.classify(prompts[:1])
+    assert e4.task.activation == "softmax" and abs(sum(p) - 1) < 1e-6
+    assert probabilities(e4.task, [0.0, 0.0, 0.0, 0.0]) == [0.25] * 4
+
+
+def test_head_model_refuses_label_scoring_and_lm_refuses_pooling(classifiers, tiny_model) -> None:
+    engine = Engine.from_pretrained(classifiers["llama"][0], dtype="fp32")
+    with pytest.raises(TaskMismatchError, match="/v1/classify"):
+        engine.score([[7, 8, 9]], [1, 2])
+    with pytest.raises(TaskMismatchError, match="pooled request"):
+        engine.run([ScoreRequest((7, 8, 9), (1,), pool=True)])
+    lm = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    with pytest.raises(TaskMismatchError, match="/v1/completions"):
+        lm.embed([[7, 8, 9]])
+
+
+def test_task_detection_and_override(classifiers, tiny_model, tmp_path: Path) -> None:
+    cls_path = classifiers["mistral"][0]
+    cfg = json.loads((cls_path / "config.json").read_text())
+    assert detect_task(cfg, cls_path).kind == "classify"
+    assert detect_task(cfg, cls_path, "pooling").kind == "classify"
+    assert detect_task(cfg, cls_path, "embed").kind == "embed"
+    with pytest.raises(UnsupportedModelError, match="--task"):
+        detect_task(cfg, cls_path, "generate")
+    lm_cfg = json.loads((tiny_model("llama")[0] / "config.json").read_text())
+    assert detect_task(lm_cfg, None).kind == "generate"
+    with pytest.raises(UnsupportedModelError, match="ForSequenceClassification"):
+        detect_task(lm_cfg, None, "classify")
+    with pytest.raises(UnsupportedModelError, match="supported: .*--task"):
+        detect_task({**lm_cfg, "architectures": ["LlamaForTokenClassification"]}, None)
+    # The setting, and vLLM's / SGLang's names for it, reach the engine.
+    engine = Engine.from_pretrained(cls_path, dtype="fp32", task="embed")
+    assert engine.task.kind == "embed" and not hasattr(engine.model, "score")
+
+
+def test_profile_budget_counts_the_head(classifiers) -> None:
+    from po_backend.engine.outputs import pool_bytes
+
+    engine = Engine.from_pretrained(classifiers["llama"][0], dtype="fp32", max_input_len=256)
+    cfg = engine.model_config
+    assert pool_bytes(cfg, engine.task, torch.float32, 256) >= 4 * 3 * cfg.hidden_size
+    assert engine.activation_budget >= engine.runner.activation_bound(256, 256)
