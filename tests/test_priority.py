@@ -308,3 +308,40 @@ def test_in_process_priority(tokenized_llama: Path, monkeypatch: pytest.MonkeyPa
     finally:
         engine.shutdown()
         local.close()
+
+
+def test_long_batch_request_runs_in_prefix_steps() -> None:
+    """A batch request longer than the sized step computes its prompt over several steps (each
+    caching its leading tokens for the next), so an online call waits for one short step."""
+    slo = 0.2  # batch steps of at most 0.1 s = 100 tokens at 1 ms per token
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=slo)
+    long = req(1, 450, -1)
+    runs = run(cfg, [(0.0, long), (0.35, req(2, 30))])
+    batch, online = sorted(runs, key=lambda r: r.rid)
+    assert online.start - online.arrival <= slo * BACKFILL_SLO_SHARE + 1e-9
+    assert batch.step >= 4  # at least 4 prefix steps before its own
+    assert batch.cached >= 300 and batch.end - batch.start <= slo * BACKFILL_SLO_SHARE + 1e-9
+    # A pool that cannot keep the prefix: it still runs, whole, after a bounded number of tries.
+    tiny = run(cfg, [(0.0, long)], pool=10)
+    assert len(tiny) == 1 and tiny[0].cached == 0
+    # Unsized, it is one step.
+    whole = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
+    assert whole[0].step == 0 and whole[0].cached == 0
+
+
+def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
+    from po_backend.engine.engine import Engine
+    from po_backend.serving.loop import EngineLoop
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
+    cold = engine.step([prompt])[0]
+    engine.flush_cache()
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
+    with EngineLoop(engine, scheduler=cfg, jct=JCT) as loop:
+        res = loop.submit(prompt).result()
+        steps = loop.step_log()
+        assert loop.stats().completed == 1
+    assert len(steps) >= 3 and max(n for s in steps for n, _ in s.items) <= 300
+    assert res.cached_tokens >= 200
+    assert res.logprobs == pytest.approx(cold.logprobs, abs=1e-4)
