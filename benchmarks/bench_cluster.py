@@ -32,7 +32,6 @@ import contextlib
 import http.client
 import json
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -46,24 +45,9 @@ from typing import Any
 import httpx
 
 from benchmarks import harness, report
-from benchmarks.bench_serving import (
-    Call,
-    make_calls,
-    request_body,
-    scrape,
-    send_open_loop,
-    summarize,
-    warm_up,
-)
-from benchmarks.workloads import label_ids
-from po_backend.entrypoints.launch_cluster import (
-    router_command,
-    visible_gpus,
-    worker_command,
-    worker_env,
-    worker_threads,
-)
-from po_backend.entrypoints.spawn import ServerProcess, free_port, stop, wait_until
+from benchmarks.bench_serving import Call, make_calls, scrape, send_open_loop, summarize, warm_up
+from po_backend.entrypoints.launch_cluster import router_command, visible_gpus, worker_env, worker_threads
+from po_backend.entrypoints.spawn import ServerProcess, free_port
 
 SHAPES = ("generate", "rerank")
 POLICIES = ("cache_aware", "round_robin")
@@ -166,7 +150,7 @@ class Tap:
 @dataclass(frozen=True)
 class Worker:
     url: str
-    proc: subprocess.Popen[bytes]
+    pid: int
     tap: Tap
 
 
@@ -174,22 +158,19 @@ class Worker:
 def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
     """`--workers` PrefillOnly workers as launch_cluster starts them (its command, the CPU threads
     split between them), each behind a tap; stopped (drained) on exit."""
-    gpus = visible_gpus()
-    extra = ["--log-level", "warning", *args.worker_args.split()]
-    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(args.workers)]
-    procs: list[subprocess.Popen[bytes]] = []
-    taps: list[Tap] = []
+    gpus, flags = visible_gpus(), args.worker_args.split()
+    envs = [worker_env(args.workers, i, gpus) for i in range(args.workers)]
+    servers = [harness.our_server(flags, args.model_path, env=env) for env in envs]
+    taps = [Tap(i, s.url, seen) for i, s in enumerate(servers)]
     try:
-        for u in urls:
-            port = int(u.rsplit(":", 1)[1])
-            env = worker_env(args.workers, len(procs), gpus)
-            procs.append(subprocess.Popen(worker_command(args.model_path, port, extra), env=env))
-            taps.append(Tap(len(taps), u, seen))
-        for u in urls:
-            wait_until(u + "/health", procs, args.startup_timeout)
-        yield [Worker(u, p, t) for u, p, t in zip(urls, procs, taps, strict=True)]
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(args.startup_timeout)
+        yield [Worker(s.url, s.proc.pid, t) for s, t in zip(servers, taps, strict=True) if s.proc]
     finally:
-        stop(procs)
+        for s in servers:
+            s.stop()
         for t in taps:
             t.close()
 
@@ -219,66 +200,14 @@ def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterato
         router.stop()
 
 
-# ---- traffic ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    """One HTTP call of the trace: where it goes, its body, its user and items."""
-
-    path: str
-    body: dict[str, Any]
-    user: int
-    items: int
-
-
-def shape_calls(args: argparse.Namespace, tok: Any, per_call: int) -> list[Call]:
+def shape_calls(args: argparse.Namespace, tok: Any, shape: str) -> list[Call]:
     """The WL1 trace as bench_serving builds it (users x posts, calls shuffled so users
-    interleave), `per_call` posts of one user per call."""
-    ns = argparse.Namespace(
-        workload="wl1",
-        users=args.users,
-        items=args.posts,
-        profile_tokens=args.profile_tokens,
-        history_tokens=0,
-        item_tokens=args.item_tokens,
-        seed=args.seed,
-        items_per_call=per_call,
-        order="shuffled",
-        num_calls=0,
-    )
+    interleave): `generate` one prompt per call, no `cache_prefix_len` (what an SGLang client
+    sends); `rerank` the profile as the query, `--docs-per-call` posts as the documents."""
+    ns = argparse.Namespace(**vars(args), items=args.posts, history_tokens=0, order="shuffled", num_calls=0)
+    ns.workload, ns.api, ns.prefix_hint = "wl1", shape, False
+    ns.items_per_call = 1 if shape == "generate" else args.docs_per_call
     return make_calls(ns, tok)
-
-
-def generate_requests(calls: list[Call], args: argparse.Namespace, tok: Any) -> list[Request]:
-    """One prompt per call, no `cache_prefix_len`: what an SGLang client sends."""
-    ns = argparse.Namespace(api="generate", prefix_hint=False)
-    out: list[Request] = []
-    for c in calls:
-        path, body = request_body(c, ns, label_ids(tok))
-        (ids,) = body.pop("input_ids")  # bench_serving sends a batch; plain clients one prompt
-        if args.generate_as == "text":
-            body["text"] = tok.decode(ids)
-        else:
-            body["input_ids"] = ids
-        out.append(Request(path, body, c.user, 1))
-    return out
-
-
-def rerank_requests(calls: list[Call], tok: Any) -> list[Request]:
-    """SGLang's /v1/rerank: the profile is the query, the posts the documents."""
-    out: list[Request] = []
-    for c in calls:
-        body = {
-            "query": tok.decode(c.prefix),
-            "documents": [tok.decode(s) for s in c.suffixes],
-            "return_documents": False,
-        }
-        out.append(Request("/v1/rerank", body, c.user, len(c.suffixes)))
-    return out
-
-
-# ---- one run ----------------------------------------------------------------------------------------
 
 
 def token_counters(url: str) -> tuple[float, float]:
@@ -290,20 +219,13 @@ def token_counters(url: str) -> tuple[float, float]:
 
 
 def run_one(
-    shape: str,
-    rate: float,
-    policy: str,
-    workers: list[Worker],
-    reqs: list[Request],
-    unit: list[float],
-    seen: Seen,
-    args: argparse.Namespace,
+    shape: str, rate: float, policy: str, workers: list[Worker], calls: list[Call], seen: Seen, args: Any
 ) -> dict[str, Any]:
-    """One (shape, offered posts/s, policy) run on flushed workers behind a fresh router; `unit`:
-    unit-rate Poisson arrival times, scaled to the rate (the same pattern for every run)."""
-    per_call = sum(r.items for r in reqs) / len(reqs)
+    """One (shape, offered posts/s, policy) run on flushed workers behind a fresh router, on the
+    same unit-rate Poisson arrival pattern as every run, scaled to the rate."""
+    per_call = sum(len(c.suffixes) for c in calls) / len(calls)
     qps = rate / per_call  # calls/s
-    arrivals = [u / qps for u in unit]
+    arrivals = [u / qps for u in harness.poisson_arrivals(len(calls), random.Random(args.seed + 1))]
     with router_up(workers, policy, args.startup_timeout) as (url, router_pid, cmd):
         for w in workers:  # directly, not through the router: each worker must say it flushed
             r = httpx.post(w.url + "/flush_cache", timeout=60)
@@ -313,26 +235,18 @@ def run_one(
         harness.wait_for_quiet(args.quiet_wait)
         before = [token_counters(w.url) for w in workers]
         # CPU of each worker and of the router, and of everything else: other users of the machine.
-        shares = [harness.CpuShare(p) for p in [*(w.proc.pid for w in workers), router_pid]]
+        shares = [harness.CpuShare(p) for p in [*(w.pid for w in workers), router_pid]]
         with contextlib.ExitStack() as stack:
             for s in shares:
                 stack.enter_context(s)
-            outcomes, span = asyncio.run(
-                send_open_loop(url, [(r.path, r.body, r.items) for r in reqs], arrivals, args.timeout)
-            )
+            outcomes, span = asyncio.run(send_open_loop(url, calls, arrivals, args.timeout))
         after = [token_counters(w.url) for w in workers]
-    row: dict[str, Any] = {
-        "shape": shape,
-        "rate": rate,
-        "policy": policy,
-        "router_cmd": cmd[1:],  # launch_cluster's router flags at the time of the run
-        **summarize(outcomes, span, qps, per_call),
-        "cluster_cores": sum(s.pid_cores for s in shares),
-        "other_cores": max(0.0, shares[0].other_cores - sum(s.pid_cores for s in shares[1:])),
-    }
+    row: dict[str, Any] = {"shape": shape, "rate": rate, "policy": policy, "router_cmd": cmd[1:]}
+    row.update(summarize(outcomes, span, qps, per_call), cluster_cores=sum(s.pid_cores for s in shares))
+    row["other_cores"] = max(0.0, shares[0].other_cores - sum(s.pid_cores for s in shares[1:]))
     # Where each call went (the taps), per worker and per user. A call the router retried on
     # another worker counts on both: both computed it.
-    user_of = {call_key(r.body): r.user for r in reqs}
+    user_of = {call_key(c.body): c.user for c in calls}
     where: dict[int, set[int]] = defaultdict(set)
     calls_of, items_of = [0] * len(workers), [0] * len(workers)
     for i, key, items in seen:
@@ -344,24 +258,22 @@ def run_one(
         {
             "prompt_tokens": a[0] - b[0],
             "cached_tokens": a[1] - b[1],
-            "share": (a[1] - b[1]) / (a[0] - b[0]) if a[0] > b[0] else 0.0,
             "calls": calls_of[i],
             "items": items_of[i],
+        }
+        | {
+            "share": (a[1] - b[1]) / (a[0] - b[0]) if a[0] > b[0] else 0.0,
             "users": sum(i in ws for ws in where.values()),
         }
         for i, (a, b) in enumerate(zip(after, before, strict=True))
     ]
-    prompt = sum(w["prompt_tokens"] for w in row["workers"])
-    row["prompt_tokens"] = prompt
+    prompt = row["prompt_tokens"] = sum(w["prompt_tokens"] for w in row["workers"])
     row["cached_tokens"] = sum(w["cached_tokens"] for w in row["workers"])
     row["hit_rate"] = row["cached_tokens"] / prompt if prompt else 0.0
     row["workers_per_user"] = {str(u): len(ws) for u, ws in sorted(where.items())}
     row["traced_calls"] = sum(calls_of)
-    print(report.cluster_line(row), flush=True)
+    print(" | ".join(report.cluster_rows({"runs": [row]})[0]), flush=True)
     return row
-
-
-# ---- main -------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -400,19 +312,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.posts, args.profile_tokens, args.items_per_s = 4, 5, 600, "3"
-    shapes = [s for s in args.shapes.split(",") if s]
-    policies = [p for p in args.policies.split(",") if p]
-    if not shapes or set(shapes) - set(SHAPES):
-        ap.error(f"--shapes must be a subset of {SHAPES}, got {args.shapes!r}")
-    if not policies or set(policies) - {"cache_aware", "round_robin", "power_of_two"}:
-        ap.error(f"--policies: cache_aware, round_robin, power_of_two; got {args.policies!r}")
+    args.shapes, args.policies = args.shapes.split(","), args.policies.split(",")
+    if not set(args.shapes) <= set(SHAPES):
+        ap.error(f"--shapes must be a subset of {SHAPES}, got {args.shapes}")
+    if not set(args.policies) <= {"cache_aware", "round_robin", "power_of_two"}:
+        ap.error(f"--policies: cache_aware, round_robin, power_of_two; got {args.policies}")
     try:
-        rates = [float(x) for x in str(args.items_per_s).split(",") if x]
+        args.items_per_s = [float(x) for x in str(args.items_per_s).split(",")]
     except ValueError:
         ap.error(f"--items-per-s must be a comma list of numbers, got {args.items_per_s!r}")
-    if min(args.workers, args.users, args.posts, args.docs_per_call) < 1 or not rates or min(rates) <= 0:
+    if min(args.workers, args.users, args.posts, args.docs_per_call, *args.items_per_s) <= 0:
         ap.error("--workers, --users, --posts, --docs-per-call and --items-per-s must be positive")
-    args.shapes, args.policies, args.items_per_s = shapes, policies, rates
     return args
 
 
@@ -421,19 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     t0 = time.perf_counter()
     tok = harness.tokenizer(args.model_path)
-    traces: dict[str, list[Request]] = {}
-    for s in args.shapes:
-        calls = shape_calls(args, tok, 1 if s == "generate" else args.docs_per_call)
-        traces[s] = generate_requests(calls, args, tok) if s == "generate" else rerank_requests(calls, tok)
-    gen = shape_calls(args, tok, 1)
+    traces = {s: shape_calls(args, tok, s) for s in SHAPES}
+    gen = traces["generate"]
     profiles = {c.prefix for c in gen}
     workload = {
         "users": args.users,
         "posts": args.posts,
         "mean_profile_tokens": sum(map(len, profiles)) / len(profiles),
-        "mean_post_tokens": sum(len(c.suffixes[0]) for c in gen) / len(gen),
-        "calls": {s: len(r) for s, r in traces.items()},
     }
+    workload["mean_post_tokens"] = sum(len(c.suffixes[0]) for c in gen) / len(gen)
+    workload["calls"] = {s: len(traces[s]) for s in args.shapes}
     machine = harness.machine_info()
     print(
         f"{args.users} users x {args.posts} posts, profiles ~{workload['mean_profile_tokens']:.0f} tokens, "
@@ -441,19 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     seen: Seen = []
     rows: list[dict[str, Any]] = []
-    warm = gen[-1]  # the trace's last call: its user is flushed again before every run
     with workers_up(args, seen) as workers:
         for w in workers:  # one-off start-up costs (allocator, kernels) stay out of the numbers
-            for r in (*generate_requests([warm], args, tok), *rerank_requests([warm], tok)):
-                warm_up(w.url, r.path, r.body, args.timeout)
+            for calls in traces.values():
+                warm_up(w.url, calls[-1], args.timeout)
         info = httpx.get(workers[0].url + "/server_info", timeout=10).json()
         points = [(shape, rate) for shape in args.shapes for rate in args.items_per_s]
         for k, (shape, rate) in enumerate(points):
             # Alternate which policy runs first, so neither always gets the later, warmer slot.
-            order = args.policies if k % 2 == 0 else args.policies[::-1]
-            unit = harness.poisson_arrivals(len(traces[shape]), random.Random(args.seed + 1))
-            for policy in order:
-                rows.append(run_one(shape, rate, policy, workers, traces[shape], unit, seen, args))
+            for policy in args.policies if k % 2 == 0 else args.policies[::-1]:
+                rows.append(run_one(shape, rate, policy, workers, traces[shape], seen, args))
     doc: dict[str, Any] = {
         "machine": machine,
         "args": vars(args),  # harness.save writes paths as strings
@@ -468,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     md = report.cluster_markdown(doc)
     print("\n" + md)
     harness.save(args.out, doc, md)
-    failed = sum(r["calls"] - r["ok"] for r in rows)
-    return 1 if failed else 0
+    return 1 if sum(r["calls"] - r["ok"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ lines on where scaling stops and the plot are rendered by report.py (also into R
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -30,16 +29,7 @@ from benchmarks import harness, report
 from benchmarks.harness import RESULTS, sim_step_model
 from po_backend.entrypoints.launch_cluster import BALANCE_ABS_THRESHOLD
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
-from po_backend.sim.cluster import (
-    ROUTER_POLICIES,
-    ClusterResult,
-    RouterConfig,
-    TraceShape,
-    max_qps_at_p99,
-    p99,
-    paper_trace,
-    simulate_cluster,
-)
+from po_backend.sim import cluster as sim
 from po_backend.sim.simulator import PrefixLRU
 
 GiB = 1 << 30
@@ -49,7 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="200 users x 20 posts, 1..8 workers (~20 s)")
     ap.add_argument("--workers", default="1,2,4,8,16,32,64")
-    ap.add_argument("--routers", default="cache_aware,round_robin", help=f"of {','.join(ROUTER_POLICIES)}")
+    ap.add_argument(
+        "--routers", default="cache_aware,round_robin", help=f"of {','.join(sim.ROUTER_POLICIES)}"
+    )
     ap.add_argument("--users", type=int, default=1000)
     ap.add_argument("--posts", type=int, default=50)
     ap.add_argument("--scale", type=float, default=8.0, help="the paper's token lengths / this")
@@ -83,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.posts, args.workers = 200, 20, "1,2,4,8"
+    args.routers, args.workers = args.routers.split(","), sorted({int(n) for n in args.workers.split(",")})
+    if not set(args.routers) <= set(sim.ROUTER_POLICIES) or args.workers[0] < 1 or not 0 <= args.warmup < 1:
+        ap.error(f"--routers of {sim.ROUTER_POLICIES}, --workers >= 1, --warmup in [0, 1); got {vars(args)}")
     return args
 
 
@@ -91,32 +86,22 @@ def kv_bytes_per_token() -> tuple[int, str]:
     import torch
 
     from po_backend.engine.cache.kv_pool import KVPool
-    from po_backend.engine.config import ModelConfig, parse_dtype
-    from po_backend.engine.models.loader import resolve_model_dir
+    from po_backend.engine.config import parse_dtype
+    from po_backend.engine.models.loader import read_config, resolve_model_dir
 
-    cfg = ModelConfig.from_hf(json.loads((resolve_model_dir("embedded") / "config.json").read_text()))
-    dtype = parse_dtype(None, torch.device("cpu"))
+    cfg, dtype = read_config(resolve_model_dir("embedded")), parse_dtype(None, torch.device("cpu"))
     return KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype), str(dtype)
 
 
-def measured(res: ClusterResult, since: float) -> list[float]:
-    return [r.end - r.arrival for r in res.runs if r.arrival >= since]
-
-
-def summary(res: ClusterResult, qps: float, since: float, span_s: float, slo: float) -> dict[str, Any]:
-    lat = measured(res, since)
+def summary(res: sim.ClusterResult, qps: float, since: float, span_s: float, slo: float) -> dict[str, Any]:
+    """A run at `qps`: latency over the requests that arrived from `since` on, hit rate, balance."""
+    lat = [r.end - r.arrival for r in res.runs if r.arrival >= since]
+    busy = [w.busy_s / max(r.end for r in res.runs) for w in res.workers]
     return {
-        "qps": qps,
-        "p99_s": p99(lat),
-        "mean_s": sum(lat) / len(lat),
-        "span_over_bound": span_s / slo,
-        "hit_rate": res.hit_rate,
-        "imbalance": res.imbalance,
-        "items_per_worker": [w.items for w in res.workers],
-        "busy_share": [w.busy_s / max(r.end for r in res.runs) for w in res.workers],
-        "balanced_by_load": res.balanced_by_load,
-        "by_match": res.by_match,
-        "mean_batch": len(lat) / sum(w.steps for w in res.workers),
+        **{"qps": qps, "p99_s": sim.p99(lat), "mean_s": sum(lat) / len(lat), "span_over_bound": span_s / slo},
+        **{"hit_rate": res.hit_rate, "imbalance": res.imbalance, "busy_share": busy},
+        **{"items_per_worker": [w.items for w in res.workers], "balanced_by_load": res.balanced_by_load},
+        **{"by_match": res.by_match, "mean_batch": len(lat) / sum(w.steps for w in res.workers)},
     }
 
 
@@ -124,93 +109,69 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     t0 = time.perf_counter()
-    routers = [r for r in args.routers.split(",") if r]
-    if not routers or set(routers) - set(ROUTER_POLICIES):
-        raise SystemExit(f"--routers must be a subset of {ROUTER_POLICIES}, got {args.routers!r}")
-    workers = sorted({int(n) for n in args.workers.split(",")})
-    if workers[0] < 1:
-        raise SystemExit(f"--workers must be >= 1, got {args.workers!r}")
     model, source = sim_step_model(args.jct)
     per_token, dtype = kv_bytes_per_token()
     pool = int(args.pool_gib * GiB) // per_token
-    shape = TraceShape(users=args.users, posts=args.posts, scale=args.scale, seed=args.seed)
-    reqs, unit = paper_trace(shape)
+    reqs, unit = sim.paper_trace(
+        sim.TraceShape(users=args.users, posts=args.posts, scale=args.scale, seed=args.seed)
+    )
     prefixes = {r.input_ids[: r.cache_prefix_len] for r in reqs}
     mean_prefix = sum(map(len, prefixes)) / len(prefixes)
-    tokens = sum(len(r.input_ids) for r in reqs)
     print(
         f"trace: {len(reqs)} requests ({args.users} users x {args.posts} posts), mean prompt "
-        f"{tokens / len(reqs):.0f} tokens, mean profile {mean_prefix:.0f}; step times: {source}, coef {model.coef}"
-    )
-    print(
-        f"prefix pool per worker: {args.pool_gib:g} GiB / {per_token} B per token ({dtype}) = {pool} tokens "
-        f"= {pool / mean_prefix:.0f} profiles (of {args.users} users)"
+        f"{sum(len(r.input_ids) for r in reqs) / len(reqs):.0f} tokens, mean profile {mean_prefix:.0f}; "
+        f"step times: {source}, coef {model.coef}; prefix pool per worker: {args.pool_gib:g} GiB / "
+        f"{per_token} B per token ({dtype}) = {pool} tokens = {pool / mean_prefix:.0f} profiles"
     )
     sched = SchedulerConfig("po", args.fairness_lambda)
 
-    def cache() -> PrefixLRU:
-        return PrefixLRU(pool, args.max_batch_tokens)
+    def run(
+        n: int, router: str, trace: list[tuple[float, Any]], slo: float | None = None, since: float = 0.0
+    ) -> sim.ClusterResult:
+        config = sim.RouterConfig(router, balance_abs_threshold=args.balance_abs_threshold, seed=args.seed)
+        cache = lambda: PrefixLRU(pool, args.max_batch_tokens)  # noqa: E731
+        return sim.simulate_cluster(sched, model, trace, n, config, cache, slo, since)
 
-    iso = simulate_cluster(
-        sched, model, [(1e6 * i, r) for i, r in enumerate(reqs)], 1, RouterConfig("round_robin"), cache
-    )
+    iso = run(1, "round_robin", [(1e6 * i, r) for i, r in enumerate(reqs)])  # none ever waits
     iso_mean = sum(iso.latencies) / len(reqs)
     slo = args.slo_x * iso_mean
-    print(
-        f"isolated (1 worker, one request at a time): mean {iso_mean:.3f} s, hits {iso.hit_rate:.1%}; "
-        f"P99 bound {slo:.2f} s"
-    )
-
-    if not 0.0 <= args.warmup < 1.0:
-        raise SystemExit(f"--warmup must be in [0, 1), got {args.warmup}")
+    print(f"isolated: mean {iso_mean:.3f} s, hits {iso.hit_rate:.1%}; P99 bound {slo:.2f} s")
     skip = unit[int(args.warmup * len(unit))] if args.warmup > 0 else 0.0  # unit-rate seconds
     rows: list[dict[str, Any]] = []
-
-    def router(policy: str) -> RouterConfig:
-        return RouterConfig(policy, balance_abs_threshold=args.balance_abs_threshold, seed=args.seed)
-
-    for policy in routers:
-        guess = 1.0 / iso_mean
-        prev_n = 1
-        for n in workers:
+    for policy in args.routers:
+        guess, prev_n = 1.0 / iso_mean, 1
+        for n in args.workers:
             guess *= n / prev_n
-            best: dict[float, ClusterResult] = {}
+            best: dict[float, sim.ClusterResult] = {}
 
-            def run(
-                qps: float, n: int = n, policy: str = policy, best: dict[float, ClusterResult] = best
-            ) -> float:
-                trace = [(u / qps, r) for u, r in zip(unit, reqs, strict=True)]
-                res = simulate_cluster(sched, model, trace, n, router(policy), cache, slo, skip / qps)
-                if not res.complete:
-                    return math.inf
+            def p99_at(qps: float, n: int = n, policy: str = policy, best: dict = best) -> float:
+                res = run(n, policy, [(u / qps, r) for u, r in zip(unit, reqs, strict=True)], slo, skip / qps)
                 best[qps] = res
-                return p99(measured(res, skip / qps))
+                return (
+                    sim.p99([r.end - r.arrival for r in res.runs if r.arrival >= skip / qps])
+                    if res.complete
+                    else math.inf
+                )
 
             t = time.perf_counter()
             one = next((r for r in rows if r["workers"] == 1), None) if n == 1 else None
             if one is not None:  # one worker: every router sends everything to it, the same run
                 row = {**one, "router": policy}
-                if policy != "cache_aware":
-                    row.update(balanced_by_load=0, by_match=0)
+                row.update({} if policy == "cache_aware" else {"balanced_by_load": 0, "by_match": 0})
             else:
-                qps, runs = max_qps_at_p99(run, slo, guess, rel_tol=args.rel_tol)
+                qps, runs = sim.max_qps_at_p99(p99_at, slo, guess, rel_tol=args.rel_tol)
                 if qps <= 0:
                     raise RuntimeError(f"{policy} x {n}: no rate found within the P99 bound")
-                row = {
-                    "router": policy,
-                    "workers": n,
-                    "sustained_qps": qps,
-                    "runs": runs,
-                    **summary(best[qps], qps, skip / qps, unit[-1] / qps, slo),
-                }
-            qps, runs = row["sustained_qps"], row["runs"]
+                row = {"router": policy, "workers": n, "sustained_qps": qps, "runs": runs}
+                row.update(summary(best[qps], qps, skip / qps, unit[-1] / qps, slo))
             rows.append(row)
-            guess, prev_n = qps, n
+            guess, prev_n = row["sustained_qps"], n
             print(
-                f"  {policy:12s} N={n:3d}: {qps:8.3f} qps ({qps / n:.3f} per worker), P99 {row['p99_s']:6.2f} s, "
+                f"  {policy:12s} N={n:3d}: {guess:8.3f} qps ({guess / n:.3f} per worker), P99 {row['p99_s']:6.2f} s, "
                 f"hits {row['hit_rate']:5.1%}, imbalance {row['imbalance']:.3f}, load-balanced "
-                f"{row['balanced_by_load']}, {runs} runs in {time.perf_counter() - t:.1f} s"
+                f"{row['balanced_by_load']}, {row['runs']} runs in {time.perf_counter() - t:.1f} s"
             )
+    settings = sim.RouterConfig("cache_aware", balance_abs_threshold=args.balance_abs_threshold)
     doc = {
         "args": vars(args),  # harness.save writes paths as strings
         "jct_source": source,
@@ -224,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "isolated_hit_rate": iso.hit_rate,
         "slo_p99_s": slo,
         "router_settings": {
-            k: getattr(router("cache_aware"), k)
+            k: getattr(settings, k)
             for k in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
         },
         "rows": rows,

@@ -61,9 +61,7 @@ def install_hint() -> str:
 
 
 def p_yes(logp_yes: float, logp_no: float) -> float:
-    m = max(logp_yes, logp_no)
-    a, b = math.exp(logp_yes - m), math.exp(logp_no - m)
-    return a / (a + b)
+    return 1.0 / (1.0 + math.exp(min(logp_no - logp_yes, 700.0)))  # no overflow
 
 
 def timed(score: Callable[[int], float], n: int) -> dict[str, Any]:

@@ -11,7 +11,8 @@ and the RSS high-water mark never leak between them):
   hybrid       ours, hybrid prefilling (token-wise ops in chunks, attention unchunked)
   chunked      ours, Sarathi-style chunked prefill (attention chunked too, all-layer K/V kept)
 
-Peak = kernel RSS high-water mark above the RSS before the forward (po_backend.engine.memory.PeakMemory);
+Peak = kernel RSS high-water mark above the RSS before the forward, or on a GPU (`--device cuda`)
+the CUDA allocator's peak above its level before it (po_backend.engine.memory.PeakMemory);
 TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the GEMM peak measured at start. MIL
 = where a least-squares line peak = c0 + c1*n through the measured points reaches `--budget-mib`
 ("measured" when measured lengths bracket it, else "extrapolated").
@@ -36,6 +37,7 @@ import torch
 
 from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, save, wait_for_quiet
 from po_backend.engine.config import ModelConfig, parse_dtype
+from po_backend.engine.device import resolve_device
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models.loader import read_config, resolve_model_dir
 
@@ -51,20 +53,42 @@ WARMUP_TOKENS = 128
 RESULT_MARKER = "@@RESULT "  # a child prints exactly one line starting with this, then JSON
 
 
-def gemm_peak_gflops(dtype: torch.dtype, size: int = 2048, min_seconds: float = 1.0) -> float:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; a CPU op is done on return)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_peak_gflops(
+    dtype: torch.dtype, size: int = 2048, min_seconds: float = 1.0, device: torch.device | None = None
+) -> float:
     """Best achieved GFLOP/s of a square GEMM on this machine: the roof the model's GEMMs can reach.
     The layout is nn.Linear's, x @ W.t(): on CPUs without native bf16 a plain `a @ b` in bf16
-    takes a ~10x slower path, so the layout matters for the roof."""
+    takes a ~10x slower path, so the layout matters for the roof. On a GPU 2048^3 is too small to
+    fill it, so the size is 8192 there."""
+    dev = device or torch.device("cpu")
+    size = 8192 if dev.type == "cuda" else size
     gen = torch.Generator().manual_seed(0)
-    x, w = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
-    out = torch.empty(size, size, dtype=dtype)
-    torch.matmul(x, w.t(), out=out)  # warm-up: thread pool, oneDNN kernel selection
+    x, w = (torch.randn(size, size, generator=gen).to(dev, dtype) for _ in range(2))
+    out = torch.empty(size, size, dtype=dtype, device=dev)
+    torch.matmul(x, w.t(), out=out)  # warm-up: thread pool, oneDNN or cuBLAS kernel selection
+    sync(dev)
     best, reps, start = float("inf"), 0, time.perf_counter()
     while reps < 2 or (time.perf_counter() - start < min_seconds and reps < 50):
         t = time.perf_counter()
         torch.matmul(x, w.t(), out=out)
+        sync(dev)
         best, reps = min(best, time.perf_counter() - t), reps + 1
     return 2.0 * size**3 / best / 1e9
+
+
+def device_name(dev: torch.device) -> str:
+    """What runs, for the report: the GPU's name and compute capability, or the CPU's model."""
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return f"{dev}: {torch.cuda.get_device_name(dev)} (compute capability {major}.{minor}, {total / GiB:.0f} GiB)"
+    return f"{dev}: {machine_info()['cpu']}"
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
@@ -88,8 +112,11 @@ def _time_attention() -> None:
 
     def timed(fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> None:
+            dev = args[0].device  # q: on a GPU, time the kernels, not their queueing
+            sync(dev)
             t = time.perf_counter()
             fn(*args, **kwargs)
+            sync(dev)
             _ATTENTION_SECONDS[0] += time.perf_counter() - t
 
         return wrapper
@@ -98,28 +125,30 @@ def _time_attention() -> None:
     runner.attend_items = timed(runner.attend_items)  # type: ignore[assignment]
 
 
-def child(config: str, n: int, chunk_size: int, dtype: str) -> dict[str, Any]:
+def child(config: str, n: int, chunk_size: int, dtype: str, device: str = "cpu") -> dict[str, Any]:
     model_dir = resolve_model_dir("embedded")
     cfg = read_config(model_dir)
+    dev = resolve_device(device)
     ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     if config.startswith("hf"):
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-        dt = parse_dtype(None if dtype == "auto" else dtype, torch.device("cpu"))  # the engine's choice
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).eval()
+        dt = parse_dtype(None if dtype == "auto" else dtype, dev)  # the engine's choice
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(dev).eval()
         kwargs = {} if config == "hf-default" else {"logits_to_keep": 1, "use_cache": False}
 
         def forward(x: torch.Tensor) -> float:
             with torch.inference_mode():
                 return model(x[None], **kwargs).logits[0, -1].float().log_softmax(-1)[LABEL_ID].item()
 
-        prompt: Any = ids
+        prompt: Any = ids.to(dev)
     else:
         from po_backend.engine.engine import Engine
 
         engine = Engine.from_pretrained(
             "embedded",
+            device=dev,
             dtype=None if dtype == "auto" else dtype,
             chunk_size=max(n, WARMUP_TOKENS) if config == "nochunk" else chunk_size,
             prefill_mode="chunked" if config == "chunked" else "hybrid",
@@ -136,13 +165,14 @@ def child(config: str, n: int, chunk_size: int, dtype: str) -> dict[str, Any]:
         prompt = ids.tolist()  # built outside the timed region
     forward(prompt[:WARMUP_TOKENS])  # thread pool, kernels, first touch of the weights
     _ATTENTION_SECONDS[0] = 0.0
-    with PeakMemory("cpu") as p, CpuShare() as cpu:
+    with PeakMemory(dev) as p, CpuShare() as cpu:
         t = time.perf_counter()
         logprob = forward(prompt)
         seconds = time.perf_counter() - t
     return {
         "config": config,
         "n": n,
+        "device": str(dev),
         "peak_bytes": p.peak_bytes,
         "peak_method": p.method,
         "time_s": seconds,
@@ -192,25 +222,14 @@ def speed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (dtype, n) where both ran: ours (hybrid) vs transformers logits_to_keep=1, tok/s, the
     ratio, ours' achieved GFLOP/s and its share of the GEMM peak, attention's share of ours."""
     by = {(r["dtype"], r["config"], r["n"]): r for r in rows if r.get("status") == "ok"}
-    out = []
-    for dt, c, n in by:
-        hf = by.get((dt, "hf-ltk1", n))
-        if c != "hybrid" or hf is None:
-            continue
-        ours = by[(dt, c, n)]
-        out.append(
-            {
-                "dtype": dt,
-                "n": n,
-                "ours_tok_per_s": ours["tok_per_s"],
-                "hf_tok_per_s": hf["tok_per_s"],
-                "ratio": ours["tok_per_s"] / hf["tok_per_s"],
-                "ours_gflops": ours["tflops"] * 1e3,
-                "ours_gemm_peak_frac": ours["gemm_peak_frac"],
-                "attention_share": ours["attention_share"],
-            }
-        )
-    return out
+    pairs = [(dt, n, o, by.get((dt, "hf-ltk1", n))) for (dt, c, n), o in by.items() if c == "hybrid"]
+    return [
+        {"dtype": dt, "n": n, "ours_tok_per_s": o["tok_per_s"], "hf_tok_per_s": hf["tok_per_s"]}
+        | {"ratio": o["tok_per_s"] / hf["tok_per_s"], "ours_gflops": o["tflops"] * 1e3}
+        | {"ours_gemm_peak_frac": o["gemm_peak_frac"], "attention_share": o["attention_share"]}
+        for dt, n, o, hf in pairs
+        if hf is not None
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         help="auto (the engine's default for this CPU) | fp32 | bf16, or a comma list (e.g. bf16,fp32): "
         "every config at every length per dtype; the MIL fit uses the first",
     )
+    ap.add_argument(
+        "--device", default="cpu", help="cpu | cuda | cuda:N (the same for ours and transformers)"
+    )
     ap.add_argument("--budget-mib", type=float, default=256.0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quiet-wait", type=float, default=30.0)
@@ -232,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        result = child(args.child[0], int(args.child[1]), args.chunk_size, args.dtype)
+        result = child(args.child[0], int(args.child[1]), args.chunk_size, args.dtype, args.device)
         print(RESULT_MARKER + json.dumps(result), flush=True)
         return 0
     if args.out is None:
@@ -242,17 +264,23 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
     names = args.dtype.split(",")
-    dtypes = {name: parse_dtype(None if name == "auto" else name, torch.device("cpu")) for name in names}
+    dev = resolve_device(args.device)
+    dtypes = {name: parse_dtype(None if name == "auto" else name, dev) for name in names}
     dtype = dtypes[names[0]]
-    # Both dtypes: the CPU decides which one the engine uses (bf16 only where it is native).
-    roofs = {str(dt): gemm_peak_gflops(dt) for dt in (torch.float32, torch.bfloat16)}
-    print("GEMM peak (x @ W.t(), 2048^3): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roofs.items()))
+    print(f"device: {device_name(dev)}")
+    # fp32 and bf16 whatever runs: the CPU decides which one the engine uses (bf16 only where it
+    # is native); a GPU's fp16 default (compute capability < 8) is added when it runs.
+    roofs = {
+        str(dt): gemm_peak_gflops(dt, device=dev) for dt in {torch.float32, torch.bfloat16, *dtypes.values()}
+    }
+    print("GEMM peak (x @ W.t()): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roofs.items()))
     rows: list[dict[str, Any]] = []
     for name, dt in dtypes.items():
         for n in [int(x) for x in args.lengths.split(",")]:
             for c in configs:
                 wait_for_quiet(args.quiet_wait)
                 cmd = ["--child", c, str(n), "--chunk-size", str(args.chunk_size), "--dtype", name]
+                cmd += ["--device", str(dev)]
                 row = {"config": c, "n": n, "dtype": str(dt), **run_child(cmd, args.timeout)}
                 rows.append(row)
                 if row["status"] != "ok":
@@ -289,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     doc = {
         "machine": machine_info(),
+        "device": device_name(dev),
         "args": vars(args),  # harness.save writes paths as strings
         "dtype": str(dtype),
         "gemm_peak_gflops": roofs,

@@ -1,5 +1,5 @@
 """Serving benchmark: Poisson arrivals of WL1/WL2 scoring requests over HTTP, against any server that
-speaks SGLang's `/v1/score` or `/generate` (ours with each schedule policy, ours with
+speaks SGLang's `/v1/score`, `/v1/rerank` or `/generate` (ours with each schedule policy, ours with
 `--backend hf`, or a real SGLang server). Reports mean/P50/P99 latency and items/s per offered QPS.
 
     # launch our server once per configuration (one at a time) and sweep QPS on each:
@@ -11,7 +11,7 @@ Open loop: request i is sent at its Poisson arrival time whatever happened to th
 a server that falls behind shows it as queueing latency. Latency is send -> response. items/s is
 completed items over the span from the first send to the last response. Ratios are against the
 baseline configuration (`hf` when launched, else the first) measured in the same run. Results:
-benchmarks/results/<out>.json, .md and .png.
+benchmarks/results/<out>.json, .md and .png. bench_cluster builds its traffic with this module.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import httpx
 
 from benchmarks import harness, report
 from benchmarks.workloads import label_ids, wl1, wl2
-from po_backend.entrypoints.spawn import ServerProcess
 
 # --launch names -> launch_server flags
 LAUNCH = {
@@ -51,15 +50,23 @@ LAUNCH = {
     # replaces): the same run measures the change against what it replaces.
     "base": ["--schedule-policy", "po"],
 }
+COUNTERS = (
+    "po_prompt_tokens_total",
+    "po_cache_hit_tokens_total",
+    "po_cache_tokens",
+    "po_cache_reused_tokens",
+)
 
 
 @dataclass(frozen=True)
 class Call:
-    """One HTTP request: items of one user sharing `prefix`."""
+    """One HTTP request: items of one user sharing `prefix`, as sent (`path`, `body`)."""
 
     user: int
     prefix: tuple[int, ...]
     suffixes: tuple[tuple[int, ...], ...]
+    path: str = ""
+    body: Any = None
 
 
 @dataclass(frozen=True)
@@ -71,11 +78,9 @@ class Outcome:
     error: str = ""
 
 
-# ---- workload -----------------------------------------------------------------------------------
-
-
 def make_calls(args: argparse.Namespace, tok: Any) -> list[Call]:
-    """The workload's items (grouped by user) as calls of up to `--items-per-call` items each."""
+    """The workload's items (grouped by user) as calls of up to `--items-per-call` items each,
+    shuffled unless `--order grouped`, each with its request for `--api`."""
     p, h = args.profile_tokens, args.history_tokens
     if args.workload == "wl1":
         span = (max(1, p // 2), p * 3 // 2)
@@ -90,69 +95,68 @@ def make_calls(args: argparse.Namespace, tok: Any) -> list[Call]:
             calls.append(Call(user, chunk[0].prefix, tuple(it.suffix for it in chunk)))
     if args.order == "shuffled":
         random.Random(args.seed).shuffle(calls)  # users interleave: the scheduler's order matters
-    return calls[: args.num_calls] if args.num_calls else calls
+    calls = calls[: args.num_calls] if args.num_calls else calls
+    return [Call(c.user, c.prefix, c.suffixes, *request_body(c, args, tok)) for c in calls]
 
 
-def request_body(call: Call, args: argparse.Namespace, labels: tuple[int, int]) -> tuple[str, dict[str, Any]]:
+def request_body(call: Call, args: argparse.Namespace, tok: Any) -> tuple[str, dict[str, Any]]:
+    """`--api` score: SGLang's /v1/score (prompt = query + item; our server caches the query);
+    rerank: /v1/rerank, the prefix as the query; generate: one prompt per item (a batch when
+    more than one), `--generate-as` ids or text, `--prefix-hint`: our cache_prefix_len."""
+    labels = label_ids(tok)
     if args.api == "score":
-        # SGLang's /v1/score: prompt = query + item; our server caches the query's tokens.
-        return "/v1/score", {
+        items = [list(s) for s in call.suffixes]
+        body = {
             "query": list(call.prefix),
-            "items": [list(s) for s in call.suffixes],
+            "items": items,
             "label_token_ids": list(labels),
             "apply_softmax": True,
         }
-    body: dict[str, Any] = {
-        "input_ids": [list(call.prefix + s) for s in call.suffixes],
-        "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True,
-        "token_ids_logprob": list(labels),
-    }
+        return "/v1/score", body
+    if args.api == "rerank":
+        docs = [tok.decode(s) for s in call.suffixes]
+        return "/v1/rerank", {"query": tok.decode(call.prefix), "documents": docs, "return_documents": False}
+    prompts: list[Any] = [list(call.prefix + s) for s in call.suffixes]
+    if getattr(args, "generate_as", "ids") == "text":
+        prompts = [tok.decode(p) for p in prompts]
+    one = len(prompts) == 1  # a single prompt, not a batch of one: what plain SGLang clients send
+    key = "input_ids" if isinstance(prompts[0], list) else "text"
+    body = {key: prompts[0] if one else prompts, "sampling_params": {"max_new_tokens": 0}}
+    body.update(return_logprob=True, token_ids_logprob=list(labels))
     if args.prefix_hint:  # our extension; SGLang does not know it
-        body["cache_prefix_len"] = [len(call.prefix) or None] * len(call.suffixes)
+        hint = [len(call.prefix) or None] * len(prompts)
+        body["cache_prefix_len"] = hint[0] if one else hint
     return "/generate", body
-
-
-# ---- load generation ----------------------------------------------------------------------------
-
-
-async def run_load(
-    url: str, calls: list[Call], qps: float, args: argparse.Namespace, labels: tuple[int, int]
-) -> tuple[list[Outcome], float]:
-    """Send `calls` at Poisson arrival times (rate `qps` calls/s); returns outcomes and the span."""
-    arrivals = harness.poisson_arrivals(len(calls), random.Random(args.seed + 1), qps)
-    posts = [(*request_body(c, args, labels), len(c.suffixes)) for c in calls]
-    return await send_open_loop(url, posts, arrivals, args.timeout, _auth(args))
 
 
 async def send_open_loop(
     url: str,
-    posts: Sequence[tuple[str, dict[str, Any], int]],
+    calls: Sequence[Call],
     arrivals: Sequence[float],
     timeout: float,
     headers: dict[str, str] | None = None,
 ) -> tuple[list[Outcome], float]:
-    """POST each (path, body, items) at its arrival (seconds from the start) whatever happened to
-    the earlier ones, so a server that falls behind shows it as latency. Returns the outcomes and
-    the span from the first send to the last response."""
+    """POST each call at its arrival (seconds from the start) whatever happened to the earlier
+    ones, so a server that falls behind shows it as latency. Returns the outcomes and the span
+    from the first send to the last response."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits) as client:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
-        async def one(path: str, body: dict[str, Any], items: int) -> Outcome:
+        async def one(c: Call) -> Outcome:
             sent = loop.time()
             try:
-                r = await client.post(path, json=body)
+                r = await client.post(c.path, json=c.body)
                 status, err = r.status_code, "" if r.status_code == 200 else r.text[:200]
             except httpx.HTTPError as e:
                 status, err = 0, f"{type(e).__name__}: {e}"
-            return Outcome(sent - t0, loop.time() - sent, status, items, err)
+            return Outcome(sent - t0, loop.time() - sent, status, len(c.suffixes), err)
 
         tasks = []
-        for post, at in zip(posts, arrivals, strict=True):
+        for c, at in zip(calls, arrivals, strict=True):
             await asyncio.sleep(max(0.0, t0 + at - loop.time()))
-            tasks.append(asyncio.create_task(one(*post)))
+            tasks.append(asyncio.create_task(one(c)))
         outcomes = await asyncio.gather(*tasks)
     span = max(o.sent + o.latency for o in outcomes) - min(o.sent for o in outcomes)
     return list(outcomes), span
@@ -181,97 +185,54 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
         text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     except httpx.HTTPError:
         return {}
-    out = {}
-    for name in (
-        "po_prompt_tokens_total",
-        "po_cache_hit_tokens_total",
-        "po_cache_tokens",
-        "po_cache_reused_tokens",
-    ):
-        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-        if m:
-            out[name] = float(m.group(1))
-    return out
+    found = {name: re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M) for name in COUNTERS}
+    return {name: float(m.group(1)) for name, m in found.items() if m}
 
 
-# ---- servers ------------------------------------------------------------------------------------
-
-
-def launched_server(name: str, args: argparse.Namespace, port: int) -> ServerProcess:
-    """Our server with config `name`'s flags (`base`: from `--base-checkout`); its output goes to a
-    temporary file, shown if it fails to start."""
-    flags = ["--dtype", args.dtype, *LAUNCH[name]]
-    flags += ["--max-input-len", str(args.max_input_len)] if args.max_input_len else []
-    if name == "base" and not args.base_checkout:
-        raise ValueError("--launch base needs --base-checkout DIR")
-    # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
-    cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
-    return harness.our_server([*flags, *args.server_args.split()], args.model_path, port, cwd)
+def warm_up(url: str, call: Call, timeout: float, headers: dict[str, str] | None = None) -> None:
+    """One request first: one-off start-up costs (allocator, kernels) stay out of the numbers."""
+    r = httpx.post(url + call.path, json=call.body, headers=headers, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
 
 
 def bench_one(
-    name: str,
-    url: str,
-    calls: list[Call],
-    args: argparse.Namespace,
-    labels: tuple[int, int],
-    pid: int | None = None,
-) -> list[dict[str, Any]]:
-    rows = []
+    name: str, url: str, calls: list[Call], args: argparse.Namespace, pid: int | None = None
+) -> list[dict]:
+    """Every `--qps` on one server, each from a flushed cache. Without a pid (a server not
+    launched here) the server's own CPU use counts as "other"."""
+    rows, auth = [], _auth(args)
     per_call = sum(len(c.suffixes) for c in calls) / len(calls)
     for qps in args.qps:
-        httpx.post(url + "/flush_cache", headers=_auth(args), timeout=60)  # every rate starts cold
-        before = scrape(url, _auth(args))
-        # Without a pid (a server not launched here) the server's own use counts as "other".
+        httpx.post(url + "/flush_cache", headers=auth, timeout=60)
+        before = scrape(url, auth)
+        arrivals = harness.poisson_arrivals(len(calls), random.Random(args.seed + 1), qps)
         with harness.CpuShare(pid) as load:
-            outcomes, span = asyncio.run(run_load(url, calls, qps, args, labels))
-        after = scrape(url, _auth(args))
-        row = {
-            "config": name,
-            **summarize(outcomes, span, qps, per_call),
-            "server_cores": load.pid_cores if pid is not None else None,
-            "other_cores": load.other_cores,
-        }
+            outcomes, span = asyncio.run(send_open_loop(url, calls, arrivals, args.timeout, auth))
+        after = scrape(url, auth)
+        row = {"config": name, **summarize(outcomes, span, qps, per_call), "other_cores": load.other_cores}
+        row["server_cores"] = load.pid_cores if pid is not None else None
         if after and before:
             prompt = after["po_prompt_tokens_total"] - before["po_prompt_tokens_total"]
             hits = after["po_cache_hit_tokens_total"] - before["po_cache_hit_tokens_total"]
-            row["prompt_tokens"] = prompt
-            row["cache_hit_rate"] = hits / prompt if prompt else 0.0
+            row.update(prompt_tokens=prompt, cache_hit_rate=hits / prompt if prompt else 0.0)
             row["prompt_tokens_per_s"] = prompt / span if span else math.nan
             # What the pool holds at the end, and how much of it was read back (not speculation).
             if "po_cache_tokens" in after:
                 row["cache_tokens"] = after["po_cache_tokens"]
                 row["cache_reused_tokens"] = after.get("po_cache_reused_tokens", math.nan)
         rows.append(row)
-        print(_line(row), flush=True)
+        print(
+            " | ".join(report.serving_rows([row])[2][0]),
+            row["errors"] or "",
+            row["first_error"][:80],
+            flush=True,
+        )
     return rows
-
-
-def warm_up(
-    url: str, path: str, body: dict[str, Any], timeout: float, headers: dict[str, str] | None = None
-) -> None:
-    """One request first: one-off start-up costs (allocator, kernels) stay out of the numbers."""
-    r = httpx.post(url + path, json=body, headers=headers, timeout=timeout)
-    if r.status_code != 200:
-        raise RuntimeError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
 
 
 def _auth(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-
-def _line(r: dict[str, Any]) -> str:
-    hit = f" cache {r['cache_hit_rate']:.0%}" if "cache_hit_rate" in r else ""
-    err = f" errors {r['errors']} ({r['first_error'][:80]})" if r["errors"] else ""
-    cores = "server included" if r["server_cores"] is None else f"server {r['server_cores']:.1f}"
-    return (
-        f"{r['config']:>10s} qps {r['qps']:<5g} {r['ok']}/{r['calls']} calls, {r['items']} items in "
-        f"{r['seconds']:.1f}s: {r['items_per_s']:.2f} items/s, latency mean {r['mean_s']:.2f}s "
-        f"p50 {r['p50_s']:.2f}s p99 {r['p99_s']:.2f}s{hit} (other cores {r['other_cores']:.1f}, {cores}){err}"
-    )
-
-
-# ---- main ---------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -292,7 +253,10 @@ def main() -> None:
     ap.add_argument(
         "--base-checkout", default=None, help="the checkout `--launch base` runs (another commit)"
     )
-    ap.add_argument("--api", choices=("score", "generate"), default="score")
+    ap.add_argument("--api", choices=("score", "rerank", "generate"), default="score")
+    ap.add_argument(
+        "--generate-as", choices=("ids", "text"), default="ids", help="/generate: input_ids or text"
+    )
     ap.add_argument(
         "--no-prefix-hint", dest="prefix_hint", action="store_false", help="/generate: no cache_prefix_len"
     )
@@ -321,6 +285,8 @@ def main() -> None:
     unknown = set(args.launch.split(",")) - set(LAUNCH) if args.launch else set()
     if unknown:
         ap.error(f"unknown --launch config {sorted(unknown)}; choose from {sorted(LAUNCH)}")
+    if "base" in (args.launch or "").split(",") and not args.base_checkout:
+        ap.error("--launch base needs --base-checkout DIR")
 
     model_path = args.tokenizer or args.model_path
     if args.url and not args.tokenizer:
@@ -329,44 +295,36 @@ def main() -> None:
         model_path = info.get("tokenizer_path") or info["model_path"]
     tok = harness.tokenizer(model_path)
     calls = make_calls(args, tok)
-    labels = label_ids(tok)
     n_items = sum(len(c.suffixes) for c in calls)
     tokens = sum(len(c.prefix) + len(s) for c in calls for s in c.suffixes)
-    workload = {
-        "name": args.workload,
-        "calls": len(calls),
-        "items": n_items,
-        "prompt_tokens": tokens,
-        "users": args.users,
-    }
+    workload = {"name": args.workload, "calls": len(calls), "items": n_items, "prompt_tokens": tokens}
+    workload["users"] = args.users
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
 
     rows: list[dict[str, Any]] = []
     if args.url:
-        rows += bench_one("server", args.url, calls, args, labels)
-    else:
-        for i, name in enumerate(args.launch.split(",")):
-            srv = launched_server(name, args, args.port + i).start()
-            try:
-                srv.wait_ready()
-                warm_up(srv.url, *request_body(calls[0], args, labels), args.timeout, _auth(args))
-                rows += bench_one(name, srv.url, calls, args, labels, pid=srv.proc.pid if srv.proc else None)
-            finally:
-                srv.stop()
-    doc = {
-        "machine": machine,
-        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
-        "workload": workload,
-        "results": rows,
-    }
+        rows += bench_one("server", args.url, calls, args)
+    for i, name in enumerate(args.launch.split(",") if args.launch else []):
+        flags = ["--dtype", args.dtype, *LAUNCH[name], *args.server_args.split()]
+        flags += ["--max-input-len", str(args.max_input_len)] if args.max_input_len else []
+        # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
+        cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
+        srv = harness.our_server(flags, args.model_path, args.port + i, cwd).start()
+        try:
+            srv.wait_ready()
+            warm_up(srv.url, calls[0], args.timeout, _auth(args))
+            rows += bench_one(name, srv.url, calls, args, pid=srv.proc.pid if srv.proc else None)
+        finally:
+            srv.stop()
+    doc = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "api_key"}}
+    doc.update(workload=workload, results=rows)
     md = report.serving_markdown(doc)
     print(md)
     harness.save(harness.RESULTS / f"{args.out}.json", doc, md)
     if not args.no_plot:
-        report.plot_sweeps(
-            {f"{args.workload} via /{args.api}": {"runs": rows}}, harness.RESULTS / f"{args.out}.png"
-        )
+        runs = {f"{args.workload} via /{args.api}": {"runs": rows}}
+        report.plot_sweeps(runs, harness.RESULTS / f"{args.out}.png")
     if args.json:
         print(json.dumps(rows))
 

@@ -10,7 +10,6 @@ import math
 import os
 import platform
 import random
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -71,11 +70,6 @@ def machine_info() -> dict[str, Any]:
     import transformers  # only for its version string
 
     flags = cpu_flags()
-    try:
-        m = re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
-        mem_kib = int(m.group(1)) if m else 0
-    except OSError:
-        mem_kib = 0
     return {
         "cpu": cpu_model(),
         "arch": platform.machine(),
@@ -87,7 +81,7 @@ def machine_info() -> dict[str, Any]:
         "fast_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "mem_total_gib": round(mem_kib / (1 << 20), 1),
+        "mem_total_gib": round(psutil.virtual_memory().total / GiB, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

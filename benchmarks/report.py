@@ -53,6 +53,16 @@ def _flag(run: dict[str, Any]) -> str:
     return "*" if oc is not None and not math.isnan(oc) and oc > CONTENDED_CORES else ""
 
 
+def cells(r: dict[str, Any], spec: str) -> list[str]:
+    """A result row's table cells: r[key] formatted for each space-separated `key[:format][*]` of
+    `spec` (`*`: the run's contention flag appended)."""
+    out = []
+    for token in spec.split():
+        key, _, fmt = token.rstrip("*").partition(":")
+        out.append(format(r[key], fmt) + (_flag(r) if token.endswith("*") else ""))
+    return out
+
+
 def _order(r: dict[str, Any]) -> tuple[float, int]:
     return r["qps"], QPS_ORDER.index(r["config"]) if r["config"] in QPS_ORDER else len(QPS_ORDER)
 
@@ -80,9 +90,8 @@ def sweep_rows(workloads: dict[str, Any], extra: bool = True) -> list[list[Any]]
     rows = []
     for name, w in workloads.items():
         for r in sorted(w["runs"], key=_order):
-            row = [name, f"{r['mult']:g}", f"{r['qps']:.3f}", r["config"] + _flag(r), f"{r['mean_s']:.2f}"]
-            row += [f"{r['p99_s']:.2f}", f"{r['hit_rate']:.0%}"]
-            rows.append(row + ([f"{r['p50_s']:.2f}", r["steps"], f"{r['mean_batch']:.1f}"] if extra else []))
+            row = [name, *cells(r, "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%")]
+            rows.append(row + (cells(r, "p50_s:.2f steps mean_batch:.1f") if extra else []))
     return rows
 
 
@@ -133,8 +142,21 @@ def qps_analysis(qps: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sweep_intro(doc: dict[str, Any]) -> str:
+    """What a bench_schedule sweep ran: arrivals, the SLO, the traces, the prefix pool."""
+    a = doc["args"]
+    return (
+        "Poisson arrivals (same seeded pattern for every point and config) at "
+        f"{a['mults']} x the {a.get('anchor', 'saturated')} throughput (isolated: 1 / mean latency of ours "
+        "with one request at a time; saturated: `po` with every request queued at t=0); in-process on the "
+        f"server's own loop (no HTTP). P99 SLO = {a['slo_x']:g} x the mean isolated latency of ours. WL1: "
+        f"{a['wl1_users']} users x {a['wl1_items']} posts, profiles ~{a['wl1_profile']} tokens, posts "
+        f"{a['wl1_item_tokens']} tokens; WL2: {a['wl2_requests']} histories of {a['wl2_min']}-{a['wl2_max']} "
+        f"tokens. Prefix pool: {doc.get('pool_tokens', '?')} tokens ({a['cache_profiles']:g} WL1 profiles)."
+    )
+
+
 def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
-    a = qps["args"]
     cells = [
         [name, QPS_NAMES.get(c, c), f"{s[1]}{s[0]:.3f}", "-" if c == "po" else w["ratios"][c][0]]
         for name, w in qps_analysis(qps).items()
@@ -145,13 +167,7 @@ def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
         plot_sweeps({name: w}, folder / f"qps_{name.lower()}.png", QPS_NAMES)
         figures.append(f"![{name} latency vs QPS]({png}qps_{name.lower()}.png)")
     return [
-        "`benchmarks/bench_schedule.py`: Poisson arrivals (same seeded pattern for every point and config) at "
-        f"{a['mults']} x the {a.get('anchor', 'saturated')} throughput (isolated: 1 / mean latency of ours "
-        "with one request at a time; saturated: `po` with every request queued at t=0); in-process on the "
-        f"server's own loop (no HTTP). P99 SLO = {a['slo_x']:g} x the mean isolated latency of ours. WL1: "
-        f"{a['wl1_users']} users x {a['wl1_items']} posts, profiles ~{a['wl1_profile']} tokens, posts "
-        f"{a['wl1_item_tokens']} tokens; WL2: {a['wl2_requests']} histories of {a['wl2_min']}-{a['wl2_max']} "
-        f"tokens. Prefix pool: {qps.get('pool_tokens', '?')} tokens ({a['cache_profiles']:g} WL1 profiles).",
+        f"`benchmarks/bench_schedule.py`: {sweep_intro(qps)}",
         *[f"Note: {n}" for n in qps.get("notes", [])],  # e.g. a workload re-run and merged in
         "Highest QPS with P99 <= SLO (log-log interpolation between sweep points; `>=` every point passed, "
         "`<` none did) and po's ratio to each baseline:",
@@ -204,26 +220,14 @@ def mil_section(mil: dict[str, Any], folder: Path, png: str) -> list[str]:
 def ablation_section(ab: dict[str, Any], folder: Path, png: str) -> list[str]:
     on, off = ab["suffix"]["on"], ab["suffix"]["off"]
     rows = [
-        [
-            mode,
-            f"{s['items_per_s']:.3f}{_flag(s)}",
-            f"{s['hit_rate']:.0%}",
-            s["inserted_tokens"],
-            s["evicted_tokens"],
-        ]
-        + [f"{p['mean_s']:.2f}{_flag(p)}", f"{p['p99_s']:.2f}", f"{p['hit_rate']:.0%}"]
+        [mode, *cells(d["saturated"], "items_per_s:.3f* hit_rate:.0% inserted_tokens evicted_tokens")]
+        + cells(d["poisson"], "mean_s:.2f* p99_s:.2f hit_rate:.0%")
         for mode, d in (("on (declared prefix only)", on), ("off (all but the last token)", off))
-        for s, p in [(d["saturated"], d["poisson"])]
     ]
     head = "suffix discarding | items/s (all at t=0) | hits | tokens inserted | tokens evicted"
     head += f" | mean s at {ab['qps']:.3f} qps | P99 s | hits"
     lam = [
-        [
-            r["policy"],
-            "-" if r["policy"] == "fcfs" else f"{r['lam']:g}",
-            f"{r['mean_s']:.2f}{_flag(r)}",
-            f"{r['p99_s']:.2f}",
-        ]
+        [r["policy"], "-" if r["policy"] == "fcfs" else f"{r['lam']:g}", *cells(r, "mean_s:.2f* p99_s:.2f")]
         for r in ab["lambda"]
     ]
     plot_lambda(ab["lambda"], folder / "lambda.png")
@@ -274,8 +278,8 @@ def llamacpp_section(lc: dict[str, Any], folder: Path, png: str) -> list[str]:
         return [f"{lc.get('status')}. Install once (cached wheel): `{lc.get('install', '')}`"]
     o, c = lc["ours"], lc["llamacpp"]
     rows = [
-        ["ours", f"{o['items_per_s']:.2f}", f"{o['mean_s']:.3f}", f"{lc['ours_vs_llamacpp']:.2f}x"],
-        ["llama.cpp", f"{c['items_per_s']:.2f}", f"{c['mean_s']:.3f}", "1.00x"],
+        ["ours", *cells(o, "items_per_s:.2f mean_s:.3f"), f"{lc['ours_vs_llamacpp']:.2f}x"],
+        ["llama.cpp", *cells(c, "items_per_s:.2f mean_s:.3f"), "1.00x"],
     ]
     return [
         f"Same GGUF ({lc['gguf']}), {lc['items']} WL1-style items one at a time with prefix reuse on both sides. "
@@ -352,14 +356,10 @@ def schedule_markdown(doc: dict[str, Any], policies: list[str]) -> str:
         for name, w in doc["workloads"].items()
     ]
     intro = (
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. fairness lambda "
-        f"{a['fairness_lambda']}; P99 SLO = {a['slo_x']:g} x mean isolated latency; prefix pool = "
-        f"{a['cache_profiles']:g} WL1 profiles.\nWL1: {a['wl1_users']} users x {a['wl1_items']} posts, "
-        f"profiles ~{a['wl1_profile']} tokens, posts {a['wl1_item_tokens']} tokens. WL2: {a['wl2_requests']} "
-        f"histories of {a['wl2_min']}-{a['wl2_max']} tokens. Arrivals: Poisson, seed {a['seed']}, shuffled order.\n"
-        "A `*` marks runs during which other processes used more than half a core. Sustained QPS: "
-        "interpolated (log-log) where P99 crosses the SLO; `>=` every point passed, `<` none did; "
-        f"(Nx) = as a multiple of the anchor: the {a['anchor']} throughput."
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. {sweep_intro(doc)} Fairness lambda "
+        f"{a['fairness_lambda']}; request order shuffled (seed {a['seed']}). A `*` marks runs during which "
+        "other processes used more than half a core. Sustained QPS: interpolated (log-log) where P99 crosses "
+        "the SLO; `>=` every point passed, `<` none did; (Nx) = as a multiple of the anchor throughput."
     )
     title = "bench_schedule: scheduling policies under Poisson load (embedded SmolLM2-135M, CPU)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
@@ -395,8 +395,8 @@ def serving_rows(rows: list[dict[str, Any]]) -> tuple[str, str, list[list[str]]]
     table = []
     for r in rows:
         b = by.get((base, r["qps"]))
-        row = [r["config"], f"{r['qps']:g}", f"{r['ok']}/{r['calls']}", f"{r['items_per_s']:.2f}"]
-        row += [f"{r[k]:.2f}" for k in ("mean_s", "p50_s", "p99_s")]
+        row = [*cells(r, "config qps:g"), f"{r['ok']}/{r['calls']}"]
+        row += cells(r, "items_per_s:.2f mean_s:.2f p50_s:.2f p99_s:.2f")
         row.append(f"{r['cache_hit_rate']:.0%}" if "cache_hit_rate" in r else "-")
         row.append(f"{r['items_per_s'] / b['items_per_s']:.2f}x" if b and b["items_per_s"] else "n/a")
         row.append(f"{b['mean_s'] / r['mean_s']:.2f}x" if b and r["mean_s"] else "n/a")
@@ -409,7 +409,7 @@ def serving_markdown(doc: dict[str, Any]) -> str:
     """results/serving.md from bench_serving."""
     args, m = doc["args"], doc["machine"]
     base, head, table = serving_rows(doc["results"])
-    api = "v1/score" if args["api"] == "score" else "generate"
+    api = "generate" if args["api"] == "generate" else f"v1/{args['api']}"
     intro = (
         f"Machine: {m.get('cpu')}, {m.get('cores')} cores. Workload: {json.dumps(doc['workload'])}.\nOpen-loop "
         f"Poisson arrivals; latency = send to response; ratios against `{base}` "
@@ -477,8 +477,8 @@ def cluster_rows(doc: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in doc["runs"]:
         mean, most, one = _affinity(r)
-        row = [r["shape"], f"{r['rate']:g}", r["policy"] + _flag(r), f"{r['ok']}/{r['calls']}"]
-        row += [f"{r[k]:.2f}" for k in ("items_per_s", "p50_s", "p99_s")]
+        row = [*cells(r, "shape rate:g policy*"), f"{r['ok']}/{r['calls']}"]
+        row += cells(r, "items_per_s:.2f p50_s:.2f p99_s:.2f")
         row += [f"{1e3 * _cpu_per_item(r):.0f}", f"{r['hit_rate']:.0%}"]
         row += [
             " / ".join(f"{w['share']:.0%}" for w in r["workers"]),
@@ -569,9 +569,9 @@ def cluster_sim_rows(doc: dict[str, Any]) -> list[list[str]]:
         eff, rr, q = _efficiency(doc, r), by.get((SPREAD, r["workers"])), r["sustained_qps"]
         row = [r["router"], str(r["workers"]), f"{q:.3f}", f"{q / r['workers']:.3f}"]
         row += ["-" if eff is None else f"{eff:.2f}", f"{q / rr['sustained_qps']:.2f}x" if rr else "-"]
-        row += [f"{r['hit_rate']:.1%}", f"{r['imbalance']:.3f}", f"{r['p99_s']:.1f}", f"{r['mean_s']:.2f}"]
+        row += cells(r, "hit_rate:.1% imbalance:.3f p99_s:.1f mean_s:.2f mean_batch:.2f")
         span = r["span_over_bound"]
-        out.append(row + [f"{r['mean_batch']:.2f}", f"{span:.0f}" + ("" if span >= MIN_SPAN else " †")])
+        out.append(row + [f"{span:.0f}" + ("" if span >= MIN_SPAN else " †")])
     return out
 
 

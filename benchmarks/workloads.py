@@ -126,14 +126,10 @@ def add_trace_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
     d["wl2_max"] = 1600
     if set(defaults) - set(d):
         raise ValueError(f"unknown trace arguments {sorted(set(defaults) - set(d))}")
-    d.update(defaults)
-    ap.add_argument("--wl1-users", type=int, default=d["wl1_users"])
-    ap.add_argument("--wl1-items", type=int, default=d["wl1_items"], help="WL1 posts per user")
-    ap.add_argument("--wl1-profile", type=int, default=d["wl1_profile"], help="mean profile tokens (+-20%%)")
-    ap.add_argument("--wl1-item-tokens", type=int, default=d["wl1_item_tokens"])
-    ap.add_argument("--wl2-requests", type=int, default=d["wl2_requests"])
-    ap.add_argument("--wl2-min", type=int, default=d["wl2_min"], help="WL2 shortest history tokens")
-    ap.add_argument("--wl2-max", type=int, default=d["wl2_max"], help="WL2 longest history tokens")
+    helps = {"wl1_items": "WL1 posts per user", "wl1_profile": "mean profile tokens (+-20%%)"}
+    helps.update(wl2_min="WL2 shortest history tokens", wl2_max="WL2 longest history tokens")
+    for name, default in {**d, **defaults}.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=helps.get(name))
 
 
 def build_traces(

@@ -13,7 +13,7 @@ import pytest
 
 from po_backend.core.request import ScoreRequest, common_prefix
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import Request, SchedulerConfig, fit_batch
+from po_backend.sched.scheduler import Request, SchedulerConfig
 from po_backend.sim.cluster import (
     ApproxTree,
     LinearStepModel,
@@ -73,9 +73,10 @@ def test_one_worker_is_simulate(router: str, policy: str) -> None:
     assert max(r.step for r in want) + 1 < len(want), "the trace must batch some steps to test batching"
 
 
-class NaiveLRU:
+class NaiveLRU(PrefixLRU):
     """The rule `PrefixLRU` implements, written the obvious way (every cached prefix compared, an
-    ordered dict for recency): the oracle its sorted index and memo must agree with."""
+    ordered dict for recency): the oracle its sorted index and memo must agree with. What a
+    request stores and how a batch is fitted are inherited: they are the rule, not the index."""
 
     def __init__(self, capacity_tokens: int, max_batch_tokens: int) -> None:
         self.capacity_tokens, self.max_batch_tokens = capacity_tokens, max_batch_tokens
@@ -86,23 +87,14 @@ class NaiveLRU:
         best = max((common_prefix(p, req.input_ids) for p in self._cached), default=0)
         return min(best, req.reusable_len)
 
-    def store_len(self, req: Request) -> int:
-        return min(req.cache_prefix_len or 0, len(req.input_ids))
-
-    def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
-        return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
-
     def step(self, reqs: Sequence[Request]) -> list[int]:
         hits = [self.cached_len(r) for r in reqs]
-        for r in reqs:
-            key = tuple(r.input_ids[: r.cache_prefix_len or 0])
-            if not key or len(key) > self.capacity_tokens:
-                continue
+        for key in (tuple(r.input_ids[: self.store_len(r)]) for r in reqs):
             if key in self._cached:
                 self._cached.move_to_end(key)
-                continue
-            self._cached[key] = None
-            self._tokens += len(key)
+            elif 0 < len(key) <= self.capacity_tokens:
+                self._cached[key] = None
+                self._tokens += len(key)
             while self._tokens > self.capacity_tokens:
                 old, _ = self._cached.popitem(last=False)
                 self._tokens -= len(old)

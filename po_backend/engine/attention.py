@@ -193,21 +193,23 @@ def attend(
     K/V and builds a [n, p + n] mask: the chunked baseline's way (its bound counts both); items
     over a shared prefix use `attend_items`. window/softcap: see `windowed_attend`.
     """
+    if prefix_k is not None and prefix_v is None:
+        raise ValueError("prefix_k given without prefix_v")
     p = 0 if prefix_k is None else prefix_k.shape[0]
     if needs_masking(p + q.shape[0], window, softcap):
         _masked_fallback_note(q)
         windowed_attend(q, k, v, out, scale, prefix_k, prefix_v, window, softcap)
         return
+    prefix = None if prefix_k is None or prefix_v is None else (prefix_k, prefix_v)
     if attention_cpu.supported(q):
-        attention_cpu.attend(q, k, v, out, scale, prefix_k, prefix_v)
+        attention_cpu.attend(q, k, v, out, scale, prefix)
         return
     n, heads, d = q.shape
     mask = None
-    if prefix_k is not None and prefix_k.shape[0] > 0:
-        assert prefix_v is not None, "prefix_k given without prefix_v"
-        mask = _causal_after_prefix(n, prefix_k.shape[0], q.device)
-        k = torch.cat([prefix_k, k], dim=0)
-        v = torch.cat([prefix_v, v], dim=0)
+    if prefix is not None and prefix[0].shape[0] > 0:
+        mask = _causal_after_prefix(n, prefix[0].shape[0], q.device)
+        k = torch.cat([prefix[0], k], dim=0)
+        v = torch.cat([prefix[1], v], dim=0)
     o3 = out.view(n, heads, d)
     for hs, qj, kj, vj in _per_kv_head(q, k, v):
         o = F.scaled_dot_product_attention(qj, kj, vj, attn_mask=mask, is_causal=mask is None, scale=scale)
@@ -349,7 +351,7 @@ def attend_items(
             windowed_attend(q[a:b], k[a:b], v[a:b], out[a:b], scale, prefix_k, prefix_v, window, softcap)
         return
     if partial is None and attention_cpu.supported(q):
-        attention_cpu.attend_items(q, k, v, out, scale, bounds, prefix_k, prefix_v)
+        attention_cpu.attend_items(q, k, v, out, scale, bounds, (prefix_k, prefix_v))
         return
     if partial is None:
         partial = lse_attention(q.device, q.dtype)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from po_backend.core.cpu import cpu_flags  # a module global: tests patch it here
 
@@ -142,44 +143,31 @@ def _empty_kv(like: torch.Tensor) -> torch.Tensor:
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-    prefix_k: torch.Tensor | None = None,
-    prefix_v: torch.Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, prefix: tuple[Tensor, Tensor] | None = None
 ) -> None:
-    """Causal attention of one sequence after an optional prefix, into out [n, heads * d]."""
+    """Causal attention of one sequence after an optional prefix (its K, V), into out [n, heads * d]."""
     n, heads, d = q.shape
     if n == 0:
         return
-    if prefix_k is None or prefix_k.shape[0] == 0:
-        prefix_k = prefix_v = _empty_kv(k)
-    elif prefix_v is None:
-        raise ValueError("prefix_k given without prefix_v")
-    torch.ops.po_attn.fwd(
-        q, prefix_k, prefix_v, k, v, _EMPTY_I32, out.view(n, heads, d), _NO_LSE, scale, False
-    )
+    pk, pv = prefix if prefix is not None and prefix[0].shape[0] else (_empty_kv(k), _empty_kv(k))
+    torch.ops.po_attn.fwd(q, pk, pv, k, v, _EMPTY_I32, out.view(n, heads, d), _NO_LSE, scale, False)
 
 
 def attend_items(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
     scale: float,
     bounds: list[tuple[int, int]],
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
+    prefix: tuple[Tensor, Tensor],
 ) -> None:
     """Items sharing one cached prefix: item i (rows bounds[i]) attends to the whole prefix and
     causally to its own rows only. One kernel call per run of adjacent items (the runner's items
     are one run): each query's online softmax runs on from the prefix into its own item's keys,
     so there are no partial outputs to merge, and the prefix is packed once per call."""
     n, heads, d = q.shape
-    if prefix_k.shape[0] == 0:
-        prefix_k = prefix_v = _empty_kv(k)
+    prefix_k, prefix_v = prefix if prefix[0].shape[0] else (_empty_kv(k), _empty_kv(k))
     o3 = out.view(n, heads, d)
     run: list[tuple[int, int]] = []
     for a, b in [*bounds, (-1, -1)]:

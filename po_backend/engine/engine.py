@@ -176,6 +176,8 @@ class Engine:
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
         bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
+        # The first forwards pay one-off kernel set-up (seconds on a busy CPU): say what runs.
+        log.info("sizing memory: profile run of the activation peak (%d tokens)", longest)
         if cfg.profile_full:
             peak = max(bound, self._profile(longest))
         else:

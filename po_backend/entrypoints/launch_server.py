@@ -28,7 +28,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from po_backend.core.errors import DeviceUnavailableError, DrainingError
-from po_backend.core.settings import add_arguments, add_fields, given, parse_bytes, resolve, settings_kwargs
+from po_backend.core.flags import add_arguments, add_fields, given, settings_kwargs
+from po_backend.core.settings import parse_bytes, resolve
 from po_backend.server import LoopService, ServerArgs, create_app
 
 log = logging.getLogger("po_backend.entrypoints.launch_server")

@@ -1,6 +1,6 @@
 """`ServerArgs`: every setting of one server: what runs (`core.settings.Settings`, declared once
 for every entry point) and the HTTP edge's own fields, declared here with their defaults, help and
-checks (launch_server generates its flags from both with `core.settings.add_fields`).
+checks (launch_server generates its flags from both with `core.flags.add_fields`).
 /server_info reports the resolved settings. Torch-free.
 """
 
