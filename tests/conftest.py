@@ -107,6 +107,11 @@ def build_tiny(kind: str, root: Path, seed: int = 0) -> tuple[Path, torch.nn.Mod
     return path, model.eval()
 
 
+# The memory tests' mid-size Llama: big enough that activations, not weights, decide the peak.
+MID_LLAMA = dict(vocab_size=4000, hidden_size=256, intermediate_size=768, num_hidden_layers=2)
+MID_LLAMA.update(num_attention_heads=8, num_key_value_heads=2)
+
+
 def save_llama(root: Path, **config: int) -> str:
     """A Llama of the given sizes with HF's default init, saved under `root` (memory tests, where
     the weights' values do not matter, only the shapes)."""

@@ -69,6 +69,23 @@ ARCHS: dict[str, tuple[type, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Mistral v0.1: a window on every layer; Qwen2 with use_sliding_window: on the layers from
+    # max_window_layers on.
+    "mistral-window": (
+        transformers.MistralConfig,
+        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW),
+    ),
+    "qwen2-window": (
+        transformers.Qwen2Config,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        ),
+    ),
     # Phi-3-mini's shape: head dim 96, a sliding window over every layer.
     "phi3": (
         transformers.Phi3Config,
@@ -168,6 +185,10 @@ def test_config_reads_the_architecture(arch, kind: str) -> None:
         assert (cfg.rope.kind, cfg.rope.factor, cfg.attn_softcap) == ("linear", 2.0, None)
     if kind == "phi3":
         assert cfg.head_dim == 96 and cfg.sliding_layers == (True,) * 3
+    if kind == "mistral-window":
+        assert cfg.sliding_layers == (True,) * 3 and cfg.max_position_embeddings == 512
+    if kind == "qwen2-window":
+        assert cfg.sliding_layers == (False, True, True) and cfg.sliding_window == WINDOW
     if kind == "phi4-mini":
         assert cfg.rope.kind == "longrope" and cfg.rope.rotary_dim(cfg.head_dim) == 24
         assert cfg.rope.attention_factor > 1.0

@@ -16,7 +16,7 @@ import torch
 from po_backend import Engine, ScoreRequest
 from po_backend.engine.config import default_dtype
 from po_backend.engine.memory import PeakMemory
-from tests.conftest import TINY_CONFIGS, save_llama
+from tests.conftest import MID_LLAMA, TINY_CONFIGS, save_llama
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOL = 1e-4  # fp32 against transformers
@@ -119,16 +119,7 @@ def test_auto_dtype_close_to_fp32(tiny_model, device: str) -> None:
 
 @pytest.fixture(scope="module")
 def mid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return save_llama(
-        tmp_path_factory.mktemp("mid-cuda"),
-        vocab_size=4000,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
+    return save_llama(tmp_path_factory.mktemp("mid-cuda"), **MID_LLAMA, max_position_embeddings=4096)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import torch
 import transformers
 
 from po_backend import Engine
 from tests.conftest import TINY_BASE, TINY_CONFIGS, randomize_
+from tests.server_utils import error_message
 
 
 def build_embedder(
@@ -116,3 +120,75 @@ def test_causal_lm_converted_to_an_embedder(tiny_model) -> None:
     with torch.no_grad():
         m = hf.model(torch.tensor([ids])).last_hidden_state[0].mean(0)
     assert _delta(mean.embed([ids])[0], torch.nn.functional.normalize(m, dim=0)) <= 1e-4
+
+
+# ---- served: OpenAI's /v1/embeddings (the openai client, directly and through the router) --------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    from tests.server_utils import ServerProcess
+    from tests.tiny_tokenizer import tokenized_copy
+
+    root = tmp_path_factory.mktemp("served-embed")
+    path, hf = build_embedder("qwen3", root, "lasttoken", True)
+    tok_dir = tokenized_copy(path, root / "tok")
+    flags = ["--model-path", str(tok_dir), "--dtype", "fp32", "--max-input-len", "256"]
+    proc = ServerProcess([*flags, "--served-model-name", "tiny"]).start()
+    try:
+        yield proc.wait_ready().url, hf, transformers.AutoTokenizer.from_pretrained(tok_dir)
+    finally:
+        proc.stop()
+
+
+def _check_openai(base: str, hf: torch.nn.Module, tok: Any) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    instruct = "Instruct: find posts about pets\nQuery: "
+    texts = [instruct + "cats", instruct + "dogs in the park"]
+    res = client.embeddings.create(model="tiny", input=texts)  # the client asks for base64
+    assert res.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+    for text, item in zip(texts, res.data, strict=True):
+        assert _delta(item.embedding, hf_embedding(hf, tok.encode(text), "lasttoken", True)) <= 1e-4
+    ids = tok.encode(texts[0])
+    for form in (texts[0], ids, [ids]):
+        (item,) = client.embeddings.create(model="tiny", input=form, encoding_format="float").data
+        assert _delta(item.embedding, hf_embedding(hf, ids, "lasttoken", True)) <= 1e-4
+    (short,) = client.embeddings.create(model="tiny", input=texts[0], dimensions=16).data
+    full = hf_embedding(hf, ids, "lasttoken", True)[:16]
+    assert _delta(short.embedding, full / full.norm()) <= 1e-4 and len(short.embedding) == 16
+
+
+@pytest.mark.slow
+def test_openai_client_embeddings(served) -> None:
+    url, hf, tok = served
+    _check_openai(url, hf, tok)
+    card = httpx.get(url + "/v1/models").json()["data"][0]
+    assert card["task"] == "embed" and card["pooling"] == "last" and card["normalize"] is True
+    for path, body in (
+        ("/v1/classify", {"input": "x"}),
+        ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [1]}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"]}),
+        ("/generate", {"text": "hello"}),
+        ("/v1/embeddings", {"input": "x", "dimensions": 1000}),
+    ):
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        if path != "/v1/embeddings":
+            assert "/v1/embeddings" in error_message(r), path
+
+
+@pytest.mark.slow
+def test_openai_client_embeddings_through_the_sglang_router(served) -> None:
+    from tests.deps import require
+
+    require("sglang_router", "pip install sglang-router")
+    from tests.test_router import RouterProcess
+
+    url, hf, tok = served
+    router = RouterProcess([url], "cache_aware")
+    try:
+        _check_openai(router.wait_ready().url, hf, tok)
+    finally:
+        router.stop()

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import torch
 import transformers
@@ -16,6 +19,7 @@ from po_backend import Engine, ScoreRequest
 from po_backend.core.errors import TaskMismatchError, UnsupportedModelError
 from po_backend.core.task import detect_task, probabilities
 from tests.conftest import TINY_BASE, TINY_CONFIGS, randomize_
+from tests.server_utils import error_message
 
 SEQ_CLS = ["llama", "qwen2", "qwen3", "mistral"]
 PAD = 5
@@ -145,3 +149,107 @@ def test_profile_budget_counts_the_head(classifiers) -> None:
     cfg = engine.model_config
     assert pool_bytes(cfg, engine.task, torch.float32, 256) >= 4 * 3 * cfg.hidden_size
     assert engine.activation_budget >= engine.runner.activation_bound(256, 256)
+
+
+# ---- served: /v1/classify, /v1/score, /pooling, every rerank route, the 400s -------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A 3-class Qwen2 classifier and a one-logit Qwen3 reranker, each with the tiny tokenizer,
+    served by real servers."""
+    from tests.server_utils import ServerProcess
+    from tests.tiny_tokenizer import tokenized_copy
+
+    root = tmp_path_factory.mktemp("served-heads")
+    out: dict[str, Any] = {}
+    procs = []
+    try:
+        for name, kind, n in (("classifier", "qwen2", 3), ("reranker", "qwen3", 1)):
+            path, hf = build_classifier(kind, root / name, num_labels=n)
+            tok_dir = tokenized_copy(path, root / f"{name}-tok")
+            flags = ["--model-path", str(tok_dir), "--dtype", "fp32", "--max-input-len", "256"]
+            proc = ServerProcess([*flags, "--served-model-name", "tiny"]).start()
+            procs.append(proc)
+            out[name] = (proc, hf, transformers.AutoTokenizer.from_pretrained(tok_dir))
+        for proc in procs:
+            proc.wait_ready()
+        yield {k: (p.url, hf, tok) for k, (p, hf, tok) in out.items()}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.slow
+def test_served_classifier(served) -> None:
+    url, hf, tok = served["classifier"]
+    texts = ["a cat video", "tax news for the year"]
+    r = httpx.post(url + "/v1/classify", json={"model": "tiny", "input": texts}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+    for text, row in zip(texts, body["data"], strict=True):
+        want = torch.softmax(torch.tensor(hf_logits(hf, tok.encode(text))), -1).tolist()
+        assert _close(row["probs"], want) <= 1e-4 and row["num_classes"] == 3
+        assert row["label"] == f"class_{max(range(3), key=lambda j: want[j])}"
+    # Ours, with the model's labels in another order; other labels are a 400 naming id2label.
+    labels = ["class_2", "class_0", "class_1"]
+    r = httpx.post(url + "/v1/classify", json={"prompt": texts[0], "labels": labels}, timeout=60)
+    want = torch.softmax(torch.tensor(hf_logits(hf, tok.encode(texts[0]))), -1).tolist()
+    assert _close([r.json()["data"][0]["probs"][lb] for lb in labels], [want[2], want[0], want[1]]) <= 1e-4
+    r = httpx.post(url + "/v1/classify", json={"prompt": texts[0], "labels": ["yes", "no"]}, timeout=60)
+    assert r.status_code == 400 and "class_0" in error_message(r)
+    # SGLang's /v1/score on a classifier: query + item through the head.
+    r = httpx.post(url + "/v1/score", json={"query": "Post: ", "items": texts}, timeout=60)
+    for text, scores in zip(texts, r.json()["scores"], strict=True):
+        ids = tok.encode("Post: ") + tok.encode(text, add_special_tokens=False)
+        assert _close(scores, torch.softmax(torch.tensor(hf_logits(hf, ids)), -1).tolist()) <= 1e-4
+    # vLLM's /pooling: the raw logits, also base64.
+    r = httpx.post(url + "/pooling", json={"input": [tok.encode(texts[1])]}, timeout=60)
+    assert _close(r.json()["data"][0]["data"], hf_logits(hf, tok.encode(texts[1]))) <= 1e-4
+    card = httpx.get(url + "/v1/models").json()["data"][0]
+    assert card["task"] == "classify" and card["labels"] == ["class_0", "class_1", "class_2"]
+    info = httpx.get(url + "/server_info").json()
+    assert info["task"] == "classify" and httpx.get(url + "/model_info").json()["is_generation"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", {"input": "hello"}),
+        ("/generate", {"text": "hello", "return_logprob": True, "top_logprobs_num": 2}),
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 1}),
+        ("/generative_scoring", {"query": "q", "items": ["a"], "label_token_ids": [1, 2]}),
+    ],
+)
+def test_served_classifier_refuses_what_it_cannot_answer(served, path: str, body: dict[str, Any]) -> None:
+    url = served["classifier"][0]
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "'classify'" in error_message(r) and "/v1/classify" in error_message(r)
+
+
+@pytest.mark.slow
+def test_served_one_logit_reranker(served) -> None:
+    import cohere
+
+    url, hf, tok = served["reranker"]
+    query, docs = "which pets like to play", ["cats like to play", "tax news", "dogs play in the park"]
+    want = [
+        torch.sigmoid(
+            torch.tensor(hf_logits(hf, tok.encode(query) + tok.encode(d, add_special_tokens=False)))
+        ).item()
+        for d in docs
+    ]
+    client = cohere.ClientV2(base_url=url, api_key="x")
+    res = client.rerank(model="tiny", query=query, documents=docs)
+    assert sorted(r.index for r in res.results) == [0, 1, 2]
+    for r in res.results:
+        assert abs(r.relevance_score - want[r.index]) <= 1e-4
+    assert [r.index for r in res.results] == sorted(range(3), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank"):
+        r = httpx.post(url + path, json={"query": query, "documents": docs}, timeout=60)
+        rows = r.json() if path == "/v1/rerank" else r.json()["results"]
+        for row in rows:
+            assert abs(row.get("relevance_score", row.get("score")) - want[row["index"]]) <= 1e-4

@@ -8,21 +8,12 @@ import torch
 
 from po_backend import Engine, ScoreRequest
 from po_backend.engine.memory import PeakMemory
-from tests.conftest import save_llama
+from tests.conftest import MID_LLAMA, save_llama
 
 
 @pytest.fixture(scope="module")
 def mid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return save_llama(
-        tmp_path_factory.mktemp("mid"),
-        vocab_size=4000,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
+    return save_llama(tmp_path_factory.mktemp("mid"), **MID_LLAMA, max_position_embeddings=8192)
 
 
 @pytest.mark.parametrize("chunk_size", [256, 0])

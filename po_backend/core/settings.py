@@ -265,7 +265,7 @@ class Settings:
             "enable_cache": self.enable_cache,
             "cache_policy": self.cache_policy,
             "prefix_pool_tokens": self.prefix_pool_tokens,
-            "task": self.task,
+            "task": None if self.task == "auto" else self.task,
             "pooling": self.pooling,
         }
         return {k: v for k, v in out.items() if v is not None}

@@ -227,12 +227,27 @@ def _llama_family(cfg: dict[str, Any], model_type: str) -> ModelConfig:
     if model_type in ("llama", "mistral") and cfg.get("attention_bias", False):
         qkv_bias = True  # some Llama derivatives (e.g. InternLM-style) set attention_bias
     fields = _common(cfg, model_type)
-    # A sliding window only changes attention beyond the window, so capping the usable
-    # context at the window keeps our full-attention kernels exact (Mistral v0.1, Qwen2).
+    n = fields["num_layers"]
+    # Sliding windows as transformers applies them: on every layer for Mistral (v0.1 sets one),
+    # on the layers from max_window_layers on for Qwen2/Qwen3 when use_sliding_window is set.
     window = cfg.get("sliding_window")
-    if window and (model_type == "mistral" or cfg.get("use_sliding_window", False)):
-        fields["max_position_embeddings"] = min(fields["max_position_embeddings"], int(window))
-    return ModelConfig(**fields, rope=RopeConfig.from_hf(cfg), qkv_bias=qkv_bias, qk_norm=qk_norm)
+    sliding: tuple[bool, ...] = ()
+    if window and model_type == "mistral":
+        sliding = (True,) * n
+    elif window and model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", n)) else "full_attention"
+            for i in range(n)
+        ]
+        sliding = tuple(t == "sliding_attention" for t in types)
+    return ModelConfig(
+        **fields,
+        rope=RopeConfig.from_hf(cfg),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        sliding_window=int(window) if window and any(sliding) else None,
+        sliding_layers=sliding if any(sliding) else (),
+    )
 
 
 def _phi3(cfg: dict[str, Any]) -> ModelConfig:

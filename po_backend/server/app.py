@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from po_backend.server import admin, openai, rerank, scoring, sglang_native, tokenizer
+from po_backend.server import admin, embeddings, openai, rerank, scoring, sglang_native, tokenizer
 from po_backend.server.args import ServerArgs
 from po_backend.server.errors import add_exception_handlers
 from po_backend.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -23,6 +23,7 @@ ROUTERS = (
     openai.router,
     scoring.router,
     rerank.router,
+    embeddings.router,
 )
 
 

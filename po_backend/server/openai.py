@@ -38,6 +38,7 @@ def _model_card(rt: Runtime) -> dict[str, Any]:
         "owned_by": "prefillonly",
         "root": rt.args.model_path,
         "max_model_len": rt.service.max_input_len,
+        **rt.task.describe(),  # task (generate / classify / embed) and its head's facts
     }
 
 

@@ -38,6 +38,7 @@ from po_backend.core.labels import (
     single_tokens,
 )
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.server import heads
 from po_backend.server.errors import bad
 from po_backend.server.protocol import TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
@@ -255,6 +256,9 @@ async def rerank(
     priority: int | None = None,
 ) -> list[Ranked]:
     """Each document's relevance, in the documents' order; all submitted together."""
+    if heads.is_head(rt, "rerank"):
+        scored = await heads.rerank_scores(rt, request, query, docs, priority)
+        return [Ranked(i, heads.relevance(r), r.prompt_tokens, r.cached_tokens) for i, r in enumerate(scored)]
     call = await rt.parse(build_call, rt, query, docs, instruct)
     results = await rt.run(request, [r for g in call.requests for r in g], priority=priority)
     out = []

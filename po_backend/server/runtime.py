@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from po_backend.core.errors import DrainingError, EmptyPromptError, OverloadedError
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.task import ModelTask
 from po_backend.server.args import ServerArgs
 from po_backend.server.errors import ClientGone, HTTPError, bad
 from po_backend.server.metrics import Metrics
@@ -46,6 +47,11 @@ class Runtime:
         self._parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="po-parse")
         # Set on SIGTERM (launch_server): new calls get 503 + Retry-After, queued ones still run.
         self.draining = False
+
+    @property
+    def task(self) -> ModelTask:
+        """What the model is served for (a service that does not say scores label tokens)."""
+        return getattr(self.service, "task", None) or ModelTask()
 
     def healthy(self) -> bool:
         """Liveness: the scoring loop runs and the server is not shutting down."""

@@ -27,6 +27,7 @@ from po_backend.core.labels import (
     single_tokens,
 )
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.server import heads
 from po_backend.server.errors import bad
 from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
@@ -70,12 +71,16 @@ class GenerativeScoringBody(TolerantBody):
 
 @router.post("/v1/score")
 async def score(body: ScoreRequestBody, request: Request, rt: RuntimeDep) -> JSONResponse:
-    reqs = await rt.parse(parse_score, rt, body)
-    results = await rt.run(request, reqs, priority=body.priority)
-    if body.apply_softmax:
-        scores = [softmax(r.logprobs, body.temperature) for r in results]
+    head = heads.is_head(rt, "/v1/score")
+    if head:  # SGLang's classifier form: the head's probabilities per item
+        results = await heads.score_items(rt, request, body.query, body.items, body.item_first, body.priority)
+        scores = heads.probs_of(rt, results)
     else:
-        scores = [[math.exp(x) for x in r.logprobs] for r in results]
+        results = await rt.run(request, await rt.parse(parse_score, rt, body), priority=body.priority)
+        if body.apply_softmax:
+            scores = [softmax(r.logprobs, body.temperature) for r in results]
+        else:
+            scores = [[math.exp(x) for x in r.logprobs] for r in results]
     tokens = sum(r.prompt_tokens for r in results)
     out: dict[str, Any] = {
         "scores": scores,
@@ -83,7 +88,7 @@ async def score(body: ScoreRequestBody, request: Request, rt: RuntimeDep) -> JSO
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
         "object": "scoring",
     }
-    if body.return_token_logprobs:
+    if body.return_token_logprobs and not head:
         out["token_logprobs"] = [[json_logprob(x) for x in r.logprobs] for r in results]
     return JSONResponse(out)
 
@@ -94,6 +99,12 @@ async def classify_any(
 ) -> dict[str, Any]:
     """SGLang/vLLM's form when the body has `input` (what their clients and the router send),
     ours otherwise; the two share no required key, so the choice is never ambiguous."""
+    if heads.is_head(rt, "/v1/classify"):
+        if "input" in raw:
+            body = _validate(LaunchClassifyBody, raw)
+            model = body.model or rt.args.model_name
+            return await heads.classify_input(rt, request, body.input, model, body.priority)
+        return await classify(_validate(ClassifyRequest, raw), request, rt)
     if "input" in raw:
         return await classify_input(_validate(LaunchClassifyBody, raw), request, rt)
     return await classify(_validate(ClassifyRequest, raw), request, rt)
@@ -101,6 +112,11 @@ async def classify_any(
 
 @router.post("/v1/classify_labels")
 async def classify(body: ClassifyRequest, request: Request, rt: RuntimeDep) -> dict[str, Any]:
+    if heads.is_head(rt, "/v1/classify"):
+        prompts = await rt.parse(_classify_prompts, rt, body)
+        pairs = [(ids, shared) for ids, _, shared in prompts]
+        model = body.model or rt.args.model_name
+        return await heads.classify_labels(rt, request, pairs, body.labels, model, body.priority)
     items, data, total = await run_classify(rt, request, body)
     return {
         "object": "classification",

@@ -70,7 +70,8 @@ async def model_info(rt: RuntimeDep) -> dict[str, Any]:
     return {
         "model_path": model_path,
         "tokenizer_path": tok_dir,
-        "is_generation": True,
+        "is_generation": rt.task.kind == "generate",  # SGLang's flag: false for pooling models
+        **rt.task.describe(),
         "preferred_sampling_params": None,
         "weight_version": "default",
         "has_image_understanding": False,

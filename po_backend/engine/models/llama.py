@@ -1,4 +1,4 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral (no sliding window), Qwen2 (qkv bias)
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias)
 and Qwen3 (per-head q/k RMSNorm) differ only in those two flags, so one file serves them all.
 Gemma (`gemma.py`) and Phi-3 (`phi.py`) subclass these classes.
 
