@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, save, wait_for_quiet
 from po_backend.engine.config import ModelConfig, parse_dtype
-from po_backend.engine.device import resolve_device
+from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models.loader import read_config, resolve_model_dir
 
@@ -80,15 +80,6 @@ def gemm_peak_gflops(
         sync(dev)
         best, reps = min(best, time.perf_counter() - t), reps + 1
     return 2.0 * size**3 / best / 1e9
-
-
-def device_name(dev: torch.device) -> str:
-    """What runs, for the report: the GPU's name and compute capability, or the CPU's model."""
-    if dev.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(dev)
-        total = torch.cuda.get_device_properties(dev).total_memory
-        return f"{dev}: {torch.cuda.get_device_name(dev)} (compute capability {major}.{minor}, {total / GiB:.0f} GiB)"
-    return f"{dev}: {machine_info()['cpu']}"
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
@@ -267,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = resolve_device(args.device)
     dtypes = {name: parse_dtype(None if name == "auto" else name, dev) for name in names}
     dtype = dtypes[names[0]]
-    print(f"device: {device_name(dev)}")
+    print(f"device: {describe(dev)}")
     # fp32 and bf16 whatever runs: the CPU decides which one the engine uses (bf16 only where it
     # is native); a GPU's fp16 default (compute capability < 8) is added when it runs.
     roofs = {
@@ -317,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     doc = {
         "machine": machine_info(),
-        "device": device_name(dev),
+        "device": describe(dev),
         "args": vars(args),  # harness.save writes paths as strings
         "dtype": str(dtype),
         "gemm_peak_gflops": roofs,

@@ -17,7 +17,8 @@ profile prefix) and WL2-style ones (long unique histories). One module, four mod
   sweep of po at `--ablation-mult` x saturated QPS, fcfs on the same arrivals for reference.
 
 The prefix pool holds `--cache-profiles` WL1 profiles: as in the paper, the cache cannot hold
-every user at once. report.py renders the results.
+every user at once. The JCT model is this machine's persisted profile (`--reprofile` times it
+again). report.py renders the results.
 
     flock /tmp/po-bench.lock python -m benchmarks.bench_schedule      # ~25-35 min
     python -m benchmarks.bench_schedule --quick                       # ~2 min smoke run
@@ -85,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.lambdas, args.quiet_wait = f"0,{DEFAULT_FAIRNESS_LAMBDA:g}", min(args.quiet_wait, 5.0)
     if args.out is None:
         stem = "ablation" if args.ablation else "schedule_sim" if args.simulate else "schedule"
-        args.out = harness.RESULTS / f"{stem}{'_quick' if args.quick else ''}.json"
+        args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.configs = [c for c in CONFIGS if c in args.configs.split(",")]
     return args
 

@@ -24,6 +24,9 @@ class LabelRequest:
     # >= 0: also return log P(ids[i] | ids[:i]) for the prompt positions after it (multi-token
     # labels are scored this way); -1: none.
     logprob_start_len: int = -1
+    # A classifier-head model (`Backend.head_labels`): score the prompt through its head and return
+    # the log-probabilities of these head label indices, in this order (no label tokens).
+    head_labels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,3 +57,10 @@ class Backend(Protocol):
         """One outcome per request, in order; a bad request yields its exception in its place
         instead of failing the others."""
         ...
+
+
+def head_labels(backend: Backend) -> tuple[str, ...] | None:
+    """The labels of the backend's classifier head (its `id2label`), or None for a causal LM.
+    Optional in a backend (`head_labels()`): one without it scores label tokens."""
+    fn = getattr(backend, "head_labels", None)
+    return fn() if callable(fn) else None

@@ -27,7 +27,7 @@ from po_backend.core.labels import (
     label_requests,
 )
 from po_backend.core.labels import label_text as label_text  # re-exported: part of this module's API
-from po_lang.backends import Backend, LabelRequest, ScoreOutcome
+from po_lang.backends import Backend, LabelRequest, ScoreOutcome, head_labels
 from po_lang.errors import BackendError, LabelError, PromptError
 from po_lang.ir import Prompt, Segment
 
@@ -109,8 +109,29 @@ class Compiler:
 
     def compile(self, prompt: Prompt, spec: ClassifySpec) -> Program:
         compiled = self.prompt_ids(prompt, spec)
+        head = self._head_order(spec)
+        if head is not None:  # a classifier head scores the prompt itself: no label tokens
+            req = LabelRequest(compiled.ids, (), compiled.cache_prefix_len, head_labels=head)
+            return Program(compiled, tuple(() for _ in spec.labels), (req,))
         labels = self.label_ids(compiled.text, spec)
         return Program(compiled, labels, build_requests(compiled, labels, spec))
+
+    def _head_order(self, spec: ClassifySpec) -> tuple[int, ...] | None:
+        """On a classifier-head model: the head index of each of the function's labels, which
+        must be the model's own (`id2label`, any order); None on a causal LM."""
+        own = self._memo.get(("head",))
+        if own is None:
+            own = head_labels(self.backend) or ()
+            self._memo.put(("head",), own)
+        if not own:
+            return None
+        own = tuple(own)  # type: ignore[arg-type]
+        if sorted(spec.labels) != sorted(own):
+            raise LabelError(
+                f"the model is a classifier with its own labels {list(own)} (config.json id2label); "
+                f"the function's labels {list(spec.labels)} must be those (any order)"
+            )
+        return tuple(own.index(label) for label in spec.labels)
 
     # ---- prompt -------------------------------------------------------------------------------
 
@@ -230,7 +251,7 @@ def label_scores(
 ) -> tuple[float, ...]:
     """Log-score per label: the next-token log-prob, or with multi_token the continuation's summed
     (or mean, like sgl.select's token-length normalisation) log-prob."""
-    if not spec.multi_token:
+    if not spec.multi_token or not any(label_ids):  # one distribution (a head's: no label ids)
         (o,) = outcomes
         if len(o.label_logprobs) != len(label_ids):
             raise BackendError(f"expected {len(label_ids)} label log-probs, got {len(o.label_logprobs)}")

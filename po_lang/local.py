@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +157,19 @@ class Local:
             raise BackendError(f"apply_chat_template returned {type(text).__name__}, expected text")
         return text
 
+    def head_labels(self) -> tuple[str, ...] | None:
+        """The engine's classifier labels (id2label) when it serves a classifier head."""
+        task = self.engine.task
+        return task.labels if task.kind == "classify" else None
+
+    def _head(self, r: LabelRequest) -> Callable[[list[float]], list[float]] | None:
+        if not r.head_labels:
+            return None
+        from po_backend.core.task import log_probabilities
+
+        task, order = self.engine.task, r.head_labels
+        return lambda logits: [log_probabilities(task, logits)[j] for j in order]
+
     def score(self, requests: Sequence[LabelRequest]) -> list[ScoreOutcome | Exception]:
         from po_backend.core.request import ScoreRequest
 
@@ -172,6 +185,7 @@ class Local:
                 logprob_start_len=r.logprob_start_len,
                 cache_prefix_len=r.cache_prefix_len,
                 priority=self.priority,
+                pool=bool(r.head_labels),
             )
             try:
                 engine.validate(req)
@@ -184,25 +198,28 @@ class Local:
             futures = loop.submit_many([req for _, req in valid])
             failed: list[tuple[int, Any]] = []
             for (i, req), fut in zip(valid, futures, strict=True):
-                res = _result(fut)
+                res = _result(fut, self._head(requests[i]))
                 if isinstance(res, Exception) and len(valid) > 1:
                     failed.append((i, req))  # a step fails as a whole: find the culprit below
                 else:
                     out[i] = res
             # Unexpected (validation passed): isolate it by running the failed requests one by one.
             for i, req in failed:
-                out[i] = _result(loop.submit(req))
+                out[i] = _result(loop.submit(req), self._head(requests[i]))
         assert all(o is not None for o in out), "every request gets an outcome"
         return out  # type: ignore[return-value]
 
 
-def _result(fut: Future[Any]) -> ScoreOutcome | BackendError:
+def _result(
+    fut: Future[Any], head: Callable[[list[float]], list[float]] | None = None
+) -> ScoreOutcome | BackendError:
+    """The outcome; `head` turns a classifier head's logits into the requested label scores."""
     try:
         res = fut.result()
     except Exception as e:  # the step failed, or the loop shut down before the request ran
         return _wrap(e)
     return ScoreOutcome(
-        label_logprobs=tuple(res.logprobs),
+        label_logprobs=tuple(head(res.outputs) if head is not None else res.logprobs),
         input_token_logprobs=tuple(res.input_token_logprobs),
         prompt_tokens=res.prompt_tokens,
         cached_tokens=res.cached_tokens,

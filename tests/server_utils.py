@@ -7,12 +7,14 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.entrypoints import spawn
 from po_backend.entrypoints.spawn import free_port
 from po_lang.sglang_shim import import_sglang_frontend
@@ -64,6 +66,59 @@ class ServerProcess(spawn.ServerProcess):
     def wait_ready(self, timeout: float = 120.0, headers: Mapping[str, str] | None = None) -> ServerProcess:
         super().wait_ready(timeout, headers)
         return self
+
+
+class FakeService:
+    """A scoring service without a model, for the server's failure paths (`create_app` takes it in
+    place of a `LoopService`): `submit_many` raises `refuse` when given; else it answers every
+    request at once with `answer(request)`, or, without `answer`, takes the requests and never
+    runs them (what is still queued at a drain deadline; `abandon_waiting` fails them)."""
+
+    max_input_len = 64
+    model_type = "llama"
+    architectures = ("LlamaForCausalLM",)
+
+    def __init__(
+        self,
+        refuse: BaseException | None = None,
+        answer: Callable[[ScoreRequest], ScoreResult] | None = None,
+        tokenizer: Any = None,
+        vocab_size: int = 100,
+        dtype: str = "fp32",
+    ) -> None:
+        self.refuse, self.answer, self.tokenizer, self.vocab_size = refuse, answer, tokenizer, vocab_size
+        self.settings = {"dtype": dtype}
+        self.pending: list[Future[ScoreResult]] = []
+
+    def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
+        if self.refuse is not None:
+            raise self.refuse
+        futures: list[Future[ScoreResult]] = [Future() for _ in reqs]
+        for f, r in zip(futures, reqs, strict=True):
+            if self.answer is None:
+                self.pending.append(f)
+            else:
+                f.set_result(self.answer(r))
+        return futures
+
+    def cancel(self, fut: Future[ScoreResult]) -> None:
+        fut.cancel()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def flush_cache(self) -> None: ...
+
+    def alive(self) -> bool:
+        return True
+
+    def abandon_waiting(self, error: BaseException) -> int:
+        waiting = [f for f in self.pending if not f.done()]
+        for f in waiting:
+            f.set_exception(error)
+        return len(waiting)
+
+    def shutdown(self) -> None: ...
 
 
 # ---- SGLang frontend -------------------------------------------------------------------------

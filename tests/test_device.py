@@ -17,11 +17,12 @@ from po_backend import DeviceUnavailableError, Engine
 from po_backend.engine import attention, engine
 from po_backend.engine.cache.kv_pool import KVPool
 from po_backend.engine.config import ModelConfig, default_dtype, parse_dtype
-from po_backend.engine.device import cuda_dtype, resolve_device
+from po_backend.engine.device import cuda_dtype, describe, resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes
 from po_backend.engine.models import model_class
 from po_backend.engine.runner import SeqPlan, activation_bytes, make_runner
 from tests.conftest import TINY_BASE
+from tests.deps import require
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
 
@@ -77,6 +78,7 @@ def test_engine_with_cuda_fails_before_loading(tiny_model, monkeypatch) -> None:
 
 @no_gpu
 def test_server_with_cuda_exits_with_the_reason(tiny_model, capsys) -> None:
+    require("uvicorn", "the server extras: pip install '.[server]'")
     from po_backend.entrypoints.launch_server import main
 
     path, _ = tiny_model("llama")
@@ -228,3 +230,16 @@ def test_cuda_kernel_lse_is_trimmed_to_the_queries(monkeypatch) -> None:
     out, lse = attention.efficient_lse(q, k, k, False, 0.25)
     assert tuple(out.shape) == (45, 4, 16) and tuple(lse.shape) == (45, 4)
     assert out.dtype == lse.dtype == torch.float32
+
+
+def test_describe_names_the_gpu(monkeypatch) -> None:
+    """Logs and the GPU check's report name the hardware a figure comes from."""
+    fake_gpus(monkeypatch, 1, capability=(8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A10")
+
+    class Props:
+        total_memory = 24 << 30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: Props())
+    assert describe(torch.device("cuda", 0)) == "cuda:0: NVIDIA A10 (compute capability 8.6, 24 GiB)"
+    assert describe(torch.device("cpu")).startswith("cpu: ")

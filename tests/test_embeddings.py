@@ -192,3 +192,26 @@ def test_openai_client_embeddings_through_the_sglang_router(served) -> None:
         _check_openai(router.wait_ready().url, hf, tok)
     finally:
         router.stop()
+
+
+def test_sglang_encode_and_vllm_embed_score(tmp_path: Path) -> None:
+    from po_backend.compat.sglang import Engine as SGLangEngine
+    from po_backend.compat.vllm import LLM
+    from tests.tiny_tokenizer import tokenized_copy
+
+    path, hf = build_embedder("qwen3", tmp_path, "lasttoken", True)
+    path = tokenized_copy(path, tmp_path / "tok")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    texts = ["Instruct: pets\nQuery: cats", "Instruct: pets\nQuery: dogs"]
+    want = [hf_embedding(hf, tok.encode(t), "lasttoken", True) for t in texts]
+    with SGLangEngine(model_path=str(path), dtype="fp32") as engine:
+        outs = engine.encode(texts)
+        assert isinstance(outs, list) and all(
+            _delta(o["embedding"], w) <= 1e-4 for o, w in zip(outs, want, strict=True)
+        )
+    with LLM(str(path), dtype="fp32") as llm:
+        assert all(
+            _delta(o.outputs.embedding, w) <= 1e-4 for o, w in zip(llm.embed(texts), want, strict=True)
+        )
+        (s,) = llm.score(texts[0], texts[1])
+        assert abs(s.outputs.score - float(want[0] @ want[1])) <= 1e-4

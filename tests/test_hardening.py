@@ -9,7 +9,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.entrypoints.launch_server import DrainingServer, uvicorn_config
 from po_backend.server import ServerArgs, Settings, create_app
 from tests.conftest import TINY_BASE
-from tests.server_utils import ServerProcess, error_message
+from tests.server_utils import FakeService, ServerProcess, error_message
 
 pytestmark = pytest.mark.slow  # real servers in subprocesses
 
@@ -39,6 +38,7 @@ def server(tokenized_llama: Path) -> Iterator[ServerProcess]:
         [
             "--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", str(MAX_INPUT_LEN),
             "--max-items-per-request", "8", "--max-labels", "4", "--timeout-request-read", "1",
+            "--max-body-bytes", "64M",  # the text guard below is tested on a 12 MB body
             "--log-level", "warning",
         ]
     )  # fmt: skip
@@ -163,35 +163,9 @@ def test_sigterm_answers_every_accepted_request(tokenized_llama: Path) -> None:
     print(f"SIGTERM burst: {statuses.count(200)} x 200, {statuses.count(503)} x 503; at the signal {at}")
 
 
-class _FailingBackend:
-    """A backend whose scoring raises an unexpected error with a secret in its message."""
-
-    tokenizer = None
-    vocab_size = 100
-    max_input_len = 64
-    model_type = "llama"
-    architectures = ("LlamaForCausalLM",)
-    settings: dict[str, Any] = {}
-
-    def submit_many(self, reqs: list[ScoreRequest]) -> list[Future[ScoreResult]]:
-        raise RuntimeError("secret: /etc/internal/path")
-
-    def cancel(self, fut: Future[ScoreResult]) -> None: ...
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def flush_cache(self) -> None: ...
-    def alive(self) -> bool:
-        return True
-
-    def abandon_waiting(self, error: BaseException) -> int:
-        return 0
-
-    def shutdown(self) -> None: ...
-
-
 def test_500_body_carries_an_id_not_the_exception() -> None:
-    app = create_app(_FailingBackend(), ServerArgs(engine=Settings(model_path="m")))  # type: ignore[arg-type]
+    service = FakeService(refuse=RuntimeError("secret: /etc/internal/path"))
+    app = create_app(service, ServerArgs(engine=Settings(model_path="m")))
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/generate", json={"input_ids": [1, 2, 3]})
         assert r.status_code == 500
@@ -201,30 +175,12 @@ def test_500_body_carries_an_id_not_the_exception() -> None:
         assert r.status_code == 500 and r.json()["object"] == "error" and "secret" not in r.text
 
 
-class _StalledBackend(_FailingBackend):
-    """Takes every request and never runs it: what is queued when the drain deadline comes."""
-
-    def __init__(self) -> None:
-        self.pending: list[Future[ScoreResult]] = []
-
-    def submit_many(self, reqs: list[ScoreRequest]) -> list[Future[ScoreResult]]:
-        futures: list[Future[ScoreResult]] = [Future() for _ in reqs]
-        self.pending += futures
-        return futures
-
-    def abandon_waiting(self, error: BaseException) -> int:
-        waiting = [f for f in self.pending if not f.done()]
-        for f in waiting:
-            f.set_exception(error)
-        return len(waiting)
-
-
 def test_drain_deadline_answers_what_is_still_queued_503() -> None:
     """The shutdown deadline (what SIGTERM arms) fails every queued request with a 503 that
     carries Retry-After, so clients and the router retry elsewhere; nothing is dropped."""
-    backend = _StalledBackend()
+    backend = FakeService()  # takes every request and never runs it
     args = ServerArgs(engine=Settings(model_path="m"))
-    app = create_app(backend, args)  # type: ignore[arg-type]  # a duck-typed stand-in
+    app = create_app(backend, args)
     with TestClient(app, raise_server_exceptions=False) as client, ThreadPoolExecutor(2) as pool:
         calls = [pool.submit(client.post, "/generate", json={"input_ids": [1, 2, 3]}) for _ in range(2)]
         deadline = time.monotonic() + 60

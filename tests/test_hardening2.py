@@ -6,11 +6,17 @@ cache probes, and /health failing when every recent step failed."""
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Sequence
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -18,8 +24,10 @@ from po_backend import Engine, ScoreRequest
 from po_backend.core.request import ScoreResult
 from po_backend.sched.jct import JCTModel
 from po_backend.serving.loop import FAILING_STEPS, EngineLoop
+from tests.server_utils import FakeService, ServerProcess, error_message
 
 TIMEOUT = 60.0  # only hit when something hangs
+T = TypeVar("T")
 
 
 # ---- the loop: probes outside the lock, failing steps ---------------------------------------------
@@ -127,3 +135,215 @@ def test_a_dead_loop_answers_503_without_internals() -> None:
     assert "secret" not in str(info.value) and "RuntimeError" in str(info.value)
     loop._thread.join(TIMEOUT)
     assert not loop.alive
+
+
+# ---- a live server against hostile clients --------------------------------------------------------
+
+HEALTH_BOUND_S = 0.1
+ATTEMPTS = 3
+MAX_QUEUE = 16
+MAX_LOGPROBS = 4096
+
+
+@pytest.fixture(scope="module")
+def server(tokenized_llama: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        [
+            "--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", "256",
+            "--max-queue", str(MAX_QUEUE), "--max-logprobs-per-request", str(MAX_LOGPROBS),
+            "--max-label-tokens", "16", "--log-level", "warning",
+        ]
+    )  # fmt: skip
+    proc.start()
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def while_health_probed(url: str, call: Callable[[], T]) -> tuple[T, float]:
+    """`call()`'s result, and the slowest /health answer seen while it ran (a keep-alive client
+    probing back to back from another thread, at least once)."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    slowest = 0.0
+    with httpx.Client(base_url=url, timeout=30) as prober:
+        prober.get("/health")  # the connection is open before the call starts
+        worker.start()
+        probes = 0
+        while worker.is_alive() or probes == 0:
+            t0 = time.perf_counter()
+            assert prober.get("/health").status_code == 200
+            slowest = max(slowest, time.perf_counter() - t0)
+            probes += 1
+    worker.join()
+    if errors:
+        raise errors[0]
+    return result[0], slowest
+
+
+def _post(url: str, path: str, body: Any) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=120)
+
+
+HOSTILE = [
+    # (what, path, body, status, text in the message)
+    ("logit_bias over the cap", "/generate",
+     {"input_ids": [5, 6, 7], "sampling_params": {"logit_bias": {str(i): 1.0 for i in range(301)}}},
+     400, "--max-logit-bias"),
+    ("labels x items over the cap", "/v1/score",
+     {"query": [5, 6], "items": [[7]] * 8, "label_token_ids": list(range(3, 3 + MAX_LOGPROBS // 8 + 1))},
+     413, "--max-logprobs-per-request"),
+    ("prompt log-probs over the cap", "/generate",
+     {"input_ids": [[5 + i % 200 for i in range(250)]] * 8, "return_logprob": True, "logprob_start_len": 0,
+      "top_logprobs_num": 20},
+     413, "--max-logprobs-per-request"),
+    ("completions echo over the cap", "/v1/completions",
+     {"prompt": [[5 + i % 200 for i in range(250)]] * 8, "echo": True, "logprobs": 5, "max_tokens": 0},
+     413, "--max-logprobs-per-request"),
+    ("prefills that never fit the queue", "/v1/classify",
+     {"prompt": [f"Post {i}: hello\nAnswer:" for i in range(5)],
+      "labels": ["strongly agree", "mildly disagree", "no opinion at all", "cannot say"]},
+     413, "--max-queue"),
+    ("a label over the token limit", "/v1/classify",
+     {"prompt": "Answer:", "labels": ["yes", "hello world " * 20]}, 400, "--max-label-tokens"),
+    ("a label far over it, refused before tokenizing", "/v1/classify",
+     {"prompt": "Answer:", "labels": ["yes", "x" * 1_000_000]}, 400, "--max-label-tokens"),
+    ("a body of ids with a lone surrogate at its end", "/generate",
+     b'{"input_ids": [' + b"12345, " * 30_000 + b'1], "rid": "\\ud800"}', 400, "rid contains a lone"),
+    ("a body of ids", "/generate", {"input_ids": [12345] * 30_000}, 400, "max_input_len"),
+    ("JSON nested deeper than the parser goes", "/generate", b"[" * 100_000 + b"]" * 100_000,
+     400, "nested too deeply"),
+    ("a body far over --max-body-bytes", "/v1/score", {"query": "x" * (3 << 20), "items": ["a"]},
+     413, "--max-body-bytes"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("what", "path", "body", "status", "text"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_call_is_refused_and_health_stays_fast(
+    server: ServerProcess, what: str, path: str, body: Any, status: int, text: str
+) -> None:
+    # A handler that blocks the event loop does so on every attempt; a loaded machine's scheduling
+    # hiccup does not: the bound holds on the best of a few attempts.
+    slowest = []
+    for _ in range(ATTEMPTS):
+        r, worst = while_health_probed(server.url, lambda: _post(server.url, path, body))
+        assert r.status_code == status, r.text[:300]
+        assert text in error_message(r), error_message(r)
+        slowest.append(worst)
+        if worst < HEALTH_BOUND_S:
+            break
+    assert min(slowest) < HEALTH_BOUND_S, (
+        f"/health took {[round(x * 1e3) for x in slowest]} ms during: {what}"
+    )
+    ok = _post(server.url, "/generate", {"input_ids": [5, 6, 7]})
+    assert ok.status_code == 200  # the server answers as before
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    """One request's raw answer (the status line and what follows), the body never sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        s.settimeout(10)  # well under --timeout-request-read: an answer proves nothing waited for the body
+        return s.recv(4096)
+
+
+@pytest.mark.slow
+def test_wrong_methods_and_open_paths_never_read_a_body(server: ServerProcess) -> None:
+    big = b"Content-Type: application/json\r\nContent-Length: 60000000\r\n\r\n"
+    assert _raw(server.port, b"POST /health HTTP/1.1\r\nHost: x\r\n" + big).startswith(b"HTTP/1.1 405")
+    assert _raw(server.port, b"PUT /generate HTTP/1.1\r\nHost: x\r\n" + big).startswith(b"HTTP/1.1 405")
+    assert _raw(server.port, b"POST /generate HTTP/1.1\r\nHost: x\r\n" + big).startswith(b"HTTP/1.1 413")
+    r = httpx.get(server.url + "/flush_cache")  # what a cross-site page can send
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.get(server.url + "/no_such_route")
+    assert r.status_code == 404 and error_message(r)  # our shape, not {"detail"}
+
+
+@pytest.mark.slow
+def test_keyless_clients_are_refused_before_any_body_is_read(tokenized_llama: Path) -> None:
+    proc = ServerProcess(
+        ["--model-path", str(tokenized_llama), "--dtype", "fp32", "--log-level", "warning"],
+        env={"PREFILLONLY_API_KEY": "sekrit"},
+    )
+    proc.start()
+    try:
+        proc.wait_ready(headers={"Authorization": "Bearer sekrit"})
+        big = b"Content-Type: application/json\r\nContent-Length: 60000000\r\n\r\n"
+        for line in (b"OPTIONS /generate", b"POST /health", b"POST /metrics", b"POST /generate"):
+            answer = _raw(proc.port, line + b" HTTP/1.1\r\nHost: x\r\n" + big)
+            assert answer.startswith(b"HTTP/1.1 401"), (line, answer[:80])
+        assert httpx.get(proc.url + "/health").status_code == 200  # GET stays open for probes
+    finally:
+        proc.stop()
+
+
+# ---- in process: NaN scores, the Host check, error shapes -----------------------------------------
+
+
+def _nan(req: ScoreRequest) -> ScoreResult:
+    nan = float("nan")
+    return ScoreResult(
+        [nan] * len(req.label_token_ids),
+        [(t, nan) for t in range(max(req.top_k, 1))],
+        input_token_logprobs=[nan] * max(len(req.input_ids) - max(req.logprob_start_len, 0) - 1, 0),
+        prompt_tokens=len(req.input_ids),
+    )
+
+
+NAN_CALLS = [
+    ("/generate", {"input_ids": [5, 6, 7]}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 1, "logprobs": 2}),
+    ("/v1/score", {"query": [5, 6], "items": [[7], [8]], "label_token_ids": [9, 10]}),
+    ("/generative_scoring", {"query": [5, 6], "items": [[7]], "label_token_ids": [9, 10]}),
+    ("/v1/classify", {"prompt": "Answer:", "labels": ["yes", "no"]}),
+    ("/v1/classify", {"prompt": "Answer:", "labels": ["strongly agree", "mildly disagree"]}),
+    ("/v1/rerank", {"query": "cats", "documents": ["a cat", "a dog"]}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), NAN_CALLS, ids=[f"{p} {i}" for i, (p, _) in enumerate(NAN_CALLS)])
+def test_nan_scores_are_a_clear_error_on_every_route(tokenized_llama: Path, path: str, body: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from po_backend.server import ServerArgs, Settings, create_app
+
+    tok = AutoTokenizer.from_pretrained(tokenized_llama)
+    service = FakeService(answer=_nan, tokenizer=tok, vocab_size=len(tok), dtype="fp16")
+    app = create_app(service, ServerArgs(engine=Settings(model_path="m")))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post(path, json=body)
+    assert r.status_code == 500, r.text
+    assert "NaN" in error_message(r) and "fp16" in error_message(r)
+
+
+def test_host_check_and_our_error_shape_for_what_the_framework_answers() -> None:
+    from po_backend.server import ServerArgs, Settings, create_app
+
+    answer = lambda r: ScoreResult([-1.0], [(1, -0.5)], prompt_tokens=len(r.input_ids))  # noqa: E731
+    args = ServerArgs(engine=Settings(model_path="m"), allowed_hosts=("localhost", "127.0.0.1"))
+    app = create_app(FakeService(answer=answer), args)
+    with TestClient(app, base_url="http://localhost:30000", raise_server_exceptions=False) as client:
+        assert client.get("/health").status_code == 200
+        assert client.get("/health", headers={"host": "127.0.0.1:30000"}).status_code == 200
+        # A name that a rebinding attacker's page resolves to 127.0.0.1 is still its own name.
+        assert client.get("/health", headers={"host": "evil.example:30000"}).status_code == 400
+        r = client.post(
+            "/generate", content=b"[" * 5000 + b"]" * 5000, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and "nested too deeply" in error_message(r)
+        r = client.get("/generate")
+        assert r.status_code == 405 and "POST" in r.headers["allow"] and error_message(r)
+    with pytest.raises(ValueError, match="allowed_hosts"):
+        ServerArgs(engine=Settings(model_path="m"), allowed_hosts=("a.*.com",))

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from po_backend import Engine, ScoreRequest
-from po_backend.core.errors import TaskMismatchError, UnsupportedModelError
+from po_backend.core.errors import InvalidRequestError, TaskMismatchError, UnsupportedModelError
 from po_backend.core.task import detect_task, probabilities
 from tests.conftest import TINY_BASE, TINY_CONFIGS, randomize_
 from tests.server_utils import error_message
@@ -253,3 +253,94 @@ def test_served_one_logit_reranker(served) -> None:
         rows = r.json() if path == "/v1/rerank" else r.json()["results"]
         for row in rows:
             assert abs(row.get("relevance_score", row.get("score")) - want[row["index"]]) <= 1e-4
+
+
+# ---- in process: SGLang's Engine, vLLM's LLM, the DSL -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenized_classifier(
+    classifiers, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, torch.nn.Module]:
+    from tests.tiny_tokenizer import tokenized_copy
+
+    path, hf = classifiers["llama"]
+    return tokenized_copy(path, tmp_path_factory.mktemp("tok-cls")), hf
+
+
+def test_sglang_and_vllm_compat_on_a_classifier(tokenized_classifier) -> None:
+    from po_backend.compat.sglang import Engine as SGLangEngine
+    from po_backend.compat.vllm import LLM
+
+    path, hf = tokenized_classifier
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    texts = ["a cat video", "tax news for the year"]
+    with SGLangEngine(model_path=str(path), dtype="fp32", is_embedding=True) as engine:
+        out = engine.encode(texts[0])
+        assert isinstance(out, dict) and _close(out["embedding"], hf_logits(hf, tok.encode(texts[0]))) <= 1e-4
+        rows = engine.score(query="Post: ", items=texts)
+        for text, row in zip(texts, rows, strict=True):
+            ids = tok.encode("Post: " + text)  # SGLang joins the strings, then tokenizes
+            assert _close(row, torch.softmax(torch.tensor(hf_logits(hf, ids)), -1).tolist()) <= 1e-4
+    with LLM(str(path), dtype="fp32", runner="pooling") as llm:
+        for text, o in zip(texts, llm.classify(texts), strict=True):
+            want = torch.softmax(torch.tensor(hf_logits(hf, tok.encode(text))), -1).tolist()
+            assert _close(o.outputs.probs, want) <= 1e-4 and o.prompt_token_ids == tok.encode(text)
+        (raw,) = llm.encode(texts[:1])
+        assert _close(raw.outputs.data, hf_logits(hf, tok.encode(texts[0]))) <= 1e-4
+        (s,) = llm.score("Post: ", texts[1])
+        ids = tok.encode("Post: ") + tok.encode(texts[1], add_special_tokens=False)
+        assert abs(s.outputs.score - torch.softmax(torch.tensor(hf_logits(hf, ids)), -1)[-1].item()) <= 1e-5
+        with pytest.raises(InvalidRequestError, match="classify"):
+            llm.embed(texts)
+
+
+def test_dsl_classify_on_a_classifier_head(tokenized_classifier) -> None:
+    import po_lang as po
+    from po_lang.errors import LabelError
+
+    path, hf = tokenized_classifier
+    backend = po.Local(str(path), dtype="fp32")
+    try:
+        labels = ["class_2", "class_0", "class_1"]
+
+        @po.classify(labels=labels, backend=backend)
+        def topic(post: str) -> po.Prompt:
+            return po.shared("Classify the post:\n") + post
+
+        r = topic("a cat video")
+        ids = list(topic.compile("a cat video").prompt.ids)
+        want = torch.softmax(torch.tensor(hf_logits(hf, ids)), -1).tolist()
+        assert _close([r.probs[lb] for lb in labels], [want[2], want[0], want[1]]) <= 1e-4
+        assert r.label == f"class_{max(range(3), key=lambda j: want[j])}"
+
+        @po.classify(labels=["Yes", "No"], backend=backend)
+        def wrong(post: str) -> po.Prompt:
+            return post
+
+        with pytest.raises(LabelError, match="id2label"):
+            wrong("a cat video")
+    finally:
+        backend.close()
+
+
+@pytest.mark.slow
+def test_dsl_remote_on_a_served_classifier(served) -> None:
+    import po_lang as po
+
+    url, hf, tok = served["classifier"]
+    backend = po.Remote(url)
+    try:
+
+        @po.classify(labels=["class_1", "class_0", "class_2"], backend=backend)
+        def topic(post: str) -> po.Prompt:
+            return po.shared("Classify the post:\n") + post
+
+        r = topic("a cat video")
+        want = torch.softmax(torch.tensor(hf_logits(hf, list(topic.compile("a cat video").prompt.ids))), -1)
+        assert (
+            _close([r.probs["class_1"], r.probs["class_0"], r.probs["class_2"]], want[[1, 0, 2]].tolist())
+            <= 1e-4
+        )
+    finally:
+        backend.close()

@@ -5,9 +5,6 @@ with Retry-After, and a full queue 503 "overloaded"."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import Any
-
 import pytest
 from fastapi.testclient import TestClient
 
@@ -18,9 +15,9 @@ from po_backend.core.errors import (
     PrefillOnlyError,
     UnavailableError,
 )
-from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.settings import Settings
 from po_backend.server import ServerArgs, create_app
+from tests.server_utils import FakeService
 
 
 def test_public_names() -> None:
@@ -38,36 +35,6 @@ def test_unavailable_is_not_overloaded(error: type[PrefillOnlyError]) -> None:
     assert issubclass(error, UnavailableError) and not issubclass(error, OverloadedError)
 
 
-class _Refusing:
-    """A scoring service whose submit raises the error it is given."""
-
-    tokenizer = None
-    vocab_size = 100
-    max_input_len = 64
-    model_type = "llama"
-    architectures = ("LlamaForCausalLM",)
-    settings: dict[str, Any] = {}
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-    def submit_many(self, reqs: list[ScoreRequest]) -> list[Future[ScoreResult]]:
-        raise self.error
-
-    def cancel(self, fut: Future[ScoreResult]) -> None: ...
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def flush_cache(self) -> None: ...
-    def alive(self) -> bool:
-        return True
-
-    def abandon_waiting(self, error: BaseException) -> int:
-        return 0
-
-    def shutdown(self) -> None: ...
-
-
 @pytest.mark.parametrize(
     ("error", "word"),
     [
@@ -77,7 +44,7 @@ class _Refusing:
     ],
 )
 def test_503_with_retry_after(error: PrefillOnlyError, word: str) -> None:
-    app = create_app(_Refusing(error), ServerArgs(engine=Settings(model_path="m")))  # type: ignore[arg-type]
+    app = create_app(FakeService(refuse=error), ServerArgs(engine=Settings(model_path="m")))
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/generate", json={"input_ids": [1, 2, 3]})
     assert r.status_code == 503 and r.headers.get("retry-after")

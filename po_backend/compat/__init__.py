@@ -2,6 +2,8 @@
 
 - `po_backend.compat.sglang.Engine`: SGLang's offline `sglang.Engine` (`score`,
   `get_server_info`, `shutdown`); the class is `SGLangEngine`.
+- `po_backend.compat.vllm.LLM`: vLLM's offline pooling API (`embed`, `classify`, `score`,
+  `encode`) for embedders and classifier heads.
 - `po_backend.compat.sgl_backend.PrefillOnlyBackend`: a frontend backend for `@sgl.function`
   programs (`sgl.set_default_backend(PrefillOnlyBackend("embedded"))`).
 - `po_backend.compat.frontend.import_sglang_frontend`: SGLang's frontend without its server
@@ -17,6 +19,7 @@ from typing import Any
 
 _EXPORTS = {
     "Engine": "po_backend.compat.sglang",
+    "LLM": "po_backend.compat.vllm",
     "SGLangEngine": "po_backend.compat.sglang",
     "PrefillOnlyBackend": "po_backend.compat.sgl_backend",
     "import_sglang_frontend": "po_backend.compat.frontend",

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from po_backend.compat.runtime import LocalRuntime
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
-from po_backend.core.request import ScoreRequest, common_prefix
+from po_backend.core.request import ScoreRequest, common_prefix, pooled_requests
+from po_backend.core.task import ModelTask, probabilities
 
 TextOrIds = str | Sequence[int]
 
@@ -102,15 +104,23 @@ class SGLangEngine:
             raise InvalidRequestError("temperature must be finite and greater than zero")
         if temperature != 1.0 and not apply_softmax:
             raise InvalidRequestError("temperature requires apply_softmax=True")
-        if label_token_ids is None:
+        head = self.task.kind == "classify"  # a classifier: its head's probabilities, no labels
+        if label_token_ids is None and not head:
             raise InvalidRequestError("label_token_ids is required for generation (CausalLM) models.")
         if items is None:
             raise InvalidRequestError("items must be provided")
         if not items:
             return ScoreOutput([], 0, [] if return_token_logprobs else None)
         item_list: list[TextOrIds] = [items] if isinstance(items, str) else list(items)
-        labels = self._labels(label_token_ids, len(item_list))
+        labels: list[tuple[int, ...]] = (
+            [()] * len(item_list) if head else self._labels(label_token_ids or [], len(item_list))
+        )
         reqs = self._requests(query, item_list, item_first, labels)
+        if head:
+            reqs = [replace(r, pool=True) for r in reqs]
+            results = self.runtime.run(reqs, priority)
+            rows = [probabilities(self.task, r.outputs) for r in results]
+            return ScoreOutput(rows, sum(r.prompt_tokens for r in results), None)
         results = self.runtime.run(reqs, priority)
         rows = [
             _softmax(r.logprobs, temperature) if apply_softmax else [math.exp(x) for x in r.logprobs]
@@ -182,6 +192,33 @@ class SGLangEngine:
             n_shared = len(it) if item_first else len(q)
             reqs.append(ScoreRequest(ids, ls, cache_prefix_len=n_shared or None))
         return reqs
+
+    # ---- pooling models (--is-embedding): embedders and classifier heads -------------------------
+
+    @property
+    def task(self) -> ModelTask:
+        return getattr(self.runtime.scorer, "task", None) or ModelTask()
+
+    def encode(
+        self, prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], **ignored: Any
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's `Engine.encode` on an embedding or classifier model: per prompt
+        `{"embedding": the pooled output (a classifier: its logits), "meta_info": {...}}`, one
+        dict for one prompt. Prompts sharing leading tokens share them as the cache prefix."""
+        if not self.task.pooled:
+            raise InvalidRequestError("encode needs an embedding or classifier model (is_embedding=True)")
+        single = isinstance(prompt, str) or bool(prompt and isinstance(prompt[0], int))
+        rows: list[Any] = [prompt] if single else list(prompt)
+        ids = [self.runtime.encode(p) if isinstance(p, str) else tuple(int(t) for t in p) for p in rows]
+        results = self.runtime.run(pooled_requests(ids))
+        out = [
+            {
+                "embedding": r.outputs,
+                "meta_info": {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens},
+            }
+            for r in results
+        ]
+        return out[0] if single else out
 
     # ---- the rest of sglang.Engine's surface that a prefill-only engine has ----------------------
 

@@ -125,6 +125,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def pooled_requests(prompts: Sequence[tuple[int, ...]]) -> list[ScoreRequest]:
+    """One pooled request (embedding or classifier head) per prompt, the leading ids all of them
+    share (an instruction, a query) declared as the cache prefix: computed once for the call,
+    read from the cache by later calls. At least the last token of each is computed."""
+    shared = 0
+    if len(prompts) > 1:
+        shared = min(len(x) for x in prompts)
+        for x in prompts[1:]:
+            shared = common_prefix(prompts[0][:shared], x[:shared])
+    return [ScoreRequest(x, pool=True, cache_prefix_len=min(shared, len(x) - 1) or None) for x in prompts]
+
+
 def sorted_neighbours(
     keys: Sequence[Any],
     ids: tuple[int, ...],

@@ -98,7 +98,12 @@ class ModelTask:
         """What /v1/models and /server_info report."""
         out: dict[str, Any] = {"task": self.kind}
         if self.kind == "classify":
-            out.update(num_labels=self.num_labels, labels=list(self.labels), activation=self.activation)
+            out.update(
+                num_labels=self.num_labels,
+                labels=list(self.labels),
+                problem_type=self.problem_type,
+                activation=self.activation,
+            )
         if self.kind == "embed":
             out.update(pooling=self.pooling, normalize=self.normalize)
         return out
@@ -196,6 +201,18 @@ def detect_task(
         mode, normalize = st if st is not None else ("last", True)
         return ModelTask("embed", pooling=pooling or mode, normalize=normalize)
     return ModelTask("generate")
+
+
+def log_probabilities(task: ModelTask, logits: list[float]) -> list[float]:
+    """The log of `probabilities`, computed stably (a score of every label, as label scoring
+    gives); a regression head's values as they are."""
+    if task.activation == "none":
+        return list(logits)
+    if task.activation == "sigmoid":
+        return [-math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x)) for x in logits]
+    top = max(logits)
+    total = top + math.log(math.fsum(math.exp(x - top) for x in logits))
+    return [x - total for x in logits]
 
 
 def probabilities(task: ModelTask, logits: list[float]) -> list[float]:

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from po_backend.core.cpu import cpu_model
 from po_backend.core.errors import DeviceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -65,3 +66,16 @@ def cuda_dtype(device: torch.device) -> torch.dtype:
         "CUDA compute capability %d.%d has no bf16 tensor cores: the default dtype is fp16", major, minor
     )
     return torch.float16
+
+
+def describe(device: torch.device) -> str:
+    """The device for logs and reports: a GPU's name, compute capability and memory, or the CPU's
+    model (a figure is only meaningful with the hardware it was measured on)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        name = torch.cuda.get_device_name(device)
+        return f"{device}: {name} (compute capability {major}.{minor}, {total / 2**30:.0f} GiB)"
+    if device.type == "cpu":
+        return f"cpu: {cpu_model()}"
+    return str(device)

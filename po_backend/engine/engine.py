@@ -17,7 +17,7 @@ from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
 from po_backend.engine.cache import CacheStats, KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, parse_dtype
-from po_backend.engine.device import resolve_device
+from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
@@ -160,6 +160,7 @@ class Engine:
                 mcfg.max_position_embeddings,
             )
         task = read_task(model_dir, config.task, config.pooling)
+        log.info("device %s, dtype %s", describe(config.device), str(config.dtype).removeprefix("torch."))
         model = load_model(model_dir, config.dtype, config.device, task)
         return cls(model, load_tokenizer(model_dir), config, model_path=str(path), task=task)
 

@@ -122,6 +122,9 @@ def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
         timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # seconds; a float works
         # Above the default so a burst of ~1000 connects is queued by the kernel, not refused.
         backlog=4096,
+        # Connections and requests at once: past it uvicorn answers 503 at once instead of
+        # holding one more request's buffers.
+        limit_concurrency=args.limit_concurrency,
         # Past our own deadline (DrainingServer answers what is still queued with 503s): only
         # then would uvicorn cut connections.
         timeout_graceful_shutdown=int(args.shutdown_timeout) + SHUTDOWN_MARGIN_S,

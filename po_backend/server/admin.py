@@ -4,14 +4,17 @@ Prometheus `/metrics`."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from po_backend.core.request import ScoreRequest
+from po_backend.server.body import BodyRoute
 from po_backend.server.runtime import RuntimeDep
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
 @router.get("/health")
@@ -24,7 +27,7 @@ async def health(rt: RuntimeDep) -> Response:
 @router.get("/ready")
 async def ready(rt: RuntimeDep) -> Response:
     """200 when a call would be queued now: healthy and the queue has room."""
-    stats = rt.service.stats()
+    stats = await asyncio.to_thread(rt.service.stats)
     room = float(stats.get("queued", 0) or 0) < rt.args.max_queue
     return Response(status_code=200 if rt.healthy() and room else 503)
 
@@ -37,4 +40,6 @@ async def health_generate(request: Request, rt: RuntimeDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(rt: RuntimeDep) -> Response:
-    return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # Off the event loop: the gauges read the loop's stats under its lock.
+    body = await asyncio.to_thread(rt.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from po_backend.server import admin, embeddings, openai, rerank, scoring, sglang_native, tokenizer
 from po_backend.server.args import ServerArgs
@@ -43,10 +44,14 @@ def create_app(service: ScoringService, args: ServerArgs) -> FastAPI:
     # From the routers themselves: FastAPI may keep an included router as one opaque route.
     routes = [*app.routes, *(r for router in ROUTERS for r in router.routes)]
     paths = {getattr(r, "path") for r in routes if hasattr(r, "path")}  # noqa: B009 (Starlette BaseRoute has no `path`)
+    posts = frozenset(getattr(r, "path") for r in routes if "POST" in (getattr(r, "methods", None) or ()))  # noqa: B009
     # Each add wraps the previous: metrics end up outermost (401s and 413s are counted too), then
-    # auth (401 before a body is read), then the body limit around the endpoints.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes)
+    # the Host check and auth (400 / 401 before a body is read), then the body limit around the
+    # endpoints.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes, posts=posts)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    if args.allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(args.allowed_hosts), www_redirect=False)
     app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, paths=paths)
     return app

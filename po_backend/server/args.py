@@ -46,8 +46,30 @@ class ServerArgs:
             "require 'Authorization: Bearer KEY' (or set $PREFILLONLY_API_KEY, which keeps the key out of `ps`)"
         ),
     )
+    # JSON is parsed on the event loop (holding the GIL, whatever thread parses it), in time
+    # proportional to the body: the limit bounds how long one call can stall every other client.
     max_body_bytes: int = field(
-        default=64 << 20, metadata=flag("larger request bodies get 413 (e.g. 64M)", type=arg_bytes)
+        default=2 << 20,
+        metadata=flag(
+            "larger request bodies get 413, from Content-Length before any byte is read (e.g. 16M; "
+            "TEI's payload limit is 2 MB too)",
+            type=arg_bytes,
+        ),
+    )
+    limit_concurrency: int = field(
+        default=1024,
+        metadata=flag(
+            "open connections and requests served at once (uvicorn's limit_concurrency); beyond it 503",
+            type=int,
+        ),
+    )
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "Host header values accepted, comma-separated (e.g. localhost,127.0.0.1; '*.example.com' "
+            "for subdomains): a guard against DNS rebinding; default any",
+            type=_labels,
+        ),
     )
     timeout_keep_alive: float = field(
         default=65.0, metadata=flag("seconds an idle keep-alive connection stays open", type=float)
@@ -88,6 +110,22 @@ class ServerArgs:
         default=1024, metadata=flag("prompts or documents in one call", type=int)
     )
     max_labels: int = field(default=64, metadata=flag("labels in one classify call", type=int))
+    max_label_tokens: int = field(
+        default=32, metadata=flag("tokens of one classify label (longer labels get 400)", type=int)
+    )
+    max_logit_bias: int = field(
+        default=300, metadata=flag("logit_bias entries per prompt (OpenAI's limit)", type=int)
+    )
+    # What one call may return in all, whatever the per-position caps allow: items x labels,
+    # top-k and prompt log-probs (each position's entries) summed over the call's prompts.
+    max_logprobs_per_request: int = field(
+        default=1 << 18,
+        metadata=flag(
+            "log-prob values one call may return in all (items x label_token_ids, top log-probs, "
+            "prompt log-probs); larger calls get 413",
+            type=int,
+        ),
+    )
     # SGLang/vLLM-style /v1/classify: the labels and the prompt around {input}.
     classify_labels: tuple[str, ...] = field(
         default=(),
@@ -117,9 +155,15 @@ class ServerArgs:
             )
         if self.classify_template.count("{input}") != 1:
             raise ValueError("classify_template needs {input} exactly once")
-        for name in ("max_top_logprobs", "max_items_per_request", "max_labels"):
+        for name in (
+            "max_top_logprobs", "max_items_per_request", "max_labels", "max_label_tokens",
+            "max_logit_bias", "max_logprobs_per_request", "limit_concurrency",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for host in self.allowed_hosts:
+            if not host or "*" in host[1:] or (host.startswith("*") and not host.startswith("*.")):
+                raise ValueError(f"allowed_hosts: {host!r} is not a host name or '*.domain'")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not 0 <= self.port <= 65535:

@@ -21,14 +21,15 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictInt
 
-from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
+from po_backend.core.request import ScoreResult, pooled_requests
 from po_backend.core.task import ModelTask, mismatch_text
+from po_backend.server.body import BodyRoute
 from po_backend.server.errors import bad
 from po_backend.server.protocol import IntList, TolerantBody
 from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import envelope
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 Inputs = str | list[str] | IntList | list[IntList]
 
@@ -79,19 +80,6 @@ def prompts(rt: Runtime, raw: Inputs, add_special_tokens: bool = True) -> list[t
         else:
             raise bad("input must be a string, a list of strings, token ids or a list of token-id lists")
     return out
-
-
-def pooled_requests(ids: Sequence[tuple[int, ...]]) -> list[ScoreRequest]:
-    """One pooled request per prompt, the ids all of them share declared as the cache prefix
-    (at least one token of each is computed: its last row is what is pooled)."""
-    shared: int | None = None
-    if len(ids) > 1:
-        shared = min(len(x) for x in ids)
-        for x in ids[1:]:
-            shared = common_prefix(ids[0][:shared], x[:shared])
-    return [
-        ScoreRequest(x, pool=True, cache_prefix_len=min(shared, len(x) - 1) if shared else None) for x in ids
-    ]
 
 
 def truncate(vec: list[float], dimensions: int | None, normalize: bool) -> list[float]:

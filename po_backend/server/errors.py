@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from po_backend.core.errors import (
     InvalidRequestError,
@@ -44,6 +45,8 @@ class ClientGone(Exception):
 def bad(message: str) -> HTTPError:
     return HTTPError(400, message)
 
+
+_KINDS = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "PayloadTooLargeError"}
 
 RETRY_AFTER_S = 1  # seconds a 503's Retry-After asks for
 
@@ -95,6 +98,19 @@ def add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.kind, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing's 404 / 405 and a body the JSON parser gave up on (nested deeper than it
+        # recurses) in our shape, not the framework's {"detail"}.
+        message = str(exc.detail)
+        if message == "There was an error parsing the body":
+            message = "the body could not be parsed as JSON (malformed, or nested too deeply)"
+        resp = error_response(
+            exc.status_code, message, _KINDS.get(exc.status_code, "BadRequestError"), request.url.path
+        )
+        resp.headers.update(exc.headers or {})  # 405's Allow
+        return resp
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -13,8 +13,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from po_backend.core.request import ScoreResult
 from po_backend.sched.scheduler import CLASSES, SchedulerConfig
@@ -106,6 +107,8 @@ class Metrics:
             "po_jct_calibration", "Measured / predicted step time factor the JCT model applies", registry=r
         ).set_function(lambda: self._stat("jct_calibration"))
         self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # one scrape at a time; not _lock, which observe() takes
+        self._snapshot: dict[str, Any] | None = None
         self._window: deque[tuple[float, int]] = deque()  # (time, prompt tokens finished then)
         self._tokens = 0
         self._cached = 0
@@ -209,7 +212,7 @@ class Metrics:
 
     def _class_queued(self, c: str) -> float:
         try:
-            return float((self.service.stats().get("queued_by_class") or {}).get(c, 0) or 0)
+            return float((self._stats().get("queued_by_class") or {}).get(c, 0) or 0)
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 
@@ -217,10 +220,23 @@ class Metrics:
         met, n = self._slo_counts
         return met / n if n else 1.0
 
+    def render(self) -> bytes:
+        """The exposition text. The gauges read one snapshot of the service's stats, taken here:
+        each read takes the loop's lock and summarises its step log, and a scrape reads a dozen."""
+        with self._stats_lock:
+            self._snapshot = self.service.stats()
+            try:
+                return bytes(generate_latest(self.registry))
+            finally:
+                self._snapshot = None
+
+    def _stats(self) -> dict[str, Any]:
+        return self._snapshot if self._snapshot is not None else self.service.stats()
+
     def _token_usage(self) -> float:
         """Share of the prefix pool's slots in use (SGLang: of the KV cache)."""
         try:
-            cache = self.service.stats().get("cache") or {}
+            cache = self._stats().get("cache") or {}
             total = float(cache.get("total_slots", 0) or 0)
             return 1.0 - float(cache.get("free_slots", 0)) / total if total else 0.0
         except Exception:  # a scrape must not fail because a stat is missing
@@ -228,13 +244,13 @@ class Metrics:
 
     def _cache_stat(self, key: str) -> float:
         try:
-            return float((self.service.stats().get("cache") or {}).get(key, 0) or 0)
+            return float((self._stats().get("cache") or {}).get(key, 0) or 0)
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 
     def _stat(self, key: str) -> float:
         try:
-            return float(self.service.stats().get(key, 0) or 0)
+            return float(self._stats().get(key, 0) or 0)
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 

@@ -26,9 +26,10 @@ async def _send_json(send: Callable[..., Awaitable[None]], status: int, body: di
 
 class ApiKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` (SGLang and the openai client send it this way;
-    the scheme is case-insensitive, as HTTP says). Exactly /health, /ready and /metrics stay open
-    for load balancers and scrapers, as in SGLang; /health_generate runs the model, so it needs
-    the key. The key is compared in constant time."""
+    the scheme is case-insensitive, as HTTP says). Exactly GET (and HEAD) of /health, /ready and
+    /metrics stay open for load balancers and scrapers, as in SGLang; /health_generate runs the
+    model, so it needs the key. Every other method, OPTIONS included (no CORS is served), needs the
+    key before a byte of its body is read. The key is compared in constant time."""
 
     OPEN = frozenset({"/health", "/ready", "/metrics"})
 
@@ -41,7 +42,7 @@ class ApiKeyMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in self.OPEN or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or (scope["path"] in self.OPEN and scope["method"] in ("GET", "HEAD")):
             await self.app(scope, receive, send)
             return
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
@@ -58,20 +59,26 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over `max_bytes`. The body is read here, counted, and replayed, so a chunked
-    upload without Content-Length is bounded too; later receives pass through untouched, which
-    keeps the disconnect notice reaching the handlers."""
+    """413 for bodies over `max_bytes`: from Content-Length before any byte is read, else while
+    reading. The body is read here, counted, and replayed, so a chunked upload without
+    Content-Length is bounded too; later receives pass through untouched, which keeps the
+    disconnect notice reaching the handlers. Only requests a route takes a body on (`posts`: POST
+    paths) are read: any other is left to the app, which answers 404 / 405 without reading it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, posts: frozenset[str]) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.posts = posts
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.posts:
             await self.app(scope, receive, send)
             return
         too_large = error_body(
-            413, f"request body larger than {self.max_bytes} bytes", "PayloadTooLargeError", scope["path"]
+            413,
+            f"request body larger than {self.max_bytes} bytes (--max-body-bytes)",
+            "PayloadTooLargeError",
+            scope["path"],
         )
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:

@@ -12,12 +12,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.server.body import BodyRoute
 from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import CompletionRequest
 from po_backend.server.runtime import Runtime, RuntimeDep, sse
 from po_backend.server.translate import biased_top, envelope, json_logprob, parse_bias
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
     cap = rt.args.max_top_logprobs
     if body.logprobs is not None and not 0 <= body.logprobs <= cap:
         raise bad(f"logprobs must be in [0, {cap}] (--max-top-logprobs), got {body.logprobs}")
-    bias = parse_bias(body.logit_bias, rt.service.vocab_size, "logit_bias")
+    bias = parse_bias(body.logit_bias, rt.service.vocab_size, "logit_bias", rt.args.max_logit_bias)
     p = body.prompt
     if not isinstance(p, str) and p and not isinstance(p[0], int):
         rt.check_items(len(p), "prompts")
@@ -106,6 +107,8 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
     else:
         raise bad("prompt must be a string, a list of strings, token ids or a list of token-id lists")
     echo_logprobs = body.echo and body.logprobs is not None
+    k = body.logprobs or 0
+    rt.check_logprobs(sum(1 + k + (len(ids) * (1 + k) if echo_logprobs else 0) for ids, _ in prompts))
     requests = tuple(
         ScoreRequest(
             ids,

@@ -34,39 +34,12 @@ class TolerantBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _screen(cls, data: Any) -> Any:
-        # JSON may carry a lone surrogate ("\ud800"): Python decodes it into a str that no
-        # tokenizer or JSON encoder accepts. Refuse it here, with the field that holds it.
-        where = _lone_surrogate(data, "")
-        if where is not None:
-            raise ValueError(f"{where or 'body'} contains a lone UTF-16 surrogate (not valid Unicode text)")
+        # Lone surrogates were refused as the body was read (server/body.py).
         if isinstance(data, dict) and log.isEnabledFor(logging.DEBUG):
             unknown = sorted(str(k) for k in data if k not in cls.model_fields)
             if unknown:
                 log.debug("%s: ignoring unknown fields %s", cls.__name__, unknown)
         return data
-
-
-def _lone_surrogate(value: Any, path: str) -> str | None:
-    """The path of the first string holding a lone surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        if any(_lone_surrogate(k, "") is not None for k in value):
-            return f"a key of {path or 'the body'}"
-        items: Any = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
-    elif isinstance(value, list):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    else:
-        return None
-    for sub, v in items:
-        found = _lone_surrogate(v, sub)
-        if found is not None:
-            return found
-    return None
 
 
 class SamplingParams(_Strict):

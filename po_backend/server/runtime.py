@@ -72,6 +72,19 @@ class Runtime:
                 "PayloadTooLargeError",
             )
 
+    def check_logprobs(self, n: int) -> None:
+        """The per-call cap on returned log-prob values (the answer's size and the memory that
+        builds it), checked on the parsed call before it is queued."""
+        cap = self.args.max_logprobs_per_request
+        if n > cap:
+            raise HTTPError(
+                413,
+                f"this call would return {n} log-prob values, more than the limit of {cap} "
+                "(--max-logprobs-per-request): ask for fewer items, labels, top log-probs or prompt "
+                "positions, or split the call",
+                "PayloadTooLargeError",
+            )
+
     # ---- tokens ---------------------------------------------------------------------------------
 
     @property
@@ -135,6 +148,14 @@ class Runtime:
             reqs = [dataclasses.replace(r, priority=priority) for r in reqs]
         if self.draining:
             raise DrainingError("the server is shutting down")
+        if len(reqs) > self.args.max_queue:
+            # Could never be queued however long the client waits: not a 503 to retry.
+            raise HTTPError(
+                413,
+                f"this call needs {len(reqs)} prefills (prompts, times the labels where a label has "
+                f"several tokens), more than the queue holds (--max-queue {self.args.max_queue}): split the call",
+                "PayloadTooLargeError",
+            )
         try:
             # Validation and a queue push: fast and thread-safe, fine on the event loop.
             futs = self.service.submit_many(reqs)
@@ -150,6 +171,7 @@ class Runtime:
             if waiters in done:
                 results = waiters.result()
                 self.metrics.observe(results, time.perf_counter() - t0, output_tokens, priority)
+                self._check_finite(results)
                 return results
             raise ClientGone()
         finally:
@@ -163,6 +185,30 @@ class Runtime:
                     self.service.cancel(f)
                 self.metrics.cancelled.inc(len(unfinished))
                 self.metrics.sgl_aborted.inc(len(unfinished))
+
+    def _check_finite(self, results: Sequence[ScoreResult]) -> None:
+        """NaN log-probs (a half-precision overflow in the model) are no answer: a clear 500 on
+        every route, instead of a label picked from NaN, null probabilities or an encoder crash."""
+        for r in results:
+            if _has_nan(r):
+                dtype = self.service.settings.get("dtype", "?")
+                raise HTTPError(
+                    500,
+                    f"the model produced NaN scores (a numeric overflow in dtype {dtype}); "
+                    "serve it with --dtype fp32 (or bf16 where it runs fp16)",
+                    "NumericalError",
+                )
+
+
+def _has_nan(r: ScoreResult) -> bool:
+    # x != x only for NaN; -inf (a token the model rules out) is a valid log-prob.
+    return (
+        any(x != x for x in r.logprobs)
+        or any(v != v for _, v in r.top_logprobs)
+        or any(x != x for x in r.input_token_logprobs)
+        or any(v != v for row in r.input_top_logprobs for _, v in row)
+        or any(x != x for row in r.input_token_ids_logprobs for x in row)
+    )
 
 
 async def get_runtime(request: Request) -> Runtime:

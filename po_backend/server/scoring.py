@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 
 from po_backend.core.labels import (
+    ANCHOR_CHARS,
     LabelIds,
     LabelTokenError,
     check_distinct,
@@ -28,12 +29,13 @@ from po_backend.core.labels import (
 )
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server import heads
+from po_backend.server.body import BodyRoute
 from po_backend.server.errors import bad
 from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
-from po_backend.server.runtime import Runtime, RuntimeDep
+from po_backend.server.runtime import MAX_CHARS_PER_TOKEN, Runtime, RuntimeDep
 from po_backend.server.translate import envelope, json_logprob, softmax
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 # Prompt tokens decoded to find where a token-id prompt's labels begin (only the tail matters).
 _TAIL_TOKENS = 32
@@ -205,6 +207,7 @@ def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
     items = [body.items] if isinstance(body.items, str) else list(body.items)
     rt.check_items(len(items), "items")
     labels = _score_labels(body.label_token_ids, len(items))
+    rt.check_logprobs(sum(len(x) for x in labels))
     query = body.query
     if query is None:
         query = [] if items and isinstance(items[0], list) else ""
@@ -258,6 +261,7 @@ def parse_generative(rt: Runtime, body: GenerativeScoringBody) -> list[ScoreRequ
     prefix (unless the item comes first)."""
     [labels] = _score_labels(body.label_token_ids, 1)
     rt.check_items(len(body.items), "items")
+    rt.check_logprobs(len(body.items) * len(labels))
     q = tuple(body.query) if isinstance(body.query, list) else rt.encode(body.query, body.add_special_tokens)
     reqs = []
     for item in body.items:
@@ -308,6 +312,12 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
         rt.check_items(len(body.prompt), "prompts")
     if any(not x.strip() for x in body.labels) or len(set(body.labels)) != len(body.labels):
         raise bad("labels must be distinct non-empty strings")
+    max_tokens = rt.args.max_label_tokens
+    for label in body.labels:  # before tokenizing: no label this long fits the token limit
+        if len(label) > MAX_CHARS_PER_TOKEN * max_tokens:
+            raise bad(
+                f"a label of {len(label)} characters is longer than {max_tokens} tokens (--max-label-tokens)"
+            )
     prompts = _classify_prompts(rt, body)
     if not prompts:
         raise bad("prompt is empty")
@@ -315,14 +325,24 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
     def encode(text: str) -> tuple[int, ...]:
         return rt.encode(text, add_special_tokens=False)
 
+    # A label's tokens depend on the prompt's tail only: prompts ending alike (a template's
+    # "Answer:") share one tokenizing of the labels per call.
+    by_tail: dict[str, LabelIds] = {}
     items = []
     for ids, text, shared in prompts:
-        tail = text if text is not None else rt.decode(ids[-_TAIL_TOKENS:])
-        try:
-            label_ids = label_continuations(encode, tail, body.labels, body.leading_space)
-            check_distinct(body.labels, label_ids)
-        except LabelTokenError as e:
-            raise bad(str(e)) from e
+        tail = (text if text is not None else rt.decode(ids[-_TAIL_TOKENS:]))[-ANCHOR_CHARS:]
+        label_ids = by_tail.get(tail)
+        if label_ids is None:
+            try:
+                label_ids = by_tail[tail] = label_continuations(encode, tail, body.labels, body.leading_space)
+                check_distinct(body.labels, label_ids)
+            except LabelTokenError as e:
+                raise bad(str(e)) from e
+            longest = max(len(c) for c in label_ids)
+            if longest > max_tokens:
+                raise bad(
+                    f"a label has {longest} tokens, more than the limit of {max_tokens} (--max-label-tokens)"
+                )
         # One next-token distribution when every label is its own single token; otherwise one
         # prefill per label over prompt + label (the prompt cached by the first).
         multi = single_tokens(label_ids) is None

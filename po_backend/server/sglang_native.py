@@ -17,12 +17,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from po_backend.core.errors import PrefillOnlyError
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.server.body import BodyRoute
 from po_backend.server.errors import bad
 from po_backend.server.protocol import GenerateRequest, SamplingParams
 from po_backend.server.runtime import VERSION, Runtime, RuntimeDep, sse
 from po_backend.server.translate import biased_top, parse_bias, per_item, unique
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 MAX_INPUT_ID_CELLS = 1 << 20  # token_ids_logprob values at prompt positions, per prompt
 
@@ -135,8 +136,9 @@ def server_info(rt: RuntimeDep) -> dict[str, Any]:
     return {**info, "internal_states": [service.stats()], "version": VERSION}
 
 
+# POST only (SGLang also answers GET): a cross-site page can make a browser send a GET to a
+# keyless loopback server, and a flush is not a read.
 @router.post("/flush_cache")
-@router.get("/flush_cache")
 async def flush_cache(rt: RuntimeDep) -> Response:
     try:
         await asyncio.to_thread(rt.service.flush_cache)
@@ -185,7 +187,7 @@ def parse_generate(rt: Runtime, body: GenerateRequest) -> tuple[list[GenItem], b
         id_lists = [token_ids] * n
     prefix = per_item(body.cache_prefix_len, n, "cache_prefix_len", None)
     rids = per_item(body.rid, n, "rid", None)
-    return [
+    items = [
         _parse_item(
             rt,
             body,
@@ -199,7 +201,19 @@ def parse_generate(rt: Runtime, body: GenerateRequest) -> tuple[list[GenItem], b
             rids[i],
         )  # fmt: skip
         for i in range(n)
-    ], single
+    ]
+    rt.check_logprobs(sum(_returned(it) for it in items))
+    return items, single
+
+
+def _returned(it: GenItem) -> int:
+    """Log-prob values one prompt's answer carries: the next token's (asked ids, top list) and,
+    from logprob_start_len on, each prompt position's (its token, top list, asked ids)."""
+    asked = len(it.token_ids_logprob or ())
+    out = 1 + asked + it.top_logprobs_num
+    if it.return_logprob and it.logprob_start_len >= 0:
+        out += (len(it.ids) - it.logprob_start_len) * (1 + it.top_logprobs_num + asked)
+    return out
 
 
 def _parse_item(
@@ -228,7 +242,7 @@ def _parse_item(
             f"token_ids_logprob asks {len(ids_lp)} ids at {len(ids) - start} prompt positions, more than "
             f"{MAX_INPUT_ID_CELLS} values: ask fewer ids or a later logprob_start_len"
         )
-    bias = parse_bias(sp.logit_bias, rt.service.vocab_size, "logit_bias")
+    bias = parse_bias(sp.logit_bias, rt.service.vocab_size, "logit_bias", rt.args.max_logit_bias)
     top_k = top_n if want_logprob else 0
     if max_new == 1:
         top_k = max(top_k, 1 + len(bias))  # enough unbiased candidates for the argmax

@@ -8,16 +8,24 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from po_backend.server.body import BodyRoute
 from po_backend.server.errors import bad
 from po_backend.server.protocol import ChatTemplateRequest, DetokenizeRequest, TokenizeRequest
 from po_backend.server.runtime import Runtime, RuntimeDep
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
+
+
+# The tokenizer runs on the parse pool, off the event loop, like every other route's tokenizing.
 
 
 @router.post("/tokenize")
 @router.post("/v1/tokenize")
 async def tokenize(body: TokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
+    return await rt.parse(_tokenize, rt, body)
+
+
+def _tokenize(rt: Runtime, body: TokenizeRequest) -> dict[str, Any]:
     prompt = body.prompt if body.prompt is not None else body.text
     if body.messages is not None:
         if prompt is not None:
@@ -39,13 +47,18 @@ async def tokenize(body: TokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
 @router.post("/v1/detokenize")
 async def detokenize_v1(body: DetokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
     """vLLM's answer shape: `{"prompt": text}`."""
-    return {"prompt": (await detokenize(body, rt))["text"]}
+    return {"prompt": (await rt.parse(_detokenize, rt, body))["text"]}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
+    return await rt.parse(_detokenize, rt, body)
+
+
+def _detokenize(rt: Runtime, body: DetokenizeRequest) -> dict[str, Any]:
     batch = bool(body.tokens) and isinstance(body.tokens[0], list)
     rows: list[list[int]] = body.tokens if batch else [body.tokens]  # type: ignore[assignment,list-item]
+    rt.check_items(len(rows), "token lists")
     vocab = rt.service.vocab_size
     for t in (t for row in rows for t in row):
         if not 0 <= t < vocab:
@@ -56,7 +69,7 @@ async def detokenize(body: DetokenizeRequest, rt: RuntimeDep) -> dict[str, Any]:
 
 @router.post("/apply_chat_template")
 async def apply_chat_template(body: ChatTemplateRequest, rt: RuntimeDep) -> dict[str, Any]:
-    return {"text": _chat_text(rt, body.messages, body.add_generation_prompt)}
+    return {"text": await rt.parse(_chat_text, rt, body.messages, body.add_generation_prompt)}
 
 
 def _chat_text(rt: Runtime, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:

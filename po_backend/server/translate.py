@@ -39,8 +39,11 @@ def unique(ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def parse_bias(bias: dict[str, float] | None, vocab_size: int, where: str) -> dict[int, float]:
-    """OpenAI/SGLang `logit_bias` ({"token id": bias in [-100, 100]}) as {token id: bias}."""
+def parse_bias(bias: dict[str, float] | None, vocab_size: int, where: str, limit: int) -> dict[int, float]:
+    """OpenAI/SGLang `logit_bias` ({"token id": bias in [-100, 100]}) as {token id: bias}, at most
+    `limit` entries (each biased token is scored and ranked for every prompt it applies to)."""
+    if bias and len(bias) > limit:
+        raise bad(f"{where} has {len(bias)} entries, more than the limit of {limit} (--max-logit-bias)")
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:
