@@ -31,7 +31,7 @@ from benchmarks.workloads import label_ids, wl1, wl2
 from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import DEFAULT_BATCH_MIN_SHARE
 from po_backend.sched.scheduler import SchedulerConfig
-from po_backend.serving.jct_profile import load_or_profile
+from po_backend.serving.jct_profile import startup_jct
 from po_backend.serving.loop import EngineLoop
 from po_backend.sim.simulator import PrefixLRU, simulate
 
@@ -71,10 +71,12 @@ class Runner:
     def __init__(self, args: argparse.Namespace, pool: int) -> None:
         self.simulated = args.simulate
         self.engine = harness.load_engine(pool)
+        self.model: Any
         if self.simulated:
             self.model, self.source = harness.sim_step_model(harness.RESULTS / "schedule.json", self.engine)
         else:
-            self.model, self.source = load_or_profile(self.engine), "this machine's JCT profile"
+            # The server's start-up rule: a persisted profile, else a quick estimate refined online
+            self.model, self.source = startup_jct(self.engine, "po"), "the server's start-up JCT model"
         self.pool = pool
 
     def __call__(self, cfg: SchedulerConfig, trace: list[tuple[float, ScoreRequest]]) -> list[float]:
