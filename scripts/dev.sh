@@ -62,7 +62,7 @@ gpu_check() {
     "$gvenv/bin/python" -m pip install -q --no-index --find-links "$wheels" --no-deps \
         -r "$root/requirements-gpu-check.txt"
     cd "$root"
-    exec "$gvenv/bin/python" -m benchmarks.gpu_check "$@"
+    exec "$gvenv/bin/python" -m scripts.gpu_check "$@"
 }
 
 cmd=${1:-demo}
