@@ -137,6 +137,10 @@ def test_task_detection_and_override(classifiers, tiny_model, tmp_path: Path) ->
         detect_task(lm_cfg, None, "classify")
     with pytest.raises(UnsupportedModelError, match="supported: .*--task"):
         detect_task({**lm_cfg, "architectures": ["LlamaForTokenClassification"]}, None)
+    from po_backend.engine.hf_scorer import HFScorer
+
+    with pytest.raises(UnsupportedModelError, match="backend prefillonly"):
+        HFScorer.from_pretrained(cls_path)
     # The setting, and vLLM's / SGLang's names for it, reach the engine.
     engine = Engine.from_pretrained(cls_path, dtype="fp32", task="embed")
     assert engine.task.kind == "embed" and not hasattr(engine.model, "score")

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
+from po_backend.core.errors import UnsupportedModelError
 from po_backend.core.request import ScoreRequest, ScoreResult, validate_request
 from po_backend.engine.config import parse_dtype
 from po_backend.engine.device import resolve_device
 from po_backend.engine.engine import EngineStats
-from po_backend.engine.models.loader import load_tokenizer, resolve_model_dir
+from po_backend.engine.models.loader import load_tokenizer, read_task, resolve_model_dir
 from po_backend.engine.outputs import PromptSpan, score_result
 
 
@@ -45,6 +46,12 @@ class HFScorer:
         from transformers import AutoModelForCausalLM
 
         model_dir = resolve_model_dir(path)
+        task = read_task(model_dir)
+        if task.pooled:  # an LM head is what this baseline scores through
+            raise UnsupportedModelError(
+                f"backend hf (the transformers baseline) scores label tokens of a causal LM; this model's "
+                f"task is {task.kind!r}: serve it with --backend prefillonly"
+            )
         dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt)
