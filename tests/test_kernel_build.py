@@ -189,3 +189,20 @@ def test_the_real_build(cache: Path, monkeypatch) -> None:
     assert attention_cpu.load_kernel(), "the kernel failed to build (see the logged warning)"
     assert hasattr(torch.ops.po_attn, "fwd")
     assert (attention_cpu._build_dir() / "po_attention_bf16.so").is_file()
+
+
+def test_cpu_classes_decide_dtype_and_attention(monkeypatch) -> None:
+    """`--dtype auto` and the attention choice per CPU class, from the flags alone."""
+    from po_backend.core import cpu
+    from po_backend.engine import config
+
+    avx2 = frozenset({"avx2", "fma"})
+    for flags, klass, auto, attn in (
+        (avx2, "AVX2-only", torch.float32, "sdpa"),
+        (EPYC, "AVX512-BF16", torch.bfloat16, "kernel"),
+        (XEON, "AMX", torch.bfloat16, "sdpa"),
+    ):
+        assert cpu.cpu_class(flags) == klass
+        monkeypatch.setattr(cpu, "cpu_flags", lambda f=flags: f)
+        assert config.parse_dtype("auto", CPU) == auto
+        assert attention_cpu.choose(torch.bfloat16, CPU, flags) == attn
