@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, save, wait_for_quiet
+from po_backend.core.cpu import cpu_class
+from po_backend.engine import attention_cpu
 from po_backend.engine.config import ModelConfig, parse_dtype
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory
@@ -259,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = {name: parse_dtype(None if name == "auto" else name, dev) for name in names}
     dtype = dtypes[names[0]]
     print(f"device: {describe(dev)}")
+    if dev.type == "cpu":  # what --dtype auto and the attention choice are on this CPU class
+        head_dim = read_config(resolve_model_dir("embedded")).head_dim
+        for name, dt in dtypes.items():
+            c = attention_cpu.decide(dt, dev, head_dim)
+            print(f"CPU class {cpu_class()}: --dtype {name} -> {dt}; attention {c.attention} ({c.reason})")
     # fp32 and bf16 whatever runs: the CPU decides which one the engine uses (bf16 only where it
     # is native); a GPU's fp16 default (compute capability < 8) is added when it runs.
     roofs = {

@@ -1,5 +1,6 @@
 """A bounded loopback soak of one server: mixed small and big calls, client disconnects, cache
-flushes, oversized and malformed bodies, `/health` probed throughout, then SIGTERM mid-load.
+flushes, the hostile calls of `hostile` (each over a per-call bound), `/health` probed every 0.1 s
+throughout, then SIGTERM mid-load.
 
     python -m benchmarks.bench_soak [--duration 300] [--model-path embedded]
 
@@ -34,18 +35,42 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def call(rng: random.Random, big: bool) -> tuple[str, Any, str]:
-    """(path, body, kind) of one call; a few are deliberately bad."""
-    roll = rng.random()
-    if roll < 0.03:
-        return "/generate", b'{"text": "broken', "malformed"
-    if roll < 0.05:
-        return "/generate", {"text": "x" * (5 << 20)}, "oversized"  # over --max-body-bytes 4 MiB
+def hostile(rng: random.Random) -> tuple[str, str, Any, str]:
+    """(method, path, body, kind) of one call a hostile client sends: each is over a per-call bound
+    (tests/test_hardening2.py checks each one's status and message), so it must be refused fast with
+    a 4xx while everyone else is served."""
+    ids = [rng.randrange(100, 40000) for _ in range(2048)]
+    calls: list[tuple[str, str, Any, str]] = [
+        ("POST", "/generate", {"input_ids": ids[:8],
+         "sampling_params": {"logit_bias": {str(i): 1.0 for i in range(49151)}}}, "logit_bias"),
+        ("POST", "/v1/score", {"query": ids[:16], "items": [ids[16:24]] * 32,
+         "label_token_ids": list(range(49151))}, "labels_x_items"),
+        ("POST", "/generate", {"input_ids": [ids] * 8, "return_logprob": True, "logprob_start_len": 0,
+         "top_logprobs_num": 20}, "prompt_logprobs"),
+        ("POST", "/v1/classify", {"prompt": [f"Post {i}: {text(rng, 5)}\nAnswer:" for i in range(1024)],
+         "labels": ["strongly agree", "mildly agree", "no opinion at all", "mildly disagree",
+                    "strongly disagree"]}, "never_fits_queue"),
+        ("POST", "/v1/classify", {"prompt": "Answer:", "labels": ["yes", "word " * 5000]}, "long_label"),
+        ("POST", "/generate", b'{"input_ids": [' + b"12345, " * 300_000 + b'1], "rid": "\\ud800"}',
+         "surrogate_body"),
+        ("POST", "/generate", b"[" * 100_000 + b"]" * 100_000, "deep_json"),
+        ("POST", "/generate", {"text": "x" * (5 << 20)}, "oversized"),  # over --max-body-bytes 4 MiB
+        ("POST", "/health", b"x" * (1 << 20), "wrong_method"),
+        ("GET", "/flush_cache", None, "flush_by_get"),
+        ("POST", "/generate", b'{"text": "broken', "malformed"),
+    ]  # fmt: skip
+    return rng.choice(calls)
+
+
+def call(rng: random.Random, big: bool) -> tuple[str, str, Any, str]:
+    """(method, path, body, kind) of one call; some are hostile."""
+    if rng.random() < 0.08:
+        return hostile(rng)
     if big:
         profile = "User profile: " + text(rng, 400) + "\nWill the user like this post?\n"
         items = [f"Post: {text(rng, 20)}\nAnswer:" for _ in range(40)]
-        return "/v1/score", {"query": profile, "items": items, "label_token_ids": [5, 6]}, "big"
-    return "/generate", {"text": text(rng, 12), "sampling_params": {"max_new_tokens": 1}}, "small"
+        return "POST", "/v1/score", {"query": profile, "items": items, "label_token_ids": [5, 6]}, "big"
+    return "POST", "/generate", {"text": text(rng, 12), "sampling_params": {"max_new_tokens": 1}}, "small"
 
 
 async def soak(
@@ -63,13 +88,14 @@ async def soak(
         httpx.AsyncClient(base_url=url, timeout=10) as prober,
     ):
 
-        async def one(path: str, body: Any, kind: str, abandon: bool) -> None:
+        async def one(method: str, path: str, body: Any, kind: str, abandon: bool) -> None:
             t0 = time.monotonic()
             rec: dict[str, Any] = {"kind": kind, "t": t0, "status": None, "abandoned": abandon}
             records.append(rec)
-            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            content = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
             try:
-                req = client.post(path, content=content, headers={"content-type": "application/json"})
+                headers = {"content-type": "application/json"}
+                req = client.request(method, path, content=content, headers=headers)
                 r = await (asyncio.wait_for(req, 0.05) if abandon else req)
                 rec["status"], rec["latency"] = r.status_code, time.monotonic() - t0
             except TimeoutError:
@@ -85,25 +111,34 @@ async def soak(
                     health.append(time.monotonic() - t0)
                 except httpx.HTTPError:
                     health.append(float("inf"))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.1)
 
         tasks = [asyncio.ensure_future(probe())]
         while time.monotonic() < end:
-            path, body, kind = call(rng, big=rng.random() < big_share)
-            tasks.append(asyncio.ensure_future(one(path, body, kind, abandon=rng.random() < 0.05)))
+            method, path, body, kind = call(rng, big=rng.random() < big_share)
+            tasks.append(asyncio.ensure_future(one(method, path, body, kind, abandon=rng.random() < 0.05)))
             if rng.random() < 0.01:
-                tasks.append(asyncio.ensure_future(one("/flush_cache", {}, "flush", False)))
+                tasks.append(asyncio.ensure_future(one("POST", "/flush_cache", {}, "flush", False)))
             await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         await asyncio.gather(*tasks)
     return records, health
 
 
 async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]:
-    """A burst of `n` small calls, SIGTERM while they are queued: each gets 200 or 503."""
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=n)) as client:
+    """A burst of `n` small calls, SIGTERM once the server has taken all of them: each gets 200
+    or 503 (SIGTERM closes the listening socket, so a call not yet read would be refused)."""
+    async with httpx.AsyncClient(
+        base_url=url, timeout=120, limits=httpx.Limits(max_connections=n + 1)
+    ) as client:
+
+        async def submitted() -> int:  # every request the server took, under the loop's lock
+            return int((await client.get("/server_info")).json()["internal_states"][0]["submitted"])
+
         body = {"text": "a short prompt to score", "sampling_params": {"max_new_tokens": 1}}
+        before, deadline = await submitted(), time.monotonic() + 120
         tasks = [asyncio.ensure_future(client.post("/generate", json=body)) for _ in range(n)]
-        await asyncio.sleep(0.5)
+        while await submitted() - before < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         out = await asyncio.gather(*tasks, return_exceptions=True)
     return Counter(str(r.status_code) if isinstance(r, httpx.Response) else "lost" for r in out)
@@ -167,6 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         "small_p50_s": float(np.percentile(small, 50)) if small else None,
         "small_p99_s": float(np.percentile(small, 99)) if small else None,
         "health_p50_ms": float(np.percentile(health, 50)) * 1e3 if health else None,
+        "health_p99_ms": float(np.percentile(health, 99)) * 1e3 if health else None,
+        "hostile": {
+            k: dict(Counter(str(r["status"]) for r in records if r["kind"] == k))
+            for k in sorted({r["kind"] for r in records} - {"small", "big", "flush"})
+        },
         "health_max_ms": max(health) * 1e3 if health else None,
         "sigterm_burst": dict(drained),
         "exit_code": code,

@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from benchmarks.workloads import Item
-from po_backend.core.cpu import cpu_flags, cpu_model
+from po_backend.core.cpu import cpu_class, cpu_flags, cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
 from po_backend.entrypoints.launch_cluster import worker_command
@@ -72,6 +72,7 @@ def machine_info() -> dict[str, Any]:
     flags = cpu_flags()
     return {
         "cpu": cpu_model(),
+        "cpu_class": cpu_class(),
         "arch": platform.machine(),
         "flags": {
             f: f in flags

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -77,10 +78,10 @@ def run_tests(device: torch.device) -> dict[str, Any]:
     }
 
 
-def run_bench(device: torch.device, quick: bool, out: Path) -> dict[str, Any]:
+def run_bench(device: torch.device, quick: bool, out: Path, extra: list[str]) -> dict[str, Any]:
     """bench_mil on the device in its own process (each configuration in a fresh child)."""
     cmd = [sys.executable, "-m", "benchmarks.bench_mil", "--device", str(device), "--out", str(out)]
-    cmd += ["--quiet-wait", "0"] + (["--quick"] if quick else [])
+    cmd += ["--quiet-wait", "0"] + (["--quick"] if quick else []) + extra
     proc = subprocess.run(cmd, cwd=REPO_ROOT, text=True)
     if proc.returncode != 0 or not out.exists():
         return {"ok": False, "detail": f"bench_mil exited {proc.returncode}"}
@@ -108,7 +109,10 @@ def render(device: torch.device, tests: dict[str, Any], bench: dict[str, Any], c
     if doc is None:
         lines.append(f"- {bench.get('detail', 'no result')}")
         return "\n".join(lines) + "\n"
-    roofs = ", ".join(f"{k} {v / 1e3:.1f} TFLOP/s" for k, v in doc["gemm_peak_gflops"].items())
+    roofs = ", ".join(
+        f"{k} {v / 1e3:.1f} TFLOP/s" if v >= 1e3 else f"{k} {v:.0f} GFLOP/s"
+        for k, v in doc["gemm_peak_gflops"].items()
+    )
     lines += [
         "",
         f"GEMM peak on the device (x @ W.t()): {roofs}. Embedded SmolLM2-135M, one cold forward per row.",
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda | cuda:N (cpu: a rehearsal of the check itself)")
     ap.add_argument("--quick", action="store_true", help="bench_mil at 256 and 512 tokens only")
+    ap.add_argument(
+        "--bench-args", default="", help="more bench_mil flags, e.g. '--lengths 1024,16384 --dtype bf16,fp32'"
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the markdown to paste into REPORT.md")
     args = ap.parse_args(argv)
     try:
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
     ).stdout.strip()
     tests = run_tests(device)
-    bench = run_bench(device, args.quick, args.out.with_suffix(".json"))
+    bench = run_bench(device, args.quick, args.out.with_suffix(".json"), shlex.split(args.bench_args))
     md = render(device, tests, bench, commit or "unknown")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(md)

@@ -7,8 +7,10 @@ cache probes, and /health failing when every recent step failed."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +26,7 @@ from po_backend import Engine, ScoreRequest
 from po_backend.core.request import ScoreResult
 from po_backend.sched.jct import JCTModel
 from po_backend.serving.loop import FAILING_STEPS, EngineLoop
-from tests.server_utils import FakeService, ServerProcess, error_message
+from tests.server_utils import REPO_ROOT, FakeService, ServerProcess, error_message
 
 TIMEOUT = 60.0  # only hit when something hangs
 T = TypeVar("T")
@@ -347,3 +349,53 @@ def test_host_check_and_our_error_shape_for_what_the_framework_answers() -> None
         assert r.status_code == 405 and "POST" in r.headers["allow"] and error_message(r)
     with pytest.raises(ValueError, match="allowed_hosts"):
         ServerArgs(engine=Settings(model_path="m"), allowed_hosts=("a.*.com",))
+
+
+# ---- launch_cluster: one key for the data plane, another for the router's control plane -----------
+
+
+@pytest.mark.slow
+def test_cluster_keys_reach_router_and_workers_by_environment_only(tokenized_llama: Path) -> None:
+    import psutil
+
+    from po_backend.entrypoints import spawn
+
+    key, admin = "data-key-123", "admin-key-456"
+    port = spawn.free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "po_backend.entrypoints.launch_cluster",
+        "--model-path",
+        str(tokenized_llama),
+    ]
+    cmd += ["--port", str(port), "--workers", "1", "--dtype", "fp32", "--max-input-len", "256"]
+    env = {**os.environ, "PREFILLONLY_API_KEY": key, "PREFILLONLY_ROUTER_ADMIN_KEY": admin}
+    launcher = spawn.ServerProcess(
+        cmd, f"http://127.0.0.1:{port}", env=env, cwd=REPO_ROOT, health_path="/get_model_info"
+    )
+    launcher.start()
+    assert launcher.proc is not None
+    try:
+        # The start-up wait through the router sends the key too (it would never answer 200 without).
+        launcher.wait_ready(240, headers={"Authorization": f"Bearer {key}"})
+        url = launcher.url
+        children = psutil.Process(launcher.proc.pid).children(recursive=True)
+        lines = [" ".join(c.cmdline()) for c in children]
+        assert lines and not any(key in x or admin in x for x in lines), lines  # `ps` shows no key
+        data = {"Authorization": f"Bearer {key}"}
+        body = {"input_ids": [5, 6, 7]}
+        assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 401
+        assert httpx.post(url + "/generate", json=body, headers=data, timeout=60).status_code == 200
+        # The control plane takes the admin key only, not the data plane's.
+        for headers in ({}, data):
+            r = httpx.post(url + "/workers", json={"url": "http://127.0.0.1:1"}, headers=headers, timeout=30)
+            assert r.status_code in (401, 403), (headers, r.status_code, r.text)
+            assert httpx.post(url + "/flush_cache", headers=headers, timeout=30).status_code in (401, 403)
+        r = httpx.post(url + "/flush_cache", headers={"Authorization": f"Bearer {admin}"}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        for child in psutil.Process(launcher.proc.pid).children(recursive=True):
+            child.kill()
+        launcher.proc.kill()
+        launcher.proc.wait()

@@ -130,3 +130,55 @@ def test_bf16_scores_do_not_tie(embedded_fp32: Engine, embedded_bf16: Engine) ->
     }
     assert len(set(p_yes["bf16"])) == len(posts)
     assert max(abs(a - b) for a, b in zip(p_yes["bf16"], p_yes["fp32"], strict=True)) < 0.1
+
+
+def _hit_and_cold(engine: Engine, prefix: list[int], items: list[list[int]], labels: list[int]) -> float:
+    """Largest |log-prob difference| between items scored over their cached prefix and the same
+    prompts computed from scratch, on one engine."""
+    lab = tuple(labels)
+    cold = []
+    for s in items:
+        engine.flush_cache()
+        cold += engine.run([ScoreRequest(tuple(prefix + s), lab)])
+    engine.flush_cache()
+    engine.run([ScoreRequest(tuple(prefix), lab, cache_prefix_len=len(prefix))])
+    hit = engine.run([ScoreRequest(tuple(prefix + s), lab, cache_prefix_len=len(prefix)) for s in items])
+    assert all(r.cached_tokens == len(prefix) for r in hit), "the prefix was not read from the cache"
+    return max(
+        abs(a - b)
+        for h, c in zip(hit, cold, strict=True)
+        for a, b in zip(h.logprobs, c.logprobs, strict=True)
+    )
+
+
+def test_bf16_residual_stream_is_fp32(tiny_model) -> None:
+    """bf16 weights and matmuls, fp32 residual stream (the default): the hidden states the runner
+    returns are fp32, a cache hit agrees with the cold run within 0.02 log-prob, and the result is
+    closer to fp32 than the all-bf16 stream's. (CPUs without the bf16 kernel also run attention's
+    softmax in fp32 then: SDPA's bf16 rounding depends on how the keys are split.)"""
+    path, _ = tiny_model("llama")
+    e32 = Engine.from_pretrained(path, dtype="fp32")
+    e16 = Engine.from_pretrained(path, dtype="bf16")
+    all16 = Engine.from_pretrained(path, dtype="bf16", residual_dtype="model")
+    chunked = Engine.from_pretrained(path, dtype="bf16", prefill_mode="chunked")
+    assert e16.config.residual_dtype == "fp32" and e16.runner.resid_dtype == torch.float32
+    assert chunked.runner.resid_dtype == torch.float32
+    assert all16.runner.resid_dtype == torch.bfloat16 and e32.runner.resid_dtype == torch.float32
+    seen: list[torch.dtype] = []
+    forward = e16.runner.forward
+    e16.runner.forward = lambda *a: seen.append((h := forward(*a)).dtype) or h  # type: ignore[method-assign]
+    prefix, *items = _prompts(e16.vocab_size, [120, 5, 17, 40, 1], seed=7)
+    labels = list(range(0, 300, 30))
+    assert _hit_and_cold(e16, prefix, items, labels) <= 0.02
+    assert seen and set(seen) == {torch.float32}
+    prompts = [prefix + s for s in items]
+
+    def worst(e: Engine) -> float:
+        return max(
+            abs(x - y)
+            for a, b in zip(e32.score(prompts, labels), e.score(prompts, labels), strict=True)
+            for x, y in zip(a.logprobs, b.logprobs, strict=True)
+        )
+
+    assert worst(e16) < worst(all16)
+    assert worst(chunked) < worst(all16)

@@ -87,6 +87,7 @@ CASES: list[tuple[list[str], dict[str, Any], dict[str, Any]]] = [
     (["--chunked-prefill-size", "256"], {"chunked_prefill_size": 256}, {"chunk_size": 256}),
     (["--chunked-prefill-size", "-1"], {"chunked_prefill_size": -1}, {"chunk_size": 0}),
     (["--prefill-mode", "chunked"], {"prefill_mode": "chunked"}, {"prefill_mode": "chunked"}),
+    (["--residual-dtype", "model"], {"residual_dtype": "model"}, {"residual_dtype": "model"}),
     (["--no-enable-cache"], {"enable_cache": False}, {"enable_cache": False}),
     (["--disable-radix-cache"], {"disable_radix_cache": True}, {"enable_cache": False}),
     (["--cache-policy", "declared"], {"cache_policy": "declared"}, {"cache_policy": "declared"}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import platform
 from pathlib import Path
+from typing import Literal
 
 _CPUINFO = Path("/proc/cpuinfo")
 
@@ -39,3 +40,20 @@ def cpu_flags() -> frozenset[str]:
 def cpu_has_fast_bf16() -> bool:
     """AVX512-bf16 or AMX make bf16 GEMMs ~3.5x faster than fp32 on CPU; without them bf16 is slow."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+CpuClass = Literal["AMX", "AVX512-BF16", "AVX2-only", "other"]
+
+
+def cpu_class(flags: frozenset[str] | None = None) -> CpuClass:
+    """The class that decides `--dtype auto` and the attention kernel: AMX (bf16 GEMMs and SDPA on
+    the AMX tiles), AVX512-BF16 without AMX (bf16 GEMMs on vdpbf16ps; SDPA's bf16 at fp32 speed,
+    so the bf16 attention kernel), AVX2-only (bf16 emulated: fp32), other (no x86 flags)."""
+    f = cpu_flags() if flags is None else flags
+    if "amx_bf16" in f:
+        return "AMX"
+    if "avx512_bf16" in f:
+        return "AVX512-BF16"
+    if "avx2" in f:
+        return "AVX2-only"
+    return "other"

@@ -53,6 +53,7 @@ DEFAULT_PRIORITY = 0
 BACKENDS = ("prefillonly", "hf")
 PREFILL_MODES = ("hybrid", "chunked")
 CACHE_POLICIES = ("all-but-last-k", "declared", "none")
+RESIDUAL_DTYPES = ("fp32", "model")
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_MAX_QUEUE = 4096
 
@@ -130,6 +131,14 @@ class Settings:
         metadata=flag(
             "hybrid: the paper's hybrid prefilling; chunked: Sarathi-style chunked prefill (baseline)",
             choices=PREFILL_MODES,
+        ),
+    )
+    residual_dtype: str = field(
+        default="fp32",
+        metadata=flag(
+            "with bf16/fp16 weights: fp32 keeps the residual stream and norms in fp32 (rankings as "
+            "fp32's; matmuls stay bf16); model rounds them to the weights' dtype (transformers' way)",
+            choices=RESIDUAL_DTYPES,
         ),
     )
     enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache"))
@@ -230,6 +239,8 @@ class Settings:
             raise ValueError(f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
         if self.cache_policy is not None and self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if self.mem_fraction_static is not None:
@@ -262,6 +273,7 @@ class Settings:
             "memory_budget": self.memory_budget,
             "chunk_size": self.chunk_size,
             "prefill_mode": self.prefill_mode,
+            "residual_dtype": self.residual_dtype,
             "enable_cache": self.enable_cache,
             "cache_policy": self.cache_policy,
             "prefix_pool_tokens": self.prefix_pool_tokens,

@@ -23,12 +23,14 @@ attention with its log-sum-exp depends on the device (`lse_attention`):
   plain torch ops over blocks of query rows, at most `FALLBACK_BLOCK_ELEMS` scores at a time, so
   its memory is a constant the activation bound counts (`fallback_scratch_bytes`).
 
-Sliding windows and soft-capping (Gemma 2/3, Phi-3): a layer whose keys may lie outside its window,
-or that soft-caps its scores (`cap * tanh(s / cap)`, which no fused kernel here applies), runs
-`windowed_attend`: plain torch over blocks of query rows, each reading only the keys its window
-reaches (the cached prefix and the item's own keys as two reads, never concatenated), fp32 scores
-and softmax in transformers' order. A sliding layer whose sequences all fit in the window is plain
-causal attention and keeps the fast paths above. The dispatch rule is `needs_masking`.
+Sliding windows and soft-capping (Gemma 2/3, Phi-3, Mistral v0.1): a layer whose keys may lie
+outside its window, or that soft-caps its scores (`cap * tanh(s / cap)`, which no fused kernel
+here applies), runs `windowed_attend` over blocks of query rows, each reading only the keys its
+window reaches (copied only for a block whose window crosses from the cached prefix into the
+item, so at most rows + window keys): SDPA with the block's mask for a window alone, plain torch
+with fp32 scores and softmax in transformers' order for soft-capping. A sliding layer whose
+sequences all fit in the window is plain causal attention and keeps the fast paths above. The
+dispatch rule is `needs_masking`.
 """
 
 from __future__ import annotations
@@ -216,13 +218,14 @@ def attend(
     """
     if prefix_k is not None and prefix_v is None:
         raise ValueError("prefix_k given without prefix_v")
+    k, v, prefix_k, prefix_v = _like_q(q, k, v, prefix_k, prefix_v)
     p = 0 if prefix_k is None else prefix_k.shape[0]
     if needs_masking(p + q.shape[0], window, softcap):
         _masked_fallback_note(q)
         windowed_attend(q, k, v, out, scale, prefix_k, prefix_v, window, softcap)
         return
     prefix = None if prefix_k is None or prefix_v is None else (prefix_k, prefix_v)
-    if attention_cpu.supported(q):
+    if attention_cpu.supported(q, k, v, prefix_k, prefix_v):
         attention_cpu.attend(q, k, v, out, scale, prefix)
         return
     n, heads, d = q.shape
@@ -235,6 +238,31 @@ def attend(
     for hs, qj, kj, vj in _per_kv_head(q, k, v):
         o = F.scaled_dot_product_attention(qj, kj, vj, attn_mask=mask, is_causal=mask is None, scale=scale)
         o3[:, hs].copy_(o.squeeze(0).transpose(0, 1))
+
+
+@functools.cache
+def _warn_cast(q: torch.dtype, kv: torch.dtype) -> None:
+    log.warning("attention: K/V in %s, queries in %s: K/V are cast to the queries' dtype", kv, q)
+
+
+def _cast(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == q.dtype:
+        return t
+    _warn_cast(q.dtype, t.dtype)
+    return t.to(q.dtype)
+
+
+def _like_q(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor | None, pv: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """K/V in the queries' dtype (a cast copy where they differ, e.g. a pool in another dtype):
+    every attention path below takes one dtype."""
+    return (
+        _cast(q, k),
+        _cast(q, v),
+        None if pk is None else _cast(q, pk),
+        None if pv is None else _cast(q, pv),
+    )
 
 
 def _empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,13 +393,15 @@ def attend_items(
     in one call (each query's online softmax runs on from the prefix into its own item, nothing
     to merge), else `lse_attention`. window/softcap: items whose keys need them run
     `windowed_attend` one by one, each reading only the part of the prefix its window reaches."""
+    k, v = _cast(q, k), _cast(q, v)
+    prefix_k, prefix_v = _cast(q, prefix_k), _cast(q, prefix_v)
     longest = max(b - a for a, b in bounds)
     if needs_masking(prefix_k.shape[0] + longest, window, softcap):
         _masked_fallback_note(q)
         for a, b in bounds:
             windowed_attend(q[a:b], k[a:b], v[a:b], out[a:b], scale, prefix_k, prefix_v, window, softcap)
         return
-    if partial is None and attention_cpu.supported(q):
+    if partial is None and attention_cpu.supported(q, k, v, prefix_k, prefix_v):
         attention_cpu.attend_items(q, k, v, out, scale, bounds, (prefix_k, prefix_v))
         return
     if partial is None:

@@ -9,10 +9,14 @@ cost, scores rounded to bf16 by the GEMM, elementwise passes over the score tile
 keeps the scores in fp32 registers between the two dot-product passes.
 
 Build: `torch.utils.cpp_extension.load` compiles the kernel into a per-user cache
-(`$PREFILLONLY_CACHE` or `~/.cache/prefillonly`, under `ext/<torch version>/`) the first time a
-bf16 attention runs on a CPU with avx512_bf16; later processes load the cached library. No
-install step compiles anything: without a compiler, or if the build fails, one warning is logged
-and attention stays on SDPA (`po_backend.engine.attention`).
+(`$PREFILLONLY_CACHE` or `~/.cache/prefillonly`, under `ext/po_attention_bf16-<hash>/`, the hash
+of the source, the compiler and its flags and torch's version) when an engine that will use it
+starts (`decide`), never inside a request; later processes load the cached library. Builds of
+one folder take turns under an OS file lock (`fcntl.flock`, released when its holder dies; the
+wait is bounded by $PO_KERNEL_LOCK_TIMEOUT seconds). A cache folder owned by another user or
+writable by others is refused: the library loaded from it could be theirs. No install step
+compiles anything: without a compiler, or if the build fails, one warning is logged and
+attention stays on SDPA (`po_backend.engine.attention`).
 
 Used for: bf16 on a CPU with avx512_bf16 and no AMX (with AMX, SDPA's own kernel uses AMX), head
 dims that are multiples of 64. Everything else (fp32, AVX2-only CPUs, fp16, other devices)
@@ -26,11 +30,17 @@ read in place (the runner's q/k/v are views of one packed buffer).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
+import stat
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +54,13 @@ log = logging.getLogger(__name__)
 CpuAttention = Literal["kernel", "sdpa"]
 _ENV = "PO_CPU_ATTENTION"
 _SOURCE = Path(__file__).parent / "csrc" / "attention_bf16.cpp"
-_STALE_LOCK_S = 600.0  # a build takes ~10 s; a lock this old belongs to a dead process
+_NAME = "po_attention_bf16"
+_CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
+_LDFLAGS = ("-fopenmp",)
+# A build takes ~10 s on one core; a wait this long means a stuck build, not a slow one.
+_LOCK_TIMEOUT_S = 300.0
+_LOCK_TIMEOUT_ENV = "PO_KERNEL_LOCK_TIMEOUT"
+HEAD_DIM_MULTIPLE = 64  # the kernel's P@V step writes 64 output dims per pass
 _EMPTY_I32 = torch.empty(0, dtype=torch.int32)  # no item starts: plain causal
 _NO_LSE = torch.empty(0, 0)  # the kernel's log-sum-exp output, when none is wanted
 
@@ -68,11 +84,103 @@ def choose(dtype: torch.dtype, device: torch.device, flags: frozenset[str] | Non
     return "sdpa" if "amx_bf16" in f else "kernel"
 
 
-def _build_dir() -> Path:
+@dataclass(frozen=True)
+class Choice:
+    """Which attention a CPU engine runs for its dtype and head dim, and why (the start-up log)."""
+
+    attention: CpuAttention
+    reason: str
+
+
+def decide(
+    dtype: torch.dtype, device: torch.device, head_dim: int, flags: frozenset[str] | None = None
+) -> Choice:
+    """`choose`, for a model's head dim, with the kernel built (or loaded) if it is chosen: the
+    engine calls this once at start-up, so no request ever waits for a build."""
+    f = cpu_flags() if flags is None else flags
+    if device.type != "cpu":
+        return Choice("sdpa", f"{device.type}: torch's fused attention")
+    if dtype != torch.bfloat16:
+        return Choice("sdpa", f"{str(dtype).removeprefix('torch.')}: the kernel is bf16-only")
+    if choose(dtype, device, f) == "sdpa":
+        if "avx512_bf16" not in f:
+            return Choice("sdpa", "the CPU has no avx512_bf16 (bf16 is emulated: prefer fp32 here)")
+        if os.environ.get(_ENV, "auto") == "sdpa":
+            return Choice("sdpa", f"{_ENV}=sdpa")
+        return Choice("sdpa", "AMX: SDPA's own bf16 kernel runs on the AMX tiles")
+    if head_dim % HEAD_DIM_MULTIPLE:
+        log.warning(
+            "head dim %d is not a multiple of %d (the kernel's tile width): bf16 attention falls back to SDPA",
+            head_dim,
+            HEAD_DIM_MULTIPLE,
+        )
+        return Choice("sdpa", f"head dim {head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}")
+    if not load_kernel():
+        return Choice("sdpa", "the kernel could not be built or loaded (see the warning above)")
+    why = f"{_ENV}=kernel" if os.environ.get(_ENV, "auto") == "kernel" else "AVX512-BF16 without AMX"
+    return Choice("kernel", why)
+
+
+def cache_root() -> Path:
     env = os.environ.get("PREFILLONLY_CACHE")
-    root = Path(env) if env else Path.home() / ".cache" / "prefillonly"
-    # A library built against one torch must not be loaded by another.
-    return root / "ext" / f"torch-{torch.__version__.replace('+', '-')}"
+    return Path(env) if env else Path.home() / ".cache" / "prefillonly"
+
+
+def build_key() -> str:
+    """What the library depends on: the source, the compiler and its flags, torch's version.
+    Two checkouts with different kernel sources (or torch versions) never share a library."""
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (*_CFLAGS, *_LDFLAGS, os.environ.get("CXX", "c++"), torch.__version__):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def _build_dir() -> Path:
+    return cache_root() / "ext" / f"{_NAME}-{build_key()}"
+
+
+class UnsafeCacheError(RuntimeError):
+    """A folder the library would be loaded from that another user could write to."""
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` (mode 0700) or check it: a library loaded from a folder that someone else
+    owns or may write to could be theirs, so such a folder is refused, never used."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise UnsafeCacheError(
+            f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): refusing to "
+            "build or load the attention kernel there; set PREFILLONLY_CACHE to a folder of your own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheError(
+            f"{path} is writable by other users (mode {stat.filemode(st.st_mode)}): refusing to build "
+            f"or load the attention kernel there; chmod go-w {path} or set PREFILLONLY_CACHE"
+        )
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path, timeout: float) -> Iterator[None]:
+    """An exclusive OS lock on the build folder (released by the OS when its holder dies, so a
+    killed build never leaves a lock behind), waited for at most `timeout` seconds."""
+    fd = os.open(folder / ".po_build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process has held the kernel build lock in {folder} for more than "
+                        f"{timeout:.0f} s ({_LOCK_TIMEOUT_ENV} sets the wait)"
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _ninja_on_path() -> None:
@@ -98,26 +206,25 @@ def load_kernel() -> bool:
 
         _ninja_on_path()
         build = _build_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        # torch waits without a timeout while another process's build holds this lock; a build
-        # killed midway leaves it behind, which would hang every later process here.
-        lock = build / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            log.warning("removing a stale build lock %s", lock)
-            lock.unlink(missing_ok=True)
-        if not (build / "po_attention_bf16.so").is_file():
-            log.info("building the bf16 CPU attention kernel once into %s (about 10 s)", build)
-        cpp_extension.load(
-            name="po_attention_bf16",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:  # a compiler error, a missing header, ninja absent, a locked dir
-        log.warning("building the bf16 CPU attention kernel failed; attention stays on SDPA: %s", e)
+        for folder in (cache_root(), build.parent, build):
+            _private_dir(folder)
+        with _build_lock(build, float(os.environ.get(_LOCK_TIMEOUT_ENV, _LOCK_TIMEOUT_S))):
+            # torch's own lock file, left by a build killed midway, makes torch wait without a
+            # timeout; under our lock no other build of this folder runs, so it is stale.
+            (build / "lock").unlink(missing_ok=True)
+            if not (build / f"{_NAME}.so").is_file():
+                log.info("building the bf16 CPU attention kernel once into %s (about 10 s)", build)
+            cpp_extension.load(
+                name=_NAME,
+                sources=[str(_SOURCE)],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
+        log.warning("the bf16 CPU attention kernel is unavailable; attention stays on SDPA: %s", e)
         return False
     return hasattr(torch.ops.po_attn, "fwd")
 
@@ -127,12 +234,15 @@ def _note_head_dim(d: int) -> None:
     log.info("bf16 CPU attention kernel: head dim %d is not a multiple of 64; attention runs on SDPA", d)
 
 
-def supported(q: torch.Tensor) -> bool:
-    """Whether the kernel can take these queries (device, dtype, head dim) and is built; where it
-    would run but for the head dim, the reason is logged once."""
+def supported(q: Tensor, *kv: Tensor | None) -> bool:
+    """Whether the kernel can take these queries and keys/values (device, dtype, head dim) and is
+    built; where it would run but for the head dim, the reason is logged once. K/V in another
+    dtype than q (the kernel reads bf16 only) fall back."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or choose(q.dtype, q.device) != "kernel":
         return False
-    if q.shape[-1] % 64:
+    if any(t is not None and t.dtype != torch.bfloat16 for t in kv):
+        return False
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:
         _note_head_dim(q.shape[-1])
         return False
     return load_kernel()

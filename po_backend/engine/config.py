@@ -11,7 +11,7 @@ import torch
 
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
-from po_backend.core.settings import DEFAULT_CHUNK_SIZE
+from po_backend.core.settings import DEFAULT_CHUNK_SIZE, RESIDUAL_DTYPES
 from po_backend.engine.device import cuda_dtype, resolve_device
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k) for the Llama family
@@ -352,6 +352,21 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
 PrefillMode = Literal["hybrid", "chunked"]
 PREFILL_MODES: tuple[PrefillMode, ...] = ("hybrid", "chunked")
 
+ResidualDtype = Literal["fp32", "model"]  # the values of core.settings.RESIDUAL_DTYPES
+
+
+def resolve_residual(dtype: torch.dtype, residual: ResidualDtype) -> torch.dtype:
+    """The residual stream's dtype for weights in `dtype`. "fp32" keeps the stream (and so every
+    norm's input) in fp32 under bf16/fp16 weights, as llama.cpp keeps its activations: each layer
+    adds a rounded sublayer output to an unrounded sum, so the rounding error does not compound
+    over the layers into reordered rankings. "model" rounds the stream to `dtype` after every add
+    (what transformers does in bf16)."""
+    if residual not in RESIDUAL_DTYPES:
+        raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {residual!r}")
+    if residual == "fp32" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -384,6 +399,8 @@ class EngineConfig:
     # embedder's pooling (None: its sentence-transformers config, else last token).
     task: str = "auto"
     pooling: str | None = None
+    # The residual stream's dtype under bf16/fp16 weights (see `resolve_residual`).
+    residual_dtype: ResidualDtype = "fp32"
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")
@@ -391,6 +408,8 @@ class EngineConfig:
             raise ValueError(f"cache_policy must be one of {policies}, got {self.cache_policy!r}")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
         for name, low in (
             ("cache_last_k", 0),
             ("chunk_size", 0),  # 0 = no chunking

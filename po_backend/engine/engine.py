@@ -103,7 +103,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_path = model_path
-        self.runner = make_runner(model, config.device, config.chunk_size, config.prefill_mode)
+        self.runner = make_runner(
+            model, config.device, config.chunk_size, config.prefill_mode, config.residual_dtype
+        )
         self.cache: RadixCache | None = None
         self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
         self.activation_budget = 0

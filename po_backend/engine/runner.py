@@ -19,17 +19,21 @@ picks one from `EngineConfig.prefill_mode`.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from po_backend.engine import attention_cpu
 from po_backend.engine.attention import attend, attend_items, fallback_scratch_bytes, masked_scratch_bytes
 from po_backend.engine.cache.kv_pool import KVPool
-from po_backend.engine.config import PREFILL_MODES, ModelConfig, PrefillMode
+from po_backend.engine.config import PREFILL_MODES, ModelConfig, PrefillMode, ResidualDtype, resolve_residual
 from po_backend.engine.models.layers import Rotary
 from po_backend.engine.models.llama import HEAD_CHUNK_ELEMS, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,28 @@ class Runner(ABC):
 
     prefill_mode: ClassVar[PrefillMode]
 
-    def __init__(self, model: LlamaForCausalLM, device: torch.device, chunk_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        chunk_size: int,
+        residual_dtype: ResidualDtype = "fp32",
+    ) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = device
         self.dtype = model.embed_tokens.dtype
+        self.resid_dtype = resolve_residual(self.dtype, residual_dtype)
+        # Decided (and the bf16 CPU kernel built or loaded) here, at start-up, never in a request.
+        self.attention = attention_cpu.decide(self.dtype, device, self.cfg.head_dim)
+        self.attn_dtype = _attention_dtype(self.dtype, self.resid_dtype, device, self.attention)
+        log.info(
+            "attention: %s in %s (%s); residual stream in %s",
+            "the bf16 CPU kernel" if self.attention.attention == "kernel" else "torch SDPA",
+            _name(self.attn_dtype),
+            self.attention.reason,
+            _name(self.resid_dtype),
+        )
         self.chunk_size = chunk_size
         cfg = self.cfg
         # One Rotary per distinct RoPE (Gemma 3: the sliding layers' base differs), and each
@@ -100,7 +121,16 @@ class HybridRunner(Runner):
     prefill_mode: ClassVar[PrefillMode] = "hybrid"
 
     def activation_bound(self, n_tokens: int, prefix_tokens: int = 0) -> int:
-        return activation_bytes(self.cfg, self.dtype, n_tokens, self.chunk_size, prefix_tokens, self.device)
+        return activation_bytes(
+            self.cfg,
+            self.dtype,
+            n_tokens,
+            self.chunk_size,
+            prefix_tokens,
+            self.device,
+            self.resid_dtype,
+            self.attn_dtype,
+        )
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
@@ -120,7 +150,9 @@ class HybridRunner(Runner):
         chunk = min(self.chunk_size, total) if self.chunk_size > 0 else total
         bounds = [(a, min(a + chunk, total)) for a in range(0, total, chunk)]
 
-        h = torch.empty(total, cfg.hidden_size, dtype=dt, device=dev)
+        # The residual stream (h) may be wider than the weights (see `resolve_residual`): the
+        # norms read it in fp32 and each sublayer's output is added to it without rounding h.
+        h = torch.empty(total, cfg.hidden_size, dtype=self.resid_dtype, device=dev)
         for a, b in bounds:
             self.model.embed(ids[a:b], h[a:b])
         qkv = torch.empty(total, cfg.q_size + 2 * cfg.kv_size, dtype=dt, device=dev)
@@ -129,9 +161,16 @@ class HybridRunner(Runner):
         gate_up = torch.empty(chunk, 2 * cfg.intermediate_size, dtype=dt, device=dev)
         act = torch.empty(chunk, cfg.intermediate_size, dtype=dt, device=dev)
 
-        q_all = qkv[:, : cfg.q_size].view(total, cfg.num_heads, cfg.head_dim)
         k_all = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(total, cfg.num_kv_heads, cfg.head_dim)
         v_all = qkv[:, cfg.q_size + cfg.kv_size :].view(total, cfg.num_kv_heads, cfg.head_dim)
+        # Attention reads and writes `qkv_a` / `attn_a`: the bf16 buffers themselves, or their
+        # fp32 copies where attention runs in fp32 (`_attention_dtype`).
+        wide = self.attn_dtype != dt
+        qkv_a = torch.empty(qkv.shape, dtype=self.attn_dtype, device=dev) if wide else qkv
+        attn_a = torch.empty(attn.shape, dtype=self.attn_dtype, device=dev) if wide else attn
+        qa = qkv_a[:, : cfg.q_size].view(total, cfg.num_heads, cfg.head_dim)
+        ka = qkv_a[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(total, cfg.num_kv_heads, cfg.head_dim)
+        va = qkv_a[:, cfg.q_size + cfg.kv_size :].view(total, cfg.num_kv_heads, cfg.head_dim)
 
         for li, layer in enumerate(self.model.decoder_layers):
             cos, sin = rope[self.layer_rotary[li]]
@@ -142,14 +181,16 @@ class HybridRunner(Runner):
                 assert pool is not None, "store slots need the pool"
                 m = slots.numel()
                 pool.write(li, slots, k_all[a : a + m], v_all[a : a + m])
+            if wide:
+                qkv_a.copy_(qkv)
             for prefix, members in groups:
                 if prefix is None:
                     for a, b in members:
                         attend(
-                            q_all[a:b],
-                            k_all[a:b],
-                            v_all[a:b],
-                            attn[a:b],
+                            qa[a:b],
+                            ka[a:b],
+                            va[a:b],
+                            attn_a[a:b],
                             self.scale,
                             window=window,
                             softcap=softcap,
@@ -157,9 +198,12 @@ class HybridRunner(Runner):
                 else:
                     assert pool is not None, "a sequence with a cached prefix needs the pool"
                     pk, pv = pool.read(li, prefix)  # once per layer for all items sharing it
+                    pk, pv = pk.to(self.attn_dtype), pv.to(self.attn_dtype)
                     attend_items(
-                        q_all, k_all, v_all, attn, self.scale, members, pk, pv, window=window, softcap=softcap
+                        qa, ka, va, attn_a, self.scale, members, pk, pv, window=window, softcap=softcap
                     )
+            if wide:
+                attn.copy_(attn_a)
             for a, b in bounds:
                 layer.out_mlp_chunk(h[a:b], attn[a:b], x[: b - a], gate_up[: b - a], act[: b - a])
 
@@ -175,7 +219,9 @@ class ChunkedRunner(Runner):
     prefill_mode: ClassVar[PrefillMode] = "chunked"
 
     def activation_bound(self, n_tokens: int, prefix_tokens: int = 0) -> int:
-        return chunked_activation_bytes(self.cfg, self.dtype, n_tokens, self.chunk_size, prefix_tokens)
+        return chunked_activation_bytes(
+            self.cfg, self.dtype, n_tokens, self.chunk_size, prefix_tokens, self.resid_dtype, self.attn_dtype
+        )
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPlan], pool: KVPool | None = None) -> torch.Tensor:
@@ -206,7 +252,7 @@ class ChunkedRunner(Runner):
             torch.empty(2, kv_shape[0], s.token_ids.numel(), *kv_shape[1:], dtype=dt, device=dev)
             for s in seqs
         ]
-        h = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
+        h = torch.empty(chunk, cfg.hidden_size, dtype=self.resid_dtype, device=dev)
         qkv = torch.empty(chunk, cfg.q_size + 2 * cfg.kv_size, dtype=dt, device=dev)
         attn = torch.empty(chunk, cfg.q_size, dtype=dt, device=dev)
         x = torch.empty(chunk, cfg.hidden_size, dtype=dt, device=dev)
@@ -215,7 +261,7 @@ class ChunkedRunner(Runner):
         # Which output rows each chunk fills, found on the CPU: a boolean mask over device tensors
         # would read its count back from the device (a sync per chunk on a GPU).
         rows = torch.cat([s.logit_offsets + a for s, a in zip(seqs, starts, strict=False)])
-        out = torch.empty(rows.numel(), cfg.hidden_size, dtype=dt, device=dev)
+        out = torch.empty(rows.numel(), cfg.hidden_size, dtype=self.resid_dtype, device=dev)
 
         for a in range(0, total, chunk):
             b = min(a + chunk, total)
@@ -243,17 +289,21 @@ class ChunkedRunner(Runner):
                     if pkey is not None:
                         k_p, v_p = prefix_kv[pkey]
                         ctx_k, ctx_v = torch.cat([k_p[li], ctx_k]), torch.cat([v_p[li], ctx_v])
+                    ad = self.attn_dtype  # fp32 attention (`_attention_dtype`): copies of this part
+                    o = attn[r : r + m] if ad == dt else torch.empty(m, cfg.q_size, dtype=ad, device=dev)
                     attend(
-                        q[r : r + m],
-                        k_own[lo:hi],
-                        v_own[lo:hi],
-                        attn[r : r + m],
+                        q[r : r + m].to(ad),
+                        k_own[lo:hi].to(ad),
+                        v_own[lo:hi].to(ad),
+                        o,
                         self.scale,
-                        ctx_k,
-                        ctx_v,
+                        ctx_k.to(ad),
+                        ctx_v.to(ad),
                         window=self.windows[li],
                         softcap=self.softcap,
                     )
+                    if ad != dt:
+                        attn[r : r + m] = o
                 layer.out_mlp_chunk(h[:c], attn[:c], x[:c], gate_up[:c], act[:c])
             here = ((rows >= a) & (rows < b)).nonzero().squeeze(1)
             if here.numel():
@@ -267,16 +317,38 @@ class ChunkedRunner(Runner):
         return out
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _attention_dtype(
+    dtype: torch.dtype, resid_dtype: torch.dtype, device: torch.device, choice: attention_cpu.Choice
+) -> torch.dtype:
+    """Where the residual stream is fp32 under bf16/fp16 weights, attention's softmax and sums
+    run in fp32 too on a CPU that runs them on SDPA: SDPA rounds its probabilities to bf16 in
+    blocks that depend on how the keys are split, so a cached prefix (prefix and own keys
+    merged) and a cold run (one causal call) would round differently and disagree by more than
+    the residual saves. Not where the bf16 CPU kernel runs (its scores stay fp32; it is the fast
+    path there) and not on CUDA (fused bf16 attention kernels)."""
+    if resid_dtype == dtype or device.type != "cpu":
+        return dtype
+    return dtype if choice.attention == "kernel" else torch.float32
+
+
 _RUNNERS: dict[str, type[Runner]] = {r.prefill_mode: r for r in (HybridRunner, ChunkedRunner)}
 
 
 def make_runner(
-    model: LlamaForCausalLM, device: torch.device, chunk_size: int, prefill_mode: PrefillMode = "hybrid"
+    model: LlamaForCausalLM,
+    device: torch.device,
+    chunk_size: int,
+    prefill_mode: PrefillMode = "hybrid",
+    residual_dtype: ResidualDtype = "fp32",
 ) -> Runner:
     """The runner for `prefill_mode` ("hybrid": ours; "chunked": the Sarathi-style baseline)."""
     if prefill_mode not in _RUNNERS:
         raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
-    return _RUNNERS[prefill_mode](model, device, chunk_size)
+    return _RUNNERS[prefill_mode](model, device, chunk_size, residual_dtype)
 
 
 def _prefix_groups(
@@ -303,25 +375,35 @@ def activation_bytes(
     chunk_size: int,
     prefix_tokens: int = 0,
     device: torch.device | None = None,
+    resid_dtype: torch.dtype | None = None,
+    attn_dtype: torch.dtype | None = None,
 ) -> int:
     """Upper bound on what one hybrid forward over `n_tokens` packed tokens allocates beyond weights
     and the prefix pool. Mirrors the buffers above; the profile run checks it by measurement.
     `device` (default CPU) decides whether items over a prefix may use attention's plain-torch
-    fallback, whose score blocks are a constant."""
+    fallback, whose score blocks are a constant. `resid_dtype`, `attn_dtype`: the residual
+    stream's and attention's (default `dtype`; a wider attention dtype adds copies of q/k/v and
+    the attention output, and of the prefix K/V)."""
     it = torch.empty((), dtype=dtype).element_size()
+    rit = torch.empty((), dtype=resid_dtype or dtype).element_size()
     chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
     q, kv = cfg.q_size, cfg.kv_size
-    per_token = it * (cfg.hidden_size + q + 2 * kv + q + _ropes(cfg) * cfg.head_dim)  # h, qkv, attn, cos/sin
+    per_token = rit * cfg.hidden_size + it * (
+        q + 2 * kv + q + _ropes(cfg) * cfg.head_dim
+    )  # h, qkv, attn, cos/sin
     per_token += it * 2 * q  # SDPA output of one KV-head group and its transpose copy (bound)
     per_token += 4 * 2 * q if prefix_tokens else 0  # fp32 partial outputs merged after a prefix
     # Contiguous copies of K/V stored into the pool, ids/positions/rotary angles, allocator slack:
     # measured 0.5-1 KB/token above the buffers on a 256-wide model; bound it generously.
     per_token += it * (cfg.hidden_size + 2 * kv) + 64
+    wide = attn_dtype is not None and attn_dtype != dtype
+    ait = torch.empty((), dtype=attn_dtype).element_size() if wide else 0
+    per_token += ait * (2 * q + 2 * kv)
     scratch = it * chunk * (cfg.hidden_size + 3 * cfg.intermediate_size)
     head = _head_bytes(cfg, it)
     # One layer's prefix K/V gathered from the pool, and the bf16 CPU kernel's packed copy of it
     # (its packed copy of the items' own K/V is within the per-token copies above).
-    prefix = it * 4 * prefix_tokens * kv
+    prefix = (it * 4 + ait * 2) * prefix_tokens * kv
     if prefix_tokens:
         group = cfg.num_heads // cfg.num_kv_heads
         dev = device or torch.device("cpu")
@@ -347,12 +429,19 @@ def _masked_bytes(cfg: ModelConfig, dtype: torch.dtype, keys: int) -> int:
 
 
 def chunked_activation_bytes(
-    cfg: ModelConfig, dtype: torch.dtype, n_tokens: int, chunk_size: int, prefix_tokens: int = 0
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    n_tokens: int,
+    chunk_size: int,
+    prefix_tokens: int = 0,
+    resid_dtype: torch.dtype | None = None,
+    attn_dtype: torch.dtype | None = None,
 ) -> int:
     """Upper bound on one chunked-prefill forward (prefill_mode="chunked") over `n_tokens` packed
     tokens after up to `prefix_tokens` of cached prefix. Mirrors `ChunkedRunner.forward`: the term
     that grows with the context is the K/V of every layer."""
     it = torch.empty((), dtype=dtype).element_size()
+    rit = torch.empty((), dtype=resid_dtype or dtype).element_size()
     n = n_tokens + prefix_tokens
     chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
     q, kv = cfg.q_size, cfg.kv_size
@@ -360,8 +449,12 @@ def chunked_activation_bytes(
     # attend(): one layer's context K/V concatenated (a copy, twice after a prefix), a
     # [chunk, context] bool mask and the additive float mask SDPA may build from it.
     attention = it * 4 * n * kv + chunk * n * (1 + 4)
+    if attn_dtype is not None and attn_dtype != dtype:  # fp32 copies of the context and the chunk
+        ait = torch.empty((), dtype=attn_dtype).element_size()
+        attention += ait * (2 * n * kv + chunk * (2 * q + 2 * kv))
     scratch = it * chunk * (2 * cfg.hidden_size + 3 * q + 2 * kv + cfg.head_dim + 3 * cfg.intermediate_size)
-    per_token = it * (cfg.hidden_size + cfg.head_dim) + 64  # output rows, ids, positions, cos/sin
+    scratch += (rit - it) * chunk * cfg.hidden_size  # h in the residual dtype
+    per_token = rit * cfg.hidden_size + it * cfg.head_dim + 64  # output rows, ids, positions, cos/sin
     head = _head_bytes(cfg, it)
     masked = _masked_bytes(cfg, dtype, n)
     return resident_kv + attention + scratch + per_token * n_tokens + head + masked

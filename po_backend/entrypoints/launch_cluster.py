@@ -47,6 +47,11 @@ POLICIES = ("cache_aware", "round_robin", "power_of_two")
 # QPS of 64 and 16 0.92x, while 32 equals 64 at every N and still splits a 60-call burst.
 BALANCE_ABS_THRESHOLD = 32
 ADD_WORKER = "add-worker"  # the subcommand
+RUN_ROUTER = "run-router"  # internal: the router with its keys read from the environment
+API_KEY_ENV = "PREFILLONLY_API_KEY"  # the data plane's key: clients -> router -> workers
+# The router's control plane (adding / removing workers, flushing caches) has a key of its own, so a
+# client that may score cannot reconfigure the cluster.
+ADMIN_KEY_ENV = "PREFILLONLY_ROUTER_ADMIN_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds for workers and router to come up"
+    )
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the key every call to the router (and from it to the workers) needs; ${API_KEY_ENV} "
+        "keeps it out of `ps`. It reaches the router and the workers through their environment, never "
+        f"their command lines. The router's control plane (/workers, /flush_cache) takes ${ADMIN_KEY_ENV}",
     )
     return ap
 
@@ -121,11 +133,16 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def worker_env(workers: int, index: int = 0, gpus: Sequence[str] = ()) -> dict[str, str]:
+def worker_env(
+    workers: int, index: int = 0, gpus: Sequence[str] = (), api_key: str | None = None
+) -> dict[str, str]:
     """Worker `index`'s environment: its share of the CPU threads and, where there are GPUs, one
     GPU of its own (round robin when there are more workers than GPUs), as `--dp-size` gives
     each SGLang replica one. The worker then sees a single device and runs on cuda:0."""
     env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))}
+    env.pop(ADMIN_KEY_ENV, None)  # the control plane's key is the router's alone
+    if api_key:
+        env[API_KEY_ENV] = api_key
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
     return env
@@ -140,9 +157,10 @@ def router_command(
     balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
 ) -> list[str]:
     """The router with failover on: a failed call is retried on another worker, a worker that keeps
-    failing is cut off by the circuit breaker and its health checks, its users move to the others."""
+    failing is cut off by the circuit breaker and its health checks, its users move to the others.
+    It runs through `run-router`, which gives it the keys of its environment (`router_env`)."""
     return [
-        sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+        sys.executable, "-m", "po_backend.entrypoints.launch_cluster", RUN_ROUTER, "--worker-urls", *worker_urls,
         "--policy", policy, "--host", host, "--port", str(port),
         "--balance-abs-threshold", str(balance_abs_threshold),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
@@ -152,6 +170,30 @@ def router_command(
         "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
         "--log-level", "warn",
     ]  # fmt: skip
+
+
+def router_env(api_key: str | None, admin_key: str | None) -> dict[str, str]:
+    """The router's environment: ours with the keys set (or removed), for `run_router` to read."""
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
+    env.update({API_KEY_ENV: api_key} if api_key else {})
+    env.update({ADMIN_KEY_ENV: admin_key} if admin_key else {})
+    return env
+
+
+def run_router(argv: Sequence[str]) -> int:
+    """`sglang_router.launch_router` with `argv`, its keys taken from the environment: the router
+    reads them from its command line only, where every user of the machine can read them (`ps`).
+    $PREFILLONLY_API_KEY: what clients must send, and what the router sends the workers;
+    $PREFILLONLY_ROUTER_ADMIN_KEY: the control plane's (admin role)."""
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    args = parse_router_args(list(argv))
+    args.api_key = os.environ.get(API_KEY_ENV) or None
+    admin = os.environ.get(ADMIN_KEY_ENV)
+    if admin:
+        args.control_plane_api_keys = [("admin", "launch_cluster", admin, "admin")]
+    launch_router(args)
+    return 0
 
 
 def stop_all(router: subprocess.Popen[bytes] | None, workers: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -200,11 +242,13 @@ def add_worker(router_url: str, worker_url: str, *, timeout: float = 600.0) -> s
     _check_url(worker_url, "worker")
     _check_url(router_url, "router")
     base = router_url.rstrip("/")
-    resp = httpx.post(base + "/workers", json={"url": worker_url}, timeout=30)
+    admin = os.environ.get(ADMIN_KEY_ENV)
+    headers = {"Authorization": f"Bearer {admin}"} if admin else {}
+    resp = httpx.post(base + "/workers", json={"url": worker_url}, headers=headers, timeout=30)
     if resp.status_code != 202:
         raise RuntimeError(f"{base}/workers answered {resp.status_code}: {resp.text[:300]}")
     worker_id = str(resp.json()["worker_id"])
-    _wait_registered(f"{base}/workers/{worker_id}", worker_url, timeout)
+    _wait_registered(f"{base}/workers/{worker_id}", worker_url, timeout, headers)
     return worker_id
 
 
@@ -218,11 +262,11 @@ def _check_url(url: str, what: str) -> None:
         raise ValueError(f"bad {what} URL {url!r}: expected http://HOST:PORT")
 
 
-def _wait_registered(status_url: str, worker_url: str, timeout: float) -> None:
+def _wait_registered(status_url: str, worker_url: str, timeout: float, headers: dict[str, str]) -> None:
     """Until the router lists the worker healthy with its add job done; its failure is an error."""
     deadline = time.monotonic() + timeout
     while True:
-        resp = httpx.get(status_url, timeout=10)
+        resp = httpx.get(status_url, headers=headers, timeout=10)
         resp.raise_for_status()
         info = resp.json()
         job = info.get("job_status")
@@ -266,12 +310,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [ADD_WORKER]:
         return add_worker_main(argv[1:])
+    if argv[:1] == [RUN_ROUTER]:
+        return run_router(argv[1:])
     args, extra = build_parser().parse_known_args(argv)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    admin_key = os.environ.get(ADMIN_KEY_ENV) or None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
     if args.balance_abs_threshold < 0:
         raise SystemExit("--balance-abs-threshold must be >= 0")
+    if not admin_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("the router's control plane (/workers, /flush_cache) is open to anyone who reaches %s: "
+                    "set $%s", args.host, ADMIN_KEY_ENV)  # fmt: skip
     check_worker_flags(args.model_path, extra)
     gpus = visible_gpus()
     if gpus and args.workers > len(gpus):
@@ -280,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = [
         subprocess.Popen(
             worker_command(args.model_path, p, ["--log-level", "warning", *extra]),
-            env=worker_env(args.workers, i, gpus),
+            env=worker_env(args.workers, i, gpus, api_key),
         )
         for i, p in enumerate(ports)
     ]
@@ -299,8 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = router_command(
             urls, args.host, args.port, args.router_policy, balance_abs_threshold=args.balance_abs_threshold
         )
-        router = subprocess.Popen(cmd)
-        wait_until(f"http://{args.host}:{args.port}/get_model_info", [router], args.startup_timeout)
+        router = subprocess.Popen(cmd, env=router_env(api_key, admin_key))
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        wait_until(
+            f"http://{args.host}:{args.port}/get_model_info", [router], args.startup_timeout, headers=auth
+        )
         log.info("serving %s on http://%s:%d: %d workers (%s), %s", args.model_path, args.host, args.port,
                  args.workers, ", ".join(urls), args.router_policy)  # fmt: skip
         while not stopping:

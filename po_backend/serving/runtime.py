@@ -138,6 +138,7 @@ class EngineRuntime:
                 memory_budget=cfg.memory_budget,
                 chunk_size=cfg.chunk_size,
                 prefill_mode=cfg.prefill_mode,
+                residual_dtype=cfg.residual_dtype,
                 enable_cache=cfg.enable_cache,
                 cache_policy=cfg.cache_policy,
                 # The pool as sized at load (what the memory budget left), not the cap asked for.

@@ -158,8 +158,12 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale: torch.Tensor | None = None
 
     def embed(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Token embeddings of ids [c] into out [c, hidden]."""
-        torch.index_select(self.embed_tokens, 0, ids, out=out)
+        """Token embeddings of ids [c] into out [c, hidden] (which may be wider than the weights:
+        an fp32 residual stream)."""
+        if out.dtype == self.embed_tokens.dtype:
+            torch.index_select(self.embed_tokens, 0, ids, out=out)
+        else:
+            out.copy_(self.embed_tokens.index_select(0, ids))
         if self.embed_scale is not None:
             out.mul_(self.embed_scale)
 
