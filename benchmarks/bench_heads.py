@@ -40,8 +40,9 @@ ST_MODULES = [
 ]
 
 
-def build(root: Path) -> dict[str, tuple[Path, torch.nn.Module]]:
-    cfg = transformers.LlamaConfig(**SMOLLM2_135M, num_labels=2, pad_token_id=0)
+def build(root: Path, layers: int) -> dict[str, tuple[Path, torch.nn.Module]]:
+    shape = {**SMOLLM2_135M, "num_hidden_layers": layers}
+    cfg = transformers.LlamaConfig(**shape, num_labels=2, pad_token_id=0)
     torch.manual_seed(0)
     cls = transformers.LlamaForSequenceClassification(cfg).eval()
     cls.save_pretrained(root / "classifier")
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=256)
     ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rng = random.Random(0)
@@ -91,7 +93,7 @@ def main() -> None:
     prompts = [shared + [rng.randrange(1, 49152) for _ in range(args.suffix)] for _ in range(args.items)]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-heads-") as tmp:
-        for kind, (path, model) in build(Path(tmp)).items():
+        for kind, (path, model) in build(Path(tmp), args.layers).items():
             t_hf, ref = hf_outputs(model, prompts)
             t_no, out_no, _ = ours(path, prompts, args.prefix, reuse=False)
             t_re, out_re, cached = ours(path, prompts, args.prefix, reuse=True)

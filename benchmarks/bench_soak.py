@@ -125,11 +125,20 @@ async def soak(
 
 
 async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]:
-    """A burst of `n` small calls, SIGTERM while they are queued: each gets 200 or 503."""
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=n)) as client:
+    """A burst of `n` small calls, SIGTERM once the server has taken all of them: each gets 200
+    or 503 (SIGTERM closes the listening socket, so a call not yet read would be refused)."""
+    async with httpx.AsyncClient(
+        base_url=url, timeout=120, limits=httpx.Limits(max_connections=n + 1)
+    ) as client:
+
+        async def submitted() -> int:  # every request the server took, under the loop's lock
+            return int((await client.get("/server_info")).json()["internal_states"][0]["submitted"])
+
         body = {"text": "a short prompt to score", "sampling_params": {"max_new_tokens": 1}}
+        before, deadline = await submitted(), time.monotonic() + 120
         tasks = [asyncio.ensure_future(client.post("/generate", json=body)) for _ in range(n)]
-        await asyncio.sleep(0.5)
+        while await submitted() - before < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         out = await asyncio.gather(*tasks, return_exceptions=True)
     return Counter(str(r.status_code) if isinstance(r, httpx.Response) else "lost" for r in out)

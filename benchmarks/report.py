@@ -7,9 +7,11 @@ ones (tests/test_report.py). A REPORT.md section whose JSON is missing says so.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +36,20 @@ AFFINITY, SPREAD = (
 MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
 PLATEAU = 0.95  # efficiency within this share of its best: the curve has levelled off
 HIT_FLAT = 0.02  # hit rates within 2 points count as the same
+
+
+TEMPLATE = Path(__file__).with_name("report_template.md")
+
+
+@functools.cache
+def _templates() -> dict[str, str]:
+    blocks = re.split(r"^<!-- (\w+) -->\n", TEMPLATE.read_text(), flags=re.M)
+    return {name: " ".join(body.split()) for name, body in zip(blocks[1::2], blocks[2::2], strict=True)}
+
+
+def prose(name: str, **fields: Any) -> str:
+    """A paragraph of report_template.md with its `{fields}` filled."""
+    return _templates()[name].format(**fields)
 
 
 def markdown_table(header: str | Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -109,12 +125,8 @@ def header(meta: dict[str, Any] | None) -> list[str]:
         f"{m.get('mem_total_gib')} GiB; ISA: {flags}",
         f"- Model: {meta.get('model', 'embedded SmolLM2-135M-Instruct')}; dtype {meta.get('dtype')}",
         f"- Versions: python {m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers')}",
-        "- Every figure is a ratio against a baseline measured in the same run. A `*` marks runs during "
-        f"which other processes used more than {CONTENDED_CORES} cores (shared machine): their times "
-        "are upper bounds.",
-        "- Scale: the paper's workloads are shrunk (shorter profiles and histories, fewer users) so a run "
-        "fits a 2-core CPU and a 135M model; the shapes (shared per-user prefixes, long unique prompts, "
-        "a prefix pool that cannot hold every user) are kept.",
+        "- " + prose("header_ratios", contended=CONTENDED_CORES),
+        "- " + prose("header_scale"),
     ]
     # A step added to an existing report (run on its own, later) carries its own date.
     later = [
@@ -145,15 +157,7 @@ def qps_analysis(qps: dict[str, Any]) -> dict[str, Any]:
 def sweep_intro(doc: dict[str, Any]) -> str:
     """What a bench_schedule sweep ran: arrivals, the SLO, the traces, the prefix pool."""
     a = doc["args"]
-    return (
-        "Poisson arrivals (same seeded pattern for every point and config) at "
-        f"{a['mults']} x the {a.get('anchor', 'saturated')} throughput (isolated: 1 / mean latency of ours "
-        "with one request at a time; saturated: `po` with every request queued at t=0); in-process on the "
-        f"server's own loop (no HTTP). P99 SLO = {a['slo_x']:g} x the mean isolated latency of ours. WL1: "
-        f"{a['wl1_users']} users x {a['wl1_items']} posts, profiles ~{a['wl1_profile']} tokens, posts "
-        f"{a['wl1_item_tokens']} tokens; WL2: {a['wl2_requests']} histories of {a['wl2_min']}-{a['wl2_max']} "
-        f"tokens. Prefix pool: {doc.get('pool_tokens', '?')} tokens ({a['cache_profiles']:g} WL1 profiles)."
-    )
+    return prose("sweep_intro", a=a, anchor=a.get("anchor", "saturated"), pool=doc.get("pool_tokens", "?"))
 
 
 def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
@@ -169,8 +173,7 @@ def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
     return [
         f"`benchmarks/bench_schedule.py`: {sweep_intro(qps)}",
         *[f"Note: {n}" for n in qps.get("notes", [])],  # e.g. a workload re-run and merged in
-        "Highest QPS with P99 <= SLO (log-log interpolation between sweep points; `>=` every point passed, "
-        "`<` none did) and po's ratio to each baseline:",
+        prose("qps_table"),
         markdown_table(["workload", "config", "QPS at P99 SLO", "po / this"], cells),
         "<details><summary>All sweep points</summary>",
         markdown_table(SWEEP_HEADER.rsplit(" | ", 3)[0], sweep_rows(qps["workloads"], extra=False)),
@@ -195,10 +198,7 @@ def mil_section(mil: dict[str, Any], folder: Path, png: str) -> list[str]:
         cells += [f"{m['mil']}{beyond}" if m["mil"] else "-", m["kind"]]
         rows.append([*cells, f"{ratios[c]:.1f}x" if c in ratios else "-"])
     parts = [
-        "`benchmarks/bench_mil.py`: one cold forward per (config, length) in a fresh process; peak RSS above "
-        "the RSS before the forward (weights excluded). MIL = where a line through the measured peaks "
-        f"reaches {mil['budget_mib']:g} MiB: **measured** = bracketed by a measured length that fits and one "
-        f"that does not; **extrapolated** = outside the measured lengths {mil['args']['lengths']}.",
+        prose("mil", budget=mil["budget_mib"], lengths=mil["args"]["lengths"]),
         markdown_table(["config", "KiB/token", "c0 MiB", "MIL (tokens)", "kind", "vs HF default"], rows),
     ]
     # Hybrid prefilling on/off: the same forward with and without chunking the token-wise ops.
@@ -235,14 +235,9 @@ def ablation_section(ab: dict[str, Any], folder: Path, png: str) -> list[str]:
         f"### Suffix discarding on/off (WL1-style, {ab['requests']} requests, `po`, prefix pool "
         f"{ab['pool_tokens']} tokens)",
         markdown_table(head, rows),
-        f"Throughput with / without suffix discarding: "
-        f"**{on['saturated']['items_per_s'] / off['saturated']['items_per_s']:.2f}x**. Off, every request "
-        "declares its whole prompt as its cache key, so (besides suffixes taking pool space) items of one user "
-        "that arrive together no longer wait for one of them to cache the shared profile: in the all-at-t=0 "
-        "run part of the loss is that duplicated profile work; the Poisson run shows mostly the pool effect.",
+        prose("suffix", ratio=on["saturated"]["items_per_s"] / off["saturated"]["items_per_s"]),
         "### Fairness lambda sweep (paper Fig. 11)",
-        f"`po` with score = JCT - lambda x queueing time, Poisson at {ab['qps']:.3f} qps ({ab['args']['mult']:g} x "
-        "saturated), same arrivals; `fcfs` for reference.",
+        prose("lambda", qps=ab["qps"], mult=ab["args"]["mult"]),
         markdown_table(["policy", "lambda", "mean s", "P99 s"], lam),
         f"![lambda sweep]({png}lambda.png)",
     ]
@@ -266,9 +261,7 @@ def jct_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
     plot_jct(pts, raw, folder / "jct.png")
     fit_r = qps.get("jct_fit", {}).get("pearson_r")
     return [
-        f"Held-out Pearson r on the {len(pts)} steps ours ran in the throughput sweep: **{raw:.3f}** (fitted "
-        f"model), {cal:.3f} (with online calibration). Start-up profile leave-one-out r: "
-        f"{'-' if fit_r is None else f'{fit_r:.3f}'}. Paper: r = 0.987 for the proxy n_input - n_cached.",
+        prose("jct", n=len(pts), raw=raw, cal=cal, fit="-" if fit_r is None else f"{fit_r:.3f}"),
         f"![JCT predicted vs measured]({png}jct.png)",
     ]
 
@@ -282,8 +275,7 @@ def llamacpp_section(lc: dict[str, Any], folder: Path, png: str) -> list[str]:
         ["llama.cpp", *cells(c, "items_per_s:.2f mean_s:.3f"), "1.00x"],
     ]
     return [
-        f"Same GGUF ({lc['gguf']}), {lc['items']} WL1-style items one at a time with prefix reuse on both sides. "
-        "llama.cpp computes on the quantised weights; ours on weights dequantised once.",
+        prose("llamacpp", gguf=lc["gguf"], items=lc["items"]),
         markdown_table(["engine", "items/s", "mean latency s", "ratio"], rows),
         f"Label agreement (argmax Yes/No): {lc['agreement']:.0%}; max |P(Yes) difference| {lc['max_abs_dp_yes']:.3f}.",
     ]
@@ -355,12 +347,7 @@ def schedule_markdown(doc: dict[str, Any], policies: list[str]) -> str:
         f"P99 SLO {w['slo_p99_s']:.2f} s; po / fcfs QPS at the SLO: {w['po_vs_fcfs']}"
         for name, w in doc["workloads"].items()
     ]
-    intro = (
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. {sweep_intro(doc)} Fairness lambda "
-        f"{a['fairness_lambda']}; request order shuffled (seed {a['seed']}). A `*` marks runs during which "
-        "other processes used more than half a core. Sustained QPS: interpolated (log-log) where P99 crosses "
-        "the SLO; `>=` every point passed, `<` none did; (Nx) = as a multiple of the anchor throughput."
-    )
+    intro = prose("schedule", m=m, a=a, sweep=sweep_intro(doc))
     title = "bench_schedule: scheduling policies under Poisson load (embedded SmolLM2-135M, CPU)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
     return _doc_md(title, intro, sweep, markdown_table(*slo_rows(doc, policies)), _bullets(notes))
@@ -368,14 +355,7 @@ def schedule_markdown(doc: dict[str, Any], policies: list[str]) -> str:
 
 def schedule_sim_markdown(doc: dict[str, Any], policies: list[str]) -> str:
     """results/schedule_sim.md from bench_schedule --simulate."""
-    a = doc["args"]
-    intro = (
-        "`po_backend.sim.simulator`: the real Scheduler and policies, a prefix cache of whole declared prefixes "
-        f"(LRU, {doc['pool_tokens']} tokens = {a['cache_profiles']:g} WL1 profiles), step time = the JCT "
-        f"model ({doc['jct_source']}), a virtual clock. Same traces, arrival pattern and seed as the "
-        f"measured run; fairness lambda {a['fairness_lambda']}; QPS as multiples of the isolated throughput "
-        "(each request alone). The paper-shaped trace has the paper's users x posts at our token lengths."
-    )
+    intro = prose("schedule_sim", a=doc["args"], pool=doc["pool_tokens"], jct=doc["jct_source"])
     title = "bench_schedule --simulate: the same policies on the simulator (no machine noise)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
     return _doc_md(title, intro, markdown_table(*slo_rows(doc, policies)), sweep)
@@ -410,12 +390,8 @@ def serving_markdown(doc: dict[str, Any]) -> str:
     args, m = doc["args"], doc["machine"]
     base, head, table = serving_rows(doc["results"])
     api = "generate" if args["api"] == "generate" else f"v1/{args['api']}"
-    intro = (
-        f"Machine: {m.get('cpu')}, {m.get('cores')} cores. Workload: {json.dumps(doc['workload'])}.\nOpen-loop "
-        f"Poisson arrivals; latency = send to response; ratios against `{base}` "
-        "in the same run.\n`server cores` / `other cores`: CPU used during the run by the server and by "
-        "everything else (other users of this shared machine; not this client). Other work slows the server, "
-        "so small differences between configurations are noise."
+    intro = prose(
+        "serving", cpu=m.get("cpu"), cores=m.get("cores"), workload=json.dumps(doc["workload"]), base=base
     )
     return _doc_md(f"bench_serving: {args['workload']} over /{api}", intro, markdown_table(head, table))
 
@@ -500,21 +476,21 @@ def _cluster_intro(doc: dict[str, Any]) -> str:
     cmd: list[str] = next((r["router_cmd"] for r in doc["runs"] if "router_cmd" in r), [])
     flag = "--balance-abs-threshold"
     balance = cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else "64 (the router's default)"
-    return (
-        f"{a['workers']} PrefillOnly workers x {doc['threads_per_worker']} threads (launch_cluster's split of "
-        f"{m.get('cores')} cores; dtype {st.get('dtype', '?')}, worker flags `{a['worker_args']}`) behind the real "
-        "sglang-router (a fresh router per run with launch_cluster's flags, cache_aware's load rule at "
-        f"{balance} outstanding requests; every worker's cache flushed first). WL1-style: {w['users']} users x "
-        f"{w['posts']} posts, profiles ~{w['mean_profile_tokens']:.0f} tokens, posts ~{w['mean_post_tokens']:.0f}; "
-        f"calls of all users interleaved (seed {a['seed']}), Poisson arrivals at "
-        f"{_and([f'{x:g}' for x in a['items_per_s']])} posts/s (the same trace and arrival pattern for every "
-        "router; a load past what the cluster serves shows as items/s below the offered rate). `generate`: one "
-        f"prompt per `/generate` call ({'input_ids' if a['generate_as'] == 'ids' else 'text'}), the profile "
-        "first, no prefix declared; `rerank`: `/v1/rerank` with the profile as the query and "
-        f"{a['docs_per_call']} posts as documents. Hit rate = prompt tokens the workers read from their prefix "
-        "cache / prompt tokens (their /metrics); CPU ms / item = CPU time of the workers and the router "
-        "per completed post; workers per user = distinct workers a user's calls reached (a tap in front of "
-        "each worker records it)."
+    rates, prompt = (
+        _and([f"{x:g}" for x in a["items_per_s"]]),
+        "input_ids" if a["generate_as"] == "ids" else "text",
+    )
+    threads, dtype = doc["threads_per_worker"], st.get("dtype", "?")
+    return prose(
+        "cluster",
+        a=a,
+        w=w,
+        cores=m.get("cores"),
+        threads=threads,
+        dtype=dtype,
+        balance=balance,
+        rates=rates,
+        prompt=prompt,
     )
 
 
@@ -580,19 +556,12 @@ def _scaling(rs: list[dict[str, Any]], effs: list[tuple[dict[str, Any], float]])
     (peak, e_peak), (last, e_last) = max(effs, key=lambda x: x[1]), effs[-1]
     level = next(r for r, e in effs if e >= PLATEAU * e_peak)
     if peak is last and level is last:
-        return (
-            f"efficiency still rising at N={last['workers']} ({e_last:.2f}x linear), the largest N run: "
-            f"it does not stop scaling within {rs[0]['workers']}..{last['workers']} workers"
-        )
+        return prose("scaling_rising", n=last["workers"], eff=e_last, first=rs[0]["workers"])
     if e_last >= PLATEAU * e_peak:
-        return (
-            f"efficiency levels off from N={level['workers']} (at {PLATEAU:.0%} of its best, {e_peak:.2f}x "
-            f"linear at N={peak['workers']}): from there each added worker adds the same QPS, no more"
+        return prose(
+            "scaling_level", level=level["workers"], plateau=PLATEAU, eff=e_peak, peak=peak["workers"]
         )
-    return (
-        f"efficiency peaks at N={peak['workers']} ({e_peak:.2f}x linear) and falls to {e_last:.2f} at "
-        f"N={last['workers']}: past N={peak['workers']} a worker adds less than the one before"
-    )
+    return prose("scaling_peak", peak=peak["workers"], eff=e_peak, last_eff=e_last, n=last["workers"])
 
 
 def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
@@ -610,31 +579,19 @@ def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
         sat = next(r for r in rs if r["hit_rate"] >= top - HIT_FLAT)
         busy = [sum(r["busy_share"]) / len(r["busy_share"]) for r in rs if r.get("busy_share")]
         if top - min(hits) < HIT_FLAT:
-            why = (
-                f"its hit rate is flat ({min(hits):.1%}-{top:.1%}) at every N: each worker sees every user, so "
-                "its pool holds the same few profiles whatever N is, and the gain over one worker is queueing "
-                "alone (N queues meet the same P99 bound at a higher load"
-                + (
-                    f"; busy share {busy[0]:.2f} at N=1, {busy[-1]:.2f} at N={last['workers']})"
-                    if busy
-                    else ")"
-                )
+            share = (
+                f"; busy share {busy[0]:.2f} at N=1, {busy[-1]:.2f} at N={last['workers']}" if busy else ""
             )
+            why = prose("hits_flat", low=min(hits), top=top, busy=share)
         else:
-            why = (
-                f"its hit rate grows from {hits[0]:.1%} (N={rs[0]['workers']}) to {top:.1%} and is within "
-                f"{100 * HIT_FLAT:.0f} points of that from N={sat['workers']}; imbalance (max/mean items) "
-                f"{last['imbalance']:.3f} at N={last['workers']}"
+            n0, flat, sat_n, imb = rs[0]["workers"], 100 * HIT_FLAT, sat["workers"], last["imbalance"]
+            why = prose(
+                "hits_grow", first=hits[0], n0=n0, top=top, flat=flat, sat=sat_n, imb=imb, n=last["workers"]
             )
         lines.append(f"{name}: {_scaling(rs, effs)}; {why}.")
     fit_n = a["users"] * doc["mean_profile_tokens"] / doc["pool_tokens"]
-    lines.append(
-        f"The workers' prefix pools hold every user's profile from N = {fit_n:.1f} ({a['users']} users x "
-        f"{doc['mean_profile_tokens']:.0f} tokens / {doc['pool_tokens']} tokens per worker). Below it, with "
-        "affinity, each added worker adds cache as well as compute (efficiency above 1 and rising); past it, "
-        "added workers add no cache: the hit rate is capped by each user's first (cold) request and scaling "
-        "turns linear at best."
-    )
+    profile, pool = doc["mean_profile_tokens"], doc["pool_tokens"]
+    lines.append(prose("pools_fit", fit=fit_n, users=a["users"], profile=profile, pool=pool))
     return lines
 
 
@@ -647,20 +604,12 @@ def cluster_sim_parts(doc: dict[str, Any], folder: Path | None = None, png: str 
         if a.get("warmup")
         else "The P99 is over the whole trace, every user's first (cold) request included."
     )
-    intro = (
-        f"`po_backend.sim.cluster`: {doc['requests']} requests ({a['users']} users x {a['posts']} posts, the "
-        f"paper's WL1 with token lengths / {a['scale']:g}: mean profile {doc['mean_profile_tokens']:.0f} tokens, "
-        f"posts 100-200), Poisson arrivals, users interleaved (seed {a['seed']}). Each worker: the real "
-        f"Scheduler (`po`, lambda {a['fairness_lambda']}), a prefix pool of {a['pool_gib']:g} GiB = "
-        f"{doc['pool_tokens']} tokens ({doc['kv_bytes_per_token']} B/token, {doc['dtype']}; "
-        f"~{doc['pool_tokens'] / doc['mean_profile_tokens']:.0f} profiles), step times from the JCT model "
-        f"({doc['jct_source']}). Router cache_aware as sglang-router's (cache_threshold {d['cache_threshold']}, "
-        f"load rule at {d['balance_abs_threshold']} outstanding requests / {d['balance_rel_threshold']}x). P99 bound "
-        f"{doc['slo_p99_s']:.2f} s = {a['slo_x']:g} x the isolated mean latency {doc['isolated_mean_s']:.3f} s. "
-        "Efficiency = QPS / (N x the same router's 1-worker QPS); hit rate = input tokens read from a "
-        "cache or a batch-mate instead of computed; trace / bound = how many P99 bounds the trace lasts at "
-        f"that rate († below {MIN_SPAN:g}: the run is one burst, not a sustained rate; more users needed). {warmup}"
-    )
+    profile, pool = doc["mean_profile_tokens"], doc["pool_tokens"]
+    intro = prose(
+        "cluster_sim", a=a, d=d, requests=doc["requests"], profile=profile, pool=pool, profiles=pool / profile,
+        kv=doc["kv_bytes_per_token"], dtype=doc["dtype"], jct=doc["jct_source"], slo=doc["slo_p99_s"],
+        iso=doc["isolated_mean_s"], min_span=MIN_SPAN, warmup=warmup,
+    )  # fmt: skip
     parts = [markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc))]
     if folder is not None:
         plot_cluster_sim(doc, folder / "cluster_sim.png")

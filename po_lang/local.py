@@ -44,6 +44,9 @@ class Local:
     The worker thread stops on `close()`, on leaving a `with` block, when the Local is garbage
     collected, or at interpreter exit, whichever comes first; a closed Local starts a new loop if
     it is used again.
+
+    priority: the request priority of everything this Local scores (SGLang's; ordered by it with
+    `enable_priority_scheduling=True`, as on the server).
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class Local:
         *,
         policy: str | None = None,
         jct: JCTModel | CalibratedJCT | None = None,
+        priority: int | None = None,
         **options: Any,
     ) -> None:
+        self.priority = priority
         if policy is not None:
             options["schedule_policy"] = policy
         self.settings: Settings = resolve(model, **options)
@@ -179,6 +184,7 @@ class Local:
                 label_token_ids=tuple(r.label_token_ids),
                 logprob_start_len=r.logprob_start_len,
                 cache_prefix_len=r.cache_prefix_len,
+                priority=self.priority,
                 pool=bool(r.head_labels),
             )
             try:

@@ -21,11 +21,12 @@ import email.utils
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from po_lang.backends import LabelRequest, ScoreOutcome
 from po_lang.errors import BackendError, BackendUnavailable
 
+LOW = "low"  # the priority just below the server's default, whichever order the server uses
 RETRY_STATUS = frozenset({429, 503})  # overloaded or starting: worth asking again
 FIRST_BACKOFF = 0.25  # seconds before the first retry when the server names no Retry-After
 
@@ -41,10 +42,14 @@ class Remote:
         retries: int = 4,
         max_retry_wait: float = 60.0,
         transport: Any = None,
+        priority: int | Literal["low"] | None = None,
     ) -> None:
         """`retries`: extra attempts of a request refused with HTTP 503 / 429 or a failed
         connection; `max_retry_wait`: the most seconds one request spends waiting between them (a
-        Retry-After beyond it fails at once rather than sleep past the budget)."""
+        Retry-After beyond it fails at once rather than sleep past the budget). `priority`: of
+        every request sent (SGLang's); "low": just below the server's default priority in its
+        order (-1, or 1 under --schedule-low-priority-values-first; read from /server_info once),
+        batch work that yields to the server's online calls."""
         import httpx  # lazy: only the HTTP backend needs it
 
         if retries < 0 or max_retry_wait < 0:
@@ -53,6 +58,10 @@ class Remote:
         self.max_batch = max_batch
         self.retries = retries
         self.max_retry_wait = max_retry_wait
+        if not (priority is None or priority == LOW or type(priority) is int):
+            raise ValueError(f"priority must be an integer, 'low' or None, got {priority!r}")
+        self.priority = priority
+        self._resolved: int | None = None if priority == LOW else priority  # type: ignore[assignment]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # `transport` lets tests pass httpx.MockTransport (no server needed).
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
@@ -120,7 +129,7 @@ class Remote:
 
     def _score_batch(self, batch: list[LabelRequest]) -> list[ScoreOutcome | Exception]:
         try:
-            resp = self._send("/generate", _generate_body(batch))
+            resp = self._send("/generate", _generate_body(batch, self._priority()))
         except BackendError as e:
             return [_error(str(e), e) for _ in batch]
         if resp.status_code == 400 and len(batch) > 1:
@@ -146,6 +155,15 @@ class Remote:
             except Exception as e:
                 out.append(_error(f"/generate: bad response item: {e}", e))
         return out
+
+    def _priority(self) -> int | None:
+        if self.priority == LOW and self._resolved is None:
+            info = self._client.get("/server_info")
+            low_first = info.status_code == 200 and bool(
+                info.json().get("schedule_low_priority_values_first")
+            )
+            self._resolved = 1 if low_first else -1
+        return self._resolved
 
     def _post(self, path: str, payload: dict[str, Any]) -> Any:
         resp = self._send(path, payload)
@@ -185,8 +203,8 @@ class Remote:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _generate_body(batch: list[LabelRequest]) -> dict[str, Any]:
-    return {
+def _generate_body(batch: list[LabelRequest], priority: int | None = None) -> dict[str, Any]:
+    body = {
         "input_ids": [list(r.input_ids) for r in batch],
         "sampling_params": {"max_new_tokens": 0},
         "return_logprob": True,
@@ -194,6 +212,9 @@ def _generate_body(batch: list[LabelRequest]) -> dict[str, Any]:
         "token_ids_logprob": [list(r.label_token_ids) for r in batch],
         "cache_prefix_len": [r.cache_prefix_len for r in batch],
     }
+    if priority is not None:
+        body["priority"] = priority
+    return body
 
 
 def _parse_item(req: LabelRequest, item: Mapping[str, Any]) -> ScoreOutcome:

@@ -20,7 +20,7 @@ from po_backend.engine.config import ModelConfig, default_dtype, parse_dtype
 from po_backend.engine.device import cuda_dtype, describe, resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes
 from po_backend.engine.models import model_class
-from po_backend.engine.runner import SeqPlan, activation_bytes, make_runner
+from po_backend.engine.runner import SeqPlan, make_runner
 from tests.conftest import TINY_BASE
 from tests.deps import require
 
@@ -162,8 +162,9 @@ def test_engine_budget_on_cuda(tiny_model, monkeypatch) -> None:
     eng._size_memory()
     assert seen == {"avail": cuda, "profiled": 256}  # full length, once
     mcfg = eng.model_config
-    bound = activation_bytes(mcfg, torch.bfloat16, 256, eng.config.chunk_size, 256, cuda)
-    assert bound > activation_bytes(mcfg, torch.bfloat16, 256, eng.config.chunk_size, 256)  # fallback
+    bound = eng.runner.activation_bound(256, prefix_tokens=256)
+    eng.runner.device = torch.device("cpu")
+    assert bound > eng.runner.activation_bound(256, prefix_tokens=256)  # CUDA's attention fallback
     assert eng.activation_budget == int(max(bound, 3 << 20) * 1.1)
     assert eng.cache is not None
     per_slot = KVPool.bytes_per_slot(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, torch.bfloat16)
@@ -204,7 +205,8 @@ def test_forward_with_the_cuda_kernel_on_meta(meta_model, monkeypatch, mode) -> 
     slots = pool.alloc(20)
     assert slots is not None
     cold = runner.forward([SeqPlan(prefix, torch.tensor([3, 19]), store_slots=slots)], pool)
-    assert (cold.shape, cold.dtype, cold.device) == ((2, cfg.hidden_size), torch.bfloat16, meta)
+    # Hidden states come back in the residual stream's dtype (fp32 under bf16 weights by default).
+    assert (cold.shape, cold.dtype, cold.device) == ((2, cfg.hidden_size), runner.resid_dtype, meta)
     items = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (5, 9, 3)]
     plans = [
         SeqPlan(it, torch.tensor([len(it) - 1]), start_pos=20, prefix_slots=slots, prefix_group=0)

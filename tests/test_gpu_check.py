@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import gpu_check
+from scripts import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA answers")

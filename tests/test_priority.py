@@ -4,15 +4,24 @@ server. No timing: the simulator's clock is virtual, the server tests assert ans
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
+import po_lang as po
+from po_backend.compat.sglang import SGLangEngine
 from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import BACKFILL_SLO_SHARE, resolve
 from po_backend.sched.jct import JCTModel
 from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.sim.simulator import PrefixLRU, SimRun, simulate
+from po_lang.backends import LabelRequest
+from po_lang.label.cli import parse_args
+from tests.server_utils import ServerProcess, metric
 
 JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # a step costs 1 ms per computed token
 
@@ -152,3 +161,187 @@ def test_batch_credit_prevents_starvation() -> None:
     # 0.1 s of credit at 10% of 0.1 s per online step.
     assert any(r.start >= batch.end for r in runs if r.rid != 0)
     assert len(online_before) == 10
+
+
+# ---- a live server ---------------------------------------------------------------------------
+
+ROUTES: list[tuple[str, dict[str, Any]]] = [
+    ("/generate", {"text": "a cat video", "sampling_params": {"max_new_tokens": 0}}),
+    ("/v1/completions", {"prompt": "a cat video", "max_tokens": 0}),
+    ("/v1/score", {"query": "User: cats\n", "items": ["a cat", "a dog"], "label_token_ids": [5, 6]}),
+    ("/generative_scoring", {"query": "User: cats\n", "items": ["a cat"], "label_token_ids": [5, 6]}),
+    ("/v1/classify", {"input": ["a cat video", "tax news"]}),
+    ("/v1/classify", {"prompt": "a cat video. Answer:", "labels": ["yes", "no"]}),
+    ("/v1/classify_labels", {"prompt": ["a cat video. Answer:"], "labels": ["yes", "no"]}),
+    ("/v1/rerank", {"query": "cats", "documents": ["a cat", "tax news"]}),
+    ("/rerank", {"query": "cats", "documents": ["a cat", "tax news"]}),
+    ("/v2/rerank", {"query": "cats", "documents": ["a cat"]}),
+]
+
+
+@pytest.fixture(scope="module")
+def url(tokenized_llama: Path) -> Iterator[str]:
+    flags = ["--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", "256"]
+    flags += ["--enable-priority-scheduling", "--online-slo-ms", "600000", "--classify-labels", "yes,no"]
+    proc = ServerProcess(flags).start()
+    try:
+        yield proc.wait_ready().url
+    finally:
+        proc.stop()
+
+
+SKIP = {"meta_info", "id", "created", "usage", "cached_tokens"}  # timings, call ids, cache state
+
+
+def close(a: Any, b: Any, path: str = "") -> bool:
+    """Equal JSON answers, floats to fp32 tolerance, call ids and timings aside."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = set(a) - SKIP
+        return keys == set(b) - SKIP and all(close(a[k], b[k]) for k in keys)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    return bool(a == b)
+
+
+def class_count(url: str, cls: str) -> float:
+    return metric(url, f'po_class_queue_time_seconds_count{{priority_class="{cls}"}}', default=0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("path", "body"), ROUTES, ids=[f"{p} {sorted(b)[0]}" for p, b in ROUTES])
+def test_priority_on_every_route(url: str, path: str, body: dict[str, Any]) -> None:
+    before = class_count(url, "batch"), class_count(url, "online")
+    low = httpx.post(url + path, json={**body, "priority": -1}, timeout=120.0)
+    assert low.status_code == 200, low.text
+    after_low = class_count(url, "batch"), class_count(url, "online")
+    assert after_low[0] > before[0] and after_low[1] == before[1]  # counted as batch work
+    high = httpx.post(url + path, json={**body, "priority": 3}, timeout=120.0)
+    assert high.status_code == 200, high.text
+    assert class_count(url, "online") > after_low[1]
+    # Same prompts, same answers, whatever the priority (the second may read the first's cache).
+    assert close(low.json(), high.json())
+    bad = httpx.post(url + path, json={**body, "priority": "high"}, timeout=60.0)
+    assert bad.status_code in (400, 422) and "priority" in bad.text
+
+
+@pytest.mark.slow
+def test_priority_settings_and_metrics(url: str) -> None:
+    info = httpx.get(url + "/server_info", timeout=30.0).json()
+    assert info["enable_priority_scheduling"] is True
+    assert info["schedule_low_priority_values_first"] is False
+    assert info["online_slo_ms"] == 600000
+    text = httpx.get(url + "/metrics", timeout=30.0).text
+    for series in (
+        'po_class_queue_length{priority_class="online"}',
+        'po_class_queue_length{priority_class="batch"}',
+        "po_online_slo_attainment",
+        "sglang:queue_time_seconds_count",
+    ):
+        assert series in text, series
+    httpx.post(
+        url + "/generate", json={"text": "a dog", "sampling_params": {"max_new_tokens": 0}}, timeout=60.0
+    )
+    assert metric(url, 'po_online_slo_calls_total{met="true"}', default=0.0) >= 1
+    assert metric(url, "po_online_slo_attainment") == 1.0  # a 10-minute target: every call met it
+    big = httpx.post(url + "/generate", json={"text": "x", "priority": 2**70}, timeout=60.0)
+    assert big.status_code == 400 and "priority" in big.text
+
+
+# ---- in process and clients ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("low_first", "sent"), [(False, -1), (True, 1)])
+def test_remote_low_priority_follows_the_server_order(low_first: bool, sent: int) -> None:
+    bodies: list[dict[str, Any]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json={"schedule_low_priority_values_first": low_first})
+        body = json.loads(request.content)
+        bodies.append(body)
+        item = {"meta_info": {"output_token_ids_logprobs": [[[-0.5, 5, None]]], "prompt_tokens": 3}}
+        return httpx.Response(200, json=[item] * len(body["input_ids"]))
+
+    remote = po.Remote("http://po.test", transport=httpx.MockTransport(server), priority="low")
+    remote.score([LabelRequest((1, 2, 3), (5,))])
+    remote.score([LabelRequest((1, 2, 4), (5,))])
+    assert [b["priority"] for b in bodies] == [sent, sent]
+    plain = po.Remote("http://po.test", transport=httpx.MockTransport(server))
+    plain.score([LabelRequest((1, 2, 3), (5,))])
+    assert "priority" not in bodies[-1]
+    with pytest.raises(ValueError, match="priority"):
+        po.Remote("http://po.test", priority="high")  # type: ignore[arg-type]
+
+
+def test_label_cli_priority_flag() -> None:
+    common = ["rows.jsonl", "--labels", "a,b", "--server", "http://x"]
+    assert parse_args(common).priority == "low"
+    assert parse_args([*common, "--priority", "-7"]).priority == -7
+    with pytest.raises(SystemExit):
+        parse_args([*common, "--priority", "high"])
+
+
+def spy(loop: Any, seen: list[ScoreRequest], monkeypatch: pytest.MonkeyPatch) -> None:
+    submit = loop.submit_many
+
+    def record(reqs: Sequence[ScoreRequest]) -> Any:
+        seen.extend(reqs)
+        return submit(reqs)
+
+    monkeypatch.setattr(loop, "submit_many", record)
+
+
+def test_in_process_priority(tokenized_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = po.Local(str(tokenized_llama), priority=-2, dtype="fp32", enable_priority_scheduling=True)
+    seen: list[ScoreRequest] = []
+    spy(local.loop, seen, monkeypatch)
+    (out,) = local.score([LabelRequest((1, 2, 3), (5,))])
+    assert not isinstance(out, Exception) and [r.priority for r in seen] == [-2]
+    engine = SGLangEngine.from_engine(local.engine, enable_priority_scheduling=True)
+    try:
+        spy(engine.runtime.loop, seen, monkeypatch)
+        engine.score(query=[1, 2], items=[[3], [4]], label_token_ids=[5], priority=4)
+        assert [r.priority for r in seen[1:]] == [4, 4]
+        assert engine.get_server_info()["enable_priority_scheduling"] is True
+    finally:
+        engine.shutdown()
+        local.close()
+
+
+def test_long_batch_request_runs_in_prefix_steps() -> None:
+    """A batch request longer than the sized step computes its prompt over several steps (each
+    caching its leading tokens for the next), so an online call waits for one short step."""
+    slo = 0.2  # batch steps of at most 0.1 s = 100 tokens at 1 ms per token
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=slo)
+    long = req(1, 450, -1)
+    runs = run(cfg, [(0.0, long), (0.35, req(2, 30))])
+    batch, online = sorted(runs, key=lambda r: r.rid)
+    assert online.start - online.arrival <= slo * BACKFILL_SLO_SHARE + 1e-9
+    assert batch.step >= 4  # at least 4 prefix steps before its own
+    assert batch.cached >= 300 and batch.end - batch.start <= slo * BACKFILL_SLO_SHARE + 1e-9
+    # A pool that cannot keep the prefix: it still runs, whole, after a bounded number of tries.
+    tiny = run(cfg, [(0.0, long)], pool=10)
+    assert len(tiny) == 1 and tiny[0].cached == 0
+    # Unsized, it is one step.
+    whole = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
+    assert whole[0].step == 0 and whole[0].cached == 0
+
+
+def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
+    from po_backend.engine.engine import Engine
+    from po_backend.serving.loop import EngineLoop
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
+    cold = engine.step([prompt])[0]
+    engine.flush_cache()
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
+    with EngineLoop(engine, scheduler=cfg, jct=JCT) as loop:
+        res = loop.submit(prompt).result()
+        steps = loop.step_log()
+        assert loop.stats().completed == 1
+    assert len(steps) >= 3 and max(n for s in steps for n, _ in s.items) <= 300
+    assert res.cached_tokens >= 200
+    assert res.logprobs == pytest.approx(cold.logprobs, abs=1e-4)

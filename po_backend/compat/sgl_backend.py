@@ -47,13 +47,16 @@ class PrefillOnlyBackend(_BaseBackend):
     `po_backend.compat.sglang.Engine`, mapped by core.settings.resolve), or an SGLangEngine /
     LocalRuntime to share (then shutdown()
     leaves it running). chat_template_name: as RuntimeEndpoint's; default by model path.
+    priority: the request priority of everything this backend runs (scheduled by it when the
+    runtime has `enable_priority_scheduling`).
     """
 
     def __init__(
         self, model: str | SGLangEngine | LocalRuntime = "embedded", *, chat_template_name: str | None = None,
-        **server_args: Any,
+        priority: int | None = None, **server_args: Any,
     ) -> None:  # fmt: skip
         super().__init__()
+        self.priority = priority  # of every request this backend sends (SGLang's request priority)
         if isinstance(model, str):
             self.runtime = LocalRuntime.launch(model, **server_args)
             self._owned = True
@@ -78,7 +81,7 @@ class PrefillOnlyBackend(_BaseBackend):
 
     def cache_prefix(self, prefix_str: str) -> None:
         ids = self._prompt(prefix_str)
-        self.runtime.run([ScoreRequest(ids, cache_prefix_len=len(ids))])
+        self.runtime.run([ScoreRequest(ids, cache_prefix_len=len(ids))], self.priority)
 
     def commit_lazy_operations(self, s: Any) -> None:
         self._no_images(s)
@@ -123,7 +126,7 @@ class PrefillOnlyBackend(_BaseBackend):
         req = ScoreRequest(
             ids, (), top_k=top_k, logprob_start_len=_engine_start(start) if want_logprob else -1
         )
-        (res,) = self.runtime.run([req])
+        (res,) = self.runtime.run([req], self.priority)
         out_ids = [res.top_logprobs[0][0]] if max_new == 1 else []
         skip = _sgl.global_config.skip_special_tokens_in_output
         text = self.runtime.decode(out_ids, skip_special_tokens=skip) if out_ids else ""
@@ -173,7 +176,7 @@ class PrefillOnlyBackend(_BaseBackend):
             reqs.append(
                 ScoreRequest(ids, (), logprob_start_len=_engine_start(start), cache_prefix_len=shared)
             )
-        results = self.runtime.run(reqs)
+        results = self.runtime.run(reqs, self.priority)
         input_token_logprobs = [
             self._input_rows(r.input_ids, start, res) for r, res in zip(reqs, results, strict=True)
         ]
@@ -189,7 +192,7 @@ class PrefillOnlyBackend(_BaseBackend):
         if choices_method.requires_unconditional_logprobs:
             seqs = [tuple(row[1] for row in rows) for rows in input_token_logprobs]
             alone = self.runtime.run(
-                [ScoreRequest(q, (), logprob_start_len=0, cache_prefix_len=0) for q in seqs]
+                [ScoreRequest(q, (), logprob_start_len=0, cache_prefix_len=0) for q in seqs], self.priority
             )
             unconditional = [self._input_rows(q, 0, res) for q, res in zip(seqs, alone, strict=True)]
         return choices_method(

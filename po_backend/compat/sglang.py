@@ -86,6 +86,7 @@ class SGLangEngine:
         temperature: float = 1.0,
         return_token_logprobs: bool = False,
         stacked_query_item_embed_overrides: Any = None,
+        priority: int | None = None,
     ) -> ScoreOutput:
         """P(label | query + item) per item and label; see the module docstring."""
         for name, value in (
@@ -117,10 +118,10 @@ class SGLangEngine:
         reqs = self._requests(query, item_list, item_first, labels)
         if head:
             reqs = [replace(r, pool=True) for r in reqs]
-            results = self.runtime.run(reqs)
+            results = self.runtime.run(reqs, priority)
             rows = [probabilities(self.task, r.outputs) for r in results]
             return ScoreOutput(rows, sum(r.prompt_tokens for r in results), None)
-        results = self.runtime.run(reqs)
+        results = self.runtime.run(reqs, priority)
         rows = [
             _softmax(r.logprobs, temperature) if apply_softmax else [math.exp(x) for x in r.logprobs]
             for r in results

@@ -23,12 +23,14 @@ attention with its log-sum-exp depends on the device (`lse_attention`):
   plain torch ops over blocks of query rows, at most `FALLBACK_BLOCK_ELEMS` scores at a time, so
   its memory is a constant the activation bound counts (`fallback_scratch_bytes`).
 
-Sliding windows and soft-capping (Gemma 2/3, Phi-3): a layer whose keys may lie outside its window,
-or that soft-caps its scores (`cap * tanh(s / cap)`, which no fused kernel here applies), runs
-`windowed_attend`: plain torch over blocks of query rows, each reading only the keys its window
-reaches (the cached prefix and the item's own keys as two reads, never concatenated), fp32 scores
-and softmax in transformers' order. A sliding layer whose sequences all fit in the window is plain
-causal attention and keeps the fast paths above. The dispatch rule is `needs_masking`.
+Sliding windows and soft-capping (Gemma 2/3, Phi-3, Mistral v0.1): a layer whose keys may lie
+outside its window, or that soft-caps its scores (`cap * tanh(s / cap)`, which no fused kernel
+here applies), runs `windowed_attend` over blocks of query rows, each reading only the keys its
+window reaches (copied only for a block whose window crosses from the cached prefix into the
+item, so at most rows + window keys): SDPA with the block's mask for a window alone, plain torch
+with fp32 scores and softmax in transformers' order for soft-capping. A sliding layer whose
+sequences all fit in the window is plain causal attention and keeps the fast paths above. The
+dispatch rule is `needs_masking`.
 """
 
 from __future__ import annotations

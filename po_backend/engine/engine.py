@@ -293,8 +293,7 @@ class Engine:
     def embed(
         self, prompts: Sequence[Prompt] | Prompt, *, cache_prefix_len: PrefixLens = None
     ) -> list[list[float]]:
-        """The embedding of each prompt (an embedder: task embed); a shared instruction declared
-        as `cache_prefix_len` is computed once and read from the cache after (last-token pooling)."""
+        """Each prompt's embedding (task embed); a `cache_prefix_len` instruction is computed once."""
         return [r.outputs for r in self.run(self._requests(prompts, cache_prefix_len, pool=True))]
 
     def classify(

@@ -22,7 +22,7 @@ from itertools import takewhile
 from operator import itemgetter
 from typing import Any, Protocol, TypeVar
 
-from po_backend.core.request import sorted_neighbours
+from po_backend.core.request import ScoreRequest, sorted_neighbours
 
 # The settings' defaults and checks are declared once, with every other setting.
 from po_backend.core.settings import (  # noqa: E402  (re-exported)
@@ -35,6 +35,8 @@ from po_backend.core.settings import (  # noqa: E402  (re-exported)
     check_scheduler,
 )
 
+# A prefix-only step (Pick.prefix_only) computes at least this many tokens (less: all overhead).
+MIN_PREFIX_STEP = 64
 CLASSES = ("online", "batch")  # the default priority or more urgent; less urgent
 
 
@@ -163,14 +165,21 @@ class SchedulerConfig:
     def rank(self, req: Request) -> int:
         """A request's class, lower runs first: its priority in the configured order (0 for the
         default priority, and for every request with priority scheduling off)."""
+        return self.rank_of(req.priority) if self.enable_priority else 0
+
+    def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:
             return 0
-        p = req.priority if req.priority is not None else DEFAULT_PRIORITY
+        p = DEFAULT_PRIORITY if priority is None else priority
         return p - DEFAULT_PRIORITY if self.low_priority_first else DEFAULT_PRIORITY - p
 
+    def class_of(self, priority: int | None) -> str:
+        """The class of a priority: online (the default priority or more urgent) or batch (less
+        urgent); online for every priority with priority scheduling off."""
+        return CLASSES[self.rank_of(priority) > 0]
+
     def priority_class(self, req: Request) -> str:
-        """ "online" (the default priority or more urgent) or "batch" (less urgent)."""
-        return CLASSES[self.rank(req) > 0]
+        return self.class_of(req.priority) if self.enable_priority else CLASSES[0]
 
     @classmethod
     def from_settings(cls, s: Any) -> SchedulerConfig:
@@ -217,11 +226,21 @@ class Pick:
     n_cached: tuple[int, ...]
     head_score: float  # the head's score under the policy (lower ran first)
     credit: bool = False  # a less urgent class ran on its starvation credit ahead of waiting work
+    # > 0: a batch request too long for one sized step: this step only computes and caches its
+    # first `prefix_only` tokens (`prefix_request`); it stays queued and reads them back later.
+    prefix_only: int = 0
 
     @property
     def items(self) -> list[tuple[int, int]]:
         """(n_input, n_cached) per entry, what `JCTModel.predict_items` takes."""
+        if self.prefix_only:
+            return [(self.prefix_only, self.n_cached[0])]
         return [(len(e.req.input_ids), c) for e, c in zip(self.entries, self.n_cached, strict=True)]
+
+    def prefix_request(self) -> ScoreRequest:
+        """The request a `prefix_only` step runs: the head's first tokens, all kept in the cache."""
+        ids = tuple(self.entries[0].req.input_ids[: self.prefix_only])
+        return ScoreRequest(ids, cache_prefix_len=len(ids))
 
 
 class Scheduler:
@@ -250,6 +269,7 @@ class Scheduler:
         # Predicted step seconds the classes behind the most urgent one have earned and not yet
         # used (`pick`): their share of the steps run while they waited.
         self._credit = 0.0
+        self._prefix_steps: dict[int, int] = {}  # prefix-only steps run per waiting request
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -269,6 +289,7 @@ class Scheduler:
     def remove(self, rid: int) -> bool:
         """Drop a waiting request (cancelled, or picked); False if it is not waiting."""
         self._arrival_jct.pop(rid, None)
+        self._prefix_steps.pop(rid, None)
         w = self._waiting.pop(rid, None)
         if w is None:
             return False
@@ -296,6 +317,7 @@ class Scheduler:
         self._arrival_jct.clear()
         self._call_waiting.clear()
         self._class_waiting.clear()
+        self._prefix_steps.clear()
         return out
 
     # ---- policy -----------------------------------------------------------------------------
@@ -409,12 +431,22 @@ class Scheduler:
         assert chosen and chosen[0][0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
+        prefix_only = 0
         if cfg.online_slo_s is not None and rank > 0:
             chosen = self._backfill(group, chosen, cfg.online_slo_s * BACKFILL_SLO_SHARE)
+            if len(chosen) == 1:
+                prefix_only = self._prefix_step(head, chosen[0][1], cfg.online_slo_s * BACKFILL_SLO_SHARE)
         entries = tuple(group[i] for i, _ in chosen)
-        for w in entries:
-            self.remove(w.rid)
-        pick = Pick(entries, tuple(reused for _, reused in chosen), keyed[at][0], credit=at > 0)
+        if not prefix_only:
+            for w in entries:
+                self.remove(w.rid)
+        pick = Pick(
+            entries,
+            tuple(reused for _, reused in chosen),
+            keyed[at][0],
+            credit=at > 0,
+            prefix_only=prefix_only,
+        )
         if lower is None:
             self._credit = 0.0  # one class waits: nothing to owe (idle time is not banked)
         else:  # less urgent work waited through this step: it earns a share, or spends its credit
@@ -423,11 +455,35 @@ class Scheduler:
         return pick
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
-        """A step's predicted seconds ((n_input, n_cached) per item); without a JCT model (fcfs,
-        lpm), its computed tokens: the credit only compares steps with each other."""
+        """A step's predicted seconds; its computed tokens without a JCT model (fcfs, lpm)."""
         if self.jct is None:
             return float(sum(n - c for n, c in items))
         return self.jct.predict_items(items)
+
+    def _prefix_step(self, w: Waiting, cached: int, budget_s: float) -> int:
+        """For a batch request whose one step would overrun `budget_s`: how many of its leading
+        tokens a step within the budget computes (and caches, for its later steps to read), 0 to
+        run it whole. Whole when what is left fits, when the step would compute fewer than
+        MIN_PREFIX_STEP tokens, or after as many prefix steps as it needs (a pool that cannot keep
+        its prefix until it runs must not make it loop)."""
+        assert self.jct is not None, "sized batch steps need a JCT model"
+        n = len(w.req.input_ids)
+        if (
+            self.jct.predict_items([(n, cached)]) <= budget_s
+            or self._prefix_steps.get(w.rid, 0) > n // MIN_PREFIX_STEP
+        ):
+            return 0
+        lo, hi = cached, w.req.reusable_len  # the largest k in (cached, reusable_len] within the budget
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.jct.predict_items([(mid, cached)]) <= budget_s:
+                lo = mid
+            else:
+                hi = mid
+        if lo - cached < MIN_PREFIX_STEP:
+            return 0
+        self._prefix_steps[w.rid] = self._prefix_steps.get(w.rid, 0) + 1
+        return lo
 
     def _backfill(
         self, group: Sequence[Waiting], chosen: list[tuple[int, int]], budget_s: float

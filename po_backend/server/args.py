@@ -56,8 +56,9 @@ class ServerArgs:
             type=arg_bytes,
         ),
     )
+    # Above the ~1,000-connection bursts the server is tested with (its kernel backlog is 4096).
     limit_concurrency: int = field(
-        default=1024,
+        default=2048,
         metadata=flag(
             "open connections and requests served at once (uvicorn's limit_concurrency); beyond it 503",
             type=int,

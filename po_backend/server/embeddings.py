@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from po_backend.core.request import ScoreResult, pooled_requests
 from po_backend.core.task import ModelTask, mismatch_text
@@ -43,6 +43,7 @@ class EmbeddingBody(TolerantBody):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     add_special_tokens: bool = True  # vLLM's
+    priority: StrictInt | None = None  # vLLM's; scheduled by it with --enable-priority-scheduling
 
 
 class PoolingBody(EmbeddingBody):
@@ -102,7 +103,7 @@ def encode_vector(vec: list[float], encoding_format: str) -> list[float] | str:
 
 async def run_pooled(rt: Runtime, request: Request, body: EmbeddingBody) -> list[ScoreResult]:
     ids = await rt.parse(prompts, rt, body.input, body.add_special_tokens)
-    return await rt.run(request, pooled_requests(ids))
+    return await rt.run(request, pooled_requests(ids), priority=body.priority)
 
 
 @router.post("/v1/embeddings")

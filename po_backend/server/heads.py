@@ -46,10 +46,12 @@ def best(rt: Runtime, probs: list[float]) -> str:
     return rt.task.labels[max(range(len(probs)), key=lambda j: probs[j])]
 
 
-async def classify_input(rt: Runtime, request: Request, raw: Inputs, model: str) -> dict[str, Any]:
+async def classify_input(
+    rt: Runtime, request: Request, raw: Inputs, model: str, priority: int | None = None
+) -> dict[str, Any]:
     """vLLM's and SGLang's `ClassificationResponse`."""
     ids = await rt.parse(prompts, rt, raw)
-    results = await rt.run(request, pooled_requests(ids))
+    results = await rt.run(request, pooled_requests(ids), priority=priority)
     data = [
         {"index": i, "label": best(rt, p), "probs": p, "num_classes": len(p)}
         for i, p in enumerate(probs_of(rt, results))
@@ -63,6 +65,7 @@ async def classify_labels(
     items: Sequence[tuple[tuple[int, ...], int | None]],
     labels: Sequence[str],
     model: str,
+    priority: int | None = None,
 ) -> dict[str, Any]:
     """Ours, `{prompt, labels}`: the labels must be the model's own (any order); each prompt's
     ids with its shared-prefix length, as `scoring.parse_classify` tokenised them."""
@@ -73,7 +76,7 @@ async def classify_labels(
             "labels (any order) or use the {input} form"
         )
     reqs = [ScoreRequest(ids, pool=True, cache_prefix_len=shared) for ids, shared in items]
-    results = await rt.run(request, reqs)
+    results = await rt.run(request, reqs, priority=priority)
     data = []
     for i, (r, p) in enumerate(zip(results, probs_of(rt, results), strict=True)):
         by_label = dict(zip(own, p, strict=True))
@@ -118,7 +121,7 @@ def pair_requests(
 
 
 async def score_items(
-    rt: Runtime, request: Request, query: Any, items: Any, item_first: bool
+    rt: Runtime, request: Request, query: Any, items: Any, item_first: bool, priority: int | None = None
 ) -> list[ScoreResult]:
     items = [items] if isinstance(items, str) else list(items or [])
     if not items:
@@ -127,7 +130,7 @@ async def score_items(
     if query is None:
         query = [] if isinstance(items[0], list) else ""
     reqs = await rt.parse(pair_requests, rt, query, items, item_first)
-    return await rt.run(request, reqs)
+    return await rt.run(request, reqs, priority=priority)
 
 
 def template_requests(rt: Runtime, text: str, query: str, docs: Sequence[str]) -> list[ScoreRequest]:
@@ -146,7 +149,9 @@ def template_requests(rt: Runtime, text: str, query: str, docs: Sequence[str]) -
     return reqs
 
 
-async def rerank_scores(rt: Runtime, request: Request, query: str, docs: Sequence[str]) -> list[ScoreResult]:
+async def rerank_scores(
+    rt: Runtime, request: Request, query: str, docs: Sequence[str], priority: int | None = None
+) -> list[ScoreResult]:
     """Each document's head output over the query (the relevance: `relevance`)."""
     if rt.task.num_labels != 1:
         raise bad(
@@ -161,7 +166,7 @@ async def rerank_scores(rt: Runtime, request: Request, query: str, docs: Sequenc
         reqs = await rt.parse(template_requests, rt, text, query, docs)
     else:
         reqs = await rt.parse(pair_requests, rt, query, list(docs))
-    return await rt.run(request, reqs)
+    return await rt.run(request, reqs, priority=priority)
 
 
 def relevance(r: ScoreResult) -> float:

@@ -8,6 +8,7 @@ prefix cache in tokens, scheduler queue figures and the JCT model's quality."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from po_backend.core.request import ScoreResult
+from po_backend.sched.scheduler import CLASSES, SchedulerConfig
 from po_backend.server.service import ScoringService
 
 
@@ -56,6 +58,7 @@ class Metrics:
         self.service = service
         r = self.registry = CollectorRegistry()
         self._sglang_series(r, model_name)
+        self._class_series(r, model_name)
         self.requests = Counter("po_http_requests", "HTTP requests", ["endpoint", "status"], registry=r)
         self.latency = Histogram(
             "po_request_latency_seconds",
@@ -155,6 +158,68 @@ class Metrics:
         # SGLang's decode throughput; for a prefill-only server the prompt tokens it scores.
         gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.tokens_per_second)
 
+    QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+    def _class_series(self, r: CollectorRegistry, model_name: str) -> None:
+        """Per priority class (online: the default priority or more urgent; batch: less urgent;
+        everything is online with priority scheduling off): queue length, queueing time, call
+        latency, and the online calls' attainment of --online-slo-ms."""
+        s = self.service.settings
+        self.classes = SchedulerConfig(
+            enable_priority=bool(s.get("enable_priority_scheduling")),
+            low_priority_first=bool(s.get("schedule_low_priority_values_first")),
+        )
+        slo_ms = s.get("online_slo_ms")
+        self.online_slo_s: float | None = None if slo_ms is None else float(slo_ms) / 1e3
+        queue = Gauge(
+            "po_class_queue_length", "Prompts waiting, per priority class", ["priority_class"], registry=r
+        )
+        for c in CLASSES:
+            queue.labels(c).set_function(functools.partial(self._class_queued, c))
+        self.sgl_queue_time = Histogram(
+            "sglang:queue_time_seconds",
+            "Histogram of queueing time in seconds.",
+            ["model_name", "engine_type"],
+            buckets=self.QUEUE_BUCKETS,
+            registry=r,
+        ).labels(model_name=model_name, engine_type="unified")
+        self.class_queue_time = Histogram(
+            "po_class_queue_time_seconds",
+            "Time a prompt waited before its step, per priority class",
+            ["priority_class"],
+            buckets=self.QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.class_latency = Histogram(
+            "po_class_request_latency_seconds",
+            "Call latency (submitted to answered by the scheduling loop), per priority class",
+            ["priority_class"],
+            buckets=self.QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.slo_calls = Counter(
+            "po_online_slo_calls",
+            "Online calls by whether their latency met --online-slo-ms (none counted without it)",
+            ["met"],
+            registry=r,
+        )
+        Gauge(
+            "po_online_slo_attainment",
+            "Share of online calls whose latency met --online-slo-ms (1 before the first, and without a target)",
+            registry=r,
+        ).set_function(self._attainment)
+        self._slo_counts = [0, 0]  # online calls within the target, all online calls
+
+    def _class_queued(self, c: str) -> float:
+        try:
+            return float((self._stats().get("queued_by_class") or {}).get(c, 0) or 0)
+        except Exception:  # a scrape must not fail because a stat is missing
+            return 0.0
+
+    def _attainment(self) -> float:
+        met, n = self._slo_counts
+        return met / n if n else 1.0
+
     def render(self) -> bytes:
         """The exposition text. The gauges read one snapshot of the service's stats, taken here:
         each read takes the loop's lock and summarises its step log, and a scrape reads a dozen."""
@@ -189,10 +254,28 @@ class Metrics:
         except Exception:  # a scrape must not fail because a stat is missing
             return 0.0
 
-    def observe(self, results: Sequence[ScoreResult], seconds: float = 0.0, output_tokens: int = 0) -> None:
+    def observe(
+        self,
+        results: Sequence[ScoreResult],
+        seconds: float = 0.0,
+        output_tokens: int = 0,
+        priority: int | None = None,
+    ) -> None:
         """A finished call: its prompts' results, the call's wall time (each prompt's end-to-end
-        latency and, with one output token, its time to first token) and its output tokens."""
+        latency and, with one output token, its time to first token), its output tokens and its
+        priority."""
         now = time.monotonic()
+        cls = self.classes.class_of(priority)
+        self.class_latency.labels(cls).observe(seconds)
+        for res in results:
+            self.sgl_queue_time.observe(res.queue_seconds)
+            self.class_queue_time.labels(cls).observe(res.queue_seconds)
+        if cls == CLASSES[0] and self.online_slo_s is not None:
+            met = seconds <= self.online_slo_s
+            self.slo_calls.labels(str(met).lower()).inc()
+            with self._lock:
+                self._slo_counts[0] += met
+                self._slo_counts[1] += 1
         tokens = sum(r.prompt_tokens for r in results)
         cached = sum(r.cached_tokens for r in results)
         self.sgl_requests.inc(len(results))

@@ -59,7 +59,7 @@ async def model(model_id: str, rt: RuntimeDep) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, rt: RuntimeDep) -> Response:
     call = await rt.parse(parse_completion, rt, body)
-    results = await rt.run(request, call.requests, call.max_tokens * len(call.requests))
+    results = await rt.run(request, call.requests, call.max_tokens * len(call.requests), body.priority)
     choices = [
         completion_choice(rt, i, ids, text, body, call.max_tokens, call.bias, req, res)
         for i, ((ids, text), req, res) in enumerate(zip(call.prompts, call.requests, results, strict=True))

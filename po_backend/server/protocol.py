@@ -105,7 +105,7 @@ class GenerateRequest(TolerantBody):
     session_params: Any = None
     log_metrics: bool = True
     modalities: Any = None
-    priority: int | None = None
+    priority: StrictInt | None = None  # scheduled by it with --enable-priority-scheduling
     data_parallel_rank: int | None = None
     extra_key: Any = None
     bootstrap_host: Any = None
@@ -137,6 +137,8 @@ class ScoreRequestBody(TolerantBody):
     item_embed_overrides: Any = None
     return_pooled_hidden_states: bool = False
     score_extraction_token: str | None = None
+    # SGLang's / vLLM's request priority (scheduled by it with --enable-priority-scheduling).
+    priority: StrictInt | None = None
 
 
 class CompletionRequest(TolerantBody):
@@ -165,6 +167,8 @@ class CompletionRequest(TolerantBody):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_hidden_states: bool = False
+    # SGLang's / vLLM's request priority (scheduled by it with --enable-priority-scheduling).
+    priority: StrictInt | None = None
 
 
 class ClassifyRequest(TolerantBody):
@@ -183,6 +187,8 @@ class ClassifyRequest(TolerantBody):
     leading_space: bool | None = None
     choices_method: Literal["sum", "mean"] = "sum"
     model: str | None = None
+    # SGLang's / vLLM's request priority (scheduled by it with --enable-priority-scheduling).
+    priority: StrictInt | None = None
 
 
 class TokenizeRequest(TolerantBody):

@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from po_backend.core.labels import (
     LabelIds,
@@ -86,6 +86,7 @@ class SGLangRerankBody(TolerantBody):
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
     model: str | None = None
+    priority: StrictInt | None = None  # scheduled by it with --enable-priority-scheduling
 
 
 class CohereRerankBody(TolerantBody):
@@ -98,6 +99,7 @@ class CohereRerankBody(TolerantBody):
     return_documents: bool = True  # vLLM always returns them; Jina and Cohere v1 default to it
     max_tokens_per_doc: int | None = Field(default=None, ge=1)  # Cohere: truncate longer documents
     instruct: str | None = None  # ours (and SGLang's), for instruction-tuned rerankers
+    priority: StrictInt | None = None  # vLLM's; scheduled by it with --enable-priority-scheduling
 
 
 # ---- the template -------------------------------------------------------------------------------
@@ -247,14 +249,19 @@ class Ranked:
 
 
 async def rerank(
-    rt: Runtime, request: Request, query: str, docs: Sequence[str], instruct: str | None
+    rt: Runtime,
+    request: Request,
+    query: str,
+    docs: Sequence[str],
+    instruct: str | None,
+    priority: int | None = None,
 ) -> list[Ranked]:
     """Each document's relevance, in the documents' order; all submitted together."""
     if heads.is_head(rt, "rerank"):
-        scored = await heads.rerank_scores(rt, request, query, docs)
+        scored = await heads.rerank_scores(rt, request, query, docs, priority)
         return [Ranked(i, heads.relevance(r), r.prompt_tokens, r.cached_tokens) for i, r in enumerate(scored)]
     call = await rt.parse(build_call, rt, query, docs, instruct)
-    results = await rt.run(request, [r for g in call.requests for r in g])
+    results = await rt.run(request, [r for g in call.requests for r in g], priority=priority)
     out = []
     pos = 0
     for i, g in enumerate(call.requests):
@@ -282,7 +289,7 @@ async def sglang_rerank(body: SGLangRerankBody, request: Request, rt: RuntimeDep
     SGLang router builds its own reply from exactly this)."""
     query = body.query if isinstance(body.query, str) else document_text(body.query)
     docs = [document_text(d) for d in body.documents]
-    ranked = await rerank(rt, request, query, docs, body.instruct)
+    ranked = await rerank(rt, request, query, docs, body.instruct, body.priority)
     out = []
     for r in top(ranked, body.top_n):
         item: dict[str, Any] = {"score": r.score, "index": r.index}
@@ -301,7 +308,7 @@ async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep
     docs = [document_text(d) for d in body.documents]
     if body.max_tokens_per_doc is not None:
         docs = [_truncate(rt, d, body.max_tokens_per_doc) for d in docs]
-    ranked = await rerank(rt, request, body.query, docs, body.instruct)
+    ranked = await rerank(rt, request, body.query, docs, body.instruct, body.priority)
     results = []
     for r in top(ranked, body.top_n):
         item: dict[str, Any] = {"index": r.index, "relevance_score": r.score}

@@ -5,6 +5,7 @@ the `RuntimeDep` that hands it to a handler, and the SSE response."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -131,13 +132,20 @@ class Runtime:
     # ---- running requests -----------------------------------------------------------------------
 
     async def run(
-        self, request: Request, reqs: Sequence[ScoreRequest], output_tokens: int = 0
+        self,
+        request: Request,
+        reqs: Sequence[ScoreRequest],
+        output_tokens: int = 0,
+        priority: int | None = None,
     ) -> list[ScoreResult]:
         """Submit together (one multi-item batch for the scheduler) and await, cancelling all if
         the client disconnects first. `output_tokens`: what the call answers with in all (for
-        SGLang's generation-token counter)."""
+        SGLang's generation-token counter). `priority`: the call's (the body's `priority`), given
+        to each of its requests."""
         if not reqs:
             return []
+        if priority is not None:
+            reqs = [dataclasses.replace(r, priority=priority) for r in reqs]
         if self.draining:
             raise DrainingError("the server is shutting down")
         if len(reqs) > self.args.max_queue:
@@ -162,7 +170,7 @@ class Runtime:
             done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
             if waiters in done:
                 results = waiters.result()
-                self.metrics.observe(results, time.perf_counter() - t0, output_tokens)
+                self.metrics.observe(results, time.perf_counter() - t0, output_tokens, priority)
                 self._check_finite(results)
                 return results
             raise ClientGone()

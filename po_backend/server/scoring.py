@@ -15,7 +15,7 @@ from typing import Annotated, Any, cast
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, StrictInt, ValidationError
 
 from po_backend.core.labels import (
     ANCHOR_CHARS,
@@ -54,6 +54,7 @@ class LaunchClassifyBody(TolerantBody):
 
     input: str | list[str] | IntList
     model: str | None = None
+    priority: StrictInt | None = None
 
 
 class GenerativeScoringBody(TolerantBody):
@@ -67,16 +68,17 @@ class GenerativeScoringBody(TolerantBody):
     item_first: bool = False
     add_special_tokens: bool = True
     model: str | None = None
+    priority: StrictInt | None = None
 
 
 @router.post("/v1/score")
 async def score(body: ScoreRequestBody, request: Request, rt: RuntimeDep) -> JSONResponse:
     head = heads.is_head(rt, "/v1/score")
     if head:  # SGLang's classifier form: the head's probabilities per item
-        results = await heads.score_items(rt, request, body.query, body.items, body.item_first)
+        results = await heads.score_items(rt, request, body.query, body.items, body.item_first, body.priority)
         scores = heads.probs_of(rt, results)
     else:
-        results = await rt.run(request, await rt.parse(parse_score, rt, body))
+        results = await rt.run(request, await rt.parse(parse_score, rt, body), priority=body.priority)
         if body.apply_softmax:
             scores = [softmax(r.logprobs, body.temperature) for r in results]
         else:
@@ -102,7 +104,8 @@ async def classify_any(
     if heads.is_head(rt, "/v1/classify"):
         if "input" in raw:
             body = _validate(LaunchClassifyBody, raw)
-            return await heads.classify_input(rt, request, body.input, body.model or rt.args.model_name)
+            model = body.model or rt.args.model_name
+            return await heads.classify_input(rt, request, body.input, model, body.priority)
         return await classify(_validate(ClassifyRequest, raw), request, rt)
     if "input" in raw:
         return await classify_input(_validate(LaunchClassifyBody, raw), request, rt)
@@ -114,7 +117,8 @@ async def classify(body: ClassifyRequest, request: Request, rt: RuntimeDep) -> d
     if heads.is_head(rt, "/v1/classify"):
         prompts = await rt.parse(_classify_prompts, rt, body)
         pairs = [(ids, shared) for ids, _, shared in prompts]
-        return await heads.classify_labels(rt, request, pairs, body.labels, body.model or rt.args.model_name)
+        model = body.model or rt.args.model_name
+        return await heads.classify_labels(rt, request, pairs, body.labels, model, body.priority)
     items, data, total = await run_classify(rt, request, body)
     return {
         "object": "classification",
@@ -134,7 +138,7 @@ async def classify_input(body: LaunchClassifyBody, request: Request, rt: Runtime
             "(and --classify-template), or send our {prompt, labels} form"
         )
     inner = await rt.parse(launch_classify_request, rt, body, labels)
-    items, data, total = await run_classify(rt, request, inner)
+    items, data, total = await run_classify(rt, request, inner, body.priority)
     out = []
     for i, (it, group) in enumerate(zip(items, data, strict=True)):
         c = classification(i, it, group, inner)
@@ -148,7 +152,7 @@ async def generative_scoring(body: GenerativeScoringBody, request: Request, rt: 
     """vLLM's generative scoring: per item the probability of the first label token (softmax over
     the labels by default, full vocabulary with apply_softmax=false)."""
     reqs = await rt.parse(parse_generative, rt, body)
-    results = await rt.run(request, reqs)
+    results = await rt.run(request, reqs, priority=body.priority)
     data = []
     for i, r in enumerate(results):
         p = softmax(r.logprobs)[0] if body.apply_softmax else math.exp(r.logprobs[0])
@@ -159,11 +163,15 @@ async def generative_scoring(body: GenerativeScoringBody, request: Request, rt: 
 
 
 async def run_classify(
-    rt: Runtime, request: Request, body: ClassifyRequest
+    rt: Runtime, request: Request, body: ClassifyRequest, priority: int | None = None
 ) -> tuple[list[ClassifyItem], list[list[ScoreResult]], int]:
     """The prompts parsed, their results grouped per prompt, the prompt tokens in all."""
     items = await rt.parse(parse_classify, rt, body)
-    results = await rt.run(request, [r for it in items for r in it.requests])
+    results = await rt.run(
+        request,
+        [r for it in items for r in it.requests],
+        priority=priority if body.priority is None else body.priority,
+    )
     groups = []
     pos = 0
     for it in items:

@@ -53,7 +53,9 @@ class GenItem:
 async def generate(body: GenerateRequest, request: Request, rt: RuntimeDep) -> Response:
     t0 = time.perf_counter()
     items, single = await rt.parse(parse_generate, rt, body)
-    results = await rt.run(request, [it.request for it in items], sum(it.max_new_tokens for it in items))
+    results = await rt.run(
+        request, [it.request for it in items], sum(it.max_new_tokens for it in items), body.priority
+    )
     latency = time.perf_counter() - t0
     out = [format_generate(rt, it, r, latency) for it, r in zip(items, results, strict=True)]
     if body.stream:

@@ -380,6 +380,11 @@ class EngineLoop:
             return None
         if pick is None:
             return None
+        if pick.prefix_only:  # the head stays queued; this step only caches its first tokens
+            job = _Job(-1, pick.prefix_request(), Future(), self.clock())
+            job.future.set_running_or_notify_cancel()
+            self._running = [job]
+            return [job], pick.items, pick.head_score
         jobs: list[_Job] = []
         items: list[tuple[int, int]] = []
         for entry, item in zip(pick.entries, pick.items, strict=True):
@@ -413,7 +418,7 @@ class EngineLoop:
             log.warning("a step of %d requests failed: %r", len(jobs), e)
             with self._cond:
                 self._running = []
-                self._counts["failed"] += len(jobs)
+                self._counts["failed"] += sum(j.rid >= 0 for j in jobs)
                 self._failed_streak += 1
                 self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score, True))
             for j in jobs:
@@ -424,7 +429,7 @@ class EngineLoop:
             self.jct.observe(items, seconds)
         with self._cond:
             self._running = []
-            self._counts["completed"] += len(jobs)
+            self._counts["completed"] += sum(j.rid >= 0 for j in jobs)
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
         for j, r in zip(jobs, results, strict=True):

@@ -18,6 +18,7 @@ Two rules live here, once:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import weakref
@@ -188,11 +189,13 @@ class EngineRuntime:
 
     # ---- running ------------------------------------------------------------------------------
 
-    def run(self, reqs: Sequence[ScoreRequest]) -> list[ScoreResult]:
+    def run(self, reqs: Sequence[ScoreRequest], priority: int | None = None) -> list[ScoreResult]:
         """Submit together (the scheduler sees them as one burst, so items sharing a cached
-        prefix run as one multi-item forward) and wait for all."""
+        prefix run as one multi-item forward) and wait for all. `priority`: given to each."""
         if not reqs:
             return []
+        if priority is not None:
+            reqs = [dataclasses.replace(r, priority=priority) for r in reqs]
         return [f.result() for f in self.loop.submit_many(reqs)]
 
     def flush_cache(self) -> None:

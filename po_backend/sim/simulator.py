@@ -142,6 +142,11 @@ def simulate(
         pick = sched.pick(cache.cached_len, cache.batchable)
         assert pick is not None, "a non-empty queue gives a pick"
         start = clock.now
+        if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued
+            cache.step([pick.prefix_request()])
+            clock.now += model.predict_items(pick.items)
+            steps += 1
+            continue
         hits = cache.step([e.req for e in pick.entries])
         # What the pick read covers the cache's hits; beyond them: prefixes read from batch-mates.
         assert all(h <= c for h, c in zip(hits, pick.n_cached, strict=True)), "stale cache state"

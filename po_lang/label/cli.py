@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-rows", type=int, default=None, help="label at most this many new rows, then stop")
     run.add_argument("--server", default=None, metavar="URL", help="score on a running prefillonly server")
     run.add_argument(
+        "--priority",
+        type=_priority,
+        default="low",
+        help="with --server: the request priority of the job's calls (an integer, or 'low': just "
+        "below the server's default in its order, so a server launched with "
+        "--enable-priority-scheduling runs its online calls first; default: low)",
+    )
+    run.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"the server's API key (default: ${API_KEY_ENV})",
@@ -146,6 +154,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _priority(text: str) -> int | str:
+    if text == "low":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer or 'low', got {text!r}") from None
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype} if args.dtype else {}
 
@@ -155,7 +172,7 @@ def make_backend(args: argparse.Namespace) -> Backend:
     from po_lang.remote import Remote
 
     if args.server:
-        return Remote(args.server, args.api_key)
+        return Remote(args.server, args.api_key, priority=args.priority)
     return Local(args.model or "embedded", **engine_options(args))
 
 
@@ -164,7 +181,9 @@ def ray_options(args: argparse.Namespace) -> jobs.RayOptions:
     from po_lang.remote import Remote
 
     model: str | Callable[[], Backend] = (
-        partial(Remote, args.server, args.api_key) if args.server else args.model or "embedded"
+        partial(Remote, args.server, args.api_key, priority=args.priority)
+        if args.server
+        else args.model or "embedded"
     )
     return jobs.RayOptions(
         model=model,

@@ -1,0 +1,191 @@
+"""Online and batch traffic on one engine: an online Poisson stream of short calls (WL1-style: a
+user's profile + a post) and a backlog of long batch items (WL2-style histories) queued at t=0,
+the same trace for every policy. Reported per policy: online P50/P99 and batch items/s, each
+against its class running alone on the same engine:
+
+- fcfs: arrival order, priorities ignored
+- po: prefix-aware SRJF, priorities ignored
+- po+prio: po with `--enable-priority-scheduling` (batch items at priority -1), `--online-slo-ms`
+  (`--slo-x` x the online-alone P99: batch steps are sized to half of it, a long item runs as
+  prefix-only steps) and the batch class's credit (`--batch-min-share`)
+
+In process on the server's own loop (EngineLoop, embedded model), or with `--simulate` on
+po_backend.sim.simulator (the real scheduler, step times from the JCT model, no machine noise).
+Targets (same run): online P99 with the backlog <= 1.5x online alone; batch items/s >= 70% of
+batch alone x (1 - the online load).
+
+    python -m benchmarks.bench_mixed --simulate    # seconds
+    python -m benchmarks.bench_mixed               # a few minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
+from benchmarks.workloads import label_ids, wl1, wl2
+from po_backend.core.request import ScoreRequest
+from po_backend.core.settings import DEFAULT_BATCH_MIN_SHARE
+from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.serving.jct_profile import startup_jct
+from po_backend.serving.loop import EngineLoop
+from po_backend.sim.simulator import PrefixLRU, simulate
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--simulate", action="store_true", help="on the simulator instead of the engine")
+    ap.add_argument("--users", type=int, default=3, help="online: users (one profile each)")
+    ap.add_argument("--posts", type=int, default=10, help="online: calls per user")
+    ap.add_argument("--profile", type=int, default=300, help="online: profile tokens (the shared prefix)")
+    ap.add_argument("--post", type=int, default=40, help="online: post tokens")
+    ap.add_argument("--batch", type=int, default=10, help="batch: items in the backlog")
+    ap.add_argument("--batch-tokens", default="600,900", help="batch: MIN,MAX tokens per item")
+    ap.add_argument("--load", type=float, default=0.5, help="online rate as a share of its capacity")
+    ap.add_argument("--slo-x", type=float, default=1.5, help="online target: x the online-alone P99")
+    ap.add_argument("--batch-min-share", type=float, default=DEFAULT_BATCH_MIN_SHARE)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="result JSON (default: results/mixed[_sim].json)")
+    return ap.parse_args(argv)
+
+
+def traces(args: argparse.Namespace, tok: Any) -> tuple[list[ScoreRequest], list[ScoreRequest], list[float]]:
+    """Online requests (users interleaved), their unit-rate Poisson arrivals, batch requests."""
+    labels = label_ids(tok)
+    online_items = wl1(tok, args.users, args.posts, args.profile, args.profile // 8, (1, 10**6), args.post)
+    online, unit = harness.requests_and_arrivals(online_items, labels, args.seed)
+    lo, hi = (int(x) for x in args.batch_tokens.split(","))
+    batch = [
+        ScoreRequest(it.ids, labels, priority=-1) for it in wl2(tok, args.batch, (lo, hi), args.seed + 1)
+    ]
+    return online, batch, unit
+
+
+class Runner:
+    """One policy over (arrival, request) pairs -> latency per request (trace order), makespan."""
+
+    def __init__(self, args: argparse.Namespace, pool: int) -> None:
+        self.simulated = args.simulate
+        self.engine = harness.load_engine(pool)
+        self.model: Any
+        if self.simulated:
+            self.model, self.source = harness.sim_step_model(harness.RESULTS / "schedule.json", self.engine)
+        else:
+            # The server's start-up rule: a persisted profile, else a quick estimate refined online
+            self.model, self.source = startup_jct(self.engine, "po"), "the server's start-up JCT model"
+        self.pool = pool
+
+    def __call__(self, cfg: SchedulerConfig, trace: list[tuple[float, ScoreRequest]]) -> list[float]:
+        if self.simulated:
+            cache = PrefixLRU(self.pool, self.engine.config.max_batch_tokens)
+            ends = {r.rid: r.end - r.arrival for r in simulate(cfg, self.model, trace, cache)}
+            return [ends[i] for i in range(len(trace))]
+        order = sorted(range(len(trace)), key=lambda i: trace[i][0])
+        self.engine.flush_cache()
+        loop = EngineLoop(self.engine, scheduler=cfg, jct=self.model, max_queue=1 << 20, start=False)
+        got = harness.replay(loop, [trace[i][1] for i in order], [trace[i][0] for i in order])
+        lat = [0.0] * len(trace)
+        for k, i in enumerate(order):
+            lat[i] = got["latencies"][k]
+        return lat
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    tok = harness.tokenizer()
+    online, batch, unit = traces(args, tok)
+    # The pool holds 2 profiles (as bench_schedule's) plus one batch item (its prefix steps' work).
+    pool = int(2.2 * args.profile) + max(len(r.input_ids) for r in batch)
+    run = Runner(args, pool)
+    info = harness.machine_info()
+    where = "simulator" if args.simulate else f"{info['cpu']}, {info['cores']} cores, embedded model"
+    print(f"{where}; step times: {run.source}")
+    t0 = time.perf_counter()
+    po, fcfs = SchedulerConfig("po"), SchedulerConfig("fcfs")
+    # Online capacity: each call alone (1e6 s apart), cold cache at the start.
+    iso = run(fcfs, [(1e6 * i, r) for i, r in enumerate(online)])
+    iso_mean = sum(iso) / len(iso)
+    rate = args.load / iso_mean
+    arrivals = [u / rate for u in unit]
+    online_trace = list(zip(arrivals, online, strict=True))
+    alone = harness.latency_summary(run(po, online_trace))
+    batch_lat = run(po, [(0.0, r) for r in batch])
+    batch_alone = len(batch) / max(batch_lat)
+    slo_s = args.slo_x * alone["p99_s"]
+    prio = SchedulerConfig(
+        "po", enable_priority=True, online_slo_s=slo_s, batch_min_share=args.batch_min_share
+    )
+    mixed = [(0.0, r) for r in batch] + online_trace
+    rows = []
+    for name, cfg in (("fcfs", fcfs), ("po", po), ("po+prio", prio)):
+        lat = run(cfg, mixed)
+        b, o = lat[: len(batch)], lat[len(batch) :]
+        s = harness.latency_summary(o)
+        rows.append(
+            {
+                "policy": name,
+                "online_p50_s": s["p50_s"],
+                "online_p99_s": s["p99_s"],
+                "p99_vs_alone": s["p99_s"] / alone["p99_s"],
+                "batch_items_s": len(batch) / max(b),
+                "batch_vs_alone": len(batch) / max(b) / batch_alone,
+                "slo_met": sum(x <= slo_s for x in o) / len(o),
+            }
+        )
+    floor = 0.7 * (1 - args.load)
+    doc = {
+        "args": vars(args),
+        "machine": info,
+        "where": where,
+        "pool_tokens": pool,
+        "online_calls": len(online),
+        "online_qps": rate,
+        "online_alone": alone,
+        "online_isolated_mean_s": iso_mean,
+        "batch_alone_items_s": batch_alone,
+        "online_slo_s": slo_s,
+        "batch_floor_vs_alone": floor,
+        "rows": rows,
+        "seconds": time.perf_counter() - t0,
+    }
+    md = markdown(doc)
+    print("\n" + md)
+    out = (
+        Path(args.out)
+        if args.out
+        else harness.RESULTS / ("mixed_sim.json" if args.simulate else "mixed.json")
+    )
+    harness.save(out, doc, md)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    a, alone = doc["args"], doc["online_alone"]
+    lines = [
+        f"`benchmarks/bench_mixed.py{' --simulate' if a['simulate'] else ''}` ({doc['where']}; "
+        f"{doc['seconds']:.0f} s): {doc['online_calls']} online calls ({a['users']} users x {a['posts']} posts, "
+        f"profile ~{a['profile']} + post {a['post']} tokens) at {doc['online_qps']:.2f}/s = {a['load']:g} x their "
+        f"capacity, and {a['batch']} batch items of {a['batch_tokens'].replace(',', '-')} tokens queued at t=0 "
+        f"(priority -1); prefix pool {doc['pool_tokens']} tokens. Online alone: P50 {alone['p50_s']:.3f} s, "
+        f"P99 {alone['p99_s']:.3f} s; batch alone: {doc['batch_alone_items_s']:.2f} items/s. po+prio: online "
+        f"target {doc['online_slo_s'] * 1e3:.0f} ms ({a['slo_x']:g} x online-alone P99), batch min share "
+        f"{a['batch_min_share']:g}. Targets: online P99 <= 1.5x alone; batch >= "
+        f"{doc['batch_floor_vs_alone']:.2f}x alone (70% of 1 - online load).",
+        "",
+        "| policy | online P50 s | online P99 s | P99 / alone | within target | batch items/s | batch / alone |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['policy']} | {r['online_p50_s']:.3f} | {r['online_p99_s']:.3f} | {r['p99_vs_alone']:.2f}x "
+            f"| {r['slo_met']:.0%} | {r['batch_items_s']:.2f} | {r['batch_vs_alone']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
