@@ -418,6 +418,7 @@ def test_flags_map_onto_server_args() -> None:
         "max_input_len": 300,
         "chunk_size": 512,
         "prefill_mode": "hybrid",
+        "residual_dtype": "fp32",
         "enable_cache": False,
     }
     assert (args.scheduler.policy, args.scheduler.fairness_lambda, args.max_queue) == ("lpm", 0.5, 9)
@@ -523,14 +524,15 @@ def test_api_key_body_limit_and_overload(servers: dict[str, ServerProcess]) -> N
     big = {"input_ids": [1] * 3000}
     r = post(url, "/generate", big, headers=auth)
     assert r.status_code == 413 and "larger than 4096" in error_message(r)
-    # --max-queue 2: a batch of 5 prompts cannot be queued.
+    # --max-queue 2: a batch of 5 prompts can never be queued: a 413 naming the flag, not a 503 that
+    # clients and the router would retry forever.
     r = post(
         url,
         "/generate",
         {"input_ids": [[1, 5, 6]] * 5, "sampling_params": {"max_new_tokens": 0}},
         headers=auth,
     )
-    assert r.status_code == 503 and "overloaded" in error_message(r)
+    assert r.status_code == 413 and "--max-queue 2" in error_message(r)
 
 
 def test_thousand_concurrent_requests_all_answered(url: str) -> None:
