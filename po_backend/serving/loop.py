@@ -171,8 +171,9 @@ class EngineLoop:
         self.max_queue = max_queue
         self.clock = clock
         self._sched = Scheduler(self.config, self.jct, clock)
-        cache = engine.cache if isinstance(engine, Engine) else None  # eviction-aware po reads its order
-        self._pool = CachePool(cache, engine.store_len) if cache is not None else None
+        self._pool: CachePool | None = None  # the cache's eviction order, for eviction-aware po
+        if isinstance(engine, Engine) and engine.cache is not None:
+            self._pool = CachePool(engine.cache, engine.store_len)
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
         self._jobs: dict[int, _Job] = {}  # waiting jobs by rid
         self._running: list[_Job] = []
