@@ -9,6 +9,9 @@ waiting request recompute n_cached against the *current* cache and score it
 `jct(n_input, n_cached) - lambda * t_queue`; run the lowest. A request whose prefix was just
 cached jumps ahead (more hits, fewer evictions); lambda bounds starvation: a request waiting for
 t seconds beats every request that arrived more than (jct - jct_min) / lambda seconds after it.
+Given the pool's eviction order (`reuse.Pool`), a request's jct also counts the waiting requests'
+reuse its admission would evict (`reuse.ReuseCost`): with a small pool, a cold request that would
+push out a prefix others are queued to read waits until they have read it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 from operator import itemgetter
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from po_backend.core.request import ScoreRequest, sorted_neighbours
 
@@ -35,25 +38,20 @@ from po_backend.core.settings import (  # noqa: E402  (re-exported)
     check_scheduler,
 )
 
+# The batching rule and the request shape live with the rule; re-exported for callers of this module.
+from po_backend.sched.batching import (  # noqa: F401
+    Batchable,
+    BatchStores,
+    CachedLen,
+    Request,
+    StoreLen,
+    fit_batch,
+)
+from po_backend.sched.reuse import Pool, ReuseCost
+
 # A prefix-only step (Pick.prefix_only) computes at least this many tokens (less: all overhead).
 MIN_PREFIX_STEP = 64
 CLASSES = ("online", "batch")  # the default priority or more urgent; less urgent
-
-
-class Request(Protocol):
-    """What the scheduler reads of a request (`po_backend.core.request.ScoreRequest` has it)."""
-
-    @property
-    def input_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def cache_prefix_len(self) -> int | None: ...
-
-    @property
-    def reusable_len(self) -> int: ...
-
-    @property
-    def priority(self) -> int | None: ...
 
 
 class Predictor(Protocol):
@@ -62,89 +60,6 @@ class Predictor(Protocol):
     def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
 
     def predict_items(self, items: Sequence[tuple[int, int]]) -> float: ...
-
-
-# The engine and the simulator pass functions of their own request type, so these are generic
-# over it (a function of ScoreRequest is not a function of every Request). The Scheduler itself
-# hands back to them the requests it was given, whatever their type, hence `Any` there.
-R = TypeVar("R", bound=Request)
-CachedLen = Callable[[R], int]  # tokens the cache serves now (read-only)
-StoreLen = Callable[[R], int]  # leading tokens the request will keep in the cache
-# (candidate index, tokens it reads instead of computing: from the cache or from a batch-mate)
-Batchable = Callable[[Sequence[R]], list[tuple[int, int]]]
-
-
-class BatchStores:
-    """The prefixes that the requests of one forward compute and store, so a later request of the
-    same forward can read a shared prefix from them instead of computing it again (in-batch
-    prefix sharing: a user's profile sent by five waiting requests is computed once).
-
-    Kept sorted by token ids: the stored prefix sharing the most with a new request is then one
-    of its two neighbours in that order, so a lookup costs two prefix comparisons however large
-    the batch. `fit_batch` and the engine's planner both ask this, so they agree on every share."""
-
-    def __init__(self) -> None:
-        self._ids: list[tuple[int, ...]] = []
-        self._stores: list[tuple[int, int]] = []  # (store_len, owner), aligned with _ids
-
-    def add(self, ids: tuple[int, ...], store_len: int, owner: int) -> None:
-        """Request `owner` of this forward computes and stores ids[:store_len]."""
-        i = bisect.bisect_left(self._ids, ids)
-        self._ids.insert(i, ids)
-        self._stores.insert(i, (store_len, owner))
-
-    def shared(self, ids: tuple[int, ...], limit: int) -> tuple[int, int]:
-        """(tokens of `ids` readable from an earlier request's store, at most `limit`; its owner),
-        (0, -1) when none."""
-        best, owner = 0, -1
-        for j, shared in sorted_neighbours(self._ids, ids):
-            store, o = self._stores[j]
-            n = min(shared, store, limit)
-            if n > best:
-                best, owner = n, o
-        return best, owner
-
-
-def fit_batch(
-    candidates: Sequence[R],
-    cached_len: CachedLen[R],
-    store_len: StoreLen[R],
-    max_batch_tokens: int,
-    share_in_batch: bool = True,
-) -> list[tuple[int, int]]:
-    """The candidates (in order, the first always included) that can share one forward, each
-    with the tokens it reads instead of computing, up to max_batch_tokens of computed tokens.
-
-    share_in_batch (the hybrid runner): a request reads the longest prefix it shares with what an
-    earlier request of the forward stores, if that beats the cache, so a prefix shared by several
-    waiting requests is computed once, in the same forward. Without it (the chunked baseline,
-    which reads prefixes before computing anything) of requests that will store the same
-    not-yet-cached prefix only the first joins; the others read it from the cache next step.
-
-    The engine's `batchable` (cached_len = what its radix cache serves, store_len = what it will
-    keep) and the simulator's both are this rule, so a simulated step batches as a real one."""
-    chosen: list[tuple[int, int]] = []
-    tokens = 0
-    stores = BatchStores()
-    computing: set[tuple[int, ...]] = set()
-    for i, r in enumerate(candidates):
-        ids = tuple(r.input_ids)
-        hit, store = cached_len(r), store_len(r)
-        reused = hit
-        if share_in_batch:
-            reused = max(hit, stores.shared(ids, r.reusable_len)[0])
-        elif store > hit and ids[:store] in computing:
-            continue
-        new = len(ids) - reused
-        if chosen and tokens + new > max_batch_tokens:
-            continue
-        if store > reused and share_in_batch:
-            stores.add(ids, store, i)
-        elif store > reused:
-            computing.add(ids[:store])
-        chosen.append((i, reused))
-        tokens += new
-    return chosen
 
 
 @dataclass(frozen=True)
@@ -323,16 +238,24 @@ class Scheduler:
     # ---- policy -----------------------------------------------------------------------------
 
     def _predict(self, req: Request, n_cached: int) -> float:
+        return self._predict_len(len(req.input_ids), n_cached)
+
+    def _predict_len(self, n_input: int, n_cached: int) -> float:
         assert self.jct is not None, "this policy needs a JCT predictor"
-        return self.jct.predict(len(req.input_ids), n_cached)
+        return self.jct.predict(n_input, n_cached)
 
     def scores(
-        self, cached_len: CachedLen[Any]
+        self, cached_len: CachedLen[Any], pool: Pool | None = None
     ) -> tuple[list[tuple[float, float, int, Waiting]], dict[int, int]]:
         """Every waiting request's sort key (lowest runs first), and the cached_len values read to
-        get them (po and lpm read every request's: O(queue) cache probes per step)."""
+        get them (po and lpm read every request's: O(queue) cache probes per step). With a `pool`,
+        po adds to a request's JCT the waiting requests' reuse its admission would evict."""
         cfg, now = self.config, self.clock()
         cached: dict[int, int] = {}
+        reuse = None
+        if pool is not None and cfg.policy == "po":
+            waiting = [(ids, self._waiting[rid].req) for ids, rid in self._by_ids]
+            reuse = ReuseCost(pool, waiting, cached_len, self._predict_len)
 
         def n_cached(w: Waiting) -> int:
             if w.rid not in cached:
@@ -356,6 +279,8 @@ class Scheduler:
                 # priority over a short call that came a moment later.
                 siblings = self._call_waiting.get(w.call, 1) if w.call >= 0 else 1
                 score = self._predict(w.req, n_cached(w)) - cfg.fairness_lambda * wait / siblings
+                if reuse is not None:
+                    score += reuse.cost(w.req)
             keyed.append((score, w.arrival, w.rid, w))
         # Priority class first (all 0 with priority scheduling off); ties: earlier arrival, then
         # submission order
@@ -383,7 +308,9 @@ class Scheduler:
                 best, saved = n, (k + 1) * n
         return best
 
-    def pick(self, cached_len: CachedLen[Any], batchable: Batchable[Any]) -> Pick | None:
+    def pick(
+        self, cached_len: CachedLen[Any], batchable: Batchable[Any], pool: Pool | None = None
+    ) -> Pick | None:
         """Choose and remove the next step's requests: the policy's head plus the waiting requests
         that share its prefix (declared, or the longest worth sharing: `shared_len`), in policy
         order, as far as `batchable` lets them share one forward. None if nothing waits.
@@ -398,11 +325,14 @@ class Scheduler:
         behind it earn `batch_min_share` of each step's predicted time while they wait, and their
         best request runs once that credit pays for it, so they are never starved. A batch step
         (less urgent than the default) with an online latency target takes batch-mates only while
-        its predicted time stays within `BACKFILL_SLO_SHARE` of the target."""
+        its predicted time stays within `BACKFILL_SLO_SHARE` of the target.
+
+        `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
+        request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF."""
         if not self._waiting:
             return None
         cfg = self.config
-        keyed, cached = self.scores(cached_len)
+        keyed, cached = self.scores(cached_len, pool)
         top = cfg.rank(keyed[0][3].req)
         lower = next((i for i, k in enumerate(keyed) if cfg.rank(k[3].req) != top), None)
         at = 0

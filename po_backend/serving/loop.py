@@ -37,6 +37,7 @@ from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.settings import DEFAULT_MAX_QUEUE
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
+from po_backend.sched.reuse import CachePool
 from po_backend.sched.scheduler import (
     DEFAULT_FAIRNESS_LAMBDA,
     DEFAULT_MIN_SHARED_PREFIX,
@@ -170,6 +171,9 @@ class EngineLoop:
         self.max_queue = max_queue
         self.clock = clock
         self._sched = Scheduler(self.config, self.jct, clock)
+        self._pool: CachePool | None = None  # the cache's eviction order, for eviction-aware po
+        if isinstance(engine, Engine) and engine.cache is not None:
+            self._pool = CachePool(engine.cache, engine.store_len)
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
         self._jobs: dict[int, _Job] = {}  # waiting jobs by rid
         self._running: list[_Job] = []
@@ -373,7 +377,7 @@ class EngineLoop:
     def _next_batch(self) -> tuple[list[_Job], list[tuple[int, int]], float] | None:
         """Pick under the lock (the scheduler reads the cache; only this thread changes it)."""
         try:
-            pick = self._sched.pick(self.engine.cached_len, self.engine.batchable)
+            pick = self._sched.pick(self.engine.cached_len, self.engine.batchable, self._pool)
         except Exception as e:  # would fail again at every step: fail the queue, keep serving
             log.exception("scheduler pick failed")
             self._fail_waiting(e)

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from po_backend.core.request import ScoreRequest, common_prefix
 from po_backend.sched.jct import JCTModel, feature_values
+from po_backend.sched.reuse import Pool
 from po_backend.sched.scheduler import Batchable, Request, Scheduler, SchedulerConfig
 from po_backend.sim.simulator import SimRun, StepModel, VirtualClock
 
@@ -280,6 +281,7 @@ def simulate_cluster(
     scheds = [Scheduler(config, model, c) for c in clocks]
     caches = [cache_factory() for _ in range(n_workers)]
     batchables: list[Batchable[Request]] = [c.batchable for c in caches]
+    pools = [c if isinstance(c, Pool) else None for c in caches]  # eviction-aware po where it can
     rt = Router(router, n_workers)
     order = sorted(range(len(trace)), key=lambda i: trace[i][0])
     loads = [0] * n_workers  # outstanding: routed, not finished
@@ -294,7 +296,7 @@ def simulate_cluster(
     def start(w: int, now: float) -> None:
         nonlocal steps
         clocks[w].now = now
-        pick = scheds[w].pick(caches[w].cached_len, batchables[w])
+        pick = scheds[w].pick(caches[w].cached_len, batchables[w], pools[w])
         assert pick is not None, "a non-empty queue gives a pick"
         reqs = [e.req for e in pick.entries]
         caches[w].step(reqs)  # only to update the cache: what the step reused is pick.n_cached

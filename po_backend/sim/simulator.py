@@ -11,12 +11,14 @@ differences between policies in a measured sweep). Used by the scheduler's unit 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from po_backend.core.request import sorted_neighbours
-from po_backend.sched.scheduler import Request, Scheduler, SchedulerConfig, fit_batch
+from po_backend.core.request import common_prefix, sorted_neighbours
+from po_backend.sched.batching import Request, fit_batch
+from po_backend.sched.reuse import Victim
+from po_backend.sched.scheduler import Scheduler, SchedulerConfig
 
 
 class StepModel(Protocol):
@@ -72,6 +74,21 @@ class PrefixLRU:
 
     def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
         return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
+
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self._tokens
+
+    def eviction_order(self) -> Iterator[Victim]:
+        """The cached prefixes least recently used first (`step`'s eviction order), each keeping
+        cached what it shares with its neighbours (`reuse.Pool`)."""
+        for i in sorted(range(len(self._keys)), key=self._used.__getitem__):
+            key = self._keys[i]
+            shared = max(
+                (common_prefix(key, self._keys[j]) for j in (i - 1, i + 1) if 0 <= j < len(self._keys)),
+                default=0,
+            )
+            if shared < len(key):
+                yield Victim(key, shared)
 
     def step(self, reqs: Sequence[Request]) -> list[int]:
         """Run a step: each request's cached tokens before it, then its declared prefix cached."""
@@ -139,7 +156,7 @@ def simulate(
         if not len(sched):
             clock.now = trace[order[i]][0]
             continue
-        pick = sched.pick(cache.cached_len, cache.batchable)
+        pick = sched.pick(cache.cached_len, cache.batchable, cache)
         assert pick is not None, "a non-empty queue gives a pick"
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued

@@ -17,6 +17,7 @@ import torch
 
 from po_backend.core.errors import CacheInUseError
 from po_backend.engine.cache.kv_pool import KVPool
+from po_backend.sched.reuse import Victim
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -247,6 +248,31 @@ class RadixCache:
                 heapq.heappush(heap, (parent.reused, parent.last_access, parent.uid, parent))
         self.evicted_tokens_total += freed
         return freed
+
+    def free_tokens(self) -> int:
+        return self.pool.num_free
+
+    def eviction_order(self) -> Iterator[Victim]:
+        """The unlocked nodes in the order `evict` would free them, each as its path's tokens and
+        the depth it starts at; nothing is evicted. Lazy: a scheduler pricing what a request's
+        admission evicts reads only the first few."""
+        heap = [
+            (n.reused, n.last_access, n.uid, n)
+            for n in self._nodes()
+            if not n.children and n.lock_ref == 0 and n is not self.root
+        ]
+        heapq.heapify(heap)
+        left: dict[int, int] = {}  # children not yet evicted, per parent uid
+        while heap:
+            *_, node = heapq.heappop(heap)
+            parts = [n.key for n in self._path(node)][::-1]
+            key = tuple(int(t) for t in np.concatenate(parts))
+            yield Victim(key, len(key) - len(node.key))
+            parent = node.parent
+            assert parent is not None, "the root is never a victim"
+            left[parent.uid] = left.get(parent.uid, len(parent.children)) - 1
+            if parent is not self.root and not left[parent.uid] and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.reused, parent.last_access, parent.uid, parent))
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`pool.alloc(n)`, evicting first as needed; None (evicting nothing) if it cannot fit."""
