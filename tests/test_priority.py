@@ -163,6 +163,24 @@ def test_batch_credit_prevents_starvation() -> None:
     assert len(online_before) == 10
 
 
+def test_every_class_earns_its_own_credit() -> None:
+    """Three classes, all queued at once: a stream of urgent calls (priority 1) and of default ones
+    (priority 0) that both outlast the least urgent request (priority -5). The middle class runs on
+    its credit; the least urgent one earns its own, so it runs before either stream is done."""
+    urgent = [(0.0, req(1000 + k, 100, 1)) for k in range(100)]
+    middle = [(0.0, req(3000 + k, 100, 0)) for k in range(100)]
+    runs = run(
+        SchedulerConfig("po", enable_priority=True, batch_min_share=0.1),
+        [(0.0, req(1, 100, -5)), *urgent, *middle],
+    )
+    low = next(r for r in runs if r.rid == 0)
+    later = [r for r in runs if r.start >= low.end]
+    assert any(r.rid <= 100 for r in later), "the urgent stream was not done"
+    assert any(r.rid > 100 for r in later), "the middle stream was not done"
+    # Each less urgent class waited through steps that earned it its own credit first
+    assert sum(r.end <= low.start for r in runs) >= 10
+
+
 # ---- a live server ---------------------------------------------------------------------------
 
 ROUTES: list[tuple[str, dict[str, Any]]] = [

@@ -197,3 +197,24 @@ def test_the_engine_loop_prices_what_its_radix_cache_would_evict(tiny_model) -> 
     assert got[2].cached_tokens == 100  # A read its profile
     for g, c in zip(got, cold, strict=True):
         assert max(abs(p - q) for p, q in zip(g.logprobs, c.logprobs, strict=True)) <= 1e-5
+
+
+def test_radix_eviction_order_skips_locked_paths() -> None:
+    """A running request's locked path is never a victim, nor is a parent that keeps a locked
+    child; the rest still comes in `evict`'s order."""
+    pytest.importorskip("torch")
+    import torch
+
+    from po_backend.engine.cache import KVPool, RadixCache
+
+    cache = RadixCache(KVPool(1, 64, 1, 2, torch.float32))
+    for s in [(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9)]:
+        cache.insert(s, _slots(cache, s))
+    m = cache.match_prefix((1, 2, 3, 4))
+    cache.lock(m.node)
+    order = list(cache.eviction_order())
+    # Least recently used first; (1, 2) stays with its locked child (3, 4)
+    assert [v.key for v in order] == [(1, 2, 5, 6), (7, 8, 9)]
+    assert [v.start for v in order] == [2, 0]
+    assert sum(v.tokens for v in order) == cache.evictable_size()
+    cache.unlock(m.node)

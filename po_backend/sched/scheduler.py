@@ -181,9 +181,10 @@ class Scheduler:
         # may read the cache; the cache cannot change between an arrival and that pick).
         self._arrival_jct: dict[int, float] = {}
         self._class_waiting: Counter[str] = Counter()  # waiting requests per priority class
-        # Predicted step seconds the classes behind the most urgent one have earned and not yet
-        # used (`pick`): their share of the steps run while they waited.
-        self._credit = 0.0
+        # Per class behind the most urgent one (by rank): predicted step seconds earned and not
+        # yet used (`pick`), its share of the steps run while it waited. One credit per class, so
+        # a middle class that always waits cannot spend what the least urgent one earned.
+        self._credits: dict[int, float] = {}
         self._prefix_steps: dict[int, int] = {}  # prefix-only steps run per waiting request
 
     # ---- queue ------------------------------------------------------------------------------
@@ -321,9 +322,10 @@ class Scheduler:
         which is what lpm and po are for.
 
         Priority classes (`SchedulerConfig.enable_priority`): the most urgent class waiting runs
-        first, the policy orders within it, and a step takes no less urgent request. The classes
-        behind it earn `batch_min_share` of each step's predicted time while they wait, and their
-        best request runs once that credit pays for it, so they are never starved. A batch step
+        first, the policy orders within it, and a step takes no less urgent request. Each class
+        behind it earns `batch_min_share` of each step's predicted time while it waits, and its
+        best request runs once that credit pays for it (the most urgent such class first), so no
+        class is ever starved, however many there are. A batch step
         (less urgent than the default) with an online latency target takes batch-mates only while
         its predicted time stays within `BACKFILL_SLO_SHARE` of the target.
 
@@ -333,15 +335,18 @@ class Scheduler:
             return None
         cfg = self.config
         keyed, cached = self.scores(cached_len, pool)
-        top = cfg.rank(keyed[0][3].req)
-        lower = next((i for i, k in enumerate(keyed) if cfg.rank(k[3].req) != top), None)
-        at = 0
-        if lower is not None and self._credit > 0:
-            w = keyed[lower][3]
-            if self._credit >= self._step_cost(
+        heads: dict[int, int] = {}  # each waiting class (rank) -> its best request's index in keyed
+        for i, k in enumerate(keyed):
+            heads.setdefault(cfg.rank(k[3].req), i)
+        top, at = cfg.rank(keyed[0][3].req), 0
+        for r in sorted(heads)[1:]:  # the most urgent class whose credit pays for its best request
+            w = keyed[heads[r]][3]
+            credit = self._credits.get(r, 0.0)
+            if credit > 0 and credit >= self._step_cost(
                 [(len(w.req.input_ids), cached.get(w.rid) or cached_len(w.req))]
             ):
-                at = lower
+                at = heads[r]
+                break
         head = keyed[at][3]
         rank = cfg.rank(head.req)
         if head.rid not in cached:
@@ -377,11 +382,15 @@ class Scheduler:
             credit=at > 0,
             prefix_only=prefix_only,
         )
-        if lower is None:
-            self._credit = 0.0  # one class waits: nothing to owe (idle time is not banked)
-        else:  # less urgent work waited through this step: it earns a share, or spends its credit
+        # A class that is served or not waiting is owed nothing (idle time is not banked); each
+        # less urgent class that waited through this step earns a share, or spends its credit.
+        self._credits = {r: c for r, c in self._credits.items() if r in heads and r != top}
+        if len(heads) > 1:
             cost = self._step_cost(pick.items)
-            self._credit += -cost if at else cfg.batch_min_share * cost
+            for r in heads.keys() - {top}:
+                self._credits[r] = self._credits.get(r, 0.0) + (
+                    -cost if at and r == rank else cfg.batch_min_share * cost
+                )
         return pick
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
