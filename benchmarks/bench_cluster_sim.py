@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import RESULTS, sim_step_model
+from benchmarks.harness import RESULTS, GiB, sim_step_model
 from po_backend.entrypoints.launch_cluster import BALANCE_ABS_THRESHOLD
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.sim import cluster as sim
 from po_backend.sim.simulator import PrefixLRU
-
-GiB = 1 << 30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

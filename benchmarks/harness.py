@@ -237,13 +237,8 @@ def sim_step_model(
 
 def latency_summary(lat: Sequence[float]) -> dict[str, float]:
     a = np.asarray(lat, dtype=float)
-    if a.size == 0:
-        return {"mean_s": math.nan, "p50_s": math.nan, "p99_s": math.nan}
-    return {
-        "mean_s": float(a.mean()),
-        "p50_s": float(np.percentile(a, 50)),
-        "p99_s": float(np.percentile(a, 99)),
-    }
+    mean, p50, p99 = (float(a.mean()), *map(float, np.percentile(a, [50, 99]))) if a.size else [math.nan] * 3
+    return {"mean_s": mean, "p50_s": p50, "p99_s": p99}
 
 
 def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
