@@ -1,27 +1,12 @@
-"""Prefix affinity through the real SGLang router: WL1-style users x posts over N PrefillOnly
-workers on this machine, the router's cache_aware policy against round_robin in the same run.
+"""Prefix affinity through the real SGLang router: WL1-style users x posts over N PrefillOnly workers
+(launch_cluster's commands, CPU threads split), the router's cache_aware policy against round_robin
+in the same run; each (traffic shape, policy) run gets a fresh router and flushed worker caches.
+Shapes: `generate` (plain SGLang traffic: one prompt per call, profile first, no prefix declared)
+and `rerank` (the profile as the query, `--docs-per-call` posts as documents). Each worker sits
+behind a pass-through tap that records which worker got which call (the router does not say).
+REPORT.md and report_template.md describe the measures.
 
-    python -m benchmarks.bench_cluster            # ~6 min on 2 cores
-    python -m benchmarks.bench_cluster --quick    # ~1.5 min: 4 users x 5 posts (the issue's figure)
-
-The workers are started once with `po_backend.entrypoints.launch_cluster`'s commands (CPU threads split
-between them) and serve every run; each (traffic shape, router policy) run gets a fresh router
-(`launch_cluster.router_command`: failover on, its defaults otherwise) and starts with every
-worker's cache flushed. Two traffic shapes, the same users and posts:
-
-- `generate`: plain SGLang traffic, one prompt per `/generate` call (`input_ids`, or `text` with
-  `--generate-as text`), the user's profile first and no prefix declared: the worker finds the
-  shared profile itself, the router's cache_aware sees it as the request's leading text.
-- `rerank`: `/v1/rerank` with the user's profile as the query and `--docs-per-call` posts as the
-  documents (the server caches the query).
-
-Calls of all users interleave (shuffled, seeded) and arrive open-loop at Poisson times (the same
-trace and arrival times for both policies), like bench_serving. Per run: each worker's cached /
-prompt tokens (its /metrics), the overall hit rate, items/s (completed items over first send to
-last answer), P50/P99 latency, and how many distinct workers each user's calls went to. The router
-does not say where it sent a call, so each worker sits behind a pass-through tap (a small proxy in
-this process) that records which worker received which request id. The ratios cache_aware /
-round_robin are same-run. Results: benchmarks/results/cluster.json and .md.
+    python -m benchmarks.bench_cluster [--quick]    # ~6 min on 2 cores; --quick ~1.5 min
 """
 
 from __future__ import annotations
@@ -39,7 +24,6 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -51,13 +35,9 @@ from po_backend.entrypoints.spawn import ServerProcess, free_port
 
 SHAPES = ("generate", "rerank")
 POLICIES = ("cache_aware", "round_robin")
-
-
-# ---- the tap: which worker got which request --------------------------------------------------------
-
-
 KEY_TOKENS = 24  # a profile's first ids: "User 12 profile. Interests: ..." differ between users
 KEY_CHARS = 120  # the same for text
+Seen = list[tuple[int, str | tuple[int, ...], int]]  # (worker, call key, items) per forwarded call
 
 
 def call_key(body: dict[str, Any]) -> str | tuple[int, ...] | None:
@@ -65,10 +45,9 @@ def call_key(body: dict[str, Any]) -> str | tuple[int, ...] | None:
     client sent it, minus fields it does not know): the rerank query, else the prompt's start."""
     if isinstance(body.get("query"), str):
         return body["query"]
-    ids = body.get("input_ids")
+    ids, text = body.get("input_ids"), body.get("text")
     if isinstance(ids, list) and ids:
         return tuple(ids[0] if isinstance(ids[0], list) else ids)[:KEY_TOKENS]
-    text = body.get("text")
     if isinstance(text, str | list) and text:
         return (text[0] if isinstance(text, list) else text)[:KEY_CHARS]
     return None
@@ -82,25 +61,22 @@ def call_items(body: dict[str, Any]) -> int:
     return len(first) if isinstance(first, list) and first and isinstance(first[0], list | str) else 1
 
 
-Seen = list[tuple[int, str | tuple[int, ...], int]]  # (worker, call key, items) per forwarded call
-
-
 class Tap:
-    """A pass-through HTTP/1.1 proxy in front of one worker that notes (this worker, the call's
-    key, its items) for every scoring POST it forwards: the router does not say where it sent a
-    call. Everything else (the router's health checks, /server_info, ...) passes unchanged."""
+    """A pass-through HTTP/1.1 proxy in front of worker `index` that notes (index, call key, items)
+    in `seen` for every scoring POST it forwards; everything else passes unchanged."""
 
     def __init__(self, index: int, target: str, seen: Seen) -> None:
         host, port = target.removeprefix("http://").split(":")
-        tap = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive: the router reuses its connections
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                if self.command == "POST" and body:
-                    tap.record(body)
+                with contextlib.suppress(ValueError):
+                    call = json.loads(body) if self.command == "POST" and body else None
+                    if isinstance(call, dict) and (key := call_key(call)) is not None:
+                        seen.append((index, key, call_items(call)))  # list.append is atomic
                 headers = {
                     k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")
                 }
@@ -124,27 +100,14 @@ class Tap:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # one line per health check would drown the benchmark's output
 
-        self.index, self.seen = index, seen
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def record(self, raw: bytes) -> None:
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return
-        key = call_key(body) if isinstance(body, dict) else None
-        if key is not None:
-            self.seen.append((self.index, key, call_items(body)))  # list.append is atomic
-
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-# ---- the cluster ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -156,30 +119,23 @@ class Worker:
 
 @contextlib.contextmanager
 def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
-    """`--workers` PrefillOnly workers as launch_cluster starts them (its command, the CPU threads
-    split between them), each behind a tap; stopped (drained) on exit."""
-    gpus, flags = visible_gpus(), args.worker_args.split()
+    """`--workers` PrefillOnly workers as launch_cluster starts them, each behind a tap."""
+    gpus = visible_gpus()
     envs = [worker_env(args.workers, i, gpus) for i in range(args.workers)]
-    servers = [harness.our_server(flags, args.model_path, env=env) for env in envs]
+    servers = [harness.our_server(args.worker_args.split(), args.model_path, env=env) for env in envs]
     taps = [Tap(i, s.url, seen) for i, s in enumerate(servers)]
     try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready(args.startup_timeout)
-        yield [Worker(s.url, s.proc.pid, t) for s, t in zip(servers, taps, strict=True) if s.proc]
+        with harness.servers_up(servers, args.startup_timeout):
+            yield [Worker(s.url, s.proc.pid, t) for s, t in zip(servers, taps, strict=True) if s.proc]
     finally:
-        for s in servers:
-            s.stop()
         for t in taps:
             t.close()
 
 
 @contextlib.contextmanager
 def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterator[tuple[str, int, list[str]]]:
-    """A fresh router (launch_cluster's command) in front of the workers' taps, ready once it has
-    every worker registered and healthy: the first calls must not all go to the first one up.
-    Yields its URL, pid and command line; its output is shown if it fails."""
+    """A fresh router (launch_cluster's command) in front of the workers' taps, ready once every
+    worker is registered and healthy (the first calls must not all go to the first one up)."""
     port = free_port()
     cmd = router_command([w.tap.url for w in workers], "127.0.0.1", port, policy)
     router = ServerProcess(cmd, f"http://127.0.0.1:{port}", health_path="/get_model_info").start()
@@ -194,16 +150,14 @@ def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterato
             if router.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"router ({policy}) not ready; its output ends:\n{router.log_text()}")
             time.sleep(0.3)
-        router.wait_ready(timeout)
-        yield router.url, router.proc.pid, cmd
+        yield router.wait_ready(timeout).url, router.proc.pid, cmd
     finally:
         router.stop()
 
 
 def shape_calls(args: argparse.Namespace, tok: Any, shape: str) -> list[Call]:
-    """The WL1 trace as bench_serving builds it (users x posts, calls shuffled so users
-    interleave): `generate` one prompt per call, no `cache_prefix_len` (what an SGLang client
-    sends); `rerank` the profile as the query, `--docs-per-call` posts as the documents."""
+    """The WL1 trace as bench_serving builds it, calls shuffled: `generate` one prompt per call, no
+    `cache_prefix_len`; `rerank` the profile as the query, `--docs-per-call` posts as documents."""
     ns = argparse.Namespace(**vars(args), items=args.posts, history_tokens=0, order="shuffled", num_calls=0)
     ns.workload, ns.api, ns.prefix_hint = "wl1", shape, False
     ns.items_per_call = 1 if shape == "generate" else args.docs_per_call
@@ -244,16 +198,14 @@ def run_one(
     row: dict[str, Any] = {"shape": shape, "rate": rate, "policy": policy, "router_cmd": cmd[1:]}
     row.update(summarize(outcomes, span, qps, per_call), cluster_cores=sum(s.pid_cores for s in shares))
     row["other_cores"] = max(0.0, shares[0].other_cores - sum(s.pid_cores for s in shares[1:]))
-    # Where each call went (the taps), per worker and per user. A call the router retried on
-    # another worker counts on both: both computed it.
+    # Where each call went, per worker and per user: a call the router retried counts on both.
     user_of = {call_key(c.body): c.user for c in calls}
     where: dict[int, set[int]] = defaultdict(set)
     calls_of, items_of = [0] * len(workers), [0] * len(workers)
     for i, key, items in seen:
         if key in user_of:
             where[user_of[key]].add(i)
-        calls_of[i] += 1
-        items_of[i] += items
+        calls_of[i], items_of[i] = calls_of[i] + 1, items_of[i] + items
     row["workers"] = [
         {
             "prompt_tokens": a[0] - b[0],
@@ -277,15 +229,10 @@ def run_one(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="4 users x 5 posts, ~1.5 min")
+    ap = harness.parser(__doc__, harness.RESULTS / "cluster.json", "4 users x 5 posts, ~1.5 min")
     ap.add_argument("--model-path", default="embedded")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument(
-        "--worker-args",
-        default="--max-input-len 2048",
-        help="flags for every worker (the default keeps the start-up profile run short)",
-    )
+    ap.add_argument("--worker-args", default="--max-input-len 2048", help="flags for every worker")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {','.join(SHAPES)}")
     ap.add_argument("--policies", default=",".join(POLICIES), help="router policies, in the run's order")
     ap.add_argument(
@@ -296,19 +243,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-tokens", type=int, default=800, help="mean profile length (+-50%%)")
     ap.add_argument("--item-tokens", type=int, default=80, help="tokens per post")
     ap.add_argument("--docs-per-call", type=int, default=2, help="rerank: posts per call")
-    ap.add_argument(
-        "--items-per-s",
-        default="4,12,30",
-        help="offered loads, posts/s (Poisson), comma list, the same for both shapes: by default one "
-        "both routers keep up with, one between their capacities, one past both (items/s = capacity)",
-    )
+    # By default one load both routers keep up with, one between their capacities, one past both.
+    ap.add_argument("--items-per-s", default="4,12,30", help="offered posts/s (Poisson), comma list")
     ap.add_argument("--seed", type=int, default=0, help="trace, call order and arrivals")
     ap.add_argument("--timeout", type=float, default=600.0, help="per call, seconds")
-    ap.add_argument(
-        "--quiet-wait", type=float, default=20.0, help="max seconds to wait for an idle CPU per run"
-    )
+    ap.add_argument("--quiet-wait", type=float, default=20.0, help="max seconds to wait for an idle CPU")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--out", type=Path, default=harness.RESULTS / "cluster.json", help=".md beside it")
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.posts, args.profile_tokens, args.items_per_s = 4, 5, 600, "3"
@@ -353,25 +293,20 @@ def main(argv: list[str] | None = None) -> int:
             for calls in traces.values():
                 warm_up(w.url, calls[-1], args.timeout)
         info = httpx.get(workers[0].url + "/server_info", timeout=10).json()
-        points = [(shape, rate) for shape in args.shapes for rate in args.items_per_s]
-        for k, (shape, rate) in enumerate(points):
+        for k, (shape, rate) in enumerate((s, r) for s in args.shapes for r in args.items_per_s):
             # Alternate which policy runs first, so neither always gets the later, warmer slot.
             for policy in args.policies if k % 2 == 0 else args.policies[::-1]:
                 rows.append(run_one(shape, rate, policy, workers, traces[shape], seen, args))
     doc: dict[str, Any] = {
         "machine": machine,
-        "args": vars(args),  # harness.save writes paths as strings
+        "args": vars(args),
         "threads_per_worker": worker_threads(args.workers),
-        # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
-        "worker_settings": {k: v for k, v in info.items() if k != "internal_states"},
-        "workload": workload,
-        "runs": rows,
-        "seconds": time.perf_counter() - t0,
     }
+    # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
+    doc["worker_settings"] = {k: v for k, v in info.items() if k != "internal_states"}
+    doc.update(workload=workload, runs=rows, seconds=time.perf_counter() - t0)
     doc["ratios"] = report.cluster_ratios(doc)
-    md = report.cluster_markdown(doc)
-    print("\n" + md)
-    harness.save(args.out, doc, md)
+    harness.save(args.out, doc, report.cluster_markdown(doc))
     return 1 if sum(r["calls"] - r["ok"] for r in rows) else 0
 
 

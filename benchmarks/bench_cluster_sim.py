@@ -1,19 +1,12 @@
-"""Past one machine, by simulation: sustained QPS at a P99 bound for 1..64 workers behind the
-SGLang router's cache_aware policy vs round robin, on a paper-shaped trace.
+"""Past one machine, by simulation (`po_backend.sim.cluster`): sustained QPS at a P99 bound for
+1..64 workers behind the SGLang router's cache_aware policy vs round robin, on the paper's WL1
+(1,000 users x 50 posts, token lengths / `--scale`). Each worker is the simulator's engine (the real
+Scheduler under `po`, an LRU prefix cache sized from `--pool-gib` of KV, step times from the JCT fit
+in results/schedule.json, else this machine's profile). Per (router, N): the highest QPS with P99 <=
+`--slo-x` x the isolated mean latency (bracket, then bisection), and at that rate the hit rate and
+the imbalance; report.py renders the table, where scaling stops and the plot.
 
-`po_backend.sim.cluster`: every worker is the simulator's engine (the real Scheduler under `po`, a
-prefix cache of whole declared prefixes, LRU, sized from a KV memory budget; step times from the
-JCT model fitted on our engine: the measured run's fit in results/schedule.json, else this
-machine's persisted profile). The trace is the paper's WL1 (1,000 users x 50 posts; its 14k-token
-profiles scaled by 1/8 to our model: ~1.75k tokens, posts 100-200) with Poisson arrivals in a random
-user order. Per (router, N): the highest QPS with P99 <= the bound (bracket, then bisection), and at
-that rate the hit rate (tokens read from a cache or a batch-mate / input tokens) and the imbalance
-(items on the busiest worker / mean). The bound: `--slo-x` x the mean isolated latency (one worker,
-one request at a time, in trace order), as in bench_schedule. This module measures; its table, the
-lines on where scaling stops and the plot are rendered by report.py (also into REPORT.md).
-
-    python -m benchmarks.bench_cluster_sim            # ~3-5 min
-    python -m benchmarks.bench_cluster_sim --quick    # ~20 s: 200 users x 20 posts, 1..8 workers
+    python -m benchmarks.bench_cluster_sim [--quick]    # ~3-5 min; --quick ~20 s, 1..8 workers
 """
 
 from __future__ import annotations
@@ -36,8 +29,7 @@ GiB = 1 << 30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="200 users x 20 posts, 1..8 workers (~20 s)")
+    ap = harness.parser(__doc__, RESULTS / "cluster_sim.json", "200 users x 20 posts, 1..8 workers (~20 s)")
     ap.add_argument("--workers", default="1,2,4,8,16,32,64")
     ap.add_argument(
         "--routers", default="cache_aware,round_robin", help=f"of {','.join(sim.ROUTER_POLICIES)}"
@@ -45,33 +37,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--users", type=int, default=1000)
     ap.add_argument("--posts", type=int, default=50)
     ap.add_argument("--scale", type=float, default=8.0, help="the paper's token lengths / this")
-    ap.add_argument(
-        "--pool-gib",
-        type=float,
-        default=1.0,
-        help="prefix-KV memory per worker; 1 GiB holds ~26 of our profiles, as an 80 GB GPU holds ~30 "
-        "of the paper's 14k-token profiles for an 8B model",
-    )
+    # 1 GiB holds ~26 of our profiles, as an 80 GB GPU holds ~30 of the paper's 14k-token ones for an 8B model.
+    ap.add_argument("--pool-gib", type=float, default=1.0, help="prefix-KV memory per worker")
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="the engine's default")
     ap.add_argument("--slo-x", type=float, default=8.0, help="P99 bound = this x mean isolated latency")
     ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
-    ap.add_argument(
-        "--warmup",
-        type=float,
-        default=0.0,
-        help="leave the requests of this first fraction of the trace out of the P99 (every user's first, "
-        "cold, request falls early in the trace); 0 = the whole trace, as bench_schedule",
-    )
+    # Every user's first, cold, request falls early in the trace; 0 = the whole trace, as bench_schedule.
+    ap.add_argument("--warmup", type=float, default=0.0, help="trace share left out of the P99")
     ap.add_argument(
         "--balance-abs-threshold",
         type=int,
         default=BALANCE_ABS_THRESHOLD,
-        help="cache_aware's load rule, as launch_cluster sets it (sglang-router's own default: 64)",
+        help="cache_aware's load rule (launch_cluster's)",
     )
     ap.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops within this ratio")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jct", type=Path, default=RESULTS / "schedule.json", help="bench_schedule's results")
-    ap.add_argument("--out", type=Path, default=RESULTS / "cluster_sim.json", help=".md and .png beside it")
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.posts, args.workers = 200, 20, "1,2,4,8"
@@ -172,28 +153,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['balanced_by_load']}, {row['runs']} runs in {time.perf_counter() - t:.1f} s"
             )
     settings = sim.RouterConfig("cache_aware", balance_abs_threshold=args.balance_abs_threshold)
-    doc = {
-        "args": vars(args),  # harness.save writes paths as strings
-        "jct_source": source,
-        "coef": model.coef,
-        "kv_bytes_per_token": per_token,
-        "dtype": dtype,
-        "pool_tokens": pool,
-        "mean_profile_tokens": mean_prefix,
-        "requests": len(reqs),
-        "isolated_mean_s": iso_mean,
-        "isolated_hit_rate": iso.hit_rate,
-        "slo_p99_s": slo,
-        "router_settings": {
-            k: getattr(settings, k)
-            for k in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
-        },
-        "rows": rows,
-        "seconds": time.perf_counter() - t0,
-    }
-    md = report.cluster_sim_markdown(doc)
-    print("\n" + md)
-    harness.save(args.out, doc, md)
+    doc = {"args": vars(args), "jct_source": source, "coef": model.coef, "kv_bytes_per_token": per_token}
+    doc.update(dtype=dtype, pool_tokens=pool, mean_profile_tokens=mean_prefix, requests=len(reqs))
+    doc.update(isolated_mean_s=iso_mean, isolated_hit_rate=iso.hit_rate, slo_p99_s=slo, rows=rows)
+    keys = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+    doc.update(router_settings={k: getattr(settings, k) for k in keys}, seconds=time.perf_counter() - t0)
+    harness.save(args.out, doc, report.cluster_sim_markdown(doc))
     report.plot_cluster_sim(doc, args.out.with_suffix(".png"))
     return 0
 

@@ -1,24 +1,24 @@
-"""Maximum input length within a fixed activation-memory budget (paper Table 2), and memory and
-speed of one long prefill per configuration (paper Fig. 10: hybrid prefilling on/off), on the
-embedded model.
+"""One forward, ours against a reference, on the embedded model. Three modes:
 
-Configurations (each (config, n) runs one cold forward in a fresh subprocess, so allocator state
-and the RSS high-water mark never leak between them):
-
-  hf-default   transformers default forward (logits of every position, KV cache of every layer)
-  hf-ltk1      transformers, logits_to_keep=1, use_cache=False
-  nochunk      ours, no chunking (one chunk = the whole prompt)
-  hybrid       ours, hybrid prefilling (token-wise ops in chunks, attention unchunked)
-  chunked      ours, Sarathi-style chunked prefill (attention chunked too, all-layer K/V kept)
-
-Peak = kernel RSS high-water mark above the RSS before the forward, or on a GPU (`--device cuda`)
-the CUDA allocator's peak above its level before it (po_backend.engine.memory.PeakMemory);
-TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the GEMM peak measured at start. MIL
-= where a least-squares line peak = c0 + c1*n through the measured points reaches `--budget-mib`
-("measured" when measured lengths bracket it, else "extrapolated").
+- default: maximum input length in a fixed activation budget (paper Table 2) and memory and speed
+  of one long prefill per configuration (paper Fig. 10, hybrid prefilling on/off); each
+  (config, n) runs one cold forward in a fresh subprocess (allocator state and the RSS high-water
+  mark never leak between them). Peak = RSS high-water mark (CUDA: the allocator's peak) above
+  its level before the forward; TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the
+  GEMM peak measured at start; MIL = where a line through the measured peaks reaches
+  `--budget-mib` ("measured" when measured lengths bracket it, else "extrapolated").
+- `--compare-dtypes`: bf16 (`--residual-dtype fp32`, and `model`: everything bf16) against fp32:
+  Kendall tau of P(Yes) rankings on held-out item lists, `examples/recommend.py`'s AUC, cache hit
+  vs cold, and one cold `--speed-tokens` forward of the two residual modes.
+- `--heads`: classifier heads and embeddings (random weights on SmolLM2-135M's shape, cut to
+  `--layers`) against transformers (batch 1), our engine with and without the shared instruction
+  reused from the prefix cache; `--items` prompts of a `--prefix`-token instruction + a
+  `--suffix`-token tail.
 
     python -m benchmarks.bench_mil --out benchmarks/results/report/mil.json            # ~10 min
     python -m benchmarks.bench_mil --quick --out /tmp/mil.json                         # ~1 min
+    python -m benchmarks.bench_mil --compare-dtypes --out benchmarks/results/report/bf16.json
+    python -m benchmarks.bench_mil --heads --out benchmarks/results/heads.json         # ~2 min
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, save, wait_for_quiet
+from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, parser, save, wait_for_quiet
 from po_backend.core.cpu import cpu_class
 from po_backend.engine import attention_cpu
 from po_backend.engine.config import ModelConfig, parse_dtype
@@ -43,13 +43,9 @@ from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models.loader import read_config, resolve_model_dir
 
-CONFIGS = {
-    "hf-default": "transformers default forward (all logits + KV cache)",
-    "hf-ltk1": "transformers logits_to_keep=1, use_cache=False",
-    "nochunk": "ours, no chunking",
-    "hybrid": "ours, hybrid prefilling",
-    "chunked": "ours, chunked prefill (Sarathi-style)",
-}
+CONFIGS = {"hf-default": "transformers default forward (all logits + KV cache)"}
+CONFIGS.update({"hf-ltk1": "transformers logits_to_keep=1, use_cache=False", "nochunk": "ours, no chunking"})
+CONFIGS.update(hybrid="ours, hybrid prefilling", chunked="ours, chunked prefill (Sarathi-style)")
 LABEL_ID = 10539
 WARMUP_TOKENS = 128
 RESULT_MARKER = "@@RESULT "  # a child prints exactly one line starting with this, then JSON
@@ -225,16 +221,226 @@ def speed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+# ---- --compare-dtypes: bf16 against fp32 ------------------------------------------------------------
+
+PROFILES = (  # held out: these profiles and items appear nowhere else in the repository
+    "Maria restores vintage motorcycles and races them on weekends; she follows Formula 1 and "
+    "reads about engine tuning. She dislikes fashion news and has no pets.",
+    "Tom teaches high-school chemistry, grows tomatoes and chillies on his allotment and watches "
+    "nature documentaries. He avoids video games and does not follow any sport.",
+    "Priya is a cardiologist who plays the violin in an amateur orchestra and travels to Japan "
+    "every year. She never gambles and is not interested in cars.",
+    "Leo is a teenage gamer who streams strategy games, builds his own PCs and collects trading "
+    "cards. He finds gardening and classical music boring.",
+)
+ITEMS = (
+    "Ten tips for a faster lap time on a wet track.",
+    "Rebuilding a carburettor: a step-by-step photo guide.",
+    "Grand Prix preview: who wins in Monaco this year?",
+    "Spring fashion week: the looks everyone is talking about.",
+    "Why your tomato leaves turn yellow, and how to fix it.",
+    "A beginner's guide to growing chilli peppers indoors.",
+    "New documentary follows a family of snow leopards.",
+    "Mixing acids and bases: a safe classroom experiment.",
+    "Understanding heart rhythm disorders: a patient's guide.",
+    "The best violin concertos for a rainy afternoon.",
+    "A week in Kyoto: temples, tea houses and trains.",
+    "Patch notes: the new season of a popular strategy game.",
+    "Building a quiet gaming PC on a budget.",
+    "Rare trading card sells for a record price at auction.",
+    "Online casino bonus codes for this weekend.",
+    "Adopting a rescue dog: what to know first.",
+)
+QUESTION = "\nWould this person be interested in this item? Answer Yes or No.\nAnswer:"
+Scores = list[list[list[float]]]  # label log-probs per list, per item
+
+
+def _scores(engine: Any, lists: Any, labels: tuple[int, int], cached: bool) -> Scores:
+    """Label log-probs per list and item; `cached`: the prefix is computed once and read from the
+    cache by the items over it, else every prompt is computed from scratch."""
+    from po_backend import ScoreRequest
+
+    out = []
+    for prefix, items in lists:
+        engine.flush_cache()
+        if cached:
+            engine.run([ScoreRequest(tuple(prefix), labels, cache_prefix_len=len(prefix))])
+            res = engine.run(
+                [ScoreRequest(tuple(prefix + s), labels, cache_prefix_len=len(prefix)) for s in items]
+            )
+            assert all(r.cached_tokens == len(prefix) for r in res), "the prefix was not read from the cache"
+        else:
+            res = []
+            for s in items:
+                engine.flush_cache()
+                res += engine.run([ScoreRequest(tuple(prefix + s), labels)])
+        out.append([list(r.logprobs) for r in res])
+    return out
+
+
+def _max_diff(a: Scores, b: Scores) -> float:
+    return float(max(np.abs(np.array(x) - np.array(y)).max() for x, y in zip(a, b, strict=True)))
+
+
+def _auc(**options: Any) -> float:
+    import po_lang as po
+    from examples import recommend
+
+    with po.using(po.Local("embedded", **options)):
+        aucs = [r.auc for r in recommend.recommend(recommend.USERS, 10) if r.auc is not None]
+    return sum(aucs) / len(aucs)
+
+
+def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
+    """bf16 with an fp32 (`--residual-dtype fp32`) or bf16 (`model`) residual stream against fp32:
+    Kendall tau per item list of the Yes-No log-odds (the ranking `po.rank` makes), max |log-prob|
+    differences (vs fp32; cache hit vs cold), AUC, and one cold forward's seconds (best of repeats)."""
+    from scipy.stats import kendalltau
+
+    from po_backend import Engine
+
+    n = args.speed_tokens
+    kw: dict[str, Any] = {"max_input_len": max(n, 512), "max_batch_tokens": max(n, 1024)}
+    e32 = Engine.from_pretrained("embedded", dtype="fp32", **kw)
+    tok = e32.tokenizer
+    labels = (tok.encode(" Yes", add_special_tokens=False)[0], tok.encode(" No", add_special_tokens=False)[0])
+    lists = [
+        (
+            tok.encode(f"Profile: {p}\n"),
+            [tok.encode(f"Item: {it}{QUESTION}", add_special_tokens=False) for it in ITEMS],
+        )
+        for p in PROFILES
+    ]
+    ref = _scores(e32, lists, labels, cached=False)
+    doc: dict[str, Any] = {"fp32": {"auc": _auc(dtype="fp32")}}
+    ids = torch.randint(0, e32.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    del e32
+    for mode in ("fp32", "model"):
+        eng = Engine.from_pretrained("embedded", dtype="bf16", residual_dtype=mode, **kw)
+        cold, hit = _scores(eng, lists, labels, cached=False), _scores(eng, lists, labels, cached=True)
+        odds = [[x[0] - x[1] for x in lst] for lst in cold], [[x[0] - x[1] for x in lst] for lst in ref]
+        taus = [float(kendalltau(a, b).statistic) for a, b in zip(*odds, strict=True)]
+        times = []
+        for _ in range(args.repeats):
+            eng.flush_cache()
+            t = time.perf_counter()
+            eng.score([ids], [0])
+            times.append(time.perf_counter() - t)
+        doc[f"bf16-residual-{mode}"] = {
+            "kendall_tau_mean": sum(taus) / len(taus),
+            "kendall_tau_min": min(taus),
+            "max_abs_dlogprob_vs_fp32": _max_diff(cold, ref),
+            "max_abs_dlogprob_hit_vs_cold": _max_diff(hit, cold),
+            "auc": _auc(dtype="bf16", residual_dtype=mode),
+            f"forward_s_{n}": min(times),
+        }
+        print(mode, doc[f"bf16-residual-{mode}"], flush=True)
+        del eng
+    f, m = doc["bf16-residual-fp32"][f"forward_s_{n}"], doc["bf16-residual-model"][f"forward_s_{n}"]
+    return {**doc, "speed_ratio_fp32_residual_vs_model": f / m}
+
+
+# ---- --heads: classifier heads and embeddings against transformers ----------------------------------
+
+
+def heads(args: argparse.Namespace) -> dict[str, Any]:
+    """Items/s of transformers (one forward per prompt), ours without the prefix cache (prompts
+    packed into forwards) and ours with the instruction declared as the cache prefix (computed once,
+    items over it), and the largest |difference| of ours' outputs from transformers'."""
+    import random
+    import tempfile
+
+    import transformers
+
+    from po_backend import Engine, ScoreRequest
+
+    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9)
+    shape.update(
+        num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5
+    )
+    cfg = transformers.LlamaConfig(**shape, num_hidden_layers=args.layers, num_labels=2, pad_token_id=0)
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 49152) for _ in range(args.prefix)]
+    prompts = [shared + [rng.randrange(1, 49152) for _ in range(args.suffix)] for _ in range(args.items)]
+
+    def ours(path: Path, reuse: bool) -> tuple[float, list[torch.Tensor], int]:
+        engine = Engine.from_pretrained(path, dtype="fp32", enable_cache=reuse, max_input_len=1024)
+        engine.run([ScoreRequest(tuple(prompts[0][args.prefix :]), pool=True)])  # first-call allocations
+        reqs = [
+            ScoreRequest(tuple(p), pool=True, cache_prefix_len=args.prefix if reuse else None)
+            for p in prompts
+        ]
+        t = time.perf_counter()
+        res = engine.run(reqs)
+        return (
+            time.perf_counter() - t,
+            [torch.tensor(r.outputs) for r in res],
+            sum(r.cached_tokens for r in res),
+        )
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-heads-") as tmp:
+        torch.manual_seed(0)
+        cls, emb = (
+            transformers.LlamaForSequenceClassification(cfg).eval(),
+            transformers.LlamaModel(cfg).eval(),
+        )
+        root = Path(tmp)
+        cls.save_pretrained(root / "classifier")
+        emb.save_pretrained(root / "embedder")  # as a sentence-transformers last-token embedder
+        st = [("0", "", "Transformer"), ("1", "1_Pooling", "Pooling"), ("2", "2_Normalize", "Normalize")]
+        modules = [
+            {"idx": i, "name": n, "path": p, "type": f"sentence_transformers.models.{t}"}
+            for i, (n, p, t) in enumerate(st)
+        ]
+        (root / "embedder" / "modules.json").write_text(json.dumps(modules))
+        (root / "embedder" / "1_Pooling").mkdir()
+        (root / "embedder" / "1_Pooling" / "config.json").write_text(
+            json.dumps({"pooling_mode_lasttoken": True})
+        )
+        for kind, model in (("classifier", cls), ("embedder", emb)):
+            ref, t = [], time.perf_counter()
+            with torch.inference_mode():
+                for ids in prompts:
+                    res = model(torch.tensor([ids]))
+                    ref.append(
+                        res.logits[0]
+                        if kind == "classifier"
+                        else torch.nn.functional.normalize(res.last_hidden_state[0, -1], dim=0)
+                    )
+            t_hf = time.perf_counter() - t
+            t_no, out_no, _ = ours(root / kind, reuse=False)
+            t_re, out_re, cached = ours(root / kind, reuse=True)
+            delta = max(
+                float((a - b).abs().max()) for a, b in zip([*out_no, *out_re], ref + ref, strict=True)
+            )
+            speed = {
+                "transformers": args.items / t_hf,
+                "ours-noreuse": args.items / t_no,
+                "ours": args.items / t_re,
+            }
+            rows.append({"model": kind, "items_per_s": speed, "ours_vs_transformers": t_hf / t_re})
+            rows[-1].update(
+                noreuse_vs_transformers=t_hf / t_no, reuse_vs_noreuse=t_no / t_re, cached_tokens=cached
+            )
+            rows[-1]["max_abs_delta_vs_transformers"] = delta
+            print(json.dumps(rows[-1]), flush=True)
+    keys = ("items", "prefix", "suffix", "layers", "out")
+    return {
+        "args": {k: str(getattr(args, k)) if k == "out" else getattr(args, k) for k in keys},
+        "dtype": "fp32",
+        "rows": rows,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, None, "lengths 256,512")
     ap.add_argument("--lengths", default="1024,2048,4096,8192")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--chunk-size", type=int, default=512)
+    # A comma list (e.g. bf16,fp32) runs every config at every length per dtype; the MIL fit uses the first.
     ap.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (the engine's default for this CPU) | fp32 | bf16, or a comma list (e.g. bf16,fp32): "
-        "every config at every length per dtype; the MIL fit uses the first",
+        "--dtype", default="auto", help="auto (the engine's default here) | fp32 | bf16, or a list"
     )
     ap.add_argument(
         "--device", default="cpu", help="cpu | cuda | cuda:N (the same for ours and transformers)"
@@ -242,9 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-mib", type=float, default=256.0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quiet-wait", type=float, default=30.0)
-    ap.add_argument("--quick", action="store_true", help="lengths 256,512")
-    ap.add_argument("--out", type=Path, default=None, help="result JSON (required unless --child)")
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--compare-dtypes", action="store_true", help="bf16 vs fp32: rankings, AUC, hit vs cold")
+    ap.add_argument("--speed-tokens", type=int, default=2048, help="--compare-dtypes: forward length")
+    ap.add_argument("--repeats", type=int, default=3, help="--compare-dtypes: best of this many")
+    ap.add_argument("--heads", action="store_true", help="classifier / embedding heads vs transformers")
+    ap.add_argument("--items", type=int, default=16, help="--heads: prompts")
+    ap.add_argument("--prefix", type=int, default=256, help="--heads: shared instruction tokens")
+    ap.add_argument("--suffix", type=int, default=32, help="--heads: unique tail tokens")
+    ap.add_argument("--layers", type=int, default=30, help="--heads: decoder layers (SmolLM2-135M has 30)")
     args = ap.parse_args(argv)
     if args.child:
         result = child(args.child[0], int(args.child[1]), args.chunk_size, args.dtype, args.device)
@@ -252,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         ap.error("--out is required")
+    if args.compare_dtypes or args.heads:
+        save(
+            args.out, {"machine": machine_info(), **(compare_dtypes if args.compare_dtypes else heads)(args)}
+        )
+        return 0
     if args.quick:
         args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -300,33 +517,20 @@ def main(argv: list[str] | None = None) -> int:
             f"logits_to_keep=1 {r['hf_tok_per_s']:6.0f}: {r['ratio']:.2f}x, {r['ours_gflops']:.0f} GFLOP/s "
             f"({r['ours_gemm_peak_frac']:.0%} of GEMM peak), attention {r['attention_share']:.0%}"
         )
-    budget = args.budget_mib * MiB
     mil = {}
     for c in configs:
         pts = [
             (r["n"], r["peak_bytes"])
             for r in rows
-            if r["config"] == c and r["status"] == "ok" and r["dtype"] == str(dtype)
+            if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))
         ]
         if len({n for n, _ in pts}) >= 2:
-            mil[c] = fit_mil(pts, budget)
-            print(
-                f"  MIL {c:10s}: {mil[c]['mil']} tokens ({mil[c]['kind']}), {mil[c]['kib_per_token']:.1f} KiB/token"
-            )
-    doc = {
-        "machine": machine_info(),
-        "device": describe(dev),
-        "args": vars(args),  # harness.save writes paths as strings
-        "dtype": str(dtype),
-        "gemm_peak_gflops": roofs,
-        "configs": {c: CONFIGS[c] for c in configs},
-        "budget_mib": args.budget_mib,
-        "model_context": read_config(resolve_model_dir("embedded")).max_position_embeddings,
-        "rows": rows,
-        "speed": speed,
-        "mil": mil,
-    }
-    save(args.out, doc)
+            m = mil[c] = fit_mil(pts, args.budget_mib * MiB)
+            print(f"  MIL {c:10s}: {m['mil']} tokens ({m['kind']}), {m['kib_per_token']:.1f} KiB/token")
+    doc = {"machine": machine_info(), "device": describe(dev), "args": vars(args), "dtype": str(dtype)}
+    doc.update(gemm_peak_gflops=roofs, configs={c: CONFIGS[c] for c in configs}, budget_mib=args.budget_mib)
+    doc["model_context"] = read_config(resolve_model_dir("embedded")).max_position_embeddings
+    save(args.out, doc | {"rows": rows, "speed": speed, "mil": mil})
     return 0
 
 

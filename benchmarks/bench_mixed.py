@@ -1,18 +1,8 @@
-"""Online and batch traffic on one engine: an online Poisson stream of short calls (WL1-style: a
-user's profile + a post) and a backlog of long batch items (WL2-style histories) queued at t=0,
-the same trace for every policy. Reported per policy: online P50/P99 and batch items/s, each
-against its class running alone on the same engine:
-
-- fcfs: arrival order, priorities ignored
-- po: prefix-aware SRJF, priorities ignored
-- po+prio: po with `--enable-priority-scheduling` (batch items at priority -1), `--online-slo-ms`
-  (`--slo-x` x the online-alone P99: batch steps are sized to half of it, a long item runs as
-  prefix-only steps) and the batch class's credit (`--batch-min-share`)
-
-In process on the server's own loop (EngineLoop, embedded model), or with `--simulate` on
-po_backend.sim.simulator (the real scheduler, step times from the JCT model, no machine noise).
-Targets (same run): online P99 with the backlog <= 1.5x online alone; batch items/s >= 70% of
-batch alone x (1 - the online load).
+"""Online and batch traffic on one engine: an online Poisson stream of short WL1-style calls and a
+backlog of long WL2-style batch items (priority -1) queued at t=0, the same trace for every policy:
+fcfs, po, and po+prio (po with `--enable-priority-scheduling`, `--online-slo-ms` = `--slo-x` x the
+online-alone P99 and `--batch-min-share`). Online P50/P99 and batch items/s, each against its class
+alone on the same engine; in process on the server's loop, or `--simulate` on the simulator.
 
     python -m benchmarks.bench_mixed --simulate    # seconds
     python -m benchmarks.bench_mixed               # a few minutes on 2 cores
@@ -27,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.report import cells, markdown_table, prose
 from benchmarks.workloads import label_ids, wl1, wl2
 from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import DEFAULT_BATCH_MIN_SHARE
@@ -136,65 +127,46 @@ def main(argv: list[str] | None = None) -> None:
         b, o = lat[: len(batch)], lat[len(batch) :]
         s = harness.latency_summary(o)
         print(f"{name}: online P99 {s['p99_s']:.3f} s, batch {len(batch) / max(b):.3f} items/s")
-        rows.append(
-            {
-                "policy": name,
-                "online_p50_s": s["p50_s"],
-                "online_p99_s": s["p99_s"],
-                "p99_vs_alone": s["p99_s"] / alone["p99_s"],
-                "batch_items_s": len(batch) / max(b),
-                "batch_vs_alone": len(batch) / max(b) / batch_alone,
-                "slo_met": sum(x <= slo_s for x in o) / len(o),
-            }
-        )
-    floor = 0.7 * (1 - args.load)
+        row = {"policy": name, "online_p50_s": s["p50_s"], "online_p99_s": s["p99_s"]}
+        row.update(p99_vs_alone=s["p99_s"] / alone["p99_s"], batch_items_s=len(batch) / max(b))
+        row.update(batch_vs_alone=len(batch) / max(b) / batch_alone)
+        rows.append(row | {"slo_met": sum(x <= slo_s for x in o) / len(o)})
     doc = {
         "args": vars(args),
         "machine": info,
         "where": where,
         "pool_tokens": pool,
         "online_calls": len(online),
-        "online_qps": rate,
-        "online_alone": alone,
-        "online_isolated_mean_s": iso_mean,
-        "batch_alone_items_s": batch_alone,
-        "online_slo_s": slo_s,
-        "batch_floor_vs_alone": floor,
-        "rows": rows,
-        "seconds": time.perf_counter() - t0,
     }
-    md = markdown(doc)
-    print("\n" + md)
+    doc.update(
+        online_qps=rate, online_alone=alone, online_isolated_mean_s=iso_mean, batch_alone_items_s=batch_alone
+    )
+    doc.update(online_slo_s=slo_s, batch_floor_vs_alone=0.7 * (1 - args.load), rows=rows)
+    doc["seconds"] = time.perf_counter() - t0
     out = (
         Path(args.out)
         if args.out
         else harness.RESULTS / ("mixed_sim.json" if args.simulate else "mixed.json")
     )
-    harness.save(out, doc, md)
+    harness.save(out, doc, markdown(doc))
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    a, alone = doc["args"], doc["online_alone"]
-    lines = [
-        f"`benchmarks/bench_mixed.py{' --simulate' if a['simulate'] else ''}` ({doc['where']}; "
-        f"{doc['seconds']:.0f} s): {doc['online_calls']} online calls ({a['users']} users x {a['posts']} posts, "
-        f"profile ~{a['profile']} + post {a['post']} tokens) at {doc['online_qps']:.2f}/s = {a['load']:g} x their "
-        f"capacity, and {a['batch']} batch items of {a['batch_tokens'].replace(',', '-')} tokens queued at t=0 "
-        f"(priority -1); prefix pool {doc['pool_tokens']} tokens. Online alone: P50 {alone['p50_s']:.3f} s, "
-        f"P99 {alone['p99_s']:.3f} s; batch alone: {doc['batch_alone_items_s']:.2f} items/s. po+prio: online "
-        f"target {doc['online_slo_s'] * 1e3:.0f} ms ({a['slo_x']:g} x online-alone P99), batch min share "
-        f"{a['batch_min_share']:g}. Targets: online P99 <= 1.5x alone; batch >= "
-        f"{doc['batch_floor_vs_alone']:.2f}x alone (70% of 1 - online load).",
-        "",
-        "| policy | online P50 s | online P99 s | P99 / alone | within target | batch items/s | batch / alone |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in doc["rows"]:
-        lines.append(
-            f"| {r['policy']} | {r['online_p50_s']:.3f} | {r['online_p99_s']:.3f} | {r['p99_vs_alone']:.2f}x "
-            f"| {r['slo_met']:.0%} | {r['batch_items_s']:.2f} | {r['batch_vs_alone']:.2f}x |"
-        )
-    return "\n".join(lines)
+    a = doc["args"]
+    intro = prose(
+        "mixed",
+        d=doc,
+        a=a,
+        sim=" --simulate" if a["simulate"] else "",
+        batch=a["batch_tokens"].replace(",", "-"),
+        ms=doc["online_slo_s"] * 1e3,
+    )
+    head = (
+        "policy | online P50 s | online P99 s | P99 / alone | within target | batch items/s | batch / alone"
+    )
+    spec = "policy online_p50_s:.3f online_p99_s:.3f p99_vs_alone:.2f slo_met:.0% batch_items_s:.2f batch_vs_alone:.2f"
+    rows = [[c + "x" if k in (3, 6) else c for k, c in enumerate(cells(r, spec))] for r in doc["rows"]]
+    return intro + "\n\n" + markdown_table(head, rows)
 
 
 if __name__ == "__main__":

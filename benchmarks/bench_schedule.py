@@ -1,42 +1,49 @@
-"""Scheduling under Poisson load, in process on the embedded model and the server's own loop (no
-HTTP; bench_serving goes through HTTP), on WL1-style traces (users x posts sharing a per-user
-profile prefix) and WL2-style ones (long unique histories). One module, four modes:
+"""Scheduling and the JCT model in process on the embedded model and the server's own loop (no HTTP;
+bench_serving goes through HTTP), on WL1-style traces (users x posts sharing a per-user profile)
+and WL2-style ones (long unique histories); the prefix pool holds `--cache-profiles` WL1 profiles
+(as in the paper, the cache cannot hold every user). Modes:
 
-- sweep (default): harness.sweep per workload for each of `--configs` (CONFIGS below: scheduling
-  policies, the transformers baseline, chunked prefill): isolated latency (P99 SLO = `--slo-x` x
-  its mean), saturated po, then Poisson arrivals at `--mults` x the anchor QPS, the same seeded
-  pattern for every point. Reported: the QPS each config sustains at the SLO, po / fcfs, and the
-  JCT model's accuracy on every step (held out). The anchor (`--anchor`) is the isolated
-  throughput: for WL1 the all-at-t=0 rate is far higher (a user's queued posts run as one
-  multi-item step) and a sweep anchored there never finds the SLO crossing.
+- sweep (default): harness.sweep per workload for each of `--configs` (policies, the transformers
+  baseline, chunked prefill): the QPS each sustains at the P99 SLO, po / fcfs, and the JCT model's
+  accuracy on every (held-out) step. The anchor is the isolated throughput: for WL1 the all-at-t=0
+  rate is far higher and a sweep anchored there never finds the SLO crossing.
 - `--offline`: items/s of the whole job queued at t=0 per config, and ours one request at a time.
-- `--simulate`: the same traces on po_backend.sim.simulator (no machine noise), step times from
-  the JCT fit of the last measured run.
-- `--ablation` (paper Fig. 10/11): suffix discarding on/off (off: every computed token but the
-  last is cached, so posts' suffixes take pool space and evict profiles), then a fairness lambda
-  sweep of po at `--ablation-mult` x saturated QPS, fcfs on the same arrivals for reference.
-
-The prefix pool holds `--cache-profiles` WL1 profiles: as in the paper, the cache cannot hold
-every user at once. The JCT model is this machine's persisted profile (`--reprofile` times it
-again). report.py renders the results.
+- `--simulate`: the same traces on po_backend.sim.simulator, step times from the last measured fit.
+- `--ablation` (paper Fig. 10/11): suffix discarding on/off, then a fairness lambda sweep of po at
+  `--ablation-mult` x saturated QPS (fcfs on the same arrivals for reference).
+- `--llamacpp`: llama.cpp (llama-cpp-python, optional) next to ours on the same GGUF and WL1 items,
+  one at a time in user order with prefix reuse on both sides; items/s and label agreement.
+- `--startup`: launch to /health 200 of `--workers` servers on a fresh cache, then a later start;
+  and the start-up JCT model (quick estimate, refined online) against the full profile, both
+  predicting every real step of one engine before it runs (r and median error after warm-up).
 
     flock /tmp/po-bench.lock python -m benchmarks.bench_schedule      # ~25-35 min
     python -m benchmarks.bench_schedule --quick                       # ~2 min smoke run
     python -m benchmarks.bench_schedule --simulate                    # ~30 s
+    python -m benchmarks.bench_schedule --startup --quick             # max_input_len 2048
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
+import os
+import random
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks import harness, report
 from benchmarks.workloads import add_trace_args, build_traces, label_ids
+from po_backend.core.cpu import cpu_flags
 from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import POLICIES
 from po_backend.engine.hf_scorer import HFScorer
@@ -48,11 +55,10 @@ from po_backend.sim.simulator import PrefixLRU, simulate
 CONFIGS = {
     "hf": "transformers, FCFS, no prefix reuse (`--backend hf`)",
     "fcfs": "ours, FCFS + radix prefix cache",
-    "chunked": "ours, FCFS + radix cache, chunked prefill (`--prefill-mode chunked`)",
-    "srjf": "ours, shortest remaining job first",
-    "lpm": "ours, longest prefix match",
-    "po": "ours, prefix-aware SRJF + JCT calibration (`--schedule-policy po`)",
 }
+CONFIGS["chunked"] = "ours, FCFS + radix cache, chunked prefill (`--prefill-mode chunked`)"
+CONFIGS.update(srjf="ours, shortest remaining job first", lpm="ours, longest prefix match")
+CONFIGS["po"] = "ours, prefix-aware SRJF + JCT calibration (`--schedule-policy po`)"
 if not set(POLICIES) <= set(CONFIGS):
     raise RuntimeError("bench_schedule and the scheduler disagree on the policies")
 
@@ -64,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--offline", action="store_true", help="items/s of the whole job at t=0, no sweep")
     mode.add_argument("--simulate", action="store_true", help="the sweep on po_backend.sim.simulator")
     mode.add_argument("--ablation", action="store_true", help="suffix discarding on/off, lambda sweep")
+    mode.add_argument("--llamacpp", action="store_true", help="llama.cpp next to ours on the same GGUF")
+    mode.add_argument("--startup", action="store_true", help="start-up time and the start-up JCT model")
+    ap.add_argument("--workers", type=int, default=1, help="--startup: servers booted at once, fresh cache")
+    ap.add_argument("--skip-starts", action="store_true", help="--startup: the JCT accuracy only")
+    ap.add_argument("--skip-accuracy", action="store_true", help="--startup: the start times only")
+    ap.add_argument("--timeout", type=float, default=900.0, help="--startup: seconds to /health 200")
     ap.add_argument("--configs", default="fcfs,srjf,lpm,po", help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--mults", default="0.5,0.7,1,1.4,2,4", help="QPS as multiples of the anchor QPS")
     ap.add_argument("--mults-wl2", default="0.5,1,2,4", help="WL2's (empty: --mults)")
@@ -84,8 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
         args.wl2_requests, args.wl2_min, args.wl2_max = 2, 300, 500
         args.lambdas, args.quiet_wait = f"0,{DEFAULT_FAIRNESS_LAMBDA:g}", min(args.quiet_wait, 5.0)
-    if args.out is None:
-        stem = "ablation" if args.ablation else "schedule_sim" if args.simulate else "schedule"
+    if args.out is None and args.startup:
+        args.out = harness.RESULTS / f"startup{'_quick' if args.quick else ''}.json"
+    elif args.out is None:
+        stem = next(
+            (m for m in ("ablation", "llamacpp") if getattr(args, m)),
+            "schedule_sim" if args.simulate else "schedule",
+        )
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.configs = [c for c in CONFIGS if c in args.configs.split(",")]
@@ -110,8 +127,13 @@ def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, fl
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if args.startup:
+        return startup(args)
     tok = harness.tokenizer()
-    traces = build_traces(args, tok, ("WL1",) if args.ablation else tuple(args.workloads.split(",")))
+    wl1_only = args.ablation or args.llamacpp
+    traces = build_traces(args, tok, ("WL1",) if wl1_only else tuple(args.workloads.split(",")))
+    if args.llamacpp:
+        return llamacpp(args, traces["WL1"], label_ids(tok))
     # --cache-profiles 0: the engine's default pool.
     pool = harness.pool_tokens(traces["WL1"], args.cache_profiles) if "WL1" in traces else 0
     pool = pool if args.cache_profiles else 0
@@ -167,9 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.offline:
         return harness.save(args.out, doc)
     doc["jct_online"] = harness.jct_quality(all_runs)
-    md = report.schedule_markdown(doc, args.configs)
-    print("\n" + md)
-    harness.save(args.out, doc, md)
+    harness.save(args.out, doc, report.schedule_markdown(doc, args.configs))
     report.plot_sweeps(doc["workloads"], args.out.with_suffix(".png"), report.QPS_NAMES)
     partial.unlink(missing_ok=True)
 
@@ -278,10 +298,195 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         print(
             f"{name}: {len(reqs)} requests simulated in {time.perf_counter() - t:.1f} s; po / fcfs {ratios}"
         )
-    md = report.schedule_sim_markdown(doc, policies)
-    print("\n" + md)
-    harness.save(args.out, doc, md)
+    harness.save(args.out, doc, report.schedule_sim_markdown(doc, policies))
     report.plot_sweeps(doc["workloads"], args.out.with_suffix(".png"))
+
+
+# ---- --llamacpp: llama.cpp next to ours -------------------------------------------------------------
+
+WHEELS = Path("~/.cache/prefillonly/wheels").expanduser()
+
+
+def llamacpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def install_hint(flags: frozenset[str] | None = None) -> str:
+    """llama-cpp-python is an sdist (~9 min of both cores to compile): build it once into a cached
+    wheel, AMX off (the default build crashed in its AMX matmul on the Xeon this was tried on) and
+    AVX512 paths only where the CPU has them (an AVX2-only CPU would fault on them)."""
+    flags = cpu_flags() if flags is None else flags
+    on = {f: "ON" if f in flags else "OFF" for f in ("avx512f", "avx512_bf16", "avx512_vnni")}
+    cmake = f"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512={on['avx512f']} -DGGML_AVX512_BF16={on['avx512_bf16']} "
+    cmake += (
+        f"-DGGML_AVX512_VNNI={on['avx512_vnni']} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    )
+    return (
+        f'CMAKE_ARGS="{cmake}" .venv/bin/pip wheel --no-deps -w {WHEELS} llama-cpp-python '
+        f"&& .venv/bin/pip install {WHEELS}/llama_cpp_python-*.whl   (compiles ~9 min once; the wheel is cached)"
+    )
+
+
+def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]) -> None:
+    """P(Yes) of every item, one at a time in user order: ours through the radix prefix cache,
+    llama.cpp keeping its KV state and evaluating only the tokens after the longest common prefix
+    with the previous prompt (its prompt-cache behaviour). llama.cpp computes on the GGUF's
+    quantised weights, ours on them dequantised once: agreement = same argmax of (Yes, No)."""
+    doc: dict[str, Any] = {
+        "machine": harness.machine_info(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    if not llamacpp_available():
+        doc.update(status="not run: llama-cpp-python not installed", install=install_hint())
+        print(doc["status"] + "\n  install: " + doc["install"])
+        return harness.save(args.out, doc)
+    import llama_cpp
+
+    from po_backend.engine.models.loader import embedded_model_file
+
+    def p_yes(logp_yes: float, logp_no: float) -> float:
+        return 1.0 / (1.0 + math.exp(min(logp_no - logp_yes, 700.0)))  # no overflow
+
+    def timed(score: Callable[[int], float]) -> dict[str, Any]:
+        lat, probs, t0 = [], [], time.perf_counter()
+        for i in range(len(items)):
+            t = time.perf_counter()
+            probs.append(score(i))
+            lat.append(time.perf_counter() - t)
+        return {
+            "items_per_s": len(items) / (time.perf_counter() - t0),
+            "mean_s": float(np.mean(lat)),
+            "p_yes": probs,
+        }
+
+    engine, gguf = harness.load_engine(), embedded_model_file()
+    ours = timed(
+        lambda i: p_yes(
+            *engine.score([list(items[i].ids)], labels, cache_prefix_len=len(items[i].prefix))[0].logprobs
+        )
+    )
+    n_ctx = max(len(it.ids) for it in items) + 16
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
+
+    def score_llamacpp(i: int) -> float:
+        ids, past, k = items[i].ids, list(llm.input_ids[: llm.n_tokens]), 0
+        while k < min(len(past), len(ids) - 1) and past[k] == ids[k]:
+            k += 1
+        llm.n_tokens = k  # keep the shared prefix's KV; eval() drops the rest and computes the suffix
+        llm.eval(list(ids[k:]))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        logp = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))
+        return p_yes(float(logp[labels[0]]), float(logp[labels[1]]))
+
+    lc = timed(score_llamacpp)
+    pairs = list(zip(ours["p_yes"], lc["p_yes"], strict=True))
+    doc.update(status="ok", gguf=gguf.name, items=len(items), ours=ours, llamacpp=lc)
+    doc.update(agreement=sum((a >= 0.5) == (b >= 0.5) for a, b in pairs) / len(pairs))
+    doc.update(
+        max_abs_dp_yes=max(abs(a - b) for a, b in pairs),
+        ours_vs_llamacpp=ours["items_per_s"] / lc["items_per_s"],
+    )
+    print(
+        f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} ({doc['ours_vs_llamacpp']:.2f}x)"
+    )
+    harness.save(args.out, doc)
+
+
+# ---- --startup: start-up time and the start-up JCT model ----------------------------------------------
+
+
+def time_starts(workers: int, timeout: float) -> dict[str, Any]:
+    """Seconds from launch to /health 200: fresh cache (all workers at once), then a later start."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="po-start-") as cache:
+        env = {**os.environ, "PREFILLONLY_CACHE": cache}
+        for phase, n in (("first", workers), ("later", 1)):
+            # The default log level: the counts below read its INFO lines.
+            servers = [harness.our_server(env=env, log_level="info") for _ in range(n)]
+            with harness.servers_up(servers, timeout) as ready:
+                logs = [s.log_text(200_000) for s in servers]
+            out[phase] = {
+                "workers": n,
+                "health_200_s": ready,
+                "converted": sum("converted SmolLM2" in t for t in logs),
+            }
+            out[phase].update(jct_measured=sum("JCT profile (quick):" in t for t in logs))
+            out[phase].update(log_lines=[len(t.splitlines()) for t in logs], log=logs[0].splitlines()[-40:])
+            print(phase, ready, flush=True)
+    return out
+
+
+def jct_accuracy(max_input_len: int, warmup: int, held: int) -> dict[str, Any]:
+    """Today's model (the full ProfileGrid profile, with the running calibration) and the start-up
+    one (QUICK_GRID's estimate, calibrated and refined online) predict every real step of traffic
+    like a scoring server's (1-4 items of log-uniform length, half sharing a user prefix) before it
+    runs; after `warmup` steps, Pearson r and median relative error on the held-out steps."""
+    from po_backend.engine.engine import Engine
+    from po_backend.sched.jct import prediction_quality
+    from po_backend.serving import jct_profile as jp
+
+    engine = Engine.from_pretrained("embedded", max_input_len=max_input_len)
+    t = time.perf_counter()
+    grid, _ = jp._measure(engine, jp.DEFAULT_GRID, jp.profile_key(engine, jp.DEFAULT_GRID), "grid")
+    grid_s, t = time.perf_counter() - t, time.perf_counter()
+    quick, anchors = jp._measure(
+        engine, jp.QUICK_GRID, jp.profile_key(engine, jp.QUICK_GRID), "quick", retry=False
+    )
+    quick_s = time.perf_counter() - t
+    models = {"today_grid_calibrated": CalibratedJCT(grid), "today_grid_raw": CalibratedJCT(grid, alpha=1e-9)}
+    models["quick_calibrated_no_refit"] = CalibratedJCT(quick)
+    models["new_quick_refined"] = CalibratedJCT(quick, refine_every=jp.REFINE_EVERY, anchors=anchors)
+    preds: dict[str, list[float]] = {k: [] for k in models}
+    measured: list[float] = []
+    rng, vocab = random.Random(1), engine.vocab_size
+    users = [
+        tuple(rng.randrange(vocab) for _ in range(rng.randint(64, max_input_len // 2))) for _ in range(6)
+    ]
+    engine.flush_cache()
+    for i in range(warmup + held):
+        k, reqs = rng.choice([1, 1, 2, 4]), []
+        for _ in range(k):
+            total = int(math.exp(rng.uniform(math.log(64), math.log(max_input_len // k))))
+            prefix = rng.choice(users)[: total // 2] if rng.random() < 0.5 else ()
+            ids = prefix + tuple(rng.randrange(vocab) for _ in range(total - len(prefix)))
+            reqs.append(ScoreRequest(ids, (0,), cache_prefix_len=len(prefix)))
+        t = time.perf_counter()
+        results = engine.step(reqs)
+        seconds = time.perf_counter() - t
+        steps = [(r.prompt_tokens, r.cached_tokens) for r in results]
+        for name, m in models.items():
+            preds[name].append(m.predict_items(steps))  # before it sees this step
+            m.observe(steps, seconds)
+        measured.append(seconds)
+        if (i + 1) % 16 == 0:
+            print(f"step {i + 1}/{warmup + held}", flush=True)
+    out: dict[str, Any] = {"max_input_len": max_input_len, "warmup_steps": warmup, "held_out_steps": held}
+    out.update(grid_profile_s=round(grid_s, 1), quick_profile_s=round(quick_s, 1))
+    out.update(grid_fit_loo=grid.quality.__dict__ if grid.quality else None)
+    out.update(quick_fit_loo=quick.quality.__dict__ if quick.quality else None, grid_coef=grid.coef)
+    out.update(quick_coef=quick.coef, refined_coef=models["new_quick_refined"].model.coef)
+    out["refits"] = models["new_quick_refined"].refits
+    for name in models:
+        q = prediction_quality(preds[name][warmup:], measured[warmup:])
+        out[name] = {"pearson_r": round(q.pearson_r, 4), "median_rel_error": round(q.median_rel_error, 4)}
+        print(name, out[name], flush=True)
+    return out
+
+
+def startup(args: argparse.Namespace) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health poll otherwise
+    m = harness.machine_info()
+    doc: dict[str, Any] = {k: m[k] for k in ("cpu", "cores", "torch_threads")} | {
+        "load_avg_at_start": os.getloadavg()
+    }
+    if not args.skip_starts:
+        doc["starts"] = time_starts(args.workers, args.timeout)
+    if not args.skip_accuracy:
+        doc["accuracy"] = jct_accuracy(*((2048, 48, 48) if args.quick else (8192, 96, 96)))
+    harness.save(args.out, doc | {"load_avg_at_end": os.getloadavg()})
 
 
 if __name__ == "__main__":

@@ -1,17 +1,11 @@
-"""Serving benchmark: Poisson arrivals of WL1/WL2 scoring requests over HTTP, against any server that
-speaks SGLang's `/v1/score`, `/v1/rerank` or `/generate` (ours with each schedule policy, ours with
-`--backend hf`, or a real SGLang server). Reports mean/P50/P99 latency and items/s per offered QPS.
+"""Serving benchmark: open-loop Poisson arrivals of WL1/WL2 scoring calls over HTTP (SGLang's
+`/v1/score`, `/v1/rerank` or `/generate`) against our server per `--launch` config or any running
+server (`--url`, e.g. a real SGLang): mean/P50/P99 latency (send -> response) and items/s per offered
+QPS, ratios against the baseline config (`hf` when launched, else the first) of the same run.
+Results: benchmarks/results/<out>.json, .md and .png. bench_cluster builds its traffic here.
 
-    # launch our server once per configuration (one at a time) and sweep QPS on each:
     python -m benchmarks.bench_serving --launch po,fcfs,hf --qps 0.5,1,2
-    # or aim at a running server:
     python -m benchmarks.bench_serving --url http://127.0.0.1:30000 --api score --qps 1,2
-
-Open loop: request i is sent at its Poisson arrival time whatever happened to the earlier ones, so
-a server that falls behind shows it as queueing latency. Latency is send -> response. items/s is
-completed items over the span from the first send to the last response. Ratios are against the
-baseline configuration (`hf` when launched, else the first) measured in the same run. Results:
-benchmarks/results/<out>.json, .md and .png. bench_cluster builds its traffic with this module.
 """
 
 from __future__ import annotations
@@ -33,29 +27,15 @@ import httpx
 from benchmarks import harness, report
 from benchmarks.workloads import label_ids, wl1, wl2
 
-# --launch names -> launch_server flags
-LAUNCH = {
-    "po": ["--schedule-policy", "po"],
-    "fcfs": ["--schedule-policy", "fcfs"],
-    "srjf": ["--schedule-policy", "srjf"],
-    "lpm": ["--schedule-policy", "lpm"],
-    "po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"],
-    # vLLM-style baseline: FCFS + prefix cache + Sarathi chunked prefill (attention chunked too).
-    "chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"],
-    "hf": ["--backend", "hf"],
-    # po without grouping undeclared shared prefixes: each waiting request runs alone, a profile is
-    # computed once only if its first request finished before the next was picked.
-    "po-nogroup": ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)],
-    # po as built by another checkout (--base-checkout, e.g. a git worktree of the commit a change
-    # replaces): the same run measures the change against what it replaces.
-    "base": ["--schedule-policy", "po"],
-}
-COUNTERS = (
-    "po_prompt_tokens_total",
-    "po_cache_hit_tokens_total",
-    "po_cache_tokens",
-    "po_cache_reused_tokens",
-)
+# --launch names -> launch_server flags. chunked: vLLM-style FCFS + prefix cache + Sarathi chunked
+# prefill; po-nogroup: po without grouping undeclared shared prefixes; base: po as built by
+# another checkout (--base-checkout), so one run measures a change against what it replaces.
+LAUNCH = {p: ["--schedule-policy", p] for p in ("po", "fcfs", "srjf", "lpm")}
+LAUNCH.update({"po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"], "hf": ["--backend", "hf"]})
+LAUNCH.update({"chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"], "base": LAUNCH["po"]})
+LAUNCH["po-nogroup"] = ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)]
+COUNTERS = ("po_prompt_tokens_total", "po_cache_hit_tokens_total")
+COUNTERS += ("po_cache_tokens", "po_cache_reused_tokens")  # what the pool holds, and how much was read back
 
 
 @dataclass(frozen=True)
@@ -105,14 +85,8 @@ def request_body(call: Call, args: argparse.Namespace, tok: Any) -> tuple[str, d
     more than one), `--generate-as` ids or text, `--prefix-hint`: our cache_prefix_len."""
     labels = label_ids(tok)
     if args.api == "score":
-        items = [list(s) for s in call.suffixes]
-        body = {
-            "query": list(call.prefix),
-            "items": items,
-            "label_token_ids": list(labels),
-            "apply_softmax": True,
-        }
-        return "/v1/score", body
+        body = {"query": list(call.prefix), "items": [list(s) for s in call.suffixes]}
+        return "/v1/score", {**body, "label_token_ids": list(labels), "apply_softmax": True}
     if args.api == "rerank":
         docs = [tok.decode(s) for s in call.suffixes]
         return "/v1/rerank", {"query": tok.decode(call.prefix), "documents": docs, "return_documents": False}
@@ -245,11 +219,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-input-len", type=int, default=None)
     ap.add_argument("--port", type=int, default=30100, help="port for launched servers")
-    ap.add_argument(
-        "--server-args",
-        default="",
-        help="more flags for every launched server, e.g. '--memory-budget 400MiB'",
-    )
+    ap.add_argument("--server-args", default="", help="more flags for every launched server")
     ap.add_argument(
         "--base-checkout", default=None, help="the checkout `--launch base` runs (another commit)"
     )
@@ -287,44 +257,41 @@ def main() -> None:
         ap.error(f"unknown --launch config {sorted(unknown)}; choose from {sorted(LAUNCH)}")
     if "base" in (args.launch or "").split(",") and not args.base_checkout:
         ap.error("--launch base needs --base-checkout DIR")
-
     model_path = args.tokenizer or args.model_path
-    if args.url and not args.tokenizer:
-        # Same machine: read the served model's path and load its tokenizer locally.
+    if args.url and not args.tokenizer:  # same machine: the served model's tokenizer, loaded here
         info = httpx.get(args.url + "/model_info", headers=_auth(args), timeout=10).json()
         model_path = info.get("tokenizer_path") or info["model_path"]
     tok = harness.tokenizer(model_path)
     calls = make_calls(args, tok)
     n_items = sum(len(c.suffixes) for c in calls)
     tokens = sum(len(c.prefix) + len(s) for c in calls for s in c.suffixes)
-    workload = {"name": args.workload, "calls": len(calls), "items": n_items, "prompt_tokens": tokens}
-    workload["users"] = args.users
+    workload = {
+        "name": args.workload,
+        "calls": len(calls),
+        "items": n_items,
+        "prompt_tokens": tokens,
+        "users": args.users,
+    }
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
-
-    rows: list[dict[str, Any]] = []
-    if args.url:
-        rows += bench_one("server", args.url, calls, args)
+    rows: list[dict[str, Any]] = bench_one("server", args.url, calls, args) if args.url else []
     for i, name in enumerate(args.launch.split(",") if args.launch else []):
         flags = ["--dtype", args.dtype, *LAUNCH[name], *args.server_args.split()]
         flags += ["--max-input-len", str(args.max_input_len)] if args.max_input_len else []
         # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
-        cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
-        srv = harness.our_server(flags, args.model_path, args.port + i, cwd).start()
-        try:
-            srv.wait_ready()
+        srv = harness.our_server(
+            flags, args.model_path, args.port + i, args.base_checkout if name == "base" else harness.REPO_ROOT
+        )
+        with harness.servers_up([srv]):
             warm_up(srv.url, calls[0], args.timeout, _auth(args))
             rows += bench_one(name, srv.url, calls, args, pid=srv.proc.pid if srv.proc else None)
-        finally:
-            srv.stop()
     doc = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "api_key"}}
     doc.update(workload=workload, results=rows)
-    md = report.serving_markdown(doc)
-    print(md)
-    harness.save(harness.RESULTS / f"{args.out}.json", doc, md)
+    harness.save(harness.RESULTS / f"{args.out}.json", doc, report.serving_markdown(doc))
     if not args.no_plot:
-        runs = {f"{args.workload} via /{args.api}": {"runs": rows}}
-        report.plot_sweeps(runs, harness.RESULTS / f"{args.out}.png")
+        report.plot_sweeps(
+            {f"{args.workload} via /{args.api}": {"runs": rows}}, harness.RESULTS / f"{args.out}.png"
+        )
     if args.json:
         print(json.dumps(rows))
 

@@ -1,17 +1,14 @@
 """A bounded loopback soak of one server: mixed small and big calls, client disconnects, cache
-flushes, the hostile calls of `hostile` (each over a per-call bound), `/health` probed every 0.1 s
-throughout, then SIGTERM mid-load.
+flushes, the hostile calls of `hostile` (each over a per-call bound), `/health` probed every 0.1 s,
+then SIGTERM mid-load. Reports requests sent / answered / 4xx / 5xx / lost (no answer at all: must
+be 0, like 5xx), peak RSS against the memory budget, small calls' latency while big ones run and
+`/health` latency; writes benchmarks/results/soak.json.
 
     python -m benchmarks.bench_soak [--duration 300] [--model-path embedded]
-
-Reports requests sent / answered / 4xx / 5xx / lost (no answer at all: must be 0, like 5xx),
-the server's peak RSS against its memory budget, P99 latency of small calls while big ones run,
-and `/health` latency. Writes benchmarks/results/soak.{json,md}. Loopback only, bounded in time.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -19,7 +16,6 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -145,18 +141,18 @@ async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = harness.parser(__doc__, harness.RESULTS / "soak.json")
     ap.add_argument("--model-path", default="embedded")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--memory-budget", default="1GiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rate", type=float, default=4.0, help="calls per second (Poisson)")
     ap.add_argument("--big-share", type=float, default=0.1, help="share of calls that are 40-item scorings")
-    ap.add_argument("--out", type=Path, default=harness.RESULTS / "soak.json")
     args = ap.parse_args(argv)
-    flags = ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"]
-    server = harness.our_server(flags, args.model_path).start()
-    url, proc = server.url, server.proc
+    server = harness.our_server(
+        ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"], args.model_path
+    )
+    url, proc = server.url, server.start().proc
     assert proc is not None, "started"
     try:
         server.wait_ready()

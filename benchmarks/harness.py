@@ -1,17 +1,18 @@
-"""The measurement harness the benchmarks share: machine facts and CPU contention, engines with a
-bounded prefix pool, replay of a trace through the serving loop (Poisson arrivals), the isolated /
-saturated / swept measurements, and the sustained-QPS analysis. Rendering lives in report.py."""
+"""What the benchmarks share: machine facts and CPU contention, spawning our servers, engines with a
+bounded prefix pool, trace replay through the serving loop (Poisson arrivals), the isolated /
+saturated / swept measurements and the sustained-QPS analysis. Rendering lives in report.py."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,22 @@ MAX_INPUT_LEN = 4096
 Setup = tuple[Any, str]  # (a scorer EngineLoop can drive, its scheduling policy)
 
 
+def parser(doc: str | None, out: Path | None = None, quick: str | None = None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first line, `--out` (default `out`) and, given its
+    help, `--quick`."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    ap.add_argument("--out", type=Path, default=out, help="result JSON (.md beside it)")
+    if quick:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    return ap
+
+
 def save(out: Path, doc: dict[str, Any], md: str | None = None) -> None:
-    """A benchmark's result: `out` (JSON) and, given `md`, the markdown beside it (.md)."""
+    """A benchmark's result: `out` (JSON) and, given `md`, the markdown beside it (.md), printed too."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, default=str))
     if md is not None:
+        print("\n" + md)
         out.with_suffix(".md").write_text(md)
     print(f"wrote {out}" + ("" if md is None else f" and {out.with_suffix('.md').name}"))
 
@@ -63,29 +75,45 @@ def our_server(
     return ServerProcess(cmd, f"http://127.0.0.1:{port}", cwd=cwd, env=env)
 
 
+@contextlib.contextmanager
+def servers_up(servers: Sequence[ServerProcess], timeout: float = 600.0) -> Iterator[list[float]]:
+    """Start `servers` side by side and wait until each answers; yields each one's seconds from
+    launch to ready (in order); stops them all on exit."""
+    t0, ready = time.monotonic(), []
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout)
+            ready.append(round(time.monotonic() - t0, 1))
+        yield ready
+    finally:
+        for s in servers:
+            s.stop()
+
+
 # ---- machine --------------------------------------------------------------------------------------
 
 
 def machine_info() -> dict[str, Any]:
     import transformers  # only for its version string
 
-    flags = cpu_flags()
+    flags, isa = (
+        cpu_flags(),
+        ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"),
+    )
     return {
-        "cpu": cpu_model(),
-        "cpu_class": cpu_class(),
-        "arch": platform.machine(),
-        "flags": {
-            f: f in flags
-            for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-        },
+        **{"cpu": cpu_model(), "cpu_class": cpu_class(), "arch": platform.machine()},
+        "flags": {f: f in flags for f in isa},
         # AVX512-bf16 or AMX: bf16 GEMMs run natively; elsewhere oneDNN emulates them, ~7x slower.
         "fast_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        **{"cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "mem_total_gib": round(psutil.virtual_memory().total / GiB, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **{
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "cuda": torch.cuda.is_available(),
     }
 
@@ -108,14 +136,9 @@ def _process_seconds(pid: int | None) -> float:
 
 
 class CpuShare:
-    """Cores used during a block by this process (`own_cores`), by process `pid` if given (a
-    server this benchmark launched: `pid_cores`) and by everything else (`other_cores`). On a
-    shared machine a run that had other work beside it is slower than the code is.
-
-        with CpuShare() as cpu:
-            work()
-        cpu.own_cores, cpu.other_cores
-    """
+    """Cores used during a `with` block by this process (`own_cores`), by process `pid` if given (a
+    server this benchmark launched: `pid_cores`) and by everything else (`other_cores`): on a shared
+    machine a run that had other work beside it is slower than the code is."""
 
     def __init__(self, pid: int | None = None) -> None:
         self.pid = pid

@@ -1,8 +1,6 @@
-"""Rendering for every benchmark: markdown tables and PNG plots, and REPORT.md built from the JSON
-files run_all's benchmarks write into one folder. No measurement happens here: it can be rerun on
-old results (`python -m benchmarks.report benchmarks/results/report`) and is unit-tested on fake
-ones (tests/test_report.py). A REPORT.md section whose JSON is missing says so.
-"""
+"""Rendering for every benchmark: markdown tables, PNG plots, and REPORT.md from the JSONs run_all's
+benchmarks write into one folder (`python -m benchmarks.report benchmarks/results/report` reruns it
+on old results, no measuring). The sections' prose lives in report_template.md."""
 
 from __future__ import annotations
 
@@ -18,15 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, ratio_cell, sustained_qps
+from po_backend.sched.jct import pearson_r
 
 CONTENDED_CORES = 0.5  # other processes busier than this during a run: its numbers are upper bounds
 QPS_ORDER = ("hf", "fcfs", "chunked", "srjf", "lpm", "po")
-QPS_NAMES = {
-    "hf": "transformers (`--backend hf`)",
-    "fcfs": "ours fcfs + radix cache",
-    "chunked": "ours chunked prefill + cache",
-    "po": "ours po",
-}
+QPS_NAMES = {"hf": "transformers (`--backend hf`)", "fcfs": "ours fcfs + radix cache"}
+QPS_NAMES.update(chunked="ours chunked prefill + cache", po="ours po")
 TARGET_PO_VS_FCFS, TARGET_PO_VS_HF, TARGET_MIL_VS_HF = 4.0, 20.0, 10.0  # the project's targets
 SWEEP_HEADER = "workload | x anchor | QPS | config | mean s | P99 s | hits | P50 s | steps | items/step"
 AFFINITY, SPREAD = (
@@ -36,9 +31,8 @@ AFFINITY, SPREAD = (
 MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
 PLATEAU = 0.95  # efficiency within this share of its best: the curve has levelled off
 HIT_FLAT = 0.02  # hit rates within 2 points count as the same
-
-
 TEMPLATE = Path(__file__).with_name("report_template.md")
+Doc = dict[str, Any]
 
 
 @functools.cache
@@ -59,17 +53,12 @@ def markdown_table(header: str | Sequence[str], rows: Sequence[Sequence[Any]]) -
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
-def load(folder: Path, name: str) -> dict[str, Any] | None:
-    p = folder / f"{name}.json"
-    return json.loads(p.read_text()) if p.is_file() else None
-
-
-def _flag(run: dict[str, Any]) -> str:
+def _flag(run: Doc) -> str:
     oc = run.get("other_cores")
     return "*" if oc is not None and not math.isnan(oc) and oc > CONTENDED_CORES else ""
 
 
-def cells(r: dict[str, Any], spec: str) -> list[str]:
+def cells(r: Doc, spec: str) -> list[str]:
     """A result row's table cells: r[key] formatted for each space-separated `key[:format][*]` of
     `spec` (`*`: the run's contention flag appended)."""
     out = []
@@ -79,7 +68,7 @@ def cells(r: dict[str, Any], spec: str) -> list[str]:
     return out
 
 
-def _order(r: dict[str, Any]) -> tuple[float, int]:
+def _order(r: Doc) -> tuple[float, int]:
     return r["qps"], QPS_ORDER.index(r["config"]) if r["config"] in QPS_ORDER else len(QPS_ORDER)
 
 
@@ -88,7 +77,7 @@ def _section(title: str, *parts: str) -> list[str]:
     return [title, ""] + [line for p in parts for line in (p, "")]
 
 
-def _doc_md(title: str, *parts: str) -> str:
+def doc_md(title: str, *parts: str) -> str:
     """A results/*.md file: a title, then paragraphs."""
     return "\n".join(_section(f"# {title}", *parts))
 
@@ -101,20 +90,23 @@ def _ratio(x: float, y: float) -> float:
     return x / y if y else math.nan
 
 
-def sweep_rows(workloads: dict[str, Any], extra: bool = True) -> list[list[Any]]:
+def _and(words: Sequence[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else list(words))
+
+
+def sweep_rows(workloads: Doc, extra: bool = True) -> list[list[Any]]:
     """Every point of harness.sweep results (`*` = contended); `extra`: P50, steps, items/step too."""
-    rows = []
-    for name, w in workloads.items():
-        for r in sorted(w["runs"], key=_order):
-            row = [name, *cells(r, "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%")]
-            rows.append(row + (cells(r, "p50_s:.2f steps mean_batch:.1f") if extra else []))
-    return rows
+    spec = "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%" + (
+        " p50_s:.2f steps mean_batch:.1f" * extra
+    )
+    return [[name, *cells(r, spec)] for name, w in workloads.items() for r in sorted(w["runs"], key=_order)]
 
 
 # ---- REPORT.md ------------------------------------------------------------------------------------
 
 
-def header(meta: dict[str, Any] | None) -> list[str]:
+def header(meta: Doc | None) -> list[str]:
     title = "# PrefillOnly evaluation report"
     if meta is None:
         return _section(title, "(no meta.json: machine unknown)")
@@ -142,26 +134,30 @@ def header(meta: dict[str, Any] | None) -> list[str]:
     return _section(title, when, "\n".join(lines))
 
 
-def qps_analysis(qps: dict[str, Any]) -> dict[str, Any]:
+def qps_analysis(qps: Doc) -> Doc:
     """Sustained QPS at the P99 SLO per workload and config, and the ratios of po to each baseline."""
-    out: dict[str, Any] = {}
+    out: Doc = {}
     for name, w in qps["workloads"].items():
         configs = [c for c in QPS_ORDER if any(r["config"] == c for r in w.get("runs", []))]
-        pts = {c: [(r["qps"], r["p99_s"]) for r in w["runs"] if r["config"] == c] for c in configs}
-        sus = {c: sustained_qps(p, w["slo_p99_s"]) for c, p in pts.items()}
-        ratios = {b: ratio_cell(sus["po"], sus[b]) for b in configs if b != "po" and "po" in sus}
-        out[name] = {"sustained": sus, "ratios": ratios}
+        sus = {
+            c: sustained_qps([(r["qps"], r["p99_s"]) for r in w["runs"] if r["config"] == c], w["slo_p99_s"])
+            for c in configs
+        }
+        out[name] = {
+            "sustained": sus,
+            "ratios": {b: ratio_cell(sus["po"], sus[b]) for b in configs if b != "po" and "po" in sus},
+        }
     return out
 
 
-def sweep_intro(doc: dict[str, Any]) -> str:
+def sweep_intro(doc: Doc) -> str:
     """What a bench_schedule sweep ran: arrivals, the SLO, the traces, the prefix pool."""
     a = doc["args"]
     return prose("sweep_intro", a=a, anchor=a.get("anchor", "saturated"), pool=doc.get("pool_tokens", "?"))
 
 
-def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
-    cells = [
+def qps_section(qps: Doc, folder: Path, png: str) -> list[str]:
+    rows = [
         [name, QPS_NAMES.get(c, c), f"{s[1]}{s[0]:.3f}", "-" if c == "po" else w["ratios"][c][0]]
         for name, w in qps_analysis(qps).items()
         for c, s in w["sustained"].items()
@@ -174,7 +170,7 @@ def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
         f"`benchmarks/bench_schedule.py`: {sweep_intro(qps)}",
         *[f"Note: {n}" for n in qps.get("notes", [])],  # e.g. a workload re-run and merged in
         prose("qps_table"),
-        markdown_table(["workload", "config", "QPS at P99 SLO", "po / this"], cells),
+        markdown_table(["workload", "config", "QPS at P99 SLO", "po / this"], rows),
         "<details><summary>All sweep points</summary>",
         markdown_table(SWEEP_HEADER.rsplit(" | ", 3)[0], sweep_rows(qps["workloads"], extra=False)),
         "</details>",
@@ -182,21 +178,27 @@ def qps_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
     ]
 
 
-def mil_ratios(mil: dict[str, Any]) -> dict[str, float]:
+def mil_ratios(mil: Doc) -> dict[str, float]:
     """Each config's MIL over the transformers default's."""
     base = mil["mil"].get("hf-default", {}).get("mil")
     return {c: m["mil"] / base for c, m in mil["mil"].items() if base and m["mil"]}
 
 
-def mil_section(mil: dict[str, Any], folder: Path, png: str) -> list[str]:
+def mil_section(mil: Doc, folder: Path, png: str) -> list[str]:
     ratios, rows = mil_ratios(mil), []
     for c, m in mil["mil"].items():
         beyond = (
             " (beyond the model's context)" if m["mil"] and m["mil"] > mil.get("model_context", 1e18) else ""
         )
-        cells = [mil["configs"].get(c, c), f"{m['kib_per_token']:.1f}", f"{m['c0_mib']:.0f}"]
-        cells += [f"{m['mil']}{beyond}" if m["mil"] else "-", m["kind"]]
-        rows.append([*cells, f"{ratios[c]:.1f}x" if c in ratios else "-"])
+        row = [mil["configs"].get(c, c), f"{m['kib_per_token']:.1f}", f"{m['c0_mib']:.0f}"]
+        rows.append(
+            [
+                *row,
+                f"{m['mil']}{beyond}" if m["mil"] else "-",
+                m["kind"],
+                f"{ratios[c]:.1f}x" if c in ratios else "-",
+            ]
+        )
     parts = [
         prose("mil", budget=mil["budget_mib"], lengths=mil["args"]["lengths"]),
         markdown_table(["config", "KiB/token", "c0 MiB", "MIL (tokens)", "kind", "vs HF default"], rows),
@@ -217,7 +219,7 @@ def mil_section(mil: dict[str, Any], folder: Path, png: str) -> list[str]:
     )
 
 
-def ablation_section(ab: dict[str, Any], folder: Path, png: str) -> list[str]:
+def ablation_section(ab: Doc, folder: Path, png: str) -> list[str]:
     on, off = ab["suffix"]["on"], ab["suffix"]["off"]
     rows = [
         [mode, *cells(d["saturated"], "items_per_s:.3f* hit_rate:.0% inserted_tokens evicted_tokens")]
@@ -232,8 +234,7 @@ def ablation_section(ab: dict[str, Any], folder: Path, png: str) -> list[str]:
     ]
     plot_lambda(ab["lambda"], folder / "lambda.png")
     return [
-        f"### Suffix discarding on/off (WL1-style, {ab['requests']} requests, `po`, prefix pool "
-        f"{ab['pool_tokens']} tokens)",
+        f"### Suffix discarding on/off (WL1-style, {ab['requests']} requests, `po`, prefix pool {ab['pool_tokens']} tokens)",
         markdown_table(head, rows),
         prose("suffix", ratio=on["saturated"]["items_per_s"] / off["saturated"]["items_per_s"]),
         "### Fairness lambda sweep (paper Fig. 11)",
@@ -243,37 +244,33 @@ def ablation_section(ab: dict[str, Any], folder: Path, png: str) -> list[str]:
     ]
 
 
-def jct_points(qps: dict[str, Any] | None) -> list[tuple[float, float, float]]:
+def jct_points(qps: Doc | None) -> list[tuple[float, float, float]]:
     """(raw prediction, calibrated prediction, measured s) of every step ours ran in the sweep."""
     runs = [r for w in (qps or {}).get("workloads", {}).values() for r in w.get("runs", [])]
     return [(s[0], s[1], s[2]) for r in runs if r["config"] in ("po", "fcfs") for s in r.get("step_log", [])]
 
 
-def jct_section(qps: dict[str, Any], folder: Path, png: str) -> list[str]:
+def jct_section(qps: Doc, folder: Path, png: str) -> list[str]:
     """Predicted (raw fitted model, before online calibration) vs measured step time of every step
     our hybrid engine ran in the throughput sweep: none of them was used to fit the model."""
-    from po_backend.sched.jct import pearson_r
-
     pts = jct_points(qps)
     if len(pts) < 3:
         return ["Too few steps logged."]
     raw, cal = (pearson_r([p[i] for p in pts], [p[2] for p in pts]) for i in (0, 1))
     plot_jct(pts, raw, folder / "jct.png")
     fit_r = qps.get("jct_fit", {}).get("pearson_r")
+    fit = "-" if fit_r is None else f"{fit_r:.3f}"
     return [
-        prose("jct", n=len(pts), raw=raw, cal=cal, fit="-" if fit_r is None else f"{fit_r:.3f}"),
+        prose("jct", n=len(pts), raw=raw, cal=cal, fit=fit),
         f"![JCT predicted vs measured]({png}jct.png)",
     ]
 
 
-def llamacpp_section(lc: dict[str, Any], folder: Path, png: str) -> list[str]:
+def llamacpp_section(lc: Doc, folder: Path, png: str) -> list[str]:
     if lc.get("status") != "ok":
         return [f"{lc.get('status')}. Install once (cached wheel): `{lc.get('install', '')}`"]
-    o, c = lc["ours"], lc["llamacpp"]
-    rows = [
-        ["ours", *cells(o, "items_per_s:.2f mean_s:.3f"), f"{lc['ours_vs_llamacpp']:.2f}x"],
-        ["llama.cpp", *cells(c, "items_per_s:.2f mean_s:.3f"), "1.00x"],
-    ]
+    rows = [["ours", *cells(lc["ours"], "items_per_s:.2f mean_s:.3f"), f"{lc['ours_vs_llamacpp']:.2f}x"]]
+    rows.append(["llama.cpp", *cells(lc["llamacpp"], "items_per_s:.2f mean_s:.3f"), "1.00x"])
     return [
         prose("llamacpp", gguf=lc["gguf"], items=lc["items"]),
         markdown_table(["engine", "items/s", "mean latency s", "ratio"], rows),
@@ -281,7 +278,7 @@ def llamacpp_section(lc: dict[str, Any], folder: Path, png: str) -> list[str]:
     ]
 
 
-def headline(ana: dict[str, Any], mil: dict[str, float]) -> tuple[list[str], list[str]]:
+def headline(ana: Doc, mil: dict[str, float]) -> tuple[list[str], list[str]]:
     """The top table, and the summary lines run_all prints (its rows, then the project's targets)."""
     rows = [
         [f"{name}: po vs {QPS_NAMES[b]}", "QPS at equal P99 SLO", w["ratios"][b][0]]
@@ -294,14 +291,14 @@ def headline(ana: dict[str, Any], mil: dict[str, float]) -> tuple[list[str], lis
         for c in ("hybrid", "chunked", "hf-ltk1")
         if c in mil
     ]
-    checks = []
-    wl1 = ana.get("WL1", {}).get("ratios", {})
+    checks, wl1 = [], ana.get("WL1", {}).get("ratios", {})
     for b, target in (("fcfs", TARGET_PO_VS_FCFS), ("hf", TARGET_PO_VS_HF)):
         if b in wl1:
             text, val = wl1[b]
             ok = val is not None and round(val, 2) >= target and not text.startswith("<=")
-            verdict = "n/a" if val is None else "met" if ok else "not met"
-            checks.append(f"WL1 po >= {target:g}x {b} at equal P99: {text} ({verdict})")
+            checks.append(
+                f"WL1 po >= {target:g}x {b} at equal P99: {text} ({'n/a' if val is None else 'met' if ok else 'not met'})"
+            )
     if "hybrid" in mil:
         verdict = "met" if mil["hybrid"] >= TARGET_MIL_VS_HF else "not met"
         checks.append(f"MIL hybrid >= {TARGET_MIL_VS_HF:g}x HF default: {mil['hybrid']:.1f}x ({verdict})")
@@ -313,24 +310,26 @@ def headline(ana: dict[str, Any], mil: dict[str, float]) -> tuple[list[str], lis
 # ---- bench_schedule and bench_serving ---------------------------------------------------------------
 
 
-def slo_rows(doc: dict[str, Any], policies: list[str]) -> tuple[list[str], list[list[str]]]:
+def slo_rows(doc: Doc, policies: list[str]) -> tuple[list[str], list[list[str]]]:
     """The sustained-QPS table: per workload and policy, the QPS at each P99 SLO, and po / fcfs."""
     first = next(iter(doc["workloads"].values()))
     header = ["workload", "policy"] + [f"QPS at P99 <= {x}x isolated" for x in first["at_slo"]]
-    rows = []
-    for name, w in doc["workloads"].items():
-        for p in [*policies, "po / fcfs"]:
-            cells = [
-                sl["po_vs_fcfs"]
-                if p == "po / fcfs"
-                else f"{(q := sl['sustained_qps'][p])['mark']}{q['qps']:.3f} ({q['qps'] / w['anchor_qps']:.2f}x)"
-                for sl in w["at_slo"].values()
-            ]
-            rows.append([name, p, *cells])
+
+    def cell(sl: Doc, p: str, anchor: float) -> str:
+        if p == "po / fcfs":
+            return sl["po_vs_fcfs"]
+        q = sl["sustained_qps"][p]
+        return f"{q['mark']}{q['qps']:.3f} ({q['qps'] / anchor:.2f}x)"
+
+    rows = [
+        [name, p, *(cell(sl, p, w["anchor_qps"]) for sl in w["at_slo"].values())]
+        for name, w in doc["workloads"].items()
+        for p in [*policies, "po / fcfs"]
+    ]
     return header, rows
 
 
-def schedule_markdown(doc: dict[str, Any], policies: list[str]) -> str:
+def schedule_markdown(doc: Doc, policies: list[str]) -> str:
     """results/schedule.md from bench_schedule's measured run."""
     f, o, a, m = doc["jct_fit"], doc["jct_online"], doc["args"], doc["machine"]
     notes = [
@@ -348,17 +347,17 @@ def schedule_markdown(doc: dict[str, Any], policies: list[str]) -> str:
         for name, w in doc["workloads"].items()
     ]
     intro = prose("schedule", m=m, a=a, sweep=sweep_intro(doc))
-    title = "bench_schedule: scheduling policies under Poisson load (embedded SmolLM2-135M, CPU)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
-    return _doc_md(title, intro, sweep, markdown_table(*slo_rows(doc, policies)), _bullets(notes))
+    title = "bench_schedule: scheduling policies under Poisson load (embedded SmolLM2-135M, CPU)"
+    return doc_md(title, intro, sweep, markdown_table(*slo_rows(doc, policies)), _bullets(notes))
 
 
-def schedule_sim_markdown(doc: dict[str, Any], policies: list[str]) -> str:
+def schedule_sim_markdown(doc: Doc, policies: list[str]) -> str:
     """results/schedule_sim.md from bench_schedule --simulate."""
     intro = prose("schedule_sim", a=doc["args"], pool=doc["pool_tokens"], jct=doc["jct_source"])
     title = "bench_schedule --simulate: the same policies on the simulator (no machine noise)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
-    return _doc_md(title, intro, markdown_table(*slo_rows(doc, policies)), sweep)
+    return doc_md(title, intro, markdown_table(*slo_rows(doc, policies)), sweep)
 
 
 SERVING_HEADER = (
@@ -366,7 +365,7 @@ SERVING_HEADER = (
 )
 
 
-def serving_rows(rows: list[dict[str, Any]]) -> tuple[str, str, list[list[str]]]:
+def serving_rows(rows: list[Doc]) -> tuple[str, str, list[list[str]]]:
     """Per config and offered rate, with ratios to the baseline (`hf` when it ran, else the first
     config) at the same rate: (the baseline, the header, the rows)."""
     configs = list(dict.fromkeys(r["config"] for r in rows))
@@ -375,8 +374,11 @@ def serving_rows(rows: list[dict[str, Any]]) -> tuple[str, str, list[list[str]]]
     table = []
     for r in rows:
         b = by.get((base, r["qps"]))
-        row = [*cells(r, "config qps:g"), f"{r['ok']}/{r['calls']}"]
-        row += cells(r, "items_per_s:.2f mean_s:.2f p50_s:.2f p99_s:.2f")
+        row = [
+            *cells(r, "config qps:g"),
+            f"{r['ok']}/{r['calls']}",
+            *cells(r, "items_per_s:.2f mean_s:.2f p50_s:.2f p99_s:.2f"),
+        ]
         row.append(f"{r['cache_hit_rate']:.0%}" if "cache_hit_rate" in r else "-")
         row.append(f"{r['items_per_s'] / b['items_per_s']:.2f}x" if b and b["items_per_s"] else "n/a")
         row.append(f"{b['mean_s'] / r['mean_s']:.2f}x" if b and r["mean_s"] else "n/a")
@@ -385,7 +387,7 @@ def serving_rows(rows: list[dict[str, Any]]) -> tuple[str, str, list[list[str]]]
     return base, SERVING_HEADER.format(b=base) + " | server cores | other cores", table
 
 
-def serving_markdown(doc: dict[str, Any]) -> str:
+def serving_markdown(doc: Doc) -> str:
     """results/serving.md from bench_serving."""
     args, m = doc["args"], doc["machine"]
     base, head, table = serving_rows(doc["results"])
@@ -393,13 +395,13 @@ def serving_markdown(doc: dict[str, Any]) -> str:
     intro = prose(
         "serving", cpu=m.get("cpu"), cores=m.get("cores"), workload=json.dumps(doc["workload"]), base=base
     )
-    return _doc_md(f"bench_serving: {args['workload']} over /{api}", intro, markdown_table(head, table))
+    return doc_md(f"bench_serving: {args['workload']} over /{api}", intro, markdown_table(head, table))
 
 
 # ---- bench_cluster (measured) -------------------------------------------------------------------------
 
 
-def _affinity(run: dict[str, Any]) -> tuple[float, int, float]:
+def _affinity(run: Doc) -> tuple[float, int, float]:
     """(mean, max distinct workers per user, share of users on exactly one worker) of a run."""
     n = list(run["workers_per_user"].values())
     if not n:  # no call reached a worker
@@ -407,37 +409,30 @@ def _affinity(run: dict[str, Any]) -> tuple[float, int, float]:
     return sum(n) / len(n), max(n), sum(k == 1 for k in n) / len(n)
 
 
-def _point(run: dict[str, Any]) -> str:
+def _point(run: Doc) -> str:
     """A run's traffic shape and offered load, e.g. "generate @ 4 posts/s"."""
     return f"{run['shape']} @ {run['rate']:g} posts/s"
 
 
-def _cpu_per_item(run: dict[str, Any]) -> float:
+def _cpu_per_item(run: Doc) -> float:
     """CPU seconds the workers and the router spent per completed item: at a load both routers
     keep up with, items/s are equal and this is where the recomputed profiles show."""
     return run["cluster_cores"] * run["seconds"] / run["items"] if run["items"] else math.nan
 
 
-def cluster_ratios(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+def cluster_ratios(doc: Doc) -> dict[str, dict[str, float]]:
     """Per traffic shape and offered load, cache_aware against round_robin in the same run: items/s
     and hit rate as cache_aware / round_robin; latency, prompt tokens computed (not read from a
-    cache: a few points of hit rate are many more tokens computed) and CPU per item as
-    round_robin / cache_aware (how many times lower)."""
+    cache) and CPU per item as round_robin / cache_aware (how many times lower)."""
     by = {(_point(r), r["policy"]): r for r in doc["runs"]}
     out = {}
     for point in dict.fromkeys(_point(r) for r in doc["runs"]):
         a, b = by.get((point, AFFINITY)), by.get((point, SPREAD))
         if a is not None and b is not None:
-            out[point] = {
-                "items_per_s": _ratio(a["items_per_s"], b["items_per_s"]),
-                "hit_rate": _ratio(a["hit_rate"], b["hit_rate"]),
-                "p50_s": _ratio(b["p50_s"], a["p50_s"]),
-                "p99_s": _ratio(b["p99_s"], a["p99_s"]),
-                "computed_tokens": _ratio(
-                    b["prompt_tokens"] - b["cached_tokens"], a["prompt_tokens"] - a["cached_tokens"]
-                ),
-                "cpu_per_item": _ratio(_cpu_per_item(b), _cpu_per_item(a)),
-            }
+            out[point] = {k: _ratio(a[k], b[k]) for k in ("items_per_s", "hit_rate")}
+            out[point] |= {k: _ratio(b[k], a[k]) for k in ("p50_s", "p99_s")}
+            out[point]["computed_tokens"] = _ratio(*(r["prompt_tokens"] - r["cached_tokens"] for r in (b, a)))
+            out[point]["cpu_per_item"] = _ratio(_cpu_per_item(b), _cpu_per_item(a))
     return out
 
 
@@ -447,14 +442,17 @@ CLUSTER_HEADER = (
 )
 
 
-def cluster_rows(doc: dict[str, Any]) -> list[list[str]]:
+def cluster_rows(doc: Doc) -> list[list[str]]:
     """Per (shape, router) run of bench_cluster: throughput, latency, hit rate overall and per
     worker, the load split and the affinity (`*` = contended run)."""
     rows = []
     for r in doc["runs"]:
         mean, most, one = _affinity(r)
-        row = [*cells(r, "shape rate:g policy*"), f"{r['ok']}/{r['calls']}"]
-        row += cells(r, "items_per_s:.2f p50_s:.2f p99_s:.2f")
+        row = [
+            *cells(r, "shape rate:g policy*"),
+            f"{r['ok']}/{r['calls']}",
+            *cells(r, "items_per_s:.2f p50_s:.2f p99_s:.2f"),
+        ]
         row += [f"{1e3 * _cpu_per_item(r):.0f}", f"{r['hit_rate']:.0%}"]
         row += [
             " / ".join(f"{w['share']:.0%}" for w in r["workers"]),
@@ -464,62 +462,44 @@ def cluster_rows(doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _and(words: Sequence[str]) -> str:
-    """ "a", "a and b", "a, b and c"."""
-    return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else list(words))
+def cluster_ratio_lines(doc: Doc, bold: str = "**") -> list[str]:
+    """The same-run ratios per point; `bold` "": run_all's short summary lines."""
+    lines = []
+    for point, x in cluster_ratios(doc).items():
+        line = f"{point}: {AFFINITY} / {SPREAD} items/s {bold}{x['items_per_s']:.2f}x{bold}, hit rate {bold}{x['hit_rate']:.2f}x{bold}"
+        if bold:
+            line += (
+                f"; {SPREAD} / {AFFINITY}: tokens computed {x['computed_tokens']:.2f}x, CPU per item "
+                f"{x['cpu_per_item']:.2f}x, P50 latency {x['p50_s']:.2f}x, P99 {x['p99_s']:.2f}x"
+            )
+        lines.append(line)
+    return lines
 
 
-def _cluster_intro(doc: dict[str, Any]) -> str:
-    a, w, m = doc["args"], doc["workload"], doc["machine"]
-    st = doc.get("worker_settings", {})
+def cluster_parts(doc: Doc, intro: str = "`benchmarks/bench_cluster.py`: ") -> list[str]:
+    a, w = doc["args"], doc["workload"]
     # cache_aware's load rule as the runs' router command set it (the router's default when not given)
     cmd: list[str] = next((r["router_cmd"] for r in doc["runs"] if "router_cmd" in r), [])
     flag = "--balance-abs-threshold"
     balance = cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else "64 (the router's default)"
-    rates, prompt = (
-        _and([f"{x:g}" for x in a["items_per_s"]]),
-        "input_ids" if a["generate_as"] == "ids" else "text",
-    )
-    threads, dtype = doc["threads_per_worker"], st.get("dtype", "?")
-    return prose(
-        "cluster",
-        a=a,
-        w=w,
-        cores=m.get("cores"),
-        threads=threads,
-        dtype=dtype,
-        balance=balance,
-        rates=rates,
-        prompt=prompt,
-    )
-
-
-def cluster_ratio_lines(doc: dict[str, Any], bold: str = "**") -> list[str]:
-    """The same-run ratios per point; `bold` "": run_all's short summary lines."""
+    text = prose(
+        "cluster", a=a, w=w, cores=doc["machine"].get("cores"), threads=doc["threads_per_worker"],
+        dtype=doc.get("worker_settings", {}).get("dtype", "?"), balance=balance,
+        rates=_and([f"{x:g}" for x in a["items_per_s"]]), prompt="input_ids" if a["generate_as"] == "ids" else "text",
+    )  # fmt: skip
     return [
-        f"{point}: {AFFINITY} / {SPREAD} items/s {bold}{x['items_per_s']:.2f}x{bold}, hit rate "
-        f"{bold}{x['hit_rate']:.2f}x{bold}"
-        + (
-            f"; {SPREAD} / {AFFINITY}: tokens computed {x['computed_tokens']:.2f}x, CPU per item "
-            f"{x['cpu_per_item']:.2f}x, P50 latency {x['p50_s']:.2f}x, P99 {x['p99_s']:.2f}x"
-            if bold
-            else ""
-        )
-        for point, x in cluster_ratios(doc).items()
+        intro + text,
+        markdown_table(CLUSTER_HEADER, cluster_rows(doc)),
+        _bullets(cluster_ratio_lines(doc)),
     ]
 
 
-def cluster_parts(doc: dict[str, Any], intro: str = "`benchmarks/bench_cluster.py`: ") -> list[str]:
-    table = markdown_table(CLUSTER_HEADER, cluster_rows(doc))
-    return [intro + _cluster_intro(doc), table, _bullets(cluster_ratio_lines(doc))]
-
-
-def cluster_markdown(doc: dict[str, Any]) -> str:
+def cluster_markdown(doc: Doc) -> str:
     """results/cluster.md from bench_cluster."""
     m = doc["machine"]
     parts = cluster_parts(doc, f"Machine: {m.get('cpu')}, {m.get('cores')} cores. ")
     parts[0] += f" A `*` marks runs during which other processes used more than {CONTENDED_CORES} cores."
-    return _doc_md("bench_cluster: prefix affinity through the SGLang router (measured)", *parts)
+    return doc_md("bench_cluster: prefix affinity through the SGLang router (measured)", *parts)
 
 
 # ---- bench_cluster_sim (simulated) ----------------------------------------------------------------------
@@ -530,13 +510,13 @@ CLUSTER_SIM_HEADER = (
 )
 
 
-def _efficiency(doc: dict[str, Any], r: dict[str, Any]) -> float | None:
+def _efficiency(doc: Doc, r: Doc) -> float | None:
     """QPS / (N x the same router's 1-worker QPS); None without a 1-worker row."""
     one = next((o for o in doc["rows"] if o["router"] == r["router"] and o["workers"] == 1), None)
     return r["sustained_qps"] / (r["workers"] * one["sustained_qps"]) if one else None
 
 
-def cluster_sim_rows(doc: dict[str, Any]) -> list[list[str]]:
+def cluster_sim_rows(doc: Doc) -> list[list[str]]:
     """Per (router, N): sustained QPS, per worker, scaling efficiency, ratio to round robin at the
     same N, hit rate, imbalance, P99 and mean at that rate."""
     by = {(r["router"], r["workers"]): r for r in doc["rows"]}
@@ -546,12 +526,11 @@ def cluster_sim_rows(doc: dict[str, Any]) -> list[list[str]]:
         row = [r["router"], str(r["workers"]), f"{q:.3f}", f"{q / r['workers']:.3f}"]
         row += ["-" if eff is None else f"{eff:.2f}", f"{q / rr['sustained_qps']:.2f}x" if rr else "-"]
         row += cells(r, "hit_rate:.1% imbalance:.3f p99_s:.1f mean_s:.2f mean_batch:.2f")
-        span = r["span_over_bound"]
-        out.append(row + [f"{span:.0f}" + ("" if span >= MIN_SPAN else " †")])
+        out.append(row + [f"{r['span_over_bound']:.0f}" + ("" if r["span_over_bound"] >= MIN_SPAN else " †")])
     return out
 
 
-def _scaling(rs: list[dict[str, Any]], effs: list[tuple[dict[str, Any], float]]) -> str:
+def _scaling(rs: list[Doc], effs: list[tuple[Doc, float]]) -> str:
     """Where a router's efficiency peaks, levels off or is still rising."""
     (peak, e_peak), (last, e_last) = max(effs, key=lambda x: x[1]), effs[-1]
     level = next(r for r, e in effs if e >= PLATEAU * e_peak)
@@ -564,7 +543,7 @@ def _scaling(rs: list[dict[str, Any]], effs: list[tuple[dict[str, Any], float]])
     return prose("scaling_peak", peak=peak["workers"], eff=e_peak, last_eff=e_last, n=last["workers"])
 
 
-def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
+def cluster_sim_findings(doc: Doc) -> list[str]:
     """Where scaling stops and why, read off the rows: per router, the N where efficiency peaks or
     levels off and where the hit rate saturates; and the N from which the workers' pools hold every
     user's profile (past it, affinity has no cache left to win)."""
@@ -574,9 +553,8 @@ def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
         effs = [(r, e) for r in rs if (e := _efficiency(doc, r)) is not None]
         if len(effs) < 2:
             continue
-        hits = [r["hit_rate"] for r in rs]
-        top, last = max(hits), rs[-1]
-        sat = next(r for r in rs if r["hit_rate"] >= top - HIT_FLAT)
+        hits, last = [r["hit_rate"] for r in rs], rs[-1]
+        top = max(hits)
         busy = [sum(r["busy_share"]) / len(r["busy_share"]) for r in rs if r.get("busy_share")]
         if top - min(hits) < HIT_FLAT:
             share = (
@@ -584,27 +562,33 @@ def cluster_sim_findings(doc: dict[str, Any]) -> list[str]:
             )
             why = prose("hits_flat", low=min(hits), top=top, busy=share)
         else:
-            n0, flat, sat_n, imb = rs[0]["workers"], 100 * HIT_FLAT, sat["workers"], last["imbalance"]
+            sat = next(r for r in rs if r["hit_rate"] >= top - HIT_FLAT)["workers"]
             why = prose(
-                "hits_grow", first=hits[0], n0=n0, top=top, flat=flat, sat=sat_n, imb=imb, n=last["workers"]
+                "hits_grow",
+                first=hits[0],
+                n0=rs[0]["workers"],
+                top=top,
+                flat=100 * HIT_FLAT,
+                sat=sat,
+                imb=last["imbalance"],
+                n=last["workers"],
             )
         lines.append(f"{name}: {_scaling(rs, effs)}; {why}.")
-    fit_n = a["users"] * doc["mean_profile_tokens"] / doc["pool_tokens"]
     profile, pool = doc["mean_profile_tokens"], doc["pool_tokens"]
-    lines.append(prose("pools_fit", fit=fit_n, users=a["users"], profile=profile, pool=pool))
-    return lines
+    return lines + [
+        prose("pools_fit", fit=a["users"] * profile / pool, users=a["users"], profile=profile, pool=pool)
+    ]
 
 
-def cluster_sim_parts(doc: dict[str, Any], folder: Path | None = None, png: str = "") -> list[str]:
+def cluster_sim_parts(doc: Doc, folder: Path | None = None, png: str = "") -> list[str]:
     """The REPORT.md section (intro, table, plot, findings); without `folder` (results/cluster_sim.md)
     no plot."""
-    a, d = doc["args"], doc["router_settings"]
+    a, d, profile, pool = doc["args"], doc["router_settings"], doc["mean_profile_tokens"], doc["pool_tokens"]
     warmup = (
         f"The P99 leaves out the requests of the first {a['warmup']:.0%} of the trace (warm-up)."
         if a.get("warmup")
         else "The P99 is over the whole trace, every user's first (cold) request included."
     )
-    profile, pool = doc["mean_profile_tokens"], doc["pool_tokens"]
     intro = prose(
         "cluster_sim", a=a, d=d, requests=doc["requests"], profile=profile, pool=pool, profiles=pool / profile,
         kv=doc["kv_bytes_per_token"], dtype=doc["dtype"], jct=doc["jct_source"], slo=doc["slo_p99_s"],
@@ -621,12 +605,12 @@ def cluster_sim_parts(doc: dict[str, Any], folder: Path | None = None, png: str 
     return [intro, *parts, _bullets(cluster_sim_findings(doc))]
 
 
-def cluster_sim_markdown(doc: dict[str, Any]) -> str:
+def cluster_sim_markdown(doc: Doc) -> str:
     """results/cluster_sim.md from bench_cluster_sim."""
-    return _doc_md("bench_cluster_sim: N workers behind the router, simulated", *cluster_sim_parts(doc))
+    return doc_md("bench_cluster_sim: N workers behind the router, simulated", *cluster_sim_parts(doc))
 
 
-Render = Callable[[dict[str, Any], Path, str], list[str]]
+Render = Callable[[Doc, Path, str], list[str]]
 SECTIONS: list[tuple[str, str, Render]] = [  # title, the JSON it reads, its parts
     ("## Throughput-latency (paper Fig. 6/7)", "qps", qps_section),
     ("## Maximum input length (paper Table 2)", "mil", mil_section),
@@ -641,8 +625,10 @@ SECTIONS: list[tuple[str, str, Render]] = [  # title, the JSON it reads, its par
 def build_report(folder: Path, out: Path) -> list[str]:
     """Write `out` (REPORT.md) from the JSONs in `folder`; PNGs go into `folder`, linked relative to
     `out`. Returns the short summary lines (also printed by run_all)."""
+    names = ("meta", "qps", "mil", "ablation", "llamacpp", "cluster_sim", "cluster")
     docs = {
-        n: load(folder, n) for n in ("meta", "qps", "mil", "ablation", "llamacpp", "cluster_sim", "cluster")
+        n: json.loads((folder / f"{n}.json").read_text()) if (folder / f"{n}.json").is_file() else None
+        for n in names
     }
     png = Path(os.path.relpath(folder.resolve(), out.parent.resolve())).as_posix() + "/"
     qps, mil, cl = docs["qps"], docs["mil"], docs["cluster"]
@@ -653,11 +639,8 @@ def build_report(folder: Path, out: Path) -> list[str]:
         lines += _section(title, *(render(doc, folder, png) if doc else [f"Not run (no {name}.json)."]))
     # Figures from single-purpose runs, written by hand beside the JSONs, close the report.
     notes = folder / "single_runs.md"
-    tail = [notes.read_text().rstrip()] if notes.exists() else []
-    out.write_text("\n".join(lines + tail) + "\n")
+    out.write_text("\n".join(lines + ([notes.read_text().rstrip()] if notes.exists() else [])) + "\n")
     if len(pts := jct_points(qps)) >= 3:
-        from po_backend.sched.jct import pearson_r
-
         summary.append(
             f"JCT model r = {pearson_r([p[0] for p in pts], [p[2] for p in pts]):.3f} on the sweep's steps"
         )
@@ -689,11 +672,9 @@ def _log_axes(ax: Any, base: int = 10, y: bool = True) -> None:
     from matplotlib import ticker
 
     ax.set_xscale("log", base=base)
-    axes = [ax.xaxis]
     if y:
         ax.set_yscale("log")
-        axes.append(ax.yaxis)
-    for axis in axes:
+    for axis in [ax.xaxis] + [ax.yaxis] * y:
         if base == 10:
             axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axis.set_minor_formatter(ticker.NullFormatter())
@@ -707,7 +688,7 @@ def _decorate(ax: Any, xlabel: str, ylabel: str, title: str, fontsize: float | N
         ax.legend(fontsize=fontsize)
 
 
-def plot_sweeps(workloads: dict[str, Any], path: Path, names: dict[str, str] | None = None) -> None:
+def plot_sweeps(workloads: Doc, path: Path, names: dict[str, str] | None = None) -> None:
     """Mean and P99 latency against offered QPS (log-log), one row per workload, one line per
     config; the P99 SLO as a dashed line where the workload has one."""
     fig, axes = _figure(len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False)
@@ -724,7 +705,7 @@ def plot_sweeps(workloads: dict[str, Any], path: Path, names: dict[str, str] | N
     _save(fig, path)
 
 
-def plot_lambda(runs: list[dict[str, Any]], path: Path) -> None:
+def plot_lambda(runs: list[Doc], path: Path) -> None:
     fig, ax = _figure(figsize=(5.5, 4))
     for r in runs:
         lab = "fcfs" if r["policy"] == "fcfs" else f"po λ={r['lam']:g}"
@@ -740,12 +721,16 @@ def plot_jct(pts: list[tuple[float, float, float]], r: float, path: Path) -> Non
     ax.scatter(pred, meas, s=12, alpha=0.7)
     hi = max(max(pred), max(meas)) * 1.05
     ax.plot([0, hi], [0, hi], color="grey", linestyle="--", label="y = x")
-    title = f"JCT model: r = {r:.3f} over {len(pts)} steps"
-    _decorate(ax, "predicted step time (s)", "measured step time (s)", title)
+    _decorate(
+        ax,
+        "predicted step time (s)",
+        "measured step time (s)",
+        f"JCT model: r = {r:.3f} over {len(pts)} steps",
+    )
     _save(fig, path)
 
 
-def plot_cluster_sim(doc: dict[str, Any], path: Path) -> None:
+def plot_cluster_sim(doc: Doc, path: Path) -> None:
     """Sustained QPS vs workers (log-log, with linear scaling from each router's one worker), and
     hit rate and imbalance vs workers."""
     fig, (ax, ax2) = _figure(1, 2, figsize=(11, 4.2))
@@ -758,12 +743,19 @@ def plot_cluster_sim(doc: dict[str, Any], path: Path) -> None:
             one = pts[0][1]["sustained_qps"]
             ax.plot(ns, [one * n for n in ns], ls=":", color="grey", label="linear: N x 1 worker")
         ax2.plot(ns, [r["hit_rate"] for _, r in pts], marker="o", color=color, label=f"{name} hit rate")
-        imb = [r["imbalance"] - 1 for _, r in pts]
-        ax2.plot(ns, imb, marker="s", ls="--", color=color, label=f"{name} imbalance - 1")
+        ax2.plot(
+            ns,
+            [r["imbalance"] - 1 for _, r in pts],
+            marker="s",
+            ls="--",
+            color=color,
+            label=f"{name} imbalance - 1",
+        )
     _log_axes(ax, base=2)
     _log_axes(ax2, base=2, y=False)
-    ylabel = f"QPS at P99 <= {doc['slo_p99_s']:.1f} s"
-    _decorate(ax, "workers", ylabel, "sustained QPS vs workers (simulated)", 7)
+    _decorate(
+        ax, "workers", f"QPS at P99 <= {doc['slo_p99_s']:.1f} s", "sustained QPS vs workers (simulated)", 7
+    )
     _decorate(ax2, "workers", "fraction", "hit rate; imbalance (max/mean items) - 1", 7)
     _save(fig, path)
 
@@ -773,9 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folder", type=Path, nargs="?", default=RESULTS / "report")
     ap.add_argument("--out", type=Path, default=RESULTS / "REPORT.md")
     args = ap.parse_args(argv)
-    for line in build_report(args.folder, args.out):
-        print(line)
-    print(f"wrote {args.out}")
+    print("\n".join(build_report(args.folder, args.out)) + f"\nwrote {args.out}")
     return 0
 
 

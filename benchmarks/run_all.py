@@ -1,21 +1,10 @@
-"""Every benchmark of the evaluation report, end to end on the embedded model, in one command:
+"""Every benchmark of the evaluation report, end to end on the embedded model, in one command
+(`--quick`: a smoke run of a few minutes; `--llamacpp`: also llama.cpp, if llama-cpp-python is
+installed). Each step of STEPS is a subprocess writing JSON into benchmarks/results/report/, its log
+next to it; then report.py writes benchmarks/results/REPORT.md and a short summary is printed. On a
+shared machine run it under the benchmark lock:
 
-    bash scripts/dev.sh bench run_all            # full run: ~50 min on 2 cores
-    bash scripts/dev.sh bench run_all --quick    # smoke run: ~7 min
-    ... run_all --llamacpp                       # also llama.cpp, if llama-cpp-python is installed
-
-Steps (each a subprocess writing JSON into benchmarks/results/report/, its log next to it):
-  qps       bench_schedule  throughput-latency, WL1/WL2, hf / fcfs+cache / chunked prefill / po
-  mil       bench_mil       max input length in a fixed activation budget; hybrid on/off
-  ablation  bench_schedule --ablation  suffix discarding on/off; fairness lambda sweep
-  cluster_sim  bench_cluster_sim  1..64 simulated workers behind the router (cache_aware vs round robin;
-                            ~3 min, --quick ~15 s)
-  cluster   bench_cluster   2 real workers behind the real SGLang router: prefix affinity, cache_aware
-                            vs round robin (~6 min; --quick ~1.5 min)
-  llamacpp  bench_llamacpp  optional (--llamacpp): llama.cpp on the same GGUF and items
-Then report.py writes benchmarks/results/REPORT.md (tables, ratios, PNG plots) and a short summary
-is printed. On a shared machine run it under the benchmark lock:
-`flock /tmp/po-bench.lock .venv/bin/python -m benchmarks.run_all`.
+    flock /tmp/po-bench.lock .venv/bin/python -m benchmarks.run_all    # ~50 min on 2 cores
 """
 
 from __future__ import annotations
@@ -30,13 +19,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_llamacpp import available as llamacpp_available
-from benchmarks.bench_llamacpp import install_hint
+from benchmarks.bench_schedule import install_hint, llamacpp_available
 from benchmarks.harness import REPO_ROOT, RESULTS, machine_info
 from benchmarks.report import build_report
 from po_backend.engine.config import parse_dtype
 
-# step -> its benchmark and flags (the sizes each step has always run at)
+# step -> its benchmark and flags (the sizes each step has always run at): throughput-latency on
+# WL1/WL2 (hf / fcfs+cache / chunked prefill / po); max input length and hybrid on/off; suffix
+# discarding and the fairness lambda; 1..64 simulated workers behind the router (~3 min); 2 real
+# workers behind the real SGLang router (~6 min); llama.cpp on the same GGUF and items (optional).
 SCHEDULE = "bench_schedule --wl1-items 6 --quiet-wait 30 --slo-extra= --mults-wl2="
 STEPS = {
     "qps": f"{SCHEDULE} --configs hf,fcfs,chunked,po --mults 0.25,0.5,1,2,4 --wl1-users 4 --wl1-profile 600 "
@@ -45,7 +36,7 @@ STEPS = {
     "ablation": f"{SCHEDULE} --ablation --wl1-items 8 --wl1-users 4 --wl1-profile 600 --wl1-item-tokens 80",
     "cluster_sim": "bench_cluster_sim",
     "cluster": "bench_cluster",
-    "llamacpp": "bench_llamacpp",
+    "llamacpp": "bench_schedule --llamacpp --wl1-users 3 --wl1-items 8 --wl1-profile 600 --wl1-item-tokens 80",
 }
 
 
