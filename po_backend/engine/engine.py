@@ -181,18 +181,14 @@ class Engine:
         bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
         # Profiling the full length on a CPU takes minutes, so there two short synthetic requests
         # are measured and the per-token cost extrapolated; the analytic bound is a floor.
-        n2 = min(longest, 512)
-        lengths = [longest] if cfg.profile_full else [max(1, n2 // 4), n2]
+        lengths = [longest] if cfg.profile_full else [max(1, min(longest, 512) // 4), min(longest, 512)]
         key = {"model": repr(mcfg), "task": repr(self.task), "dtype": str(cfg.dtype), "lengths": lengths}
-        key |= {"device": str(cfg.device), "runner": self.runner.describe()}
+        key["device"], key["runner"] = str(cfg.device), self.runner.describe()
         log.info("sizing memory for %d-token forwards: profile run of %s tokens", longest, lengths)
         peaks = profiled_peaks(key, lambda: [self._profile(n) for n in lengths])
-        if len(peaks) == 1:
-            peak = max(bound, peaks[0])
-        else:
-            (n1, m1), (n2, m2) = zip(lengths, peaks, strict=True)
-            slope = max(0.0, (m2 - m1) / max(1, n2 - n1))
-            peak = max(bound, int(m2 + slope * (longest - n2)))
+        n1, n2, m1, m2 = (*lengths, *peaks) if len(peaks) == 2 else (longest, longest, peaks[0], peaks[0])
+        slope = max(0.0, (m2 - m1) / max(1, n2 - n1))
+        peak = max(bound, int(m2 + slope * (longest - n2)))
         self.activation_budget = int(peak * 1.1)
         if self.activation_budget > budget:
             raise CapacityError(
