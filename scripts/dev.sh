@@ -74,9 +74,14 @@ case "$cmd" in
     setup) ;;
     demo) exec "$py" -m po_lang.demo "$@" ;;
     # PO_REQUIRE_DEPS=1: a test dependency that cannot be imported fails instead of skipping
-    # (tests/deps.py); `-m "not slow"` picks the fast tier.
+    # (tests/deps.py); `-m "not slow"` picks the fast tier. Test files run on PO_TEST_WORKERS
+    # processes (one more than the cores: much of a test's time is spent waiting for the servers
+    # it started), each file on one worker so its module fixtures start once; `-n 0` runs serially.
     lint) lint ;;
-    test) lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q "$@" ;;
+    test)
+        workers=${PO_TEST_WORKERS:-$(($(nproc) + 1))}
+        lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q -n "$workers" --dist loadfile "$@"
+        ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
     *) echo "unknown command: $cmd (demo|test|lint|bench|setup|gpu-check)" >&2; exit 2 ;;
 esac

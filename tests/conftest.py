@@ -20,19 +20,21 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from po_backend import Engine  # noqa: E402
+from po_backend.engine.memory import MEMORY_CACHE_ENV  # noqa: E402
 from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
 
 _JCT_DIR: str | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """JCT profiles of throwaway tiny models go to one directory per session, shared by the
+    """JCT and memory profiles of throwaway tiny models go to one directory per session, shared by the
     in-process loops and every test server (they inherit os.environ): a server profiles a model
     once per session, and the user's cache gets none. The rest of the cache root (the embedded
     model's GGUF conversion, the kernel build) stays the user's, converted and built once."""
     global _JCT_DIR
     _JCT_DIR = tempfile.mkdtemp(prefix="po-test-jct-")
     os.environ[JCT_CACHE_ENV] = _JCT_DIR
+    os.environ[MEMORY_CACHE_ENV] = os.path.join(_JCT_DIR, "memory")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from po_backend import Engine, ScoreRequest
-from po_backend.engine.memory import PeakMemory
+from po_backend.engine.memory import MEMORY_CACHE_ENV, PeakMemory
 from tests.conftest import MID_LLAMA, save_llama
 
 
@@ -51,3 +51,31 @@ def test_hybrid_chunking_lowers_activation_bound(mid_model: str) -> None:
         mid_model, dtype="fp32", max_input_len=6144, chunk_size=0, enable_cache=False
     )
     assert chunked.activation_budget < whole.activation_budget
+
+
+def test_profile_run_is_measured_once_and_reused(tiny_model, monkeypatch, tmp_path) -> None:
+    """A later start reads the measured peaks instead of running the profile forwards again; what
+    decides the peak (here the chunk size) is part of the key, and a damaged file is re-measured."""
+    monkeypatch.setenv(MEMORY_CACHE_ENV, str(tmp_path))
+    path, _ = tiny_model("llama")
+    first = Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_profile(self: Engine, n: int) -> int:
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(Engine, "_profile", no_profile)
+    again = Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
+    assert again.activation_budget == first.activation_budget
+
+    calls: list[int] = []
+    monkeypatch.setattr(Engine, "_profile", lambda self, n: calls.append(n) or 1 << 20)
+    Engine.from_pretrained(path, dtype="fp32", max_input_len=256, chunk_size=64)
+    assert calls == [128, 512]  # two short lengths, extrapolated to the longest forward
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    for f in tmp_path.glob("*.json"):
+        f.write_text("{")
+    calls.clear()
+    Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
+    assert calls == [128, 512]

@@ -18,7 +18,7 @@ from po_backend.engine import outputs
 from po_backend.engine.cache import CacheStats, KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, parse_dtype
 from po_backend.engine.device import describe, resolve_device
-from po_backend.engine.memory import PeakMemory, available_bytes
+from po_backend.engine.memory import PeakMemory, available_bytes, profiled_peaks
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
     load_model,
@@ -179,18 +179,16 @@ class Engine:
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
         bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
-        # The first forwards pay one-off kernel set-up (seconds on a busy CPU): say what runs.
-        log.info("sizing memory: profile run of the activation peak (%d tokens)", longest)
-        if cfg.profile_full:
-            peak = max(bound, self._profile(longest))
-        else:
-            # Profiling the full length on a CPU takes minutes, so measure two short synthetic
-            # requests and extrapolate the per-token cost; the analytic bound is a floor.
-            n2 = min(longest, 512)
-            n1 = max(1, n2 // 4)
-            m1, m2 = self._profile(n1), self._profile(n2)
-            slope = max(0.0, (m2 - m1) / max(1, n2 - n1))
-            peak = max(bound, int(m2 + slope * (longest - n2)))
+        # Profiling the full length on a CPU takes minutes, so there two short synthetic requests
+        # are measured and the per-token cost extrapolated; the analytic bound is a floor.
+        lengths = [longest] if cfg.profile_full else [max(1, min(longest, 512) // 4), min(longest, 512)]
+        key = {"model": repr(mcfg), "task": repr(self.task), "dtype": str(cfg.dtype), "lengths": lengths}
+        key["device"], key["runner"] = str(cfg.device), self.runner.describe()
+        log.info("sizing memory for %d-token forwards: profile run of %s tokens", longest, lengths)
+        peaks = profiled_peaks(key, lambda: [self._profile(n) for n in lengths])
+        n1, n2, m1, m2 = (*lengths, *peaks) if len(peaks) == 2 else (longest, longest, peaks[0], peaks[0])
+        slope = max(0.0, (m2 - m1) / max(1, n2 - n1))
+        peak = max(bound, int(m2 + slope * (longest - n2)))
         self.activation_budget = int(peak * 1.1)
         if self.activation_budget > budget:
             raise CapacityError(

@@ -1,16 +1,31 @@
-"""Measuring peak memory of a piece of work, on CPU (process RSS high-water mark) or CUDA."""
+"""Measuring peak memory of a piece of work, on CPU (process RSS high-water mark) or CUDA, and
+keeping the start-up profile run's measurement for later starts."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import gc
+import hashlib
+import json
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from po_backend.core.cpu import cpu_flags, cpu_model
+from po_backend.engine.models.loader import cache_root, file_lock, write_atomic
+
+log = logging.getLogger(__name__)
+
+# Where measured profiles live: `$PREFILLONLY_MEMORY_CACHE`, else `memory/` under the cache root
+# (test runs keep their throwaway profiles apart, as they do the JCT's).
+MEMORY_CACHE_ENV = "PREFILLONLY_MEMORY_CACHE"
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -130,3 +145,44 @@ class PeakMemory:
             self._thread.join()
             peak = max(self._max, rss_bytes())
         self.peak = max(0, peak - self.base)
+
+
+def _engine_source_digest() -> str:
+    """The engine's code (Python and kernel sources): a change to the forward may change its
+    memory, so a profile measured by other code is never reused."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(p for p in root.rglob("*") if p.suffix in {".py", ".cpp", ".h"}):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def profiled_peaks(key: dict[str, Any], measure: Callable[[], list[int]]) -> list[int]:
+    """The activation peaks of the start-up profile run, measured once and kept in
+    MEMORY_CACHE_ENV's folder. The peak depends on shapes, dtypes, the forward's code, torch and the
+    machine, never on the weights' values, so `key` names those (this adds the code, torch, the
+    CPU and the thread count); a later start, or another worker of the machine, reads the file
+    instead of running the forwards again. Measuring takes an OS file lock, so workers starting
+    together measure once; a fresh process also measures best (no freed memory to reuse)."""
+    full = {**key, "source": _engine_source_digest(), "torch": torch.__version__}
+    full |= {"cpu": cpu_model(), "flags": sorted(cpu_flags()), "threads": torch.get_num_threads()}
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = Path(os.environ.get(MEMORY_CACHE_ENV) or cache_root() / "memory") / f"{digest}.json"
+
+    def stored() -> list[int] | None:
+        try:
+            peaks = json.loads(path.read_text())["peaks"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent, or unreadable: measured again and rewritten
+        return peaks if isinstance(peaks, list) and all(isinstance(p, int) for p in peaks) else None
+
+    peaks = stored()
+    if peaks is not None:
+        log.info("memory profile loaded from %s", path)
+        return peaks
+    with file_lock(path.with_suffix(".lock"), "another process is measuring this memory profile: waiting"):
+        peaks = stored()
+        if peaks is None:
+            peaks = measure()
+            write_atomic(path, json.dumps({"key": full, "peaks": peaks}, indent=1, default=str))
+    return peaks

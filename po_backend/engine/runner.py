@@ -102,6 +102,13 @@ class Runner(ABC):
         self.windows = [cfg.layer_window(li) for li in range(cfg.num_layers)]
         self.softcap = cfg.attn_softcap
 
+    def describe(self) -> str:
+        """What decides this runner's memory besides the model: mode, chunk, dtypes, attention."""
+        return (
+            f"{self.prefill_mode} chunk {self.chunk_size} attention {self.attention.attention} "
+            f"in {_name(self.attn_dtype)}, residual {_name(self.resid_dtype)}"
+        )
+
     def cos_sin(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [r.cos_sin(positions, self.dtype) for r in self.rotaries]
 

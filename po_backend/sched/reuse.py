@@ -6,7 +6,7 @@ again: that is a cost of running the request now, as real as its own forward. `R
 it, in predicted seconds, from the pool's eviction order (`Pool.eviction_order`, the order the
 engine's radix cache and the simulator's LRU really evict in) and the waiting requests that read
 what would go. A request that fits in the free space, or only evicts what nobody waiting reads,
-costs nothing more, so the policy is plain SRJF whenever the pool is not under pressure.
+costs nothing more, so the policy is plain prefix-aware SRJF whenever the pool has room.
 
 Torch-free; the engine's radix cache (through `CachePool`) and the simulator's `PrefixLRU` are
 both `Pool`s, so the server and the simulator run the same policy.

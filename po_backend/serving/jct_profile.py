@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ import torch
 from po_backend.core.cpu import cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
-from po_backend.engine.models.loader import cache_root, file_lock
+from po_backend.engine.models.loader import cache_root, file_lock, write_atomic
 from po_backend.sched.jct import FEATURES, PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample, features
 from po_backend.sched.scheduler import SchedulerConfig
 
@@ -248,18 +247,8 @@ def profile_path(key: dict[str, Any], root: Path | None = None) -> Path:
 
 
 def save_model(model: JCTModel, path: Path, samples: Sequence[JCTSample] = ()) -> None:
-    """Write atomically (a unique temporary file renamed over the target): a concurrent start
-    reads the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(model.to_json(samples), f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Written atomically: a concurrent start reads the old file or the new one."""
+    write_atomic(path, json.dumps(model.to_json(samples), indent=1))
 
 
 def load_jct_model(path: Path) -> JCTModel:

