@@ -1,8 +1,9 @@
 """Every benchmark of the evaluation report, end to end on the embedded model, in one command
 (`--quick`: a smoke run of a few minutes; `--llamacpp`: also llama.cpp, if llama-cpp-python is
-installed). Each step of STEPS is a subprocess writing JSON into benchmarks/results/report/, its log
-next to it; then report.py writes benchmarks/results/REPORT.md and a short summary is printed. On a
-shared machine run it under the benchmark lock:
+installed). Each step of STEPS is a subprocess writing its JSON (and, where the benchmark renders
+them, its markdown table and plot) into benchmarks/results/report/, its log next to it; at the end
+it prints where each result went. REPORT.md is curated by hand from those files. On a shared
+machine run it under the benchmark lock:
 
     flock /tmp/po-bench.lock .venv/bin/python -m benchmarks.run_all    # ~50 min on 2 cores
 """
@@ -21,7 +22,6 @@ import torch
 
 from benchmarks.bench_schedule import install_hint, llamacpp_available
 from benchmarks.harness import REPO_ROOT, RESULTS, machine_info
-from benchmarks.report import build_report
 from po_backend.engine.config import parse_dtype
 
 # step -> its benchmark and flags (the sizes each step has always run at): throughput-latency on
@@ -69,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         "--llamacpp", action="store_true", help="also llama.cpp, if llama-cpp-python is installed"
     )
     ap.add_argument("--folder", type=Path, default=RESULTS / "report")
-    ap.add_argument("--report", type=Path, default=RESULTS / "REPORT.md")
     args = ap.parse_args(argv)
     folder: Path = args.folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -103,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     meta["total_s"] = time.perf_counter() - t0
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
     print("\n=== summary")
-    for line in build_report(folder, args.report):
-        print("  " + line)
     for name, st in meta["steps"].items():
-        print(f"  {name}: {'ok' if st['ok'] else 'FAILED'} in {st['seconds'] / 60:.1f} min")
-    print(f"  total {meta['total_s'] / 60:.1f} min; report: {args.report}")
+        wrote = ", ".join(str(p) for p in sorted(folder.glob(f"{name}.*")) if p.suffix != ".log")
+        print(
+            f"  {name}: {'ok' if st['ok'] else 'FAILED'} in {st['seconds'] / 60:.1f} min: {wrote or 'nothing'}"
+        )
+    print(f"  total {meta['total_s'] / 60:.1f} min; logs and meta.json in {folder}")
     return 1 if meta["failed"] else 0
 
 

@@ -1,5 +1,5 @@
-"""benchmarks/report.py on small fake results: the tables, QPS-at-SLO ratios, MIL ratios and plots
-it writes, and the harness's sustained-QPS analysis (no benchmark runs here)."""
+"""benchmarks/report.py on small fake results and on the committed ones: the tables, ratios and
+plots the benchmarks write, and the harness's sustained-QPS analysis (no benchmark runs here)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness import poisson_arrivals, slo_table, sustained_qps
+from benchmarks.harness import RESULTS, poisson_arrivals, ratio_cell, slo_table, sustained_qps
 from benchmarks.report import (
-    build_report,
     cluster_markdown,
     cluster_ratios,
     cluster_rows,
     cluster_sim_findings,
     cluster_sim_markdown,
     cluster_sim_rows,
+    plot_cluster_sim,
     plot_sweeps,
-    ratio_cell,
     schedule_sim_markdown,
     serving_markdown,
+    sweep_rows,
 )
 
 MACHINE = {
@@ -51,139 +51,25 @@ def _run(config: str, qps: float, p99: float, steps: list[list[float]] | None = 
     }
 
 
-def _write(folder: Path, name: str, doc: dict[str, Any]) -> None:
-    (folder / f"{name}.json").write_text(json.dumps(doc))
-
-
-@pytest.fixture()
-def fake_results(tmp_path: Path) -> Path:
-    folder = tmp_path / "report"
-    folder.mkdir()
-    _write(folder, "meta", {"machine": MACHINE, "dtype": "torch.float32", "total_s": 600, "quick": True})
-    # SLO 10 s. P99 crosses it (log-log interpolation, halfway in log between two points):
-    # po between 4 (5 s) and 8 (20 s) -> 4*sqrt(2) = 5.657; chunked between 2 and 4 -> 2.828;
-    # fcfs between 1 and 2 -> 1.414; hf never passes -> an upper bound at 1.
-    p99 = {
-        "po": [1, 2, 5, 20],
-        "chunked": [1, 5, 20, 40],
-        "fcfs": [5, 20, 40, 80],
-        "hf": [20, 40, 80, 160],
-    }
-    steps = [[0.11 * k, 0.12 * k, 0.1 * k, 1] for k in range(1, 8)]  # predicted = 1.1 x measured
-    runs = [
-        _run(c, q, v, steps if c == "po" else None)
-        for c, vs in p99.items()
-        for q, v in zip([1.0, 2.0, 4.0, 8.0], vs, strict=True)
-    ]
-    args = {
-        "mults": "0.25,0.5,1,2",
-        "anchor": "isolated",
-        "slo_x": 4,
-        "wl1_users": 2,
-        "wl1_items": 3,
-        "wl1_profile": 300,
-        "wl1_item_tokens": 40,
-        "wl2_requests": 2,
-        "wl2_min": 300,
-        "wl2_max": 500,
-        "cache_profiles": 2.0,
-    }
-    wl1 = {"requests": 6, "tokens": 2000, "slo_p99_s": 10.0, "saturated_qps": 4.0, "runs": runs}
-    wl1.update(anchor="isolated", anchor_qps=2.0)
-    _write(
-        folder,
-        "qps",
-        {
-            "args": args,
-            "pool_tokens": 700,
-            "jct_fit": {"pearson_r": 0.99},
-            "workloads": {"WL1": wl1},
-            "notes": ["WL1 was re-run"],
-        },
-    )
-    mib = 1 << 20
-    _write(
-        folder,
-        "mil",
-        {
-            "budget_mib": 256,
-            "model_context": 8192,
-            "args": {"lengths": "1024,2048"},
-            "configs": {"hf-default": "HF default", "hybrid": "ours hybrid", "chunked": "ours chunked"},
-            "mil": {
-                "hf-default": {"c0_mib": 1, "kib_per_token": 200, "mil": 1000, "kind": "measured"},
-                "hybrid": {"c0_mib": 5, "kib_per_token": 20, "mil": 12000, "kind": "extrapolated"},
-                "chunked": {"c0_mib": 5, "kib_per_token": 80, "mil": 3000, "kind": "extrapolated"},
-            },
-            "rows": [
-                {"config": "hybrid", "n": 1024, "status": "ok", "peak_bytes": 10 * mib, "tok_per_s": 420.0},
-                {"config": "nochunk", "n": 1024, "status": "ok", "peak_bytes": 40 * mib, "tok_per_s": 400.0},
-            ],
-        },
-    )
-    sat = {
-        "items_per_s": 2.0,
-        "hit_rate": 0.8,
-        "inserted_tokens": 600,
-        "evicted_tokens": 0,
-        "other_cores": 0.0,
-    }
-    sat_off = {**sat, "items_per_s": 1.0, "hit_rate": 0.4, "inserted_tokens": 900, "evicted_tokens": 500}
-    poisson = {"mean_s": 1.0, "p99_s": 3.0, "hit_rate": 0.8, "other_cores": 0.0}
-    lam = [
-        {"policy": "fcfs", "lam": 0.0, "mean_s": 2.0, "p99_s": 4.0, "other_cores": 0.0},
-        {"policy": "po", "lam": 0.5, "mean_s": 1.0, "p99_s": 3.0, "other_cores": 0.0},
-    ]
-    _write(
-        folder,
-        "ablation",
-        {
-            "requests": 6,
-            "pool_tokens": 700,
-            "qps": 2.0,
-            "args": {"mult": 1.0},
-            "suffix": {
-                "on": {"saturated": sat, "poisson": poisson},
-                "off": {"saturated": sat_off, "poisson": poisson},
-            },
-            "lambda": lam,
-        },
-    )
-    _write(
-        folder, "llamacpp", {"status": "not run: llama-cpp-python not installed", "install": "pip wheel ..."}
-    )
-    return folder
-
-
-def test_report_tables_and_ratios(fake_results: Path) -> None:
-    out = fake_results.parent / "REPORT.md"
-    summary = build_report(fake_results, out)
-    text = out.read_text()
-    assert "Fake CPU 9000" in text and "avx2" in text and "torch.float32" in text
-    # QPS at the SLO and po's ratio to each baseline.
-    assert "0.25,0.5,1,2 x the isolated throughput" in text  # what the sweep's multiples refer to
-    assert "Note: WL1 was re-run" in text
-    assert "| WL1 | ours po | 5.657 | - |" in text
-    assert "| WL1 | ours fcfs + radix cache | 1.414 | 4.00x |" in text
-    assert "| WL1 | ours chunked prefill + cache | 2.828 | 2.00x |" in text
-    assert "| WL1 | transformers (`--backend hf`) | <1.000 | >= 5.66x |" in text  # hf never met the SLO
-    assert "| WL1 | 8 | 8.000 | fcfs* | 40.00 | 80.00 | 50% |" in text  # the contended point is flagged
-    assert "| WL1 | 4 | 4.000 | fcfs | 20.00 | 40.00 | 50% |" in text
-    # MIL against the transformers default, and hybrid on/off.
-    assert "| ours hybrid | 20.0 | 5 | 12000 (beyond the model's context) | extrapolated | 12.0x |" in text
-    assert "| 1024 | 10 | 40 | 4.0x | 1.05x | - | - |" in text
-    # Ablations and the JCT fit.
-    assert "Throughput with / without suffix discarding: **2.00x**" in text
-    assert "| po | 0.5 | 1.00 | 3.00 |" in text
-    assert "**1.000** (fitted model)" in text
-    assert "not run: llama-cpp-python not installed" in text
-    for png in ("qps_wl1.png", "lambda.png", "jct.png"):
-        assert (fake_results / png).stat().st_size > 1000
-        assert f"(report/{png})" in text  # linked relative to REPORT.md
-    assert "WL1: po vs ours fcfs + radix cache: 4.00x" in summary
-    assert any("WL1 po >= 4x fcfs at equal P99: 4.00x (met)" in s for s in summary)
-    assert any("WL1 po >= 20x hf at equal P99: >= 5.66x (not met)" in s for s in summary)
-    assert any("MIL hybrid >= 10x HF default: 12.0x (met)" in s for s in summary)
+def test_report_headline_qps_ratios_from_the_committed_sweep() -> None:
+    """REPORT.md's headline (QPS at equal P99 SLO, po against each baseline) follows from the
+    committed sweep's points: log-log interpolation where P99 crosses the SLO, bounds kept."""
+    qps = json.loads((RESULTS / "report" / "qps.json").read_text())
+    report = (RESULTS / "REPORT.md").read_text()
+    names = {"fcfs": "ours fcfs + radix cache", "chunked": "ours chunked prefill + cache"}
+    names["hf"] = "transformers (`--backend hf`)"
+    for name, w in qps["workloads"].items():
+        sus = {
+            c: sustained_qps([(r["qps"], r["p99_s"]) for r in w["runs"] if r["config"] == c], w["slo_p99_s"])
+            for c in ("po", *names)
+        }
+        for base, label in names.items():
+            ratio = ratio_cell(sus["po"], sus[base])[0]
+            assert f"| {name}: po vs {label} | QPS at equal P99 SLO | {ratio} |" in report
+    # Its "All sweep points" table is the sweep's rows (a `*` marks a point run while other
+    # processes were busy).
+    for row in sweep_rows(qps["workloads"], extra=False):
+        assert "| " + " | ".join(map(str, row)) + " |" in report
 
 
 def test_ratio_cell_bounds() -> None:
@@ -349,31 +235,7 @@ def _sim_doc() -> dict[str, Any]:
     }
 
 
-def test_cluster_sections_missing_say_not_run(fake_results: Path) -> None:
-    out = fake_results.parent / "REPORT.md"
-    summary = build_report(fake_results, out)
-    text = out.read_text()
-    assert "## Prefix affinity through the SGLang router (measured)\n\nNot run (no cluster.json)." in text
-    assert "## Scaling out past one machine (simulated)\n\nNot run (no cluster_sim.json)." in text
-    assert not any(s.startswith("cluster ") for s in summary)
-    assert not (fake_results / "cluster_sim.png").exists()
-
-
-def test_header_names_steps_run_later_with_their_dates(fake_results: Path) -> None:
-    out = fake_results.parent / "REPORT.md"
-    build_report(fake_results, out)
-    assert "Run later" not in out.read_text()
-    meta = json.loads((fake_results / "meta.json").read_text())
-    meta["steps"] = {
-        "qps": {"ok": True, "seconds": 60},
-        "cluster": {"ok": True, "seconds": 300, "date": "D2"},
-    }
-    _write(fake_results, "meta", meta)
-    build_report(fake_results, out)
-    assert "- Run later, on their own (same machine kind): cluster (D2, 5 min)\n" in out.read_text()
-
-
-def test_cluster_affinity_table_and_ratios(fake_results: Path) -> None:
+def test_cluster_affinity_table_and_ratios() -> None:
     doc = _cluster_doc()
     assert cluster_ratios(doc) == {
         "generate @ 4 posts/s": {
@@ -403,24 +265,19 @@ def test_cluster_affinity_table_and_ratios(fake_results: Path) -> None:
         "cache_aware / round_robin items/s **1.50x**, hit rate **1.60x**; round_robin / cache_aware: tokens computed "
         "2.50x, CPU per item 1.50x, P50 latency 4.00x, P99 4.00x" in md
     )
-    _write(fake_results, "cluster", doc)
-    out = fake_results.parent / "REPORT.md"
-    summary = build_report(fake_results, out)
-    text = out.read_text()
-    assert "`benchmarks/bench_cluster.py`: 2 PrefillOnly workers x 1 threads" in text
-    assert (
-        "4 users x 5 posts, profiles ~600 tokens" in text
-        and "Poisson arrivals at 4, 12 and 30 posts/s" in text
-    )
-    assert "| generate | 4 | cache_aware | 10/10 | 6.00 |" in text
-    assert "cluster generate @ 4 posts/s: cache_aware / round_robin items/s 1.50x, hit rate 1.60x" in summary
+    assert "2 PrefillOnly workers x 1 threads" in md and "4 users x 5 posts, profiles ~600 tokens" in md
+    assert "Poisson arrivals at 4, 12 and 30 posts/s" in md
+    # The committed run: its ratios and its markdown follow from its rows.
+    committed = json.loads((RESULTS / "cluster.json").read_text())
+    assert cluster_ratios(committed) == committed["ratios"]
+    assert cluster_markdown(committed) == (RESULTS / "cluster.md").read_text()
     # Without its round-robin run a point has no ratio, and a run no call reached shows no affinity.
     doc["runs"] = [{**doc["runs"][0], "workers_per_user": {}}]
     assert cluster_ratios(doc) == {}
     assert cluster_rows(doc)[0][-2:] == ["-", "-"]
 
 
-def test_cluster_sim_section_states_where_scaling_stops(fake_results: Path) -> None:
+def test_cluster_sim_section_states_where_scaling_stops(tmp_path: Path) -> None:
     doc = _sim_doc()
     rows = cluster_sim_rows(doc)
     assert rows[2] == [
@@ -456,13 +313,9 @@ def test_cluster_sim_section_states_where_scaling_stops(fake_results: Path) -> N
     )
     md = cluster_sim_markdown(doc)
     assert "| round_robin | 1 | 1.000 | 1.000 | 1.00 | 1.00x | 10.0% |" in md and f"- {fit}" in md
-    _write(fake_results, "cluster_sim", doc)
-    out = fake_results.parent / "REPORT.md"
-    build_report(fake_results, out)
-    text = out.read_text()
-    assert "## Scaling out past one machine (simulated)" in text and "| cache_aware | 4 | 6.000 |" in text
-    assert "(report/cluster_sim.png)" in text and (fake_results / "cluster_sim.png").stat().st_size > 1000
-    assert f"- {ca}" in text
+    assert f"- {ca}" in md
+    plot_cluster_sim(doc, tmp_path / "cluster_sim.png")
+    assert (tmp_path / "cluster_sim.png").stat().st_size > 1000
 
 
 def test_cluster_tap_keys_tell_users_apart() -> None:
@@ -478,12 +331,3 @@ def test_cluster_tap_keys_tell_users_apart() -> None:
     assert call_items({"input_ids": ids}) == 1
     assert call_items({"input_ids": [ids, ids]}) == 2
     assert call_items({"text": ["a", "b"]}) == 2 and call_items({"text": "a"}) == 1
-
-
-def test_hand_written_single_runs_close_the_report(fake_results: Path) -> None:
-    notes = "## Single-purpose runs (hand-written)\n\n| a | b |\n|---|---|\n| 1 | 2 |"
-    (fake_results / "single_runs.md").write_text(notes + "\n")
-    out = fake_results.parent / "REPORT.md"
-    build_report(fake_results, out)
-    text = out.read_text()
-    assert text.rstrip().endswith(notes) and text.count("Single-purpose runs (hand-written)") == 1
