@@ -4,7 +4,7 @@
 Scheduler under `po`, an LRU prefix cache sized from `--pool-gib` of KV, step times from the JCT fit
 in results/schedule.json, else this machine's profile). Per (router, N): the highest QPS with P99 <=
 `--slo-x` x the isolated mean latency (bracket, then bisection), and at that rate the hit rate and
-the imbalance; report.py renders the table, where scaling stops and the plot.
+the imbalance; report.py renders the table and the plot.
 
     python -m benchmarks.bench_cluster_sim [--quick]    # ~3-5 min; --quick ~20 s, 1..8 workers
 """

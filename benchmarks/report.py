@@ -22,8 +22,6 @@ AFFINITY, SPREAD = (
     "round_robin",
 )  # the router policy that keeps a user on one worker; its baseline
 MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
-PLATEAU = 0.95  # efficiency within this share of its best: the curve has levelled off
-HIT_FLAT = 0.02  # hit rates within 2 points count as the same
 TEMPLATE = Path(__file__).with_name("report_template.md")
 Doc = dict[str, Any]
 
@@ -304,58 +302,8 @@ def cluster_sim_rows(doc: Doc) -> list[list[str]]:
     return out
 
 
-def _scaling(rs: list[Doc], effs: list[tuple[Doc, float]]) -> str:
-    """Where a router's efficiency peaks, levels off or is still rising."""
-    (peak, e_peak), (last, e_last) = max(effs, key=lambda x: x[1]), effs[-1]
-    level = next(r for r, e in effs if e >= PLATEAU * e_peak)
-    if peak is last and level is last:
-        return prose("scaling_rising", n=last["workers"], eff=e_last, first=rs[0]["workers"])
-    if e_last >= PLATEAU * e_peak:
-        return prose(
-            "scaling_level", level=level["workers"], plateau=PLATEAU, eff=e_peak, peak=peak["workers"]
-        )
-    return prose("scaling_peak", peak=peak["workers"], eff=e_peak, last_eff=e_last, n=last["workers"])
-
-
-def cluster_sim_findings(doc: Doc) -> list[str]:
-    """Where scaling stops and why, read off the rows: per router, the N where efficiency peaks or
-    levels off and where the hit rate saturates; and the N from which the workers' pools hold every
-    user's profile (past it, affinity has no cache left to win)."""
-    a, lines = doc["args"], []
-    for name in dict.fromkeys(r["router"] for r in doc["rows"]):
-        rs = sorted((r for r in doc["rows"] if r["router"] == name), key=lambda r: r["workers"])
-        effs = [(r, e) for r in rs if (e := _efficiency(doc, r)) is not None]
-        if len(effs) < 2:
-            continue
-        hits, last = [r["hit_rate"] for r in rs], rs[-1]
-        top = max(hits)
-        busy = [sum(r["busy_share"]) / len(r["busy_share"]) for r in rs if r.get("busy_share")]
-        if top - min(hits) < HIT_FLAT:
-            share = (
-                f"; busy share {busy[0]:.2f} at N=1, {busy[-1]:.2f} at N={last['workers']}" if busy else ""
-            )
-            why = prose("hits_flat", low=min(hits), top=top, busy=share)
-        else:
-            sat = next(r for r in rs if r["hit_rate"] >= top - HIT_FLAT)["workers"]
-            why = prose(
-                "hits_grow",
-                first=hits[0],
-                n0=rs[0]["workers"],
-                top=top,
-                flat=100 * HIT_FLAT,
-                sat=sat,
-                imb=last["imbalance"],
-                n=last["workers"],
-            )
-        lines.append(f"{name}: {_scaling(rs, effs)}; {why}.")
-    profile, pool = doc["mean_profile_tokens"], doc["pool_tokens"]
-    return lines + [
-        prose("pools_fit", fit=a["users"] * profile / pool, users=a["users"], profile=profile, pool=pool)
-    ]
-
-
 def cluster_sim_markdown(doc: Doc) -> str:
-    """results/cluster_sim.md from bench_cluster_sim: intro, table, where scaling stops."""
+    """results/cluster_sim.md from bench_cluster_sim: what ran, and per (router, N) the table."""
     a, d, profile, pool = doc["args"], doc["router_settings"], doc["mean_profile_tokens"], doc["pool_tokens"]
     warmup = (
         f"The P99 leaves out the requests of the first {a['warmup']:.0%} of the trace (warm-up)."
@@ -367,10 +315,8 @@ def cluster_sim_markdown(doc: Doc) -> str:
         kv=doc["kv_bytes_per_token"], dtype=doc["dtype"], jct=doc["jct_source"], slo=doc["slo_p99_s"],
         iso=doc["isolated_mean_s"], min_span=MIN_SPAN, warmup=warmup,
     )  # fmt: skip
-    table, findings = markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc)), cluster_sim_findings(doc)
-    return doc_md(
-        "bench_cluster_sim: N workers behind the router, simulated", intro, table, _bullets(findings)
-    )
+    table = markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc))
+    return doc_md("bench_cluster_sim: N workers behind the router, simulated", intro, table)
 
 
 # ---- plots ----------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_schedule import install_hint, llamacpp_available
 from benchmarks.harness import REPO_ROOT, RESULTS, machine_info
 from po_backend.engine.config import parse_dtype
 
@@ -87,13 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": {},
         "failed": {},
     }
-    if args.llamacpp and llamacpp_available():
-        steps.append("llamacpp")
-    else:
-        why = "pass --llamacpp to run_all" if llamacpp_available() else "llama-cpp-python not installed"
-        (folder / "llamacpp.json").write_text(
-            json.dumps({"status": f"not run: {why}", "install": install_hint()})
-        )
+    steps += ["llamacpp"] * args.llamacpp  # without llama-cpp-python it says how to install it
     for name in steps:
         ok, wall = run_step(name, extra, folder)
         meta["steps"][name] = {"ok": ok, "seconds": wall}
