@@ -4,11 +4,12 @@ hand from those files."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -322,86 +323,76 @@ def cluster_sim_markdown(doc: Doc) -> str:
 # ---- plots ----------------------------------------------------------------------------------------
 
 
-def _figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+@contextlib.contextmanager
+def _figure(path: Path, *args: Any, **kwargs: Any) -> Iterator[Any]:
+    """A figure's axes (matplotlib's Agg backend: no display needed), saved to `path` on exit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(*args, **kwargs)
+    fig, axes = plt.subplots(*args, **kwargs)
+    try:
+        yield axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
+def _lines(
+    ax: Any, rows: list[Doc], group: str, x: str, y: str, name: Callable[[str], str] = str, **style: Any
+) -> None:
+    """One line per value of `group` (first seen first), its points (x, y) sorted by x."""
+    for g in dict.fromkeys(r[group] for r in rows):
+        pts = sorted((r[x], r[y]) for r in rows if r[group] == g)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name(g), **style)
 
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
-
-def _log_axes(ax: Any, base: int = 10, y: bool = True) -> None:
-    """Log axes with plain numbers (1, 2, 5, 10 ... not 2^0 or 3x10^-1)."""
+def _axes(ax: Any, xlabel: str, ylabel: str, title: str, base: int = 10, logy: bool = True) -> None:
+    """Labels, grid, legend, and log axes with plain numbers (1, 2, 5, 10 ... not 2^0 or 3x10^-1)."""
     from matplotlib import ticker
 
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if logy else "linear")
     ax.set_xscale("log", base=base)
-    if y:
-        ax.set_yscale("log")
-    for axis in [ax.xaxis] + [ax.yaxis] * y:
+    for axis in [ax.xaxis] + [ax.yaxis] * logy:
         if base == 10:
             axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axis.set_minor_formatter(ticker.NullFormatter())
         axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-
-
-def _decorate(ax: Any, xlabel: str, ylabel: str, title: str, fontsize: float | None = None) -> None:
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(True, which="both", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=fontsize)
+    ax.legend(fontsize=7)
 
 
 def plot_sweeps(workloads: Doc, path: Path, names: dict[str, str] | None = None) -> None:
     """Mean and P99 latency against offered QPS (log-log), one row per workload, one line per
     config; the P99 SLO as a dashed line where the workload has one."""
-    fig, axes = _figure(len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False)
-    for row, (name, w) in zip(axes, workloads.items(), strict=True):
-        for ax, key, label in ((row[0], "mean_s", "mean latency (s)"), (row[1], "p99_s", "P99 latency (s)")):
-            for c in dict.fromkeys(r["config"] for r in sorted(w["runs"], key=_order)):
-                pts = sorted((r["qps"], r[key]) for r in w["runs"] if r["config"] == c)
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=(names or {}).get(c, c))
-            if key == "p99_s" and "slo_p99_s" in w:
-                ax.axhline(w["slo_p99_s"], color="grey", linestyle="--", label="P99 SLO")
-            _log_axes(ax)
+    with _figure(path, len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False) as axes:
+        for row, (name, w) in zip(axes, workloads.items(), strict=True):
             anchor = f" (anchor {w['anchor_qps']:.2f} req/s)" if "anchor_qps" in w else ""
-            _decorate(ax, "offered QPS (Poisson)", label, f"{name}: {label}{anchor}", 7)
-    _save(fig, path)
+            for ax, key in zip(row, ("mean_s", "p99_s"), strict=True):
+                label = f"{'mean' if key == 'mean_s' else 'P99'} latency (s)"
+                _lines(
+                    ax, sorted(w["runs"], key=_order), "config", "qps", key, lambda c: (names or {}).get(c, c)
+                )
+                if key == "p99_s" and "slo_p99_s" in w:
+                    ax.axhline(w["slo_p99_s"], color="grey", linestyle="--", label="P99 SLO")
+                _axes(ax, "offered QPS (Poisson)", label, f"{name}: {label}{anchor}")
 
 
 def plot_cluster_sim(doc: Doc, path: Path) -> None:
-    """Sustained QPS vs workers (log-log, with linear scaling from each router's one worker), and
-    hit rate and imbalance vs workers."""
-    fig, (ax, ax2) = _figure(1, 2, figsize=(11, 4.2))
-    routers = list(dict.fromkeys(r["router"] for r in doc["rows"]))
-    for name in routers:
-        pts = sorted((r["workers"], r) for r in doc["rows"] if r["router"] == name)
-        ns = [n for n, _ in pts]
-        color = ax.plot(ns, [r["sustained_qps"] for _, r in pts], marker="o", label=name)[0].get_color()
-        if ns[0] == 1 and name == routers[0]:  # one worker is the same run for every router
-            one = pts[0][1]["sustained_qps"]
-            ax.plot(ns, [one * n for n in ns], ls=":", color="grey", label="linear: N x 1 worker")
-        ax2.plot(ns, [r["hit_rate"] for _, r in pts], marker="o", color=color, label=f"{name} hit rate")
-        ax2.plot(
-            ns,
-            [r["imbalance"] - 1 for _, r in pts],
-            marker="s",
-            ls="--",
-            color=color,
-            label=f"{name} imbalance - 1",
-        )
-    _log_axes(ax, base=2)
-    _log_axes(ax2, base=2, y=False)
-    _decorate(
-        ax, "workers", f"QPS at P99 <= {doc['slo_p99_s']:.1f} s", "sustained QPS vs workers (simulated)", 7
-    )
-    _decorate(ax2, "workers", "fraction", "hit rate; imbalance (max/mean items) - 1", 7)
-    _save(fig, path)
+    """Sustained QPS vs workers (log-log, with linear scaling from one worker), and hit rate and
+    imbalance vs workers, one line per router (the same colour in both plots)."""
+    rows = [{**r, "imbalance_1": r["imbalance"] - 1} for r in doc["rows"]]
+    with _figure(path, 1, 2, figsize=(11, 4.2)) as (ax, ax2):
+        _lines(ax, rows, "router", "workers", "sustained_qps")
+        one, ns = min(rows, key=lambda r: r["workers"]), sorted({r["workers"] for r in rows})
+        if one["workers"] == 1:  # one worker is the same run for every router
+            linear = [one["sustained_qps"] * n for n in ns]
+            ax.plot(ns, linear, ls=":", color="grey", label="linear: N x 1 worker")
+        _lines(ax2, rows, "router", "workers", "hit_rate", lambda g: f"{g} hit rate")
+        ax2.set_prop_cycle(None)  # each router's colour again
+        _lines(ax2, rows, "router", "workers", "imbalance_1", lambda g: f"{g} imbalance - 1", ls="--")
+        slo = f"QPS at P99 <= {doc['slo_p99_s']:.1f} s"
+        _axes(ax, "workers", slo, "sustained QPS vs workers (simulated)", base=2)
+        _axes(ax2, "workers", "fraction", "hit rate; imbalance (max/mean items) - 1", base=2, logy=False)
