@@ -1,9 +1,9 @@
 """Every benchmark of the evaluation report, end to end on the embedded model, in one command
-(`--quick`: a smoke run of a few minutes; `--llamacpp`: also llama.cpp, if llama-cpp-python is
-installed). Each step of STEPS is a subprocess writing its JSON (and, where the benchmark renders
-them, its markdown table and plot) into benchmarks/results/report/, its log next to it; at the end
-it prints where each result went. REPORT.md is curated by hand from those files. On a shared
-machine run it under the benchmark lock:
+(`--quick`: a smoke run of a few minutes; `--llamacpp`: also llama.cpp, whose step says how to
+install llama-cpp-python when it is missing). Each step of STEPS is a subprocess writing its JSON
+(and, where the benchmark renders them, its markdown table and plot) into
+benchmarks/results/report/, its log next to it; at the end it prints where each result went.
+REPORT.md is curated by hand from those files. On a shared machine run it under the benchmark lock:
 
     flock /tmp/po-bench.lock .venv/bin/python -m benchmarks.run_all    # ~50 min on 2 cores
 """
@@ -71,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     folder: Path = args.folder
     folder.mkdir(parents=True, exist_ok=True)
-    # Results of an earlier run must never be mixed into this report.
-    for old in [*folder.glob("*.json"), *folder.glob("*.png"), *folder.glob("*.log")]:
+    steps = [s for s in list(STEPS)[:-1] if s in args.steps.split(",")] + ["llamacpp"] * args.llamacpp
+    # A step's files from an earlier run must not pass for this run's; other files (the figures
+    # REPORT.md links) stay.
+    for old in [p for name in steps for p in folder.glob(f"{name}.*")]:
         old.unlink()
-    steps = [s for s in list(STEPS)[:-1] if s in args.steps.split(",")]
     extra = ["--quick"] if args.quick else []
     t0 = time.perf_counter()
     meta = {
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         "steps": {},
         "failed": {},
     }
-    steps += ["llamacpp"] * args.llamacpp  # without llama-cpp-python it says how to install it
     for name in steps:
         ok, wall = run_step(name, extra, folder)
         meta["steps"][name] = {"ok": ok, "seconds": wall}
