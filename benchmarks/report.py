@@ -18,10 +18,8 @@ QPS_ORDER = ("hf", "fcfs", "chunked", "srjf", "lpm", "po")
 QPS_NAMES = {"hf": "transformers (`--backend hf`)", "fcfs": "ours fcfs + radix cache"}
 QPS_NAMES.update(chunked="ours chunked prefill + cache", po="ours po")
 SWEEP_HEADER = "workload | x anchor | QPS | config | mean s | P99 s | hits | P50 s | steps | items/step"
-AFFINITY, SPREAD = (
-    "cache_aware",
-    "round_robin",
-)  # the router policy that keeps a user on one worker; its baseline
+# The router policy that keeps a user on one worker, and its baseline.
+AFFINITY, SPREAD = "cache_aware", "round_robin"
 MIN_SPAN = 20.0  # a trace shorter than this many P99 bounds is one burst, not a sustained rate
 TEMPLATE = Path(__file__).with_name("report_template.md")
 Doc = dict[str, Any]
