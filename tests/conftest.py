@@ -172,6 +172,9 @@ def local_ray() -> Iterator[None]:
     from tests.deps import require
 
     ray = require("ray", "pip install 'ray[data]'")
+    # Ray starts its workers at nice 15: beside any busy process of normal priority (a CI
+    # neighbour) they get almost no CPU and a Ray test crawls for many minutes.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
