@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import hashlib
 import json
@@ -147,9 +148,11 @@ class PeakMemory:
         self.peak = max(0, peak - self.base)
 
 
+@functools.cache
 def _engine_source_digest() -> str:
     """The engine's code (Python and kernel sources): a change to the forward may change its
-    memory, so a profile measured by other code is never reused."""
+    memory, so a profile measured by other code is never reused. Read once per process: the
+    files a process imported do not change under it."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent
     for path in sorted(p for p in root.rglob("*") if p.suffix in {".py", ".cpp", ".h"}):
