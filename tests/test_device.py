@@ -18,7 +18,7 @@ from po_backend.engine import attention, engine
 from po_backend.engine.cache.kv_pool import KVPool
 from po_backend.engine.config import ModelConfig, default_dtype, parse_dtype
 from po_backend.engine.device import cuda_dtype, describe, resolve_device
-from po_backend.engine.memory import PeakMemory, available_bytes
+from po_backend.engine.memory import MEMORY_CACHE_ENV, PeakMemory, available_bytes
 from po_backend.engine.models import model_class
 from po_backend.engine.runner import SeqPlan, make_runner
 from tests.conftest import TINY_BASE
@@ -139,12 +139,15 @@ def test_peak_memory_on_cuda_reads_the_allocator(monkeypatch) -> None:
     assert state["synced"] == 2  # kernels in flight are finished before each reading
 
 
-def test_engine_budget_on_cuda(tiny_model, monkeypatch) -> None:
+def test_engine_budget_on_cuda(tiny_model, monkeypatch, tmp_path) -> None:
     """The profile run on CUDA: the budget is 85% of what is available (cached blocks included),
     the activation share covers the measured full-length peak and the analytic bound with CUDA's
     attention fallback, and the pool takes the rest (the pool itself on `meta`, no GPU here)."""
+    # Its own memory-profile cache: a measurement stored by an earlier CUDA case of the session
+    # would otherwise answer for the profile run this test counts.
+    monkeypatch.setenv(MEMORY_CACHE_ENV, str(tmp_path))
     path, _ = tiny_model("llama")
-    eng = Engine.from_pretrained(path, dtype="bf16", max_input_len=256, max_batch_tokens=256)
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bf16", max_input_len=256, max_batch_tokens=256)
     cuda = torch.device("cuda", 0)
     avail = 512 << 20
     seen: dict[str, Any] = {}
