@@ -230,25 +230,18 @@ def run_one(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__, harness.RESULTS / "cluster.json", "4 users x 5 posts, ~1.5 min")
-    ap.add_argument("--model-path", default="embedded")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--worker-args", default="--max-input-len 2048", help="flags for every worker")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {','.join(SHAPES)}")
-    ap.add_argument("--policies", default=",".join(POLICIES), help="router policies, in the run's order")
-    ap.add_argument(
-        "--generate-as", choices=("ids", "text"), default="ids", help="/generate: input_ids or text"
+    harness.flags(
+        ap, model_path="embedded", workers=2, worker_args=("--max-input-len 2048", "every worker's flags")
     )
-    ap.add_argument("--users", type=int, default=16)
-    ap.add_argument("--posts", type=int, default=10, help="posts per user")
-    ap.add_argument("--profile-tokens", type=int, default=800, help="mean profile length (+-50%%)")
-    ap.add_argument("--item-tokens", type=int, default=80, help="tokens per post")
-    ap.add_argument("--docs-per-call", type=int, default=2, help="rerank: posts per call")
+    harness.flags(ap, shapes=(",".join(SHAPES), f"of {','.join(SHAPES)}"))
+    harness.flags(ap, policies=(",".join(POLICIES), "router policies, in the run's order"))
+    harness.flags(ap, generate_as=(["ids", "text"], "/generate: input_ids or text"), users=16)
+    harness.flags(ap, posts=(10, "posts per user"), profile_tokens=(800, "mean profile length (+-50%%)"))
+    harness.flags(ap, item_tokens=(80, "tokens per post"), docs_per_call=(2, "rerank: posts per call"))
     # By default one load both routers keep up with, one between their capacities, one past both.
-    ap.add_argument("--items-per-s", default="4,12,30", help="offered posts/s (Poisson), comma list")
-    ap.add_argument("--seed", type=int, default=0, help="trace, call order and arrivals")
-    ap.add_argument("--timeout", type=float, default=600.0, help="per call, seconds")
-    ap.add_argument("--quiet-wait", type=float, default=20.0, help="max seconds to wait for an idle CPU")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    harness.flags(ap, items_per_s=("4,12,30", "offered posts/s (Poisson), comma list"))
+    harness.flags(ap, seed=(0, "trace, call order and arrivals"), timeout=(600.0, "per call, seconds"))
+    harness.flags(ap, quiet_wait=(20.0, "max seconds to wait for an idle CPU"), startup_timeout=600.0)
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.posts, args.profile_tokens, args.items_per_s = 4, 5, 600, "3"

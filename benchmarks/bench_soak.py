@@ -142,12 +142,9 @@ async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]
 
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__, harness.RESULTS / "soak.json")
-    ap.add_argument("--model-path", default="embedded")
-    ap.add_argument("--duration", type=float, default=300.0)
-    ap.add_argument("--memory-budget", default="1GiB")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate", type=float, default=4.0, help="calls per second (Poisson)")
-    ap.add_argument("--big-share", type=float, default=0.1, help="share of calls that are 40-item scorings")
+    harness.flags(ap, model_path="embedded", duration=300.0, memory_budget="1GiB", seed=0)
+    harness.flags(ap, rate=(4.0, "calls per second (Poisson)"))
+    harness.flags(ap, big_share=(0.1, "share of calls that are 40-item scorings"))
     args = ap.parse_args(argv)
     server = harness.our_server(
         ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"], args.model_path
