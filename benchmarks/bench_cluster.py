@@ -77,9 +77,8 @@ class Tap:
                     call = json.loads(body) if self.command == "POST" and body else None
                     if isinstance(call, dict) and (key := call_key(call)) is not None:
                         seen.append((index, key, call_items(call)))  # list.append is atomic
-                headers = {
-                    k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")
-                }
+                keep = ("content-type", "authorization")
+                headers = {k: v for k, v in self.headers.items() if k.lower() in keep}
                 if not hasattr(self, "conn"):
                     self.conn = http.client.HTTPConnection(host, int(port), timeout=900)
                 try:
@@ -206,19 +205,11 @@ def run_one(
         if key in user_of:
             where[user_of[key]].add(i)
         calls_of[i], items_of[i] = calls_of[i] + 1, items_of[i] + items
-    row["workers"] = [
-        {
-            "prompt_tokens": a[0] - b[0],
-            "cached_tokens": a[1] - b[1],
-            "calls": calls_of[i],
-            "items": items_of[i],
-        }
-        | {
-            "share": (a[1] - b[1]) / (a[0] - b[0]) if a[0] > b[0] else 0.0,
-            "users": sum(i in ws for ws in where.values()),
-        }
-        for i, (a, b) in enumerate(zip(after, before, strict=True))
-    ]
+    row["workers"] = []
+    for i, ((p1, c1), (p0, c0)) in enumerate(zip(after, before, strict=True)):
+        w = {"prompt_tokens": p1 - p0, "cached_tokens": c1 - c0, "calls": calls_of[i], "items": items_of[i]}
+        w.update(share=(c1 - c0) / (p1 - p0) if p1 > p0 else 0.0, users=sum(i in ws for ws in where.values()))
+        row["workers"].append(w)
     prompt = row["prompt_tokens"] = sum(w["prompt_tokens"] for w in row["workers"])
     row["cached_tokens"] = sum(w["cached_tokens"] for w in row["workers"])
     row["hit_rate"] = row["cached_tokens"] / prompt if prompt else 0.0
@@ -251,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.policies) <= {"cache_aware", "round_robin", "power_of_two"}:
         ap.error(f"--policies: cache_aware, round_robin, power_of_two; got {args.policies}")
     try:
-        args.items_per_s = [float(x) for x in str(args.items_per_s).split(",")]
+        args.items_per_s = [float(x) for x in args.items_per_s.split(",")]
     except ValueError:
         ap.error(f"--items-per-s must be a comma list of numbers, got {args.items_per_s!r}")
     if min(args.workers, args.users, args.posts, args.docs_per_call, *args.items_per_s) <= 0:

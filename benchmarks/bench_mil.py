@@ -464,9 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         ap.error("--out is required")
     if args.compare_dtypes or args.heads:
-        save(
-            args.out, {"machine": machine_info(), **(compare_dtypes if args.compare_dtypes else heads)(args)}
-        )
+        mode = compare_dtypes if args.compare_dtypes else heads
+        save(args.out, {"machine": machine_info(), **mode(args)})
         return 0
     if args.quick:
         args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
@@ -501,28 +500,18 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {c:10s} n={n:6d} {dt}: {row['status']} {row['detail']}")
                     continue
                 row["gemm_peak_frac"] = row["tflops"] * 1e3 / roofs[str(dt)]
-                share = row.get("attention_share")
+                share = "" if row["attention_share"] is None else f", attention {row['attention_share']:.0%}"
                 print(
-                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, "
-                    f"{row['tok_per_s']:6.0f} tok/s, {row['tflops']:.3f} TFLOP/s "
-                    f"({row['gemm_peak_frac']:.0%} of GEMM peak)"
-                    + (f", attention {share:.0%}" if share is not None else "")
-                    + f"  (other cores {row['other_cores']:.2f})"
+                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, {row['tok_per_s']:6.0f} "
+                    f"tok/s, {row['gemm_peak_frac']:.0%} of GEMM peak{share} (other cores {row['other_cores']:.2f})"
                 )
     speed = speed_summary(rows)
-    for r in speed:
-        print(
-            f"  {r['dtype']:>14s} n={r['n']:5d}: ours {r['ours_tok_per_s']:6.0f} tok/s vs transformers "
-            f"logits_to_keep=1 {r['hf_tok_per_s']:6.0f}: {r['ratio']:.2f}x, {r['ours_gflops']:.0f} GFLOP/s "
-            f"({r['ours_gemm_peak_frac']:.0%} of GEMM peak), attention {r['attention_share']:.0%}"
-        )
+    for r in speed:  # ours (hybrid) against transformers with logits_to_keep=1
+        print("  " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     mil = {}
     for c in configs:
-        pts = [
-            (r["n"], r["peak_bytes"])
-            for r in rows
-            if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))
-        ]
+        ok = [r for r in rows if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))]
+        pts = [(r["n"], r["peak_bytes"]) for r in ok]
         if len({n for n, _ in pts}) >= 2:
             m = mil[c] = fit_mil(pts, args.budget_mib * MiB)
             print(f"  MIL {c:10s}: {m['mil']} tokens ({m['kind']}), {m['kib_per_token']:.1f} KiB/token")

@@ -282,12 +282,8 @@ def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | N
     lat = np.array(finished) - np.array(submitted)
     if not np.isfinite(lat).all():
         raise RuntimeError("a request has no completion time")
-    return {
-        "latencies": lat.tolist(),
-        **latency_summary(lat),
-        "makespan_s": float(max(finished) - t0),
-        "other_cores": cpu.other_cores,
-    }
+    summary = {"latencies": lat.tolist(), **latency_summary(lat), "makespan_s": float(max(finished) - t0)}
+    return summary | {"other_cores": cpu.other_cores}
 
 
 def run_trace(
@@ -306,15 +302,9 @@ def run_trace(
     r = replay(loop, reqs, arrivals)
     after, st = scorer.stats(), loop.stats()
     prompt = after.prompt_tokens - before.prompt_tokens
-    return {
-        "policy": policy,
-        **r,
-        "hit_rate": (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0,
-        "steps": st.steps,
-        "mean_batch": st.mean_batch_items,
-        "calibration": st.jct_calibration,
-        "step_log": step_rows(loop),
-    }
+    hits = (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0
+    r.update(hit_rate=hits, steps=st.steps, mean_batch=st.mean_batch_items, calibration=st.jct_calibration)
+    return {"policy": policy, **r, "step_log": step_rows(loop)}
 
 
 def step_rows(loop: EngineLoop) -> list[list[Any]]:
@@ -386,18 +376,9 @@ def sweep(
             )
             if after_run is not None:
                 after_run(runs)
-    return {
-        "requests": len(reqs),
-        "tokens": tokens,
-        "isolated": iso,
-        "isolated_mean_s": iso["mean_s"],
-        "slo_p99_s": slo_x * iso["mean_s"],
-        "saturated": sat,
-        "saturated_qps": sat_qps,
-        "anchor": anchor,
-        "anchor_qps": base,
-        "runs": runs,
-    }
+    out = {"requests": len(reqs), "tokens": tokens, "isolated": iso, "isolated_mean_s": iso["mean_s"]}
+    out.update(slo_p99_s=slo_x * iso["mean_s"], saturated=sat, saturated_qps=sat_qps, anchor=anchor)
+    return out | {"anchor_qps": base, "runs": runs}
 
 
 # ---- analysis -------------------------------------------------------------------------------------
@@ -452,10 +433,8 @@ def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Predicted vs measured step time over the step logs of `runs` (none was used to fit)."""
     rows = [s for r in runs for s in r["step_log"]]
     raw, cal, meas = (np.array([s[i] for s in rows]) for i in range(3))
-    return {
-        "steps": len(rows),
-        "r_raw": pearson_r(raw.tolist(), meas.tolist()),
-        "r_calibrated": pearson_r(cal.tolist(), meas.tolist()),
-        "median_rel_error_raw": float(np.median(np.abs(raw / meas - 1))),
-        "median_rel_error_calibrated": float(np.median(np.abs(cal / meas - 1))),
-    }
+    out: dict[str, float] = {"steps": len(rows)}
+    for name, pred in (("raw", raw), ("calibrated", cal)):
+        out[f"r_{name}"] = pearson_r(pred.tolist(), meas.tolist())
+        out[f"median_rel_error_{name}"] = float(np.median(np.abs(pred / meas - 1)))
+    return out
