@@ -26,6 +26,7 @@ and WL2-style ones (long unique histories); the prefix pool holds `--cache-profi
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -163,11 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     cal = CalibratedJCT(jct)  # one calibration for the whole benchmark, as one long-lived server
     partial = args.out.with_suffix(".partial.json")
 
-    def keep(name: str) -> Any:
-        def save(runs: list[dict[str, Any]]) -> None:  # a long run that gets killed keeps its data
-            partial.write_text(json.dumps({"report": doc, "running": {name: runs}}, default=str))
-
-        return save
+    def keep(name: str, runs: list[dict[str, Any]]) -> None:  # a long run that gets killed keeps its data
+        partial.write_text(json.dumps({"report": doc, "running": {name: runs}}, default=str))
 
     slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
     all_runs: list[dict[str, Any]] = []  # everything with a step log, in the order it ran
@@ -179,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         mults = args.mults_wl2 if name == "WL2" and args.mults_wl2 else args.mults
         mults = [float(x) for x in mults.split(",")]
-        w = harness.sweep(engine, cal, setups, reqs, unit, mults, args, after_run=keep(name))
+        w = harness.sweep(
+            engine, cal, setups, reqs, unit, mults, args, after_run=functools.partial(keep, name)
+        )
         all_runs += [w["isolated"], w["saturated"], *w["runs"]]
         at_slo = harness.slo_table(w["runs"], w["isolated_mean_s"], slo_xs)
         main_slo = at_slo[f"{args.slo_x:g}"]

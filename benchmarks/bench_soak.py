@@ -149,11 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     server = harness.our_server(
         ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"], args.model_path
     )
-    url, proc = server.url, server.start().proc
-    assert proc is not None, "started"
-    try:
-        server.wait_ready()
-        peak = [0]
+    with harness.servers_up([server]):  # SIGTERMed by `drain`; stopped (killed if need be) on the way out
+        url, proc, peak = server.url, server.proc, [0]
+        assert proc is not None, "started"
         watcher = psutil.Process(proc.pid)
 
         async def run() -> tuple[list[dict[str, Any]], list[float]]:
@@ -171,10 +169,6 @@ def main(argv: list[str] | None = None) -> None:
         records, health = asyncio.run(run())
         drained = asyncio.run(drain(url, proc, 200))
         code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     statuses = Counter(str(r["status"]) for r in records)
     small = [r["latency"] for r in records if r["kind"] == "small" and r["status"] == 200]
     summary = {"machine": harness.machine_info(), "duration_s": args.duration, "rate": args.rate}
