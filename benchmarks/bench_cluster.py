@@ -77,9 +77,8 @@ class Tap:
                     call = json.loads(body) if self.command == "POST" and body else None
                     if isinstance(call, dict) and (key := call_key(call)) is not None:
                         seen.append((index, key, call_items(call)))  # list.append is atomic
-                headers = {
-                    k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")
-                }
+                keep = ("content-type", "authorization")
+                headers = {k: v for k, v in self.headers.items() if k.lower() in keep}
                 if not hasattr(self, "conn"):
                     self.conn = http.client.HTTPConnection(host, int(port), timeout=900)
                 try:
@@ -206,19 +205,11 @@ def run_one(
         if key in user_of:
             where[user_of[key]].add(i)
         calls_of[i], items_of[i] = calls_of[i] + 1, items_of[i] + items
-    row["workers"] = [
-        {
-            "prompt_tokens": a[0] - b[0],
-            "cached_tokens": a[1] - b[1],
-            "calls": calls_of[i],
-            "items": items_of[i],
-        }
-        | {
-            "share": (a[1] - b[1]) / (a[0] - b[0]) if a[0] > b[0] else 0.0,
-            "users": sum(i in ws for ws in where.values()),
-        }
-        for i, (a, b) in enumerate(zip(after, before, strict=True))
-    ]
+    row["workers"] = []
+    for i, ((p1, c1), (p0, c0)) in enumerate(zip(after, before, strict=True)):
+        w = {"prompt_tokens": p1 - p0, "cached_tokens": c1 - c0, "calls": calls_of[i], "items": items_of[i]}
+        w.update(share=(c1 - c0) / (p1 - p0) if p1 > p0 else 0.0, users=sum(i in ws for ws in where.values()))
+        row["workers"].append(w)
     prompt = row["prompt_tokens"] = sum(w["prompt_tokens"] for w in row["workers"])
     row["cached_tokens"] = sum(w["cached_tokens"] for w in row["workers"])
     row["hit_rate"] = row["cached_tokens"] / prompt if prompt else 0.0
@@ -230,25 +221,18 @@ def run_one(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__, harness.RESULTS / "cluster.json", "4 users x 5 posts, ~1.5 min")
-    ap.add_argument("--model-path", default="embedded")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--worker-args", default="--max-input-len 2048", help="flags for every worker")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {','.join(SHAPES)}")
-    ap.add_argument("--policies", default=",".join(POLICIES), help="router policies, in the run's order")
-    ap.add_argument(
-        "--generate-as", choices=("ids", "text"), default="ids", help="/generate: input_ids or text"
+    harness.flags(
+        ap, model_path="embedded", workers=2, worker_args=("--max-input-len 2048", "every worker's flags")
     )
-    ap.add_argument("--users", type=int, default=16)
-    ap.add_argument("--posts", type=int, default=10, help="posts per user")
-    ap.add_argument("--profile-tokens", type=int, default=800, help="mean profile length (+-50%%)")
-    ap.add_argument("--item-tokens", type=int, default=80, help="tokens per post")
-    ap.add_argument("--docs-per-call", type=int, default=2, help="rerank: posts per call")
+    harness.flags(ap, shapes=(",".join(SHAPES), f"of {','.join(SHAPES)}"))
+    harness.flags(ap, policies=(",".join(POLICIES), "router policies, in the run's order"))
+    harness.flags(ap, generate_as=(["ids", "text"], "/generate: input_ids or text"), users=16)
+    harness.flags(ap, posts=(10, "posts per user"), profile_tokens=(800, "mean profile length (+-50%%)"))
+    harness.flags(ap, item_tokens=(80, "tokens per post"), docs_per_call=(2, "rerank: posts per call"))
     # By default one load both routers keep up with, one between their capacities, one past both.
-    ap.add_argument("--items-per-s", default="4,12,30", help="offered posts/s (Poisson), comma list")
-    ap.add_argument("--seed", type=int, default=0, help="trace, call order and arrivals")
-    ap.add_argument("--timeout", type=float, default=600.0, help="per call, seconds")
-    ap.add_argument("--quiet-wait", type=float, default=20.0, help="max seconds to wait for an idle CPU")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    harness.flags(ap, items_per_s=("4,12,30", "offered posts/s (Poisson), comma list"))
+    harness.flags(ap, seed=(0, "trace, call order and arrivals"), timeout=(600.0, "per call, seconds"))
+    harness.flags(ap, quiet_wait=(20.0, "max seconds to wait for an idle CPU"), startup_timeout=600.0)
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.posts, args.profile_tokens, args.items_per_s = 4, 5, 600, "3"
@@ -258,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.policies) <= {"cache_aware", "round_robin", "power_of_two"}:
         ap.error(f"--policies: cache_aware, round_robin, power_of_two; got {args.policies}")
     try:
-        args.items_per_s = [float(x) for x in str(args.items_per_s).split(",")]
+        args.items_per_s = [float(x) for x in args.items_per_s.split(",")]
     except ValueError:
         ap.error(f"--items-per-s must be a comma list of numbers, got {args.items_per_s!r}")
     if min(args.workers, args.users, args.posts, args.docs_per_call, *args.items_per_s) <= 0:

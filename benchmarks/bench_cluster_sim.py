@@ -15,7 +15,6 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
@@ -28,29 +27,21 @@ from po_backend.sim.simulator import PrefixLRU
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__, RESULTS / "cluster_sim.json", "200 users x 20 posts, 1..8 workers (~20 s)")
-    ap.add_argument("--workers", default="1,2,4,8,16,32,64")
-    ap.add_argument(
-        "--routers", default="cache_aware,round_robin", help=f"of {','.join(sim.ROUTER_POLICIES)}"
+    harness.flags(
+        ap, workers="1,2,4,8,16,32,64", routers=("cache_aware,round_robin", f"of {sim.ROUTER_POLICIES}")
     )
-    ap.add_argument("--users", type=int, default=1000)
-    ap.add_argument("--posts", type=int, default=50)
-    ap.add_argument("--scale", type=float, default=8.0, help="the paper's token lengths / this")
+    harness.flags(ap, users=1000, posts=50, scale=(8.0, "the paper's token lengths / this"))
     # 1 GiB holds ~26 of our profiles, as an 80 GB GPU holds ~30 of the paper's 14k-token ones for an 8B model.
-    ap.add_argument("--pool-gib", type=float, default=1.0, help="prefix-KV memory per worker")
-    ap.add_argument("--max-batch-tokens", type=int, default=8192, help="the engine's default")
-    ap.add_argument("--slo-x", type=float, default=8.0, help="P99 bound = this x mean isolated latency")
-    ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
+    harness.flags(ap, pool_gib=(1.0, "prefix-KV memory per worker"), max_batch_tokens=(8192, "the engine's"))
+    harness.flags(ap, slo_x=(8.0, "P99 bound = this x mean isolated latency"))
+    harness.flags(ap, fairness_lambda=DEFAULT_FAIRNESS_LAMBDA, seed=0)
     # Every user's first, cold, request falls early in the trace; 0 = the whole trace, as bench_schedule.
-    ap.add_argument("--warmup", type=float, default=0.0, help="trace share left out of the P99")
-    ap.add_argument(
-        "--balance-abs-threshold",
-        type=int,
-        default=BALANCE_ABS_THRESHOLD,
-        help="cache_aware's load rule (launch_cluster's)",
+    harness.flags(ap, warmup=(0.0, "trace share left out of the P99"))
+    harness.flags(
+        ap, balance_abs_threshold=(BALANCE_ABS_THRESHOLD, "cache_aware's load rule (launch_cluster's)")
     )
-    ap.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops within this ratio")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jct", type=Path, default=RESULTS / "schedule.json", help="bench_schedule's results")
+    harness.flags(ap, rel_tol=(0.05, "bisection stops within this ratio"))
+    harness.flags(ap, jct=(RESULTS / "schedule.json", "bench_schedule's results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.posts, args.workers = 200, 20, "1,2,4,8"

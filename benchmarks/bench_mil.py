@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import harness
 from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, parser, save, wait_for_quiet
 from po_backend.core.cpu import cpu_class
 from po_backend.engine import attention_cpu
@@ -72,15 +73,13 @@ def gemm_peak_gflops(
     gen = torch.Generator().manual_seed(0)
     x, w = (torch.randn(size, size, generator=gen).to(dev, dtype) for _ in range(2))
     out = torch.empty(size, size, dtype=dtype, device=dev)
-    torch.matmul(x, w.t(), out=out)  # warm-up: thread pool, oneDNN or cuBLAS kernel selection
-    sync(dev)
-    best, reps, start = float("inf"), 0, time.perf_counter()
-    while reps < 2 or (time.perf_counter() - start < min_seconds and reps < 50):
+    times: list[float] = []
+    while len(times) < 3 or (sum(times[1:]) < min_seconds and len(times) < 51):  # the first: warm-up
         t = time.perf_counter()
         torch.matmul(x, w.t(), out=out)
         sync(dev)
-        best, reps = min(best, time.perf_counter() - t), reps + 1
-    return 2.0 * size**3 / best / 1e9
+        times.append(time.perf_counter() - t)
+    return 2.0 * size**3 / min(times[1:]) / 1e9
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
@@ -399,44 +398,35 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-heads-") as tmp:
         torch.manual_seed(0)
-        cls, emb = (
-            transformers.LlamaForSequenceClassification(cfg).eval(),
-            transformers.LlamaModel(cfg).eval(),
-        )
         root = Path(tmp)
+        cls = transformers.LlamaForSequenceClassification(cfg).eval()
+        emb = transformers.LlamaModel(cfg).eval()
         cls.save_pretrained(root / "classifier")
         emb.save_pretrained(root / "embedder")  # as a sentence-transformers last-token embedder
         st = [("0", "", "Transformer"), ("1", "1_Pooling", "Pooling"), ("2", "2_Normalize", "Normalize")]
-        modules = [
-            {"idx": i, "name": n, "path": p, "type": f"sentence_transformers.models.{t}"}
-            for i, (n, p, t) in enumerate(st)
-        ]
+        kinds = [f"sentence_transformers.models.{t}" for _, _, t in st]
+        modules = [{"idx": i, "name": n, "path": p} for i, (n, p, _) in enumerate(st)]
+        modules = [{**m, "type": k} for m, k in zip(modules, kinds, strict=True)]
         (root / "embedder" / "modules.json").write_text(json.dumps(modules))
         (root / "embedder" / "1_Pooling").mkdir()
-        (root / "embedder" / "1_Pooling" / "config.json").write_text(
-            json.dumps({"pooling_mode_lasttoken": True})
-        )
+        (root / "embedder" / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
         for kind, model in (("classifier", cls), ("embedder", emb)):
-            ref, t = [], time.perf_counter()
+            t = time.perf_counter()
             with torch.inference_mode():
-                for ids in prompts:
-                    res = model(torch.tensor([ids]))
-                    ref.append(
-                        res.logits[0]
-                        if kind == "classifier"
-                        else torch.nn.functional.normalize(res.last_hidden_state[0, -1], dim=0)
-                    )
+                outs = [model(torch.tensor([ids])) for ids in prompts]
             t_hf = time.perf_counter() - t
-            t_no, out_no, _ = ours(root / kind, reuse=False)
-            t_re, out_re, cached = ours(root / kind, reuse=True)
-            delta = max(
-                float((a - b).abs().max()) for a, b in zip([*out_no, *out_re], ref + ref, strict=True)
-            )
+            ref = [o.logits[0] for o in outs] if kind == "classifier" else [
+                torch.nn.functional.normalize(o.last_hidden_state[0, -1], dim=0) for o in outs
+            ]  # fmt: skip
+            (t_no, out_no, _), (t_re, out_re, cached) = ours(root / kind, False), ours(root / kind, True)
             speed = {
                 "transformers": args.items / t_hf,
                 "ours-noreuse": args.items / t_no,
                 "ours": args.items / t_re,
             }
+            delta = max(
+                float((a - b).abs().max()) for a, b in zip([*out_no, *out_re], ref + ref, strict=True)
+            )
             rows.append({"model": kind, "items_per_s": speed, "ours_vs_transformers": t_hf / t_re})
             rows[-1].update(
                 noreuse_vs_transformers=t_hf / t_no, reuse_vs_noreuse=t_no / t_re, cached_tokens=cached
@@ -453,28 +443,19 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, None, "lengths 256,512")
-    ap.add_argument("--lengths", default="1024,2048,4096,8192")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--chunk-size", type=int, default=512)
+    harness.flags(ap, lengths="1024,2048,4096,8192", configs=",".join(CONFIGS), chunk_size=512)
     # A comma list (e.g. bf16,fp32) runs every config at every length per dtype; the MIL fit uses the first.
-    ap.add_argument(
-        "--dtype", default="auto", help="auto (the engine's default here) | fp32 | bf16, or a list"
-    )
-    ap.add_argument(
-        "--device", default="cpu", help="cpu | cuda | cuda:N (the same for ours and transformers)"
-    )
-    ap.add_argument("--budget-mib", type=float, default=256.0)
-    ap.add_argument("--timeout", type=float, default=900.0)
-    ap.add_argument("--quiet-wait", type=float, default=30.0)
+    harness.flags(ap, dtype=("auto", "auto (the engine's default here) | fp32 | bf16, or a list"))
+    harness.flags(ap, device=("cpu", "cpu | cuda | cuda:N (the same for ours and transformers)"))
+    harness.flags(ap, budget_mib=256.0, timeout=900.0, quiet_wait=30.0)
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
-    ap.add_argument("--compare-dtypes", action="store_true", help="bf16 vs fp32: rankings, AUC, hit vs cold")
-    ap.add_argument("--speed-tokens", type=int, default=2048, help="--compare-dtypes: forward length")
-    ap.add_argument("--repeats", type=int, default=3, help="--compare-dtypes: best of this many")
-    ap.add_argument("--heads", action="store_true", help="classifier / embedding heads vs transformers")
-    ap.add_argument("--items", type=int, default=16, help="--heads: prompts")
-    ap.add_argument("--prefix", type=int, default=256, help="--heads: shared instruction tokens")
-    ap.add_argument("--suffix", type=int, default=32, help="--heads: unique tail tokens")
-    ap.add_argument("--layers", type=int, default=30, help="--heads: decoder layers (SmolLM2-135M has 30)")
+    harness.flags(ap, compare_dtypes=(False, "bf16 vs fp32: rankings, AUC, hit vs cold"))
+    harness.flags(ap, speed_tokens=(2048, "--compare-dtypes: forward length"))
+    harness.flags(ap, repeats=(3, "--compare-dtypes: best of this many"))
+    harness.flags(ap, heads=(False, "classifier / embedding heads vs transformers"))
+    harness.flags(ap, items=(16, "--heads: prompts"), prefix=(256, "--heads: shared instruction tokens"))
+    harness.flags(ap, suffix=(32, "--heads: unique tail tokens"))
+    harness.flags(ap, layers=(30, "--heads: decoder layers (SmolLM2-135M has 30)"))
     args = ap.parse_args(argv)
     if args.child:
         result = child(args.child[0], int(args.child[1]), args.chunk_size, args.dtype, args.device)
@@ -483,9 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         ap.error("--out is required")
     if args.compare_dtypes or args.heads:
-        save(
-            args.out, {"machine": machine_info(), **(compare_dtypes if args.compare_dtypes else heads)(args)}
-        )
+        mode = compare_dtypes if args.compare_dtypes else heads
+        save(args.out, {"machine": machine_info(), **mode(args)})
         return 0
     if args.quick:
         args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
@@ -520,28 +500,18 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {c:10s} n={n:6d} {dt}: {row['status']} {row['detail']}")
                     continue
                 row["gemm_peak_frac"] = row["tflops"] * 1e3 / roofs[str(dt)]
-                share = row.get("attention_share")
+                share = "" if row["attention_share"] is None else f", attention {row['attention_share']:.0%}"
                 print(
-                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, "
-                    f"{row['tok_per_s']:6.0f} tok/s, {row['tflops']:.3f} TFLOP/s "
-                    f"({row['gemm_peak_frac']:.0%} of GEMM peak)"
-                    + (f", attention {share:.0%}" if share is not None else "")
-                    + f"  (other cores {row['other_cores']:.2f})"
+                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, {row['tok_per_s']:6.0f} "
+                    f"tok/s, {row['gemm_peak_frac']:.0%} of GEMM peak{share} (other cores {row['other_cores']:.2f})"
                 )
     speed = speed_summary(rows)
-    for r in speed:
-        print(
-            f"  {r['dtype']:>14s} n={r['n']:5d}: ours {r['ours_tok_per_s']:6.0f} tok/s vs transformers "
-            f"logits_to_keep=1 {r['hf_tok_per_s']:6.0f}: {r['ratio']:.2f}x, {r['ours_gflops']:.0f} GFLOP/s "
-            f"({r['ours_gemm_peak_frac']:.0%} of GEMM peak), attention {r['attention_share']:.0%}"
-        )
+    for r in speed:  # ours (hybrid) against transformers with logits_to_keep=1
+        print("  " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     mil = {}
     for c in configs:
-        pts = [
-            (r["n"], r["peak_bytes"])
-            for r in rows
-            if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))
-        ]
+        ok = [r for r in rows if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))]
+        pts = [(r["n"], r["peak_bytes"]) for r in ok]
         if len({n for n, _ in pts}) >= 2:
             m = mil[c] = fit_mil(pts, args.budget_mib * MiB)
             print(f"  MIL {c:10s}: {m['mil']} tokens ({m['kind']}), {m['kib_per_token']:.1f} KiB/token")

