@@ -197,10 +197,11 @@ def tokenized_llama(
     return tokenized_copy(tiny_model("llama")[0], tmp_path_factory.mktemp("tokenized"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    """One local Ray on 2 CPUs for the whole session: starting Ray costs seconds, and every Ray
-    test only needs a running cluster, not a fresh one."""
+    """One local Ray on 2 CPUs for a test file: starting Ray costs seconds, and every Ray test only
+    needs a running cluster, not a fresh one. The Ray tests share one file (tests/test_ray.py), so
+    this is one Ray per run, and it stops when that file is done instead of idling beside the rest."""
     from tests.deps import require
 
     ray = require("ray", "pip install 'ray[data]'")
