@@ -82,11 +82,12 @@ case "$cmd" in
     # PO_REQUIRE_DEPS=1: a test dependency that cannot be imported fails instead of skipping
     # (tests/deps.py); `-m "not slow"` picks the fast tier. Test files run on PO_TEST_WORKERS
     # processes (one more than the cores: much of a test's time is spent waiting for the servers
-    # it started), each file on one worker so its module fixtures start once; `-n 0` runs serially.
+    # it started), each file on one worker so its module fixtures start once, the longest files
+    # first (tests/durations.json; see tests/conftest.py); `-n 0` runs serially.
     lint) lint ;;
     test)
         workers=${PO_TEST_WORKERS:-$(($(nproc) + 1))}
-        lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q -n "$workers" --dist loadfile "$@"
+        lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
         ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
     *) echo "unknown command: $cmd (demo|test|lint|bench|setup|gpu-check)" >&2; exit 2 ;;

@@ -10,6 +10,8 @@ import os
 # threads spinning at barriers while their partners waited for a core. Servers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import json  # noqa: E402
+import math  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
@@ -42,7 +44,37 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_JCT_DIR, ignore_errors=True)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sums each file's setup, call and teardown times (in the controller, xdist forwards every
+    worker's reports) for PO_WRITE_TEST_DURATIONS."""
+    _file_seconds[_file_of(report.nodeid)] = _file_seconds.get(_file_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("PO_WRITE_TEST_DURATIONS") == "1" and not hasattr(session.config, "workerinput"):
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        known.update({f: round(t, 1) for f, t in _file_seconds.items()})
+        DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+
+
+# Seconds each test file took in a whole-suite run. Files go to the test processes longest first
+# (scripts/dev.sh runs xdist with --dist loadfile --no-loadscope-reorder, which hands files out in
+# collection order): xdist's own order (most tests first) left a one-test file that runs for minutes
+# (a Ray cluster) to the end, one process busy while the others idled. Only the order depends on it;
+# a stale or missing figure costs balance, never a result. Refresh: PO_WRITE_TEST_DURATIONS=1 with
+# the whole suite.
+DURATIONS = Path(__file__).with_name("durations.json")
+_file_seconds: dict[str, float] = {}
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    known: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    # Stable: a file's tests keep their order; a file not timed yet goes first (it may be long).
+    items.sort(key=lambda item: -known.get(_file_of(item.nodeid), math.inf))
     no_cuda = pytest.mark.skip(reason="needs CUDA")  # a machine without a GPU, not a missing package
     for item in items:
         if item.get_closest_marker("embedded") is not None:

@@ -61,6 +61,17 @@ def cluster(tokenized_llama: Path) -> Iterator[tuple[str, subprocess.Popen[bytes
         yield running
 
 
+@pytest.fixture(scope="module")
+def single(tokenized_llama: Path) -> Iterator[ServerProcess]:
+    """One server with the workers' flags: the reference a cluster must answer like, and the worker
+    added at runtime (joining a router changes nothing in it; its calls are counted as deltas)."""
+    proc = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS]).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
 def scores(resp: httpx.Response) -> list[tuple[int, float]]:
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -70,18 +81,14 @@ def scores(resp: httpx.Response) -> list[tuple[int, float]]:
 
 @pytest.mark.slow
 def test_cluster_answers_like_one_server(
-    cluster: tuple[str, subprocess.Popen[bytes]], tokenized_llama: Path
+    single: ServerProcess, cluster: tuple[str, subprocess.Popen[bytes]]
 ) -> None:
+    """`single` first: it boots while the cluster does."""
     url, _ = cluster
-    single = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS])
-    single.start()
-    try:
-        single.wait_ready()
-        assert scores(httpx.post(url + "/v1/rerank", json=QUERY, timeout=60)) == scores(
-            httpx.post(single.url + "/v1/rerank", json=QUERY, timeout=60)
-        )
-    finally:
-        single.stop()
+    single.wait_ready()
+    assert scores(httpx.post(url + "/v1/rerank", json=QUERY, timeout=60)) == scores(
+        httpx.post(single.url + "/v1/rerank", json=QUERY, timeout=60)
+    )
 
 
 def rerank_calls(worker_url: str) -> int:
@@ -145,17 +152,17 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(tokenized_llama: Pa
                     body = {**QUERY, "query": f"{QUERY['query']} {i}"}  # distinct prefixes: both workers
                     return asyncio.ensure_future(client.post(url + "/v1/rerank", json=body))
 
-                tasks = [send(i) for i in range(200)]
+                tasks = [send(i) for i in range(100)]
                 # Mid-burst: once the victim holds some of the burst (the tasks send meanwhile).
                 await asyncio.to_thread(
                     poll_until, lambda: submitted(victim_url) > before, "the victim worker has requests"
                 )
                 victim.kill()  # SIGKILL: no drain, no goodbye
-                tasks += [send(i) for i in range(200, 240)]  # after the death: the router routes around it
+                tasks += [send(i) for i in range(100, 120)]  # after the death: the router routes around it
                 return await asyncio.gather(*tasks, return_exceptions=True)
 
         results = asyncio.run(burst())
-        assert len(results) == 240
+        assert len(results) == 120
         failed = [r if isinstance(r, BaseException) else (r.status_code, r.text[:200]) for r in results
                   if isinstance(r, BaseException) or r.status_code != 200]  # fmt: skip
         assert not failed, failed[:3]
@@ -167,44 +174,41 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(tokenized_llama: Pa
 
 
 @pytest.mark.slow
-def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path) -> None:
-    extra = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS]).start()
+def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path, single: ServerProcess) -> None:
+    extra = single
     flags = ["--workers", "1", "--router-policy", "round_robin"]
-    try:
-        with launched_cluster(tokenized_llama, flags) as (url, _):
-            [first] = worker_urls(url)
-            extra.wait_ready()
-            # The reference: the new worker on its own (a single server), before it joins.
-            bodies = [{**QUERY, "query": f"{QUERY['query']} {i}"} for i in range(8)]
-            want = [scores(httpx.post(extra.url + "/v1/rerank", json=b, timeout=60)) for b in bodies]
+    with launched_cluster(tokenized_llama, flags) as (url, _):
+        [first] = worker_urls(url)
+        extra.wait_ready()
+        # The reference: the new worker on its own (a single server), before it joins.
+        bodies = [{**QUERY, "query": f"{QUERY['query']} {i}"} for i in range(8)]
+        want = [scores(httpx.post(extra.url + "/v1/rerank", json=b, timeout=60)) for b in bodies]
 
-            cli = [
-                sys.executable,
-                "-m",
-                "po_backend.entrypoints.launch_cluster",
-                "add-worker",
-                "--router",
-                url,
-            ]
-            added = subprocess.run(
-                [*cli, "--worker-url", extra.url, "--timeout", "60"],
-                cwd=REPO_ROOT,
-                capture_output=True,
-                text=True,
-                timeout=90,
-            )
-            assert added.returncode == 0, added.stderr
-            assert worker_urls(url) == sorted([first, extra.url])
+        cli = [
+            sys.executable,
+            "-m",
+            "po_backend.entrypoints.launch_cluster",
+            "add-worker",
+            "--router",
+            url,
+        ]
+        added = subprocess.run(
+            [*cli, "--worker-url", extra.url, "--timeout", "60"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert added.returncode == 0, added.stderr
+        assert worker_urls(url) == sorted([first, extra.url])
 
-            before = rerank_calls(first), rerank_calls(extra.url)
-            got = [scores(httpx.post(url + "/v1/rerank", json=b, timeout=60)) for b in bodies]
-            after = rerank_calls(first), rerank_calls(extra.url)
+        before = rerank_calls(first), rerank_calls(extra.url)
+        got = [scores(httpx.post(url + "/v1/rerank", json=b, timeout=60)) for b in bodies]
+        after = rerank_calls(first), rerank_calls(extra.url)
 
-            # Nothing listens there: a clear error once our wait is over, not a hang.
-            with pytest.raises(RuntimeError, match="has not taken"):
-                add_worker(url, f"http://127.0.0.1:{free_port()}", timeout=2)
-    finally:
-        extra.stop()
+        # Nothing listens there: a clear error once our wait is over, not a hang.
+        with pytest.raises(RuntimeError, match="has not taken"):
+            add_worker(url, f"http://127.0.0.1:{free_port()}", timeout=2)
     assert got == want
     on_first, on_extra = after[0] - before[0], after[1] - before[1]
     assert on_first + on_extra == len(bodies)

@@ -114,7 +114,7 @@ def test_sigterm_answers_every_accepted_request(tokenized_llama: Path) -> None:
     )  # fmt: skip
     proc.start()
     proc.wait_ready()
-    n = 300
+    n = 150
 
     def loop_stats() -> dict[str, Any]:
         # One snapshot under the loop's lock: `submitted` counts every request the server took.

@@ -1,6 +1,7 @@
 """`prefillonly label` (po_lang.label): bad-row reports, resume (also after SIGKILL), crash safety,
 never deleting finished work, stopping on a backend that is down, CSV / Parquet in and out, the
-gold summary, --server against our real server, --ray, and po.Remote's retries."""
+gold summary, --server against our real server, and po.Remote's retries (--ray: tests/test_ray.py,
+beside the other test of the session's local Ray)."""
 
 from __future__ import annotations
 
@@ -598,7 +599,7 @@ def test_remote_retries_503_honouring_retry_after(busy_server: tuple[str, type[B
     assert isinstance(out[0], po.BackendUnavailable)
 
 
-# ---- --server and --ray on the tiny model ------------------------------------------------------
+# ---- --server on the tiny model ------------------------------------------------------------
 
 
 MODEL_ARGS = ["--labels", "Yes,No", "--batch-size", "4", "--calibrate", "none", "--no-progress"]
@@ -610,15 +611,19 @@ def _tiny_lines() -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="module")
-def in_process_labels(tokenized_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """The tiny model's labels, in this process: what --server and --ray must reproduce."""
-    folder = tmp_path_factory.mktemp("local")
+def label_in_process(model: Path, folder: Path) -> list[dict]:
+    """The tiny model's labels, in this process: what --server and --ray (tests/test_ray.py) must
+    reproduce."""
     path = write_jsonl(folder / "local.jsonl", _tiny_lines())
-    assert label_main([str(path), "--model", str(tokenized_llama), "--dtype", "fp32", *MODEL_ARGS]) == 0
+    assert label_main([str(path), "--model", str(model), "--dtype", "fp32", *MODEL_ARGS]) == 0
     want = read_output(folder / "local.labeled.jsonl")
     assert len(want) == 12 and {r["label"] for r in want} <= {"Yes", "No"}
     return want
+
+
+@pytest.fixture(scope="module")
+def in_process_labels(tokenized_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return label_in_process(tokenized_llama, tmp_path_factory.mktemp("local"))
 
 
 def assert_same_labels(got: list[dict], want: list[dict]) -> None:
@@ -670,37 +675,3 @@ def test_server_labels_as_in_process_and_resumes(
     before = read_output(tmp_path / "remote.labeled.jsonl")
     assert label_main([str(more), "--server", proc.url, *MODEL_ARGS]) == 1
     assert read_output(tmp_path / "remote.labeled.jsonl") == before
-
-
-@pytest.mark.slow
-def test_ray_labels_as_in_process_resumes_and_stops_on_a_dead_server(
-    tmp_path: Path,
-    tokenized_llama: Path,
-    in_process_labels: list[dict],
-    local_ray: None,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    # This process's backend only checks the labels: a Fake that never scores a row here, so every
-    # record below was computed by the Ray actors (on the tiny model, from --model).
-    driver = po.Fake(seed=12)
-    on_ray = write_jsonl(tmp_path / "ray.jsonl", _tiny_lines())
-    model = ["--model", str(tokenized_llama), "--dtype", "fp32"]
-    ray_args = [str(on_ray), *model, *MODEL_ARGS, "--ray", "--concurrency", "2"]
-    assert label_main([*ray_args, "--max-rows", "5"], backend=driver) == 0
-    assert len(read_output(tmp_path / "ray.labeled.jsonl")) == 5
-    capsys.readouterr()
-    assert label_main(ray_args, backend=driver) == 0  # resumes: the 5 are not labeled again
-    out, err = capsys.readouterr()
-    assert "12 of 13 rows labeled (7 now, 5 from an earlier run), 1 bad" in out
-    assert "bad row at line 13: not scored: " in err
-    assert n_requests(driver) == 0
-    assert_same_labels(read_output(tmp_path / "ray.labeled.jsonl"), in_process_labels)
-
-    # Actors whose server cannot be reached: the job stops (exit 1), no row becomes a bad row,
-    # the records stay.
-    dead = f"http://127.0.0.1:{free_port()}"
-    fresh = write_jsonl(tmp_path / "dead.jsonl", reviews(6))
-    assert label_main([str(fresh), "--server", dead, *MODEL_ARGS, "--ray"], backend=driver) == 1
-    err = capsys.readouterr().err
-    assert "bad row" not in err and "BackendUnavailable" in err
-    assert read_output(tmp_path / "dead.labeled.jsonl") == []

@@ -63,9 +63,16 @@ def test_bf16_close_to_fp32(tiny_model) -> None:
 
 
 @pytest.mark.embedded
-def test_embedded_matches_transformers_gguf(embedded_fp32: Engine) -> None:
+def test_embedded_matches_transformers_gguf(embedded_fp32: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Our forward on the embedded GGUF vs transformers loading the same GGUF file."""
+    import functools
+
+    import gguf
     import transformers
+
+    # transformers rebuilds the same read-only GGUF->HF name map for every submodule (hundreds of
+    # times, about a third of its load time here); one per (arch, layers) gives the same map.
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
 
     from po_backend.engine.models.loader import embedded_model_file
 

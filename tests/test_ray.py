@@ -1,5 +1,7 @@
-"""`po_lang.ray.classify_dataset` on a local Ray (2 CPUs): the same labels as the in-process
-`.map`, every row out (errors as rows), rows that share a prefix grouped so the cache serves them."""
+"""The tests of the session's local Ray (2 CPUs), in one file so one test process starts Ray once:
+`po_lang.ray.classify_dataset` gives the same labels as the in-process `.map`, every row out (errors
+as rows), rows that share a prefix grouped so the cache serves them; `prefillonly label --ray`
+labels as in process, resumes, and stops on a dead server."""
 
 from __future__ import annotations
 
@@ -9,7 +11,19 @@ from typing import Any
 import pytest
 
 import po_lang as po
+from po_backend.entrypoints.spawn import free_port
+from po_lang.label import main as label_main
 from tests.deps import require
+from tests.test_label import (
+    MODEL_ARGS,
+    _tiny_lines,
+    assert_same_labels,
+    label_in_process,
+    n_requests,
+    read_output,
+    reviews,
+    write_jsonl,
+)
 
 ray = require("ray", "pip install 'ray[data]'")
 from po_lang.ray import classify_dataset, hit_rate  # noqa: E402
@@ -49,3 +63,42 @@ def test_classify_dataset_equals_map(local_ray: None, tokenized_llama: Path) -> 
         assert g["probs"]["Yes"] == pytest.approx(w.probs["Yes"], abs=1e-5)
     # Grouped by profile: all but the first row of each profile read it from the cache.
     assert hit_rate(out.materialize()) > 0.3
+
+
+@pytest.fixture(scope="module")
+def in_process_labels(tokenized_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return label_in_process(tokenized_llama, tmp_path_factory.mktemp("local"))
+
+
+@pytest.mark.slow
+def test_ray_labels_as_in_process_resumes_and_stops_on_a_dead_server(
+    tmp_path: Path,
+    tokenized_llama: Path,
+    in_process_labels: list[dict],
+    local_ray: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # This process's backend only checks the labels: a Fake that never scores a row here, so every
+    # record below was computed by the Ray actors (on the tiny model, from --model).
+    driver = po.Fake(seed=12)
+    on_ray = write_jsonl(tmp_path / "ray.jsonl", _tiny_lines())
+    model = ["--model", str(tokenized_llama), "--dtype", "fp32"]
+    ray_args = [str(on_ray), *model, *MODEL_ARGS, "--ray", "--concurrency", "2"]
+    assert label_main([*ray_args, "--max-rows", "5"], backend=driver) == 0
+    assert len(read_output(tmp_path / "ray.labeled.jsonl")) == 5
+    capsys.readouterr()
+    assert label_main(ray_args, backend=driver) == 0  # resumes: the 5 are not labeled again
+    out, err = capsys.readouterr()
+    assert "12 of 13 rows labeled (7 now, 5 from an earlier run), 1 bad" in out
+    assert "bad row at line 13: not scored: " in err
+    assert n_requests(driver) == 0
+    assert_same_labels(read_output(tmp_path / "ray.labeled.jsonl"), in_process_labels)
+
+    # Actors whose server cannot be reached: the job stops (exit 1), no row becomes a bad row,
+    # the records stay.
+    dead = f"http://127.0.0.1:{free_port()}"
+    fresh = write_jsonl(tmp_path / "dead.jsonl", reviews(6))
+    assert label_main([str(fresh), "--server", dead, *MODEL_ARGS, "--ray"], backend=driver) == 1
+    err = capsys.readouterr().err
+    assert "bad row" not in err and "BackendUnavailable" in err
+    assert read_output(tmp_path / "dead.labeled.jsonl") == []
