@@ -82,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     model, source = sim_step_model(args.jct)
     per_token, dtype = kv_bytes_per_token()
     pool = int(args.pool_gib * GiB) // per_token
-    reqs, unit = sim.paper_trace(
-        sim.TraceShape(users=args.users, posts=args.posts, scale=args.scale, seed=args.seed)
-    )
+    shape = sim.TraceShape(users=args.users, posts=args.posts, scale=args.scale, seed=args.seed)
+    reqs, unit = sim.paper_trace(shape)
     prefixes = {r.input_ids[: r.cache_prefix_len] for r in reqs}
     mean_prefix = sum(map(len, prefixes)) / len(prefixes)
     print(
@@ -115,13 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             best: dict[float, sim.ClusterResult] = {}
 
             def p99_at(qps: float, n: int = n, policy: str = policy, best: dict = best) -> float:
-                res = run(n, policy, [(u / qps, r) for u, r in zip(unit, reqs, strict=True)], slo, skip / qps)
-                best[qps] = res
-                return (
-                    sim.p99([r.end - r.arrival for r in res.runs if r.arrival >= skip / qps])
-                    if res.complete
-                    else math.inf
-                )
+                trace = [(u / qps, r) for u, r in zip(unit, reqs, strict=True)]
+                res = best[qps] = run(n, policy, trace, slo, skip / qps)
+                lat = [r.end - r.arrival for r in res.runs if r.arrival >= skip / qps]
+                return sim.p99(lat) if res.complete else math.inf
 
             t = time.perf_counter()
             one = next((r for r in rows if r["workers"] == 1), None) if n == 1 else None

@@ -37,6 +37,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, parser, save, wait_for_quiet
+from benchmarks.workloads import label_ids
 from po_backend.core.cpu import cpu_class
 from po_backend.engine import attention_cpu
 from po_backend.engine.config import ModelConfig, parse_dtype
@@ -320,14 +321,9 @@ def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"max_input_len": max(n, 512), "max_batch_tokens": max(n, 1024)}
     e32 = Engine.from_pretrained("embedded", dtype="fp32", **kw)
     tok = e32.tokenizer
-    labels = (tok.encode(" Yes", add_special_tokens=False)[0], tok.encode(" No", add_special_tokens=False)[0])
-    lists = [
-        (
-            tok.encode(f"Profile: {p}\n"),
-            [tok.encode(f"Item: {it}{QUESTION}", add_special_tokens=False) for it in ITEMS],
-        )
-        for p in PROFILES
-    ]
+    labels = label_ids(tok)
+    items = [tok.encode(f"Item: {it}{QUESTION}", add_special_tokens=False) for it in ITEMS]
+    lists = [(tok.encode(f"Profile: {p}\n"), items) for p in PROFILES]
     ref = _scores(e32, lists, labels, cached=False)
     doc: dict[str, Any] = {"fp32": {"auc": _auc(dtype="fp32")}}
     ids = torch.randint(0, e32.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
