@@ -48,9 +48,10 @@ DEFAULT_BATCH_MIN_SHARE = 0.05
 # target: the target minus what recent online calls took without batch work in their way
 # (`sched.backfill`). Before any online call is measured it may take this share of the target.
 BACKFILL_SLO_SHARE = 0.5
-# The bounds of that share: batch work keeps moving when online calls alone come near the target,
-# and a step's prediction error keeps some room even when they are far below it.
-BACKFILL_SHARE_BOUNDS = (0.1, 0.8)
+# The bounds of that share: batch steps stay long enough to be worth their fixed per-step cost
+# when online calls alone come near the target, and a step's prediction error keeps some room
+# even when they are far below it.
+BACKFILL_SHARE_BOUNDS = (0.25, 0.8)
 # Online calls the estimate looks back over: enough for a tail, recent enough to follow the load.
 BACKFILL_WINDOW = 64
 # A request that names no priority has this one (SGLang's default).
