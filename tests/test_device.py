@@ -14,9 +14,10 @@ import torch
 import transformers
 
 from po_backend import DeviceUnavailableError, Engine
+from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from po_backend.engine import attention, engine
 from po_backend.engine.cache.kv_pool import KVPool
-from po_backend.engine.config import ModelConfig, default_dtype, parse_dtype
+from po_backend.engine.config import ModelConfig, default_chunk_size, default_dtype, parse_dtype
 from po_backend.engine.device import cuda_dtype, describe, resolve_device
 from po_backend.engine.memory import MEMORY_CACHE_ENV, PeakMemory, available_bytes
 from po_backend.engine.models import model_class
@@ -102,6 +103,22 @@ def test_auto_dtype_on_cuda_by_compute_capability(monkeypatch, capability, want)
     assert default_dtype(cuda) == want
     assert parse_dtype("auto", cuda) == parse_dtype(None, cuda) == want
     assert parse_dtype("fp32", cuda) == torch.float32  # an explicit dtype is kept
+
+
+@pytest.mark.parametrize(("device", "want"), [("cpu", DEFAULT_CHUNK_SIZE), ("cuda", CUDA_CHUNK_SIZE)])
+def test_default_chunk_by_device(tiny_model, monkeypatch, device: str, want: int) -> None:
+    """Unset, the hybrid chunk is the device's: longer on CUDA, where a small model is bound by
+    the kernel launches of each chunk. An explicit one is kept."""
+    fake_gpus(monkeypatch, 1)
+    path, _ = tiny_model("llama")
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(engine, "load_model", lambda *a: None)  # no weights on the absent GPU
+    monkeypatch.setattr(engine, "describe", str)  # nor its properties
+    monkeypatch.setattr(Engine, "__init__", lambda self, model, tok, config, **kw: seen.update(config=config))
+    Engine.from_pretrained(path, device=device)
+    assert seen["config"].chunk_size == want == default_chunk_size(torch.device(device))
+    Engine.from_pretrained(path, device=device, chunk_size=128)
+    assert seen["config"].chunk_size == 128
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ IN_PROCESS: list[Callable[[dict[str, Any]], Settings]] = [via_sglang_engine, via
 
 # (command-line flags, the same as keyword arguments, the fields they must set)
 CASES: list[tuple[list[str], dict[str, Any], dict[str, Any]]] = [
-    ([], {}, {"chunk_size": 512, "max_queue": 4096, "schedule_policy": "po", "enable_cache": True}),
+    ([], {}, {"chunk_size": None, "max_queue": 4096, "schedule_policy": "po", "enable_cache": True}),
     (["--dtype", "fp32"], {"dtype": "fp32"}, {"dtype": "fp32"}),
     (["--device", "cpu"], {"device": "cpu"}, {"device": "cpu"}),
     (["--max-input-len", "300"], {"max_input_len": 300}, {"max_input_len": 300}),

@@ -11,7 +11,7 @@ import torch
 
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
-from po_backend.core.settings import DEFAULT_CHUNK_SIZE, RESIDUAL_DTYPES
+from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, RESIDUAL_DTYPES
 from po_backend.engine.device import cuda_dtype, resolve_device
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k) for the Llama family
@@ -321,6 +321,11 @@ def _gemma(cfg: dict[str, Any], model_type: str) -> ModelConfig:
 
 def default_device() -> torch.device:
     return resolve_device(None)
+
+
+def default_chunk_size(device: torch.device) -> int:
+    """The hybrid chunk when none is asked for: longer on CUDA (see CUDA_CHUNK_SIZE)."""
+    return CUDA_CHUNK_SIZE if device.type == "cuda" else DEFAULT_CHUNK_SIZE
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -16,7 +16,7 @@ from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
 from po_backend.engine.cache import CacheStats, KVPool, RadixCache
-from po_backend.engine.config import EngineConfig, ModelConfig, parse_dtype
+from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes, profiled_peaks
 from po_backend.engine.models.llama import LlamaForCausalLM
@@ -125,8 +125,8 @@ class Engine:
         config: how to run it (see EngineConfig); overrides: EngineConfig fields replacing the
         config's (dtype and device may be strings like "fp32", "cuda:0"; None means unset). Unset
         fields get defaults that depend on the model and machine: device cuda when available,
-        dtype `default_dtype`, max_input_len the model's context, max_batch_tokens
-        max(max_input_len, 2048), profile_full on CUDA only.
+        dtype `default_dtype`, chunk_size `default_chunk_size`, max_input_len the model's context,
+        max_batch_tokens max(max_input_len, 2048), profile_full on CUDA only.
         """
         names = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(overrides) - names)
@@ -146,6 +146,7 @@ class Engine:
                 **given,
                 "device": dev,
                 "dtype": parse_dtype(given.get("dtype"), dev),
+                "chunk_size": given.get("chunk_size", default_chunk_size(dev)),
                 "max_input_len": max_input_len,
                 "max_batch_tokens": given.get("max_batch_tokens", max(max_input_len, 2048)),
                 "profile_full": given.get("profile_full", dev.type == "cuda"),
