@@ -415,8 +415,7 @@ def test_flags_map_onto_server_args() -> None:
     assert (args.engine.model_path, args.engine.dtype, args.engine.max_input_len) == ("m", "fp32", 300)
     assert args.engine.overrides() == {
         "dtype": "fp32",
-        "max_input_len": 300,
-        "chunk_size": 512,
+        "max_input_len": 300,  # no chunk_size: unset, the engine takes its device's default
         "prefill_mode": "hybrid",
         "residual_dtype": "fp32",
         "enable_cache": False,
