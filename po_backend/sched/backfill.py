@@ -43,11 +43,6 @@ class BackfillBudget:
         own = sorted(self._own)[max(0, math.ceil(ONLINE_QUANTILE * len(self._own)) - 1)]
         return min(max(self.target_s - own, lo * self.target_s), hi * self.target_s)
 
-    @property
-    def share(self) -> float:
-        """The budget as a share of the target."""
-        return self.budget_s / self.target_s
-
     def step_done(self, start: float, end: float, batch: bool, online_arrivals: Sequence[float]) -> None:
         """A step ran from `start` to `end`: a batch step (`batch`) or not, answering online calls
         that arrived at `online_arrivals`."""

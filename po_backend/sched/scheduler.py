@@ -188,9 +188,9 @@ class Scheduler:
         # a middle class that always waits cannot spend what the least urgent one earned.
         self._credits: dict[int, float] = {}
         self._prefix_steps: dict[int, int] = {}  # prefix-only steps run per waiting request
-        slo = self.config.online_slo_s
         # Batch steps sized to the online latency target, from the online calls measured.
-        self.backfill = BackfillBudget(slo) if slo is not None and self.config.enable_priority else None
+        slo = self.config.online_slo_s
+        self.backfill = BackfillBudget(slo) if slo is not None and self.config.sizes_batch_steps else None
 
     # ---- queue ------------------------------------------------------------------------------
 
