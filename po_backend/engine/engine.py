@@ -74,6 +74,7 @@ class _Work:
     index: int
     req: ScoreRequest
     store_len: int  # leading tokens to keep in the prefix cache once computed
+    rank: int = 0  # its priority class (scheduler rank): what the cache keeps first
     plan: SeqPlan | None = None
     node: Any = None  # locked radix node of the matched prefix
     match_slots: torch.Tensor | None = None  # slots of the prefix it reads (cache or batch-mate)
@@ -372,13 +373,20 @@ class Engine:
             self.shares_in_batch,
         )
 
-    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
-        new prefixes, unlock. Callers choose the batch (see `batchable`)."""
+        new prefixes, unlock. Callers choose the batch (see `batchable`). `ranks`: each request's
+        priority class (the scheduler's rank, 0 the most urgent; default all 0), which the
+        prefix cache's eviction order keeps the more urgent prefixes by."""
         self._probes.clear()  # the cache changes from here on
         asked = list(requests)
+        ranks = [0] * len(asked) if ranks is None else list(ranks)
+        if len(ranks) != len(asked):
+            raise ValueError(f"{len(asked)} requests but {len(ranks)} ranks")
         requests = [outputs.prepare(r, self.task) for r in asked]
-        batch = [_Work(i, r, self.store_len(r)) for i, r in enumerate(requests)]
+        batch = [
+            _Work(i, r, self.store_len(r), k) for i, (r, k) in enumerate(zip(requests, ranks, strict=True))
+        ]
         groups: dict[tuple[int, ...], int] = {}  # what a prefix is read from -> runner group
         stores = BatchStores()
         try:
@@ -391,7 +399,7 @@ class Engine:
                 # the activation bound.
                 for w in batch:
                     self._release(w)
-                return [res for r in asked for res in self.step([r])]
+                return [res for r, k in zip(asked, ranks, strict=True) for res in self.step([r], [k])]
             # Items of one prefix group must be adjacent so attention reads their prefix once.
             ordered = sorted(
                 batch, key=lambda w: (w.planned.prefix_group is None, w.planned.prefix_group or 0)
@@ -432,7 +440,7 @@ class Engine:
         start, prefix = 0, None
         source: tuple[int, ...] | None = None
         if self.cache is not None:
-            m = self.cache.match_prefix(ids[:limit])
+            m = self.cache.match_prefix(ids[:limit], w.rank)
             if m.length:
                 self.cache.lock(m.node)
                 w.node = m.node
@@ -466,12 +474,12 @@ class Engine:
         if w.store_slots is not None:
             assert w.match_slots is not None, "set by _plan"
             slots = torch.cat([w.match_slots, w.store_slots])
-            self.cache.insert(w.req.input_ids[: slots.numel()], slots)
+            self.cache.insert(w.req.input_ids[: slots.numel()], slots, w.rank)
             w.store_slots = None  # owned by the tree now
         if w.from_mate:
             # The prefix it read from a batch-mate is in the tree now (the mate inserted it
             # first): mark it reused, so eviction keeps it before never-read tails.
-            self.cache.match_prefix(w.req.input_ids[: w.planned.start_pos])
+            self.cache.match_prefix(w.req.input_ids[: w.planned.start_pos], w.rank)
 
     def _release(self, w: _Work) -> None:
         """Unlock and return uninserted slots, also when the forward failed."""

@@ -71,8 +71,8 @@ class HFScorer:
     def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
         return [(0, 0)]  # one request per forward: the baseline as transformers users run it
 
-    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        return [self.score(r) for r in requests]
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
+        return [self.score(r) for r in requests]  # no cache, so no use for the ranks
 
     def stats(self) -> EngineStats:
         return EngineStats.from_counts(self._counts)
