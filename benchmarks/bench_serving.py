@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import math
 import random
 import re
@@ -228,7 +227,7 @@ def main() -> None:
     where.add_argument("--launch", help=f"launch ours per config, one at a time: any of {','.join(LAUNCH)}")
     harness.flags(ap, model_path=("embedded", "model to launch; its tokenizer is used"), dtype="auto")
     harness.flags(ap, tokenizer=(None, "tokenizer folder (default: --model-path)"), max_input_len=0)
-    harness.flags(ap, port=(30100, "port for launched servers"), api_key=None, seed=0)
+    harness.flags(ap, api_key=None, seed=0)
     harness.flags(ap, server_args=("", "more flags for every launched server"))
     harness.flags(ap, base_checkout=(None, "the checkout `--launch base` runs (another commit)"))
     harness.flags(
@@ -248,8 +247,7 @@ def main() -> None:
     harness.flags(
         ap, timeout=(600.0, "per request, seconds"), out=("serving", "results file stem in results/")
     )
-    harness.flags(ap, quick=(False, "2 users x 4 items, 300-token profiles, qps 1"), no_plot=False)
-    harness.flags(ap, json=(False, "also print the result rows as JSON"))
+    harness.flags(ap, quick=(False, "2 users x 4 items, 300-token profiles, qps 1"))
     args = ap.parse_args()
     if args.quick:
         args.users, args.items, args.profile_tokens, args.item_tokens = 2, 4, 300, 60
@@ -278,13 +276,12 @@ def main() -> None:
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
     rows: list[dict[str, Any]] = bench_one("server", args.url, calls, args) if args.url else []
-    for i, name in enumerate(args.launch.split(",") if args.launch else []):
+    for name in args.launch.split(",") if args.launch else []:
         flags = ["--dtype", args.dtype, *LAUNCH[name], *args.server_args.split()]
         flags += ["--max-input-len", str(args.max_input_len)] if args.max_input_len else []
         # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
-        srv = harness.our_server(
-            flags, args.model_path, args.port + i, args.base_checkout if name == "base" else harness.REPO_ROOT
-        )
+        cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
+        srv = harness.our_server(flags, args.model_path, cwd=cwd)
         with harness.servers_up([srv]):
             warm_up(srv.url, calls[0], args.timeout, _auth(args))
             rows += bench_one(name, srv.url, calls, args, pid=srv.proc.pid if srv.proc else None)
@@ -295,11 +292,8 @@ def main() -> None:
         "results": rows,
     }
     harness.save(harness.RESULTS / f"{args.out}.json", doc, report.serving_markdown(doc))
-    if not args.no_plot:
-        plot = {f"{args.workload} via /{args.api}": {"runs": rows}}
-        report.plot_sweeps(plot, harness.RESULTS / f"{args.out}.png")
-    if args.json:
-        print(json.dumps(rows))
+    plot = {f"{args.workload} via /{args.api}": {"runs": rows}}
+    report.plot_sweeps(plot, harness.RESULTS / f"{args.out}.png")
 
 
 if __name__ == "__main__":

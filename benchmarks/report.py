@@ -86,9 +86,9 @@ def _and(words: Sequence[str]) -> str:
 
 def sweep_rows(workloads: Doc, extra: bool = True) -> list[list[Any]]:
     """Every point of harness.sweep results (`*` = contended); `extra`: P50, steps, items/step too."""
-    spec = "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%" + (
-        " p50_s:.2f steps mean_batch:.1f" * extra
-    )
+    spec = "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%"
+    if extra:
+        spec += " p50_s:.2f steps mean_batch:.1f"
     return [[name, *cells(r, spec)] for name, w in workloads.items() for r in sorted(w["runs"], key=_order)]
 
 
@@ -363,7 +363,7 @@ def _axes(ax: Any, xlabel: str, ylabel: str, title: str, base: int = 10, logy: b
 
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if logy else "linear")
     ax.set_xscale("log", base=base)
-    for axis in [ax.xaxis] + [ax.yaxis] * logy:
+    for axis in [ax.xaxis, ax.yaxis] if logy else [ax.xaxis]:
         if base == 10:
             axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axis.set_minor_formatter(ticker.NullFormatter())

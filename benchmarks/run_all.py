@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     folder: Path = args.folder
     folder.mkdir(parents=True, exist_ok=True)
-    steps = [s for s in list(STEPS)[:-1] if s in args.steps.split(",")] + ["llamacpp"] * args.llamacpp
+    steps = [s for s in list(STEPS)[:-1] if s in args.steps.split(",")]
+    if args.llamacpp:
+        steps.append("llamacpp")
     # A step's files from an earlier run must not pass for this run's; other files (the figures
     # REPORT.md links) stay.
     for old in [p for name in steps for p in folder.glob(f"{name}.*")]:
