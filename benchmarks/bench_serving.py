@@ -30,12 +30,24 @@ from benchmarks.workloads import label_ids, wl1, wl2
 # --launch names -> launch_server flags. chunked: vLLM-style FCFS + prefix cache + Sarathi chunked
 # prefill; po-nogroup: po without grouping undeclared shared prefixes; base: po as built by
 # another checkout (--base-checkout), so one run measures a change against what it replaces.
-LAUNCH = {p: ["--schedule-policy", p] for p in ("po", "fcfs", "srjf", "lpm")}
-LAUNCH.update({"po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"], "hf": ["--backend", "hf"]})
-LAUNCH.update({"chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"], "base": LAUNCH["po"]})
-LAUNCH["po-nogroup"] = ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)]
-COUNTERS = ("po_prompt_tokens_total", "po_cache_hit_tokens_total")
-COUNTERS += ("po_cache_tokens", "po_cache_reused_tokens")  # what the pool holds, and how much was read back
+LAUNCH = {
+    "po": ["--schedule-policy", "po"],
+    "fcfs": ["--schedule-policy", "fcfs"],
+    "srjf": ["--schedule-policy", "srjf"],
+    "lpm": ["--schedule-policy", "lpm"],
+    "po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"],
+    "hf": ["--backend", "hf"],
+    "chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"],
+    "base": ["--schedule-policy", "po"],
+    "po-nogroup": ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)],
+}
+# Scored and cache-hit tokens; what the pool holds, and how much of it was read back.
+COUNTERS = (
+    "po_prompt_tokens_total",
+    "po_cache_hit_tokens_total",
+    "po_cache_tokens",
+    "po_cache_reused_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +107,12 @@ def request_body(call: Call, args: argparse.Namespace, tok: Any) -> tuple[str, d
         prompts = [tok.decode(p) for p in prompts]
     one = len(prompts) == 1  # a single prompt, not a batch of one: what plain SGLang clients send
     key = "input_ids" if isinstance(prompts[0], list) else "text"
-    body = {key: prompts[0] if one else prompts, "sampling_params": {"max_new_tokens": 0}}
-    body.update(return_logprob=True, token_ids_logprob=list(labels))
+    body = {
+        key: prompts[0] if one else prompts,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "token_ids_logprob": list(labels),
+    }
     if args.prefix_hint:  # our extension; SGLang does not know it
         hint = [len(call.prefix) or None] * len(prompts)
         body["cache_prefix_len"] = hint[0] if one else hint
@@ -189,7 +205,8 @@ def bench_one(
         if after and before:
             prompt = after["po_prompt_tokens_total"] - before["po_prompt_tokens_total"]
             hits = after["po_cache_hit_tokens_total"] - before["po_cache_hit_tokens_total"]
-            row.update(prompt_tokens=prompt, cache_hit_rate=hits / prompt if prompt else 0.0)
+            row["prompt_tokens"] = prompt
+            row["cache_hit_rate"] = hits / prompt if prompt else 0.0
             row["prompt_tokens_per_s"] = prompt / span if span else math.nan
             # What the pool holds at the end, and how much of it was read back (not speculation).
             if "po_cache_tokens" in after:
@@ -251,8 +268,13 @@ def main() -> None:
     calls = make_calls(args, tok)
     n_items = sum(len(c.suffixes) for c in calls)
     tokens = sum(len(c.prefix) + len(s) for c in calls for s in c.suffixes)
-    workload = {"name": args.workload, "calls": len(calls), "items": n_items, "prompt_tokens": tokens}
-    workload["users"] = args.users
+    workload = {
+        "name": args.workload,
+        "calls": len(calls),
+        "items": n_items,
+        "prompt_tokens": tokens,
+        "users": args.users,
+    }
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
     rows: list[dict[str, Any]] = bench_one("server", args.url, calls, args) if args.url else []
@@ -266,8 +288,12 @@ def main() -> None:
         with harness.servers_up([srv]):
             warm_up(srv.url, calls[0], args.timeout, _auth(args))
             rows += bench_one(name, srv.url, calls, args, pid=srv.proc.pid if srv.proc else None)
-    doc = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "api_key"}}
-    doc.update(workload=workload, results=rows)
+    doc = {
+        "machine": machine,
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "workload": workload,
+        "results": rows,
+    }
     harness.save(harness.RESULTS / f"{args.out}.json", doc, report.serving_markdown(doc))
     if not args.no_plot:
         plot = {f"{args.workload} via /{args.api}": {"runs": rows}}

@@ -15,8 +15,12 @@ from typing import Any
 
 CONTENDED_CORES = 0.5  # other processes busier than this during a run: its numbers are upper bounds
 QPS_ORDER = ("hf", "fcfs", "chunked", "srjf", "lpm", "po")
-QPS_NAMES = {"hf": "transformers (`--backend hf`)", "fcfs": "ours fcfs + radix cache"}
-QPS_NAMES.update(chunked="ours chunked prefill + cache", po="ours po")
+QPS_NAMES = {
+    "hf": "transformers (`--backend hf`)",
+    "fcfs": "ours fcfs + radix cache",
+    "chunked": "ours chunked prefill + cache",
+    "po": "ours po",
+}
 SWEEP_HEADER = "workload | x anchor | QPS | config | mean s | P99 s | hits | P50 s | steps | items/step"
 # The router policy that keeps a user on one worker, and its baseline.
 AFFINITY, SPREAD = "cache_aware", "round_robin"
@@ -216,10 +220,16 @@ def cluster_ratios(doc: Doc) -> dict[str, dict[str, float]]:
     for point in dict.fromkeys(_point(r) for r in doc["runs"]):
         a, b = by.get((point, AFFINITY)), by.get((point, SPREAD))
         if a is not None and b is not None:
-            out[point] = {k: _ratio(a[k], b[k]) for k in ("items_per_s", "hit_rate")}
-            out[point] |= {k: _ratio(b[k], a[k]) for k in ("p50_s", "p99_s")}
-            out[point]["computed_tokens"] = _ratio(*(r["prompt_tokens"] - r["cached_tokens"] for r in (b, a)))
-            out[point]["cpu_per_item"] = _ratio(_cpu_per_item(b), _cpu_per_item(a))
+            out[point] = {
+                "items_per_s": _ratio(a["items_per_s"], b["items_per_s"]),
+                "hit_rate": _ratio(a["hit_rate"], b["hit_rate"]),
+                "p50_s": _ratio(b["p50_s"], a["p50_s"]),
+                "p99_s": _ratio(b["p99_s"], a["p99_s"]),
+                "computed_tokens": _ratio(
+                    b["prompt_tokens"] - b["cached_tokens"], a["prompt_tokens"] - a["cached_tokens"]
+                ),
+                "cpu_per_item": _ratio(_cpu_per_item(b), _cpu_per_item(a)),
+            }
     return out
 
 

