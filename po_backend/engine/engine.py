@@ -15,7 +15,7 @@ from po_backend.core.errors import CapacityError, InvalidRequestError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
-from po_backend.engine.cache import CacheStats, KVPool, RadixCache
+from po_backend.engine.cache import KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes, profiled_peaks
@@ -28,43 +28,12 @@ from po_backend.engine.models.loader import (
     resolve_model_dir,
 )
 from po_backend.engine.runner import LOGIT_ROWS, SeqPlan, make_runner
+from po_backend.engine.stats import EngineStats
 from po_backend.sched.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
 
 PrefixLens = int | Sequence[int | None] | None  # one cache_prefix_len for all prompts, or one each
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    requests: int
-    forwards: int
-    prompt_tokens: int
-    computed_tokens: int
-    cached_tokens: int  # prompt tokens read from the prefix cache instead of computed
-    cache: CacheStats | None
-    pool_bytes: int
-    activation_budget_bytes: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @classmethod
-    def from_counts(
-        cls, counts: dict[str, int], cache: CacheStats | None = None, pool_bytes: int = 0, budget: int = 0
-    ) -> EngineStats:
-        """From a scorer's running counts (requests, forwards, prompt, computed, cached tokens)."""
-        return cls(
-            requests=counts["requests"],
-            forwards=counts["forwards"],
-            prompt_tokens=counts["prompt"],
-            computed_tokens=counts["computed"],
-            cached_tokens=counts["cached"],
-            cache=cache,
-            pool_bytes=pool_bytes,
-            activation_budget_bytes=budget,
-        )
 
 
 @dataclass

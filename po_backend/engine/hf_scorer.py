@@ -15,9 +15,9 @@ from po_backend.core.errors import UnsupportedModelError
 from po_backend.core.request import ScoreRequest, ScoreResult, validate_request
 from po_backend.engine.config import parse_dtype
 from po_backend.engine.device import resolve_device
-from po_backend.engine.engine import EngineStats
 from po_backend.engine.models.loader import load_tokenizer, read_task, resolve_model_dir
 from po_backend.engine.outputs import PromptSpan, score_result
+from po_backend.engine.stats import EngineStats
 
 
 class HFScorer:
