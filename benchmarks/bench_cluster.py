@@ -194,9 +194,15 @@ def run_one(
                 stack.enter_context(s)
             outcomes, span = asyncio.run(send_open_loop(url, calls, arrivals, args.timeout))
         after = [token_counters(w.url) for w in workers]
-    row: dict[str, Any] = {"shape": shape, "rate": rate, "policy": policy, "router_cmd": cmd[1:]}
-    row.update(summarize(outcomes, span, qps, per_call), cluster_cores=sum(s.pid_cores for s in shares))
-    row["other_cores"] = max(0.0, shares[0].other_cores - sum(s.pid_cores for s in shares[1:]))
+    row: dict[str, Any] = {
+        "shape": shape,
+        "rate": rate,
+        "policy": policy,
+        "router_cmd": cmd[1:],
+        **summarize(outcomes, span, qps, per_call),
+        "cluster_cores": sum(s.pid_cores for s in shares),
+        "other_cores": max(0.0, shares[0].other_cores - sum(s.pid_cores for s in shares[1:])),
+    }
     # Where each call went, per worker and per user: a call the router retried counts on both.
     user_of = {call_key(c.body): c.user for c in calls}
     where: dict[int, set[int]] = defaultdict(set)
@@ -205,11 +211,17 @@ def run_one(
         if key in user_of:
             where[user_of[key]].add(i)
         calls_of[i], items_of[i] = calls_of[i] + 1, items_of[i] + items
-    row["workers"] = []
-    for i, ((p1, c1), (p0, c0)) in enumerate(zip(after, before, strict=True)):
-        w = {"prompt_tokens": p1 - p0, "cached_tokens": c1 - c0, "calls": calls_of[i], "items": items_of[i]}
-        w.update(share=(c1 - c0) / (p1 - p0) if p1 > p0 else 0.0, users=sum(i in ws for ws in where.values()))
-        row["workers"].append(w)
+    row["workers"] = [
+        {
+            "prompt_tokens": p1 - p0,
+            "cached_tokens": c1 - c0,
+            "calls": calls_of[i],
+            "items": items_of[i],
+            "share": (c1 - c0) / (p1 - p0) if p1 > p0 else 0.0,
+            "users": sum(i in ws for ws in where.values()),
+        }
+        for i, ((p1, c1), (p0, c0)) in enumerate(zip(after, before, strict=True))
+    ]
     prompt = row["prompt_tokens"] = sum(w["prompt_tokens"] for w in row["workers"])
     row["cached_tokens"] = sum(w["cached_tokens"] for w in row["workers"])
     row["hit_rate"] = row["cached_tokens"] / prompt if prompt else 0.0
@@ -262,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         "users": args.users,
         "posts": args.posts,
         "mean_profile_tokens": sum(map(len, profiles)) / len(profiles),
+        "mean_post_tokens": sum(len(c.suffixes[0]) for c in gen) / len(gen),
+        "calls": {s: len(traces[s]) for s in args.shapes},
     }
-    workload["mean_post_tokens"] = sum(len(c.suffixes[0]) for c in gen) / len(gen)
-    workload["calls"] = {s: len(traces[s]) for s in args.shapes}
     machine = harness.machine_info()
     print(
         f"{args.users} users x {args.posts} posts, profiles ~{workload['mean_profile_tokens']:.0f} tokens, "
@@ -285,10 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "args": vars(args),
         "threads_per_worker": worker_threads(args.workers),
+        # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
+        "worker_settings": {k: v for k, v in info.items() if k != "internal_states"},
+        "workload": workload,
+        "runs": rows,
+        "seconds": time.perf_counter() - t0,
     }
-    # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
-    doc["worker_settings"] = {k: v for k, v in info.items() if k != "internal_states"}
-    doc.update(workload=workload, runs=rows, seconds=time.perf_counter() - t0)
     doc["ratios"] = report.cluster_ratios(doc)
     harness.save(args.out, doc, report.cluster_markdown(doc))
     return 1 if sum(r["calls"] - r["ok"] for r in rows) else 0

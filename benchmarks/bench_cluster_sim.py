@@ -68,10 +68,17 @@ def summary(res: sim.ClusterResult, qps: float, since: float, span_s: float, slo
     lat = [r.end - r.arrival for r in res.runs if r.arrival >= since]
     busy = [w.busy_s / max(r.end for r in res.runs) for w in res.workers]
     return {
-        **{"qps": qps, "p99_s": sim.p99(lat), "mean_s": sum(lat) / len(lat), "span_over_bound": span_s / slo},
-        **{"hit_rate": res.hit_rate, "imbalance": res.imbalance, "busy_share": busy},
-        **{"items_per_worker": [w.items for w in res.workers], "balanced_by_load": res.balanced_by_load},
-        **{"by_match": res.by_match, "mean_batch": len(lat) / sum(w.steps for w in res.workers)},
+        "qps": qps,
+        "p99_s": sim.p99(lat),
+        "mean_s": sum(lat) / len(lat),
+        "span_over_bound": span_s / slo,
+        "hit_rate": res.hit_rate,
+        "imbalance": res.imbalance,
+        "busy_share": busy,
+        "items_per_worker": [w.items for w in res.workers],
+        "balanced_by_load": res.balanced_by_load,
+        "by_match": res.by_match,
+        "mean_batch": len(lat) / sum(w.steps for w in res.workers),
     }
 
 
@@ -123,13 +130,19 @@ def main(argv: list[str] | None = None) -> int:
             one = next((r for r in rows if r["workers"] == 1), None) if n == 1 else None
             if one is not None:  # one worker: every router sends everything to it, the same run
                 row = {**one, "router": policy}
-                row.update({} if policy == "cache_aware" else {"balanced_by_load": 0, "by_match": 0})
+                if policy != "cache_aware":
+                    row["balanced_by_load"] = row["by_match"] = 0
             else:
                 qps, runs = sim.max_qps_at_p99(p99_at, slo, guess, rel_tol=args.rel_tol)
                 if qps <= 0:
                     raise RuntimeError(f"{policy} x {n}: no rate found within the P99 bound")
-                row = {"router": policy, "workers": n, "sustained_qps": qps, "runs": runs}
-                row.update(summary(best[qps], qps, skip / qps, unit[-1] / qps, slo))
+                row = {
+                    "router": policy,
+                    "workers": n,
+                    "sustained_qps": qps,
+                    "runs": runs,
+                    **summary(best[qps], qps, skip / qps, unit[-1] / qps, slo),
+                }
             rows.append(row)
             guess, prev_n = row["sustained_qps"], n
             print(
@@ -138,11 +151,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['balanced_by_load']}, {row['runs']} runs in {time.perf_counter() - t:.1f} s"
             )
     settings = sim.RouterConfig("cache_aware", balance_abs_threshold=args.balance_abs_threshold)
-    doc = {"args": vars(args), "jct_source": source, "coef": model.coef, "kv_bytes_per_token": per_token}
-    doc.update(dtype=dtype, pool_tokens=pool, mean_profile_tokens=mean_prefix, requests=len(reqs))
-    doc.update(isolated_mean_s=iso_mean, isolated_hit_rate=iso.hit_rate, slo_p99_s=slo, rows=rows)
-    keys = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
-    doc.update(router_settings={k: getattr(settings, k) for k in keys}, seconds=time.perf_counter() - t0)
+    doc = {
+        "args": vars(args),
+        "jct_source": source,
+        "coef": model.coef,
+        "kv_bytes_per_token": per_token,
+        "dtype": dtype,
+        "pool_tokens": pool,
+        "mean_profile_tokens": mean_prefix,
+        "requests": len(reqs),
+        "isolated_mean_s": iso_mean,
+        "isolated_hit_rate": iso.hit_rate,
+        "slo_p99_s": slo,
+        "rows": rows,
+        "router_settings": {
+            "cache_threshold": settings.cache_threshold,
+            "balance_abs_threshold": settings.balance_abs_threshold,
+            "balance_rel_threshold": settings.balance_rel_threshold,
+        },
+        "seconds": time.perf_counter() - t0,
+    }
     harness.save(args.out, doc, report.cluster_sim_markdown(doc))
     report.plot_cluster_sim(doc, args.out.with_suffix(".png"))
     return 0

@@ -45,9 +45,13 @@ from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models.loader import read_config, resolve_model_dir
 
-CONFIGS = {"hf-default": "transformers default forward (all logits + KV cache)"}
-CONFIGS.update({"hf-ltk1": "transformers logits_to_keep=1, use_cache=False", "nochunk": "ours, no chunking"})
-CONFIGS.update(hybrid="ours, hybrid prefilling", chunked="ours, chunked prefill (Sarathi-style)")
+CONFIGS = {
+    "hf-default": "transformers default forward (all logits + KV cache)",
+    "hf-ltk1": "transformers logits_to_keep=1, use_cache=False",
+    "nochunk": "ours, no chunking",
+    "hybrid": "ours, hybrid prefilling",
+    "chunked": "ours, chunked prefill (Sarathi-style)",
+}
 LABEL_ID = 10539
 WARMUP_TOKENS = 128
 # On a GPU one forward of a small model lasts milliseconds and its first run at a shape pays for
@@ -231,9 +235,16 @@ def speed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {(r["dtype"], r["config"], r["n"]): r for r in rows if r.get("status") == "ok"}
     pairs = [(dt, n, o, by.get((dt, "hf-ltk1", n))) for (dt, c, n), o in by.items() if c == "hybrid"]
     return [
-        {"dtype": dt, "n": n, "ours_tok_per_s": o["tok_per_s"], "hf_tok_per_s": hf["tok_per_s"]}
-        | {"ratio": o["tok_per_s"] / hf["tok_per_s"], "ours_gflops": o["tflops"] * 1e3}
-        | {"ours_gemm_peak_frac": o["gemm_peak_frac"], "attention_share": o["attention_share"]}
+        {
+            "dtype": dt,
+            "n": n,
+            "ours_tok_per_s": o["tok_per_s"],
+            "hf_tok_per_s": hf["tok_per_s"],
+            "ratio": o["tok_per_s"] / hf["tok_per_s"],
+            "ours_gflops": o["tflops"] * 1e3,
+            "ours_gemm_peak_frac": o["gemm_peak_frac"],
+            "attention_share": o["attention_share"],
+        }
         for dt, n, o, hf in pairs
         if hf is not None
     ]
@@ -367,11 +378,19 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
 
     from po_backend import Engine, ScoreRequest
 
-    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9)
-    shape.update(
-        num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5
+    cfg = transformers.LlamaConfig(  # SmolLM2-135M's shape
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        num_hidden_layers=args.layers,
+        num_labels=2,
+        pad_token_id=0,
     )
-    cfg = transformers.LlamaConfig(**shape, num_hidden_layers=args.layers, num_labels=2, pad_token_id=0)
     rng = random.Random(0)
     shared = [rng.randrange(1, 49152) for _ in range(args.prefix)]
     prompts = [shared + [rng.randrange(1, 49152) for _ in range(args.suffix)] for _ in range(args.items)]
@@ -399,10 +418,11 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
         emb = transformers.LlamaModel(cfg).eval()
         cls.save_pretrained(root / "classifier")
         emb.save_pretrained(root / "embedder")  # as a sentence-transformers last-token embedder
-        st = [("0", "", "Transformer"), ("1", "1_Pooling", "Pooling"), ("2", "2_Normalize", "Normalize")]
-        kinds = [f"sentence_transformers.models.{t}" for _, _, t in st]
-        modules = [{"idx": i, "name": n, "path": p} for i, (n, p, _) in enumerate(st)]
-        modules = [{**m, "type": k} for m, k in zip(modules, kinds, strict=True)]
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        ]
         (root / "embedder" / "modules.json").write_text(json.dumps(modules))
         (root / "embedder" / "1_Pooling").mkdir()
         (root / "embedder" / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
@@ -411,23 +431,30 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             with torch.inference_mode():
                 outs = [model(torch.tensor([ids])) for ids in prompts]
             t_hf = time.perf_counter() - t
-            ref = [o.logits[0] for o in outs] if kind == "classifier" else [
-                torch.nn.functional.normalize(o.last_hidden_state[0, -1], dim=0) for o in outs
-            ]  # fmt: skip
-            (t_no, out_no, _), (t_re, out_re, cached) = ours(root / kind, False), ours(root / kind, True)
-            speed = {
-                "transformers": args.items / t_hf,
-                "ours-noreuse": args.items / t_no,
-                "ours": args.items / t_re,
-            }
+            if kind == "classifier":
+                ref = [o.logits[0] for o in outs]
+            else:
+                ref = [torch.nn.functional.normalize(o.last_hidden_state[0, -1], dim=0) for o in outs]
+            t_no, out_no, _ = ours(root / kind, reuse=False)
+            t_re, out_re, cached = ours(root / kind, reuse=True)
             delta = max(
                 float((a - b).abs().max()) for a, b in zip([*out_no, *out_re], ref + ref, strict=True)
             )
-            rows.append({"model": kind, "items_per_s": speed, "ours_vs_transformers": t_hf / t_re})
-            rows[-1].update(
-                noreuse_vs_transformers=t_hf / t_no, reuse_vs_noreuse=t_no / t_re, cached_tokens=cached
+            rows.append(
+                {
+                    "model": kind,
+                    "items_per_s": {
+                        "transformers": args.items / t_hf,
+                        "ours-noreuse": args.items / t_no,
+                        "ours": args.items / t_re,
+                    },
+                    "ours_vs_transformers": t_hf / t_re,
+                    "noreuse_vs_transformers": t_hf / t_no,
+                    "reuse_vs_noreuse": t_no / t_re,
+                    "cached_tokens": cached,
+                    "max_abs_delta_vs_transformers": delta,
+                }
             )
-            rows[-1]["max_abs_delta_vs_transformers"] = delta
             print(json.dumps(rows[-1]), flush=True)
     keys = ("items", "prefix", "suffix", "layers", "out")
     return {
@@ -460,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         ap.error("--out is required")
     if args.compare_dtypes or args.heads:
-        mode = compare_dtypes if args.compare_dtypes else heads
-        save(args.out, {"machine": machine_info(), **mode(args)})
+        result = compare_dtypes(args) if args.compare_dtypes else heads(args)
+        save(args.out, {"machine": machine_info(), **result})
         return 0
     if args.quick:
         args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
@@ -498,23 +525,41 @@ def main(argv: list[str] | None = None) -> int:
                 row["gemm_peak_frac"] = row["tflops"] * 1e3 / roofs[str(dt)]
                 share = "" if row["attention_share"] is None else f", attention {row['attention_share']:.0%}"
                 print(
-                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, {row['tok_per_s']:6.0f} "
-                    f"tok/s, {row['gemm_peak_frac']:.0%} of GEMM peak{share} (other cores {row['other_cores']:.2f})"
+                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, "
+                    f"{row['tok_per_s']:6.0f} tok/s, {row['tflops']:.3f} TFLOP/s "
+                    f"({row['gemm_peak_frac']:.0%} of GEMM peak){share}  (other cores {row['other_cores']:.2f})"
                 )
     speed = speed_summary(rows)
-    for r in speed:  # ours (hybrid) against transformers with logits_to_keep=1
-        print("  " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+    for r in speed:
+        print(
+            f"  {r['dtype']:>14s} n={r['n']:5d}: ours {r['ours_tok_per_s']:6.0f} tok/s vs transformers "
+            f"logits_to_keep=1 {r['hf_tok_per_s']:6.0f}: {r['ratio']:.2f}x, {r['ours_gflops']:.0f} GFLOP/s "
+            f"({r['ours_gemm_peak_frac']:.0%} of GEMM peak), attention {r['attention_share']:.0%}"
+        )
     mil = {}
     for c in configs:
-        ok = [r for r in rows if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))]
-        pts = [(r["n"], r["peak_bytes"]) for r in ok]
+        pts = [
+            (r["n"], r["peak_bytes"])
+            for r in rows
+            if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))
+        ]
         if len({n for n, _ in pts}) >= 2:
             m = mil[c] = fit_mil(pts, args.budget_mib * MiB)
             print(f"  MIL {c:10s}: {m['mil']} tokens ({m['kind']}), {m['kib_per_token']:.1f} KiB/token")
-    doc = {"machine": machine_info(), "device": describe(dev), "args": vars(args), "dtype": str(dtype)}
-    doc.update(gemm_peak_gflops=roofs, configs={c: CONFIGS[c] for c in configs}, budget_mib=args.budget_mib)
-    doc["model_context"] = read_config(resolve_model_dir("embedded")).max_position_embeddings
-    save(args.out, doc | {"rows": rows, "speed": speed, "mil": mil})
+    doc = {
+        "machine": machine_info(),
+        "device": describe(dev),
+        "args": vars(args),
+        "dtype": str(dtype),
+        "gemm_peak_gflops": roofs,
+        "configs": {c: CONFIGS[c] for c in configs},
+        "budget_mib": args.budget_mib,
+        "model_context": read_config(resolve_model_dir("embedded")).max_position_embeddings,
+        "rows": rows,
+        "speed": speed,
+        "mil": mil,
+    }
+    save(args.out, doc)
     return 0
 
 

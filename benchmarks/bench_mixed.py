@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
@@ -28,19 +27,18 @@ from po_backend.sim.simulator import PrefixLRU, simulate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--simulate", action="store_true", help="on the simulator instead of the engine")
-    ap.add_argument("--users", type=int, default=3, help="online: users (one profile each)")
-    ap.add_argument("--posts", type=int, default=10, help="online: calls per user")
-    ap.add_argument("--profile", type=int, default=300, help="online: profile tokens (the shared prefix)")
-    ap.add_argument("--post", type=int, default=40, help="online: post tokens")
-    ap.add_argument("--batch", type=int, default=10, help="batch: items in the backlog")
-    ap.add_argument("--batch-tokens", default="600,900", help="batch: MIN,MAX tokens per item")
-    ap.add_argument("--load", type=float, default=0.5, help="online rate as a share of its capacity")
-    ap.add_argument("--slo-x", type=float, default=1.5, help="online target: x the online-alone P99")
-    ap.add_argument("--batch-min-share", type=float, default=DEFAULT_BATCH_MIN_SHARE)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="result JSON (default: results/mixed[_sim].json)")
+    ap = harness.parser(__doc__)  # --out: results/mixed.json, or mixed_sim.json with --simulate
+    harness.flags(ap, simulate=(False, "on the simulator instead of the engine"))
+    harness.flags(ap, users=(3, "online: users (one profile each)"), posts=(10, "online: calls per user"))
+    harness.flags(
+        ap, profile=(300, "online: profile tokens (the shared prefix)"), post=(40, "online: post tokens")
+    )
+    harness.flags(
+        ap, batch=(10, "batch: items in the backlog"), batch_tokens=("600,900", "batch: MIN,MAX tokens")
+    )
+    harness.flags(ap, load=(0.5, "online rate as a share of its capacity"))
+    harness.flags(ap, slo_x=(1.5, "online target: x the online-alone P99"))
+    harness.flags(ap, batch_min_share=DEFAULT_BATCH_MIN_SHARE, seed=0)
     return ap.parse_args(argv)
 
 
@@ -127,27 +125,33 @@ def main(argv: list[str] | None = None) -> None:
         b, o = lat[: len(batch)], lat[len(batch) :]
         s = harness.latency_summary(o)
         print(f"{name}: online P99 {s['p99_s']:.3f} s, batch {len(batch) / max(b):.3f} items/s")
-        row = {"policy": name, "online_p50_s": s["p50_s"], "online_p99_s": s["p99_s"]}
-        row.update(p99_vs_alone=s["p99_s"] / alone["p99_s"], batch_items_s=len(batch) / max(b))
-        row.update(batch_vs_alone=len(batch) / max(b) / batch_alone)
-        rows.append(row | {"slo_met": sum(x <= slo_s for x in o) / len(o)})
+        rows.append(
+            {
+                "policy": name,
+                "online_p50_s": s["p50_s"],
+                "online_p99_s": s["p99_s"],
+                "p99_vs_alone": s["p99_s"] / alone["p99_s"],
+                "batch_items_s": len(batch) / max(b),
+                "batch_vs_alone": len(batch) / max(b) / batch_alone,
+                "slo_met": sum(x <= slo_s for x in o) / len(o),
+            }
+        )
     doc = {
         "args": vars(args),
         "machine": info,
         "where": where,
         "pool_tokens": pool,
         "online_calls": len(online),
+        "online_qps": rate,
+        "online_alone": alone,
+        "online_isolated_mean_s": iso_mean,
+        "batch_alone_items_s": batch_alone,
+        "online_slo_s": slo_s,
+        "batch_floor_vs_alone": 0.7 * (1 - args.load),
+        "rows": rows,
+        "seconds": time.perf_counter() - t0,
     }
-    doc.update(
-        online_qps=rate, online_alone=alone, online_isolated_mean_s=iso_mean, batch_alone_items_s=batch_alone
-    )
-    doc.update(online_slo_s=slo_s, batch_floor_vs_alone=0.7 * (1 - args.load), rows=rows)
-    doc["seconds"] = time.perf_counter() - t0
-    out = (
-        Path(args.out)
-        if args.out
-        else harness.RESULTS / ("mixed_sim.json" if args.simulate else "mixed.json")
-    )
+    out = args.out or harness.RESULTS / ("mixed_sim.json" if args.simulate else "mixed.json")
     harness.save(out, doc, markdown(doc))
 
 

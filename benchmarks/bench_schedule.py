@@ -56,10 +56,11 @@ from po_backend.sim.simulator import PrefixLRU, simulate
 CONFIGS = {
     "hf": "transformers, FCFS, no prefix reuse (`--backend hf`)",
     "fcfs": "ours, FCFS + radix prefix cache",
+    "chunked": "ours, FCFS + radix cache, chunked prefill (`--prefill-mode chunked`)",
+    "srjf": "ours, shortest remaining job first",
+    "lpm": "ours, longest prefix match",
+    "po": "ours, prefix-aware SRJF + JCT calibration (`--schedule-policy po`)",
 }
-CONFIGS["chunked"] = "ours, FCFS + radix cache, chunked prefill (`--prefill-mode chunked`)"
-CONFIGS.update(srjf="ours, shortest remaining job first", lpm="ours, longest prefix match")
-CONFIGS["po"] = "ours, prefix-aware SRJF + JCT calibration (`--schedule-policy po`)"
 if not set(POLICIES) <= set(CONFIGS):
     raise RuntimeError("bench_schedule and the scheduler disagree on the policies")
 
@@ -88,8 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, lambdas=(f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10", "--ablation"))
     harness.flags(ap, ablation_mult=(1.0, "--ablation: QPS x saturated"))
     harness.add_sweep_args(ap, quiet_wait=60.0)
-    sizes = dict(wl1_users=6, wl1_items=12, wl1_profile=500, wl1_item_tokens=50, wl2_requests=8)
-    add_trace_args(ap, **sizes, wl2_min=1500, wl2_max=2500)
+    add_trace_args(
+        ap,
+        wl1_users=6,
+        wl1_items=12,
+        wl1_profile=500,
+        wl1_item_tokens=50,
+        wl2_requests=8,
+        wl2_min=1500,
+        wl2_max=2500,
+    )
     ap.add_argument("--out", type=Path, default=None, help="result JSON (.md and .png beside it)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -101,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = harness.RESULTS / f"startup{'_quick' if args.quick else ''}.json"
     elif args.out is None:
         stem = next(
-            (m for m in ("ablation", "llamacpp") if getattr(args, m)), "schedule" + "_sim" * args.simulate
+            (m for m in ("ablation", "llamacpp") if getattr(args, m)),
+            "schedule_sim" if args.simulate else "schedule",
         )
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,9 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     jct, profile_s = profile_quietly(engine, args)
     q = jct.quality
     print(f"JCT profile ({profile_s:.1f} s): held-out r={q.pearson_r if q else '?'}, coef {jct.coef}")
-    doc: dict[str, Any] = {"machine": info, "args": vars(args), "dtype": str(engine.config.dtype)}
-    doc.update(jct_fit={"profile_seconds": profile_s, "coef": jct.coef, **(asdict(q) if q else {})})
-    doc.update(pool_tokens=pool, workloads={})
+    doc: dict[str, Any] = {
+        "machine": info,
+        "args": vars(args),
+        "dtype": str(engine.config.dtype),
+        "jct_fit": {"profile_seconds": profile_s, "coef": jct.coef, **(asdict(q) if q else {})},
+        "pool_tokens": pool,
+        "workloads": {},
+    }
     if args.ablation:
         return ablation(engine, jct, traces["WL1"], tok, doc, args)
     setups: dict[str, harness.Setup] = {}
@@ -183,8 +198,13 @@ def main(argv: list[str] | None = None) -> None:
         all_runs += [w["isolated"], w["saturated"], *w["runs"]]
         at_slo = harness.slo_table(w["runs"], w["isolated_mean_s"], slo_xs)
         main_slo = at_slo[f"{args.slo_x:g}"]
-        w.update(at_slo=at_slo, sustained_qps=main_slo["sustained_qps"], po_vs_fcfs=main_slo["po_vs_fcfs"])
-        doc["workloads"][name] = {**w, "jct": harness.jct_quality(w["runs"])}
+        doc["workloads"][name] = {
+            **w,
+            "at_slo": at_slo,
+            "sustained_qps": main_slo["sustained_qps"],
+            "po_vs_fcfs": main_slo["po_vs_fcfs"],
+            "jct": harness.jct_quality(w["runs"]),
+        }
     if args.offline:
         return harness.save(args.out, doc)
     doc["jct_online"] = harness.jct_quality(all_runs)
@@ -203,8 +223,12 @@ def offline(
     for name, (scorer, policy) in setups.items():
         part = reqs[: args.baseline_items] if name == "hf" else reqs
         r = harness.run_trace(scorer, jct, policy, args.fairness_lambda, part, None)
-        out[name] = {"items": len(part), "items_per_s": len(part) / r["makespan_s"]}
-        out[name].update(hit_rate=r["hit_rate"], mean_batch=r["mean_batch"])
+        out[name] = {
+            "items": len(part),
+            "items_per_s": len(part) / r["makespan_s"],
+            "hit_rate": r["hit_rate"],
+            "mean_batch": r["mean_batch"],
+        }
     base = out.get("hf", {}).get("items_per_s")
     for name, o in out.items():
         vs = f" ({o['items_per_s'] / base:.1f}x hf)" if base else ""
@@ -223,14 +247,20 @@ def ablation(engine: Any, jct: JCTModel, items: list[Any], tok: Any, doc: dict[s
         before = engine.stats().cache
         r = harness.run_trace(engine, jct, "po", DEFAULT_FAIRNESS_LAMBDA, rs, arrivals)
         after = engine.stats().cache
-        r.update(inserted_tokens=after.inserted_tokens_total - before.inserted_tokens_total)
-        r.update(evicted_tokens=after.evicted_tokens_total - before.evicted_tokens_total)
-        return {**r, "items_per_s": len(rs) / r["makespan_s"]}
+        return {
+            **r,
+            "inserted_tokens": after.inserted_tokens_total - before.inserted_tokens_total,
+            "evicted_tokens": after.evicted_tokens_total - before.evicted_tokens_total,
+            "items_per_s": len(rs) / r["makespan_s"],
+        }
 
     sat = run(reqs, None)
     qps = args.ablation_mult * sat["items_per_s"]
     arrivals = [u / qps for u in unit]
-    doc.update(requests=len(reqs), qps=qps, suffix={}, args={**doc["args"], "mult": args.ablation_mult})
+    doc["requests"] = len(reqs)
+    doc["qps"] = qps
+    doc["suffix"] = {}
+    doc["args"] = {**doc["args"], "mult": args.ablation_mult}
     for mode, rs in (("on", reqs), ("off", reqs_off)):
         s = sat if mode == "on" else run(rs, None)
         p = run(rs, arrivals)
@@ -270,21 +300,40 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         lat = harness.latency_summary([r.end - r.arrival for r in out])
         return {**lat, "hit_rate": hits, "steps": steps, "mean_batch": len(out) / steps, "other_cores": 0.0}
 
-    doc: dict[str, Any] = {"args": vars(args), "jct_source": source, "coef": model.coef, "pool_tokens": pool}
-    doc["workloads"] = {}
+    doc: dict[str, Any] = {
+        "args": vars(args),
+        "jct_source": source,
+        "coef": model.coef,
+        "pool_tokens": pool,
+        "workloads": {},
+    }
     slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
     for name, items in traces.items():
         reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
         t = time.perf_counter()
         iso = run("fcfs", reqs, [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
         base = 1.0 / iso["mean_s"]
-        mults = [float(x) for x in args.sim_mults.split(",")]
-        runs = [{"config": p, "policy": p, "mult": m, "qps": m * base} for m in mults for p in policies]
-        for r in runs:
-            r.update(run(r["policy"], reqs, [u / r["qps"] for u in unit]))
-        w = {"requests": len(reqs), "isolated": iso, "isolated_mean_s": iso["mean_s"], "anchor": "isolated"}
-        w.update(anchor_qps=base, runs=runs, slo_p99_s=args.slo_x * iso["mean_s"])
-        w["at_slo"] = harness.slo_table(runs, iso["mean_s"], slo_xs)
+        runs = [
+            {
+                "config": p,
+                "policy": p,
+                "mult": m,
+                "qps": m * base,
+                **run(p, reqs, [u / (m * base) for u in unit]),
+            }
+            for m in [float(x) for x in args.sim_mults.split(",")]
+            for p in policies
+        ]
+        w = {
+            "requests": len(reqs),
+            "isolated": iso,
+            "isolated_mean_s": iso["mean_s"],
+            "anchor": "isolated",
+            "anchor_qps": base,
+            "runs": runs,
+            "slo_p99_s": args.slo_x * iso["mean_s"],
+            "at_slo": harness.slo_table(runs, iso["mean_s"], slo_xs),
+        }
         doc["workloads"][name] = w
         ratios = ", ".join(f"{x}x: {a['po_vs_fcfs']}" for x, a in w["at_slo"].items())
         print(
@@ -317,7 +366,8 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
     if importlib.util.find_spec("llama_cpp") is None:
         on = ["ON" if f in cpu_flags() else "OFF" for f in ("avx512f", "avx512_bf16", "avx512_vnni")]
         wheels = Path("~/.cache/prefillonly/wheels").expanduser()
-        doc.update(status="not run: llama-cpp-python not installed", install=INSTALL.format(*on, w=wheels))
+        doc["status"] = "not run: llama-cpp-python not installed"
+        doc["install"] = INSTALL.format(*on, w=wheels)
         print(doc["status"] + "\n  install: " + doc["install"])
         return harness.save(args.out, doc)
     import llama_cpp
@@ -362,13 +412,21 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
 
     lc = timed(score_llamacpp)
     pairs = list(zip(ours["p_yes"], lc["p_yes"], strict=True))
-    doc.update(status="ok", gguf=gguf.name, items=len(items), ours=ours, llamacpp=lc)
-    doc.update(agreement=sum((a >= 0.5) == (b >= 0.5) for a, b in pairs) / len(pairs))
-    doc.update(
-        max_abs_dp_yes=max(abs(a - b) for a, b in pairs),
-        ours_vs_llamacpp=ours["items_per_s"] / lc["items_per_s"],
+    doc = {
+        **doc,
+        "status": "ok",
+        "gguf": gguf.name,
+        "items": len(items),
+        "ours": ours,
+        "llamacpp": lc,
+        "agreement": sum((a >= 0.5) == (b >= 0.5) for a, b in pairs) / len(pairs),
+        "max_abs_dp_yes": max(abs(a - b) for a, b in pairs),
+        "ours_vs_llamacpp": ours["items_per_s"] / lc["items_per_s"],
+    }
+    print(
+        f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} items/s "
+        f"({doc['ours_vs_llamacpp']:.2f}x)"
     )
-    print(f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} items/s")
     harness.save(args.out, doc)
 
 
@@ -389,9 +447,10 @@ def time_starts(workers: int, timeout: float) -> dict[str, Any]:
                 "workers": n,
                 "health_200_s": ready,
                 "converted": sum("converted SmolLM2" in t for t in logs),
+                "jct_measured": sum("JCT profile (quick):" in t for t in logs),
+                "log_lines": [len(t.splitlines()) for t in logs],
+                "log": logs[0].splitlines()[-40:],
             }
-            out[phase].update(jct_measured=sum("JCT profile (quick):" in t for t in logs))
-            out[phase].update(log_lines=[len(t.splitlines()) for t in logs], log=logs[0].splitlines()[-40:])
             print(phase, ready, flush=True)
     return out
 
@@ -413,9 +472,12 @@ def jct_accuracy(max_input_len: int, warmup: int, held: int) -> dict[str, Any]:
         engine, jp.QUICK_GRID, jp.profile_key(engine, jp.QUICK_GRID), "quick", retry=False
     )
     quick_s = time.perf_counter() - t
-    models = {"today_grid_calibrated": CalibratedJCT(grid), "today_grid_raw": CalibratedJCT(grid, alpha=1e-9)}
-    models["quick_calibrated_no_refit"] = CalibratedJCT(quick)
-    models["new_quick_refined"] = CalibratedJCT(quick, refine_every=jp.REFINE_EVERY, anchors=anchors)
+    models = {
+        "today_grid_calibrated": CalibratedJCT(grid),
+        "today_grid_raw": CalibratedJCT(grid, alpha=1e-9),
+        "quick_calibrated_no_refit": CalibratedJCT(quick),
+        "new_quick_refined": CalibratedJCT(quick, refine_every=jp.REFINE_EVERY, anchors=anchors),
+    }
     preds: dict[str, list[float]] = {k: [] for k in models}
     measured: list[float] = []
     rng, vocab = random.Random(1), engine.vocab_size
@@ -440,12 +502,19 @@ def jct_accuracy(max_input_len: int, warmup: int, held: int) -> dict[str, Any]:
         measured.append(seconds)
         if (i + 1) % 16 == 0:
             print(f"step {i + 1}/{warmup + held}", flush=True)
-    out: dict[str, Any] = {"max_input_len": max_input_len, "warmup_steps": warmup, "held_out_steps": held}
-    out.update(grid_profile_s=round(grid_s, 1), quick_profile_s=round(quick_s, 1))
-    out.update(grid_fit_loo=grid.quality.__dict__ if grid.quality else None)
-    out.update(quick_fit_loo=quick.quality.__dict__ if quick.quality else None, grid_coef=grid.coef)
-    out.update(quick_coef=quick.coef, refined_coef=models["new_quick_refined"].model.coef)
-    out["refits"] = models["new_quick_refined"].refits
+    out: dict[str, Any] = {
+        "max_input_len": max_input_len,
+        "warmup_steps": warmup,
+        "held_out_steps": held,
+        "grid_profile_s": round(grid_s, 1),
+        "quick_profile_s": round(quick_s, 1),
+        "grid_fit_loo": grid.quality.__dict__ if grid.quality else None,
+        "quick_fit_loo": quick.quality.__dict__ if quick.quality else None,
+        "grid_coef": grid.coef,
+        "quick_coef": quick.coef,
+        "refined_coef": models["new_quick_refined"].model.coef,
+        "refits": models["new_quick_refined"].refits,
+    }
     for name in models:
         q = prediction_quality(preds[name][warmup:], measured[warmup:])
         out[name] = {"pearson_r": round(q.pearson_r, 4), "median_rel_error": round(q.median_rel_error, 4)}
@@ -459,14 +528,18 @@ def startup(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health poll otherwise
     m = harness.machine_info()
-    doc: dict[str, Any] = {k: m[k] for k in ("cpu", "cores", "torch_threads")} | {
-        "load_avg_at_start": os.getloadavg()
+    doc: dict[str, Any] = {
+        "cpu": m["cpu"],
+        "cores": m["cores"],
+        "torch_threads": m["torch_threads"],
+        "load_avg_at_start": os.getloadavg(),
     }
     if not args.skip_starts:
         doc["starts"] = time_starts(args.workers, args.timeout)
     if not args.skip_accuracy:
         doc["accuracy"] = jct_accuracy(*((2048, 48, 48) if args.quick else (8192, 96, 96)))
-    harness.save(args.out, doc | {"load_avg_at_end": os.getloadavg()})
+    doc["load_avg_at_end"] = os.getloadavg()
+    harness.save(args.out, doc)
 
 
 if __name__ == "__main__":

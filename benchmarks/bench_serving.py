@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import math
 import random
 import re
@@ -30,12 +29,24 @@ from benchmarks.workloads import label_ids, wl1, wl2
 # --launch names -> launch_server flags. chunked: vLLM-style FCFS + prefix cache + Sarathi chunked
 # prefill; po-nogroup: po without grouping undeclared shared prefixes; base: po as built by
 # another checkout (--base-checkout), so one run measures a change against what it replaces.
-LAUNCH = {p: ["--schedule-policy", p] for p in ("po", "fcfs", "srjf", "lpm")}
-LAUNCH.update({"po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"], "hf": ["--backend", "hf"]})
-LAUNCH.update({"chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"], "base": LAUNCH["po"]})
-LAUNCH["po-nogroup"] = ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)]
-COUNTERS = ("po_prompt_tokens_total", "po_cache_hit_tokens_total")
-COUNTERS += ("po_cache_tokens", "po_cache_reused_tokens")  # what the pool holds, and how much was read back
+LAUNCH = {
+    "po": ["--schedule-policy", "po"],
+    "fcfs": ["--schedule-policy", "fcfs"],
+    "srjf": ["--schedule-policy", "srjf"],
+    "lpm": ["--schedule-policy", "lpm"],
+    "po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"],
+    "hf": ["--backend", "hf"],
+    "chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"],
+    "base": ["--schedule-policy", "po"],
+    "po-nogroup": ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)],
+}
+# Scored and cache-hit tokens; what the pool holds, and how much of it was read back.
+COUNTERS = (
+    "po_prompt_tokens_total",
+    "po_cache_hit_tokens_total",
+    "po_cache_tokens",
+    "po_cache_reused_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,12 @@ def request_body(call: Call, args: argparse.Namespace, tok: Any) -> tuple[str, d
         prompts = [tok.decode(p) for p in prompts]
     one = len(prompts) == 1  # a single prompt, not a batch of one: what plain SGLang clients send
     key = "input_ids" if isinstance(prompts[0], list) else "text"
-    body = {key: prompts[0] if one else prompts, "sampling_params": {"max_new_tokens": 0}}
-    body.update(return_logprob=True, token_ids_logprob=list(labels))
+    body = {
+        key: prompts[0] if one else prompts,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "token_ids_logprob": list(labels),
+    }
     if args.prefix_hint:  # our extension; SGLang does not know it
         hint = [len(call.prefix) or None] * len(prompts)
         body["cache_prefix_len"] = hint[0] if one else hint
@@ -189,7 +204,8 @@ def bench_one(
         if after and before:
             prompt = after["po_prompt_tokens_total"] - before["po_prompt_tokens_total"]
             hits = after["po_cache_hit_tokens_total"] - before["po_cache_hit_tokens_total"]
-            row.update(prompt_tokens=prompt, cache_hit_rate=hits / prompt if prompt else 0.0)
+            row["prompt_tokens"] = prompt
+            row["cache_hit_rate"] = hits / prompt if prompt else 0.0
             row["prompt_tokens_per_s"] = prompt / span if span else math.nan
             # What the pool holds at the end, and how much of it was read back (not speculation).
             if "po_cache_tokens" in after:
@@ -211,7 +227,7 @@ def main() -> None:
     where.add_argument("--launch", help=f"launch ours per config, one at a time: any of {','.join(LAUNCH)}")
     harness.flags(ap, model_path=("embedded", "model to launch; its tokenizer is used"), dtype="auto")
     harness.flags(ap, tokenizer=(None, "tokenizer folder (default: --model-path)"), max_input_len=0)
-    harness.flags(ap, port=(30100, "port for launched servers"), api_key=None, seed=0)
+    harness.flags(ap, api_key=None, seed=0)
     harness.flags(ap, server_args=("", "more flags for every launched server"))
     harness.flags(ap, base_checkout=(None, "the checkout `--launch base` runs (another commit)"))
     harness.flags(
@@ -231,8 +247,7 @@ def main() -> None:
     harness.flags(
         ap, timeout=(600.0, "per request, seconds"), out=("serving", "results file stem in results/")
     )
-    harness.flags(ap, quick=(False, "2 users x 4 items, 300-token profiles, qps 1"), no_plot=False)
-    harness.flags(ap, json=(False, "also print the result rows as JSON"))
+    harness.flags(ap, quick=(False, "2 users x 4 items, 300-token profiles, qps 1"))
     args = ap.parse_args()
     if args.quick:
         args.users, args.items, args.profile_tokens, args.item_tokens = 2, 4, 300, 60
@@ -251,29 +266,34 @@ def main() -> None:
     calls = make_calls(args, tok)
     n_items = sum(len(c.suffixes) for c in calls)
     tokens = sum(len(c.prefix) + len(s) for c in calls for s in c.suffixes)
-    workload = {"name": args.workload, "calls": len(calls), "items": n_items, "prompt_tokens": tokens}
-    workload["users"] = args.users
+    workload = {
+        "name": args.workload,
+        "calls": len(calls),
+        "items": n_items,
+        "prompt_tokens": tokens,
+        "users": args.users,
+    }
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
     rows: list[dict[str, Any]] = bench_one("server", args.url, calls, args) if args.url else []
-    for i, name in enumerate(args.launch.split(",") if args.launch else []):
+    for name in args.launch.split(",") if args.launch else []:
         flags = ["--dtype", args.dtype, *LAUNCH[name], *args.server_args.split()]
         flags += ["--max-input-len", str(args.max_input_len)] if args.max_input_len else []
         # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
-        srv = harness.our_server(
-            flags, args.model_path, args.port + i, args.base_checkout if name == "base" else harness.REPO_ROOT
-        )
+        cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
+        srv = harness.our_server(flags, args.model_path, cwd=cwd)
         with harness.servers_up([srv]):
             warm_up(srv.url, calls[0], args.timeout, _auth(args))
             rows += bench_one(name, srv.url, calls, args, pid=srv.proc.pid if srv.proc else None)
-    doc = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "api_key"}}
-    doc.update(workload=workload, results=rows)
+    doc = {
+        "machine": machine,
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "workload": workload,
+        "results": rows,
+    }
     harness.save(harness.RESULTS / f"{args.out}.json", doc, report.serving_markdown(doc))
-    if not args.no_plot:
-        plot = {f"{args.workload} via /{args.api}": {"runs": rows}}
-        report.plot_sweeps(plot, harness.RESULTS / f"{args.out}.png")
-    if args.json:
-        print(json.dumps(rows))
+    plot = {f"{args.workload} via /{args.api}": {"runs": rows}}
+    report.plot_sweeps(plot, harness.RESULTS / f"{args.out}.png")
 
 
 if __name__ == "__main__":

@@ -171,22 +171,32 @@ def main(argv: list[str] | None = None) -> None:
         code = proc.wait(timeout=120)
     statuses = Counter(str(r["status"]) for r in records)
     small = [r["latency"] for r in records if r["kind"] == "small" and r["status"] == 200]
-    summary = {"machine": harness.machine_info(), "duration_s": args.duration, "rate": args.rate}
-    summary.update(big_share=args.big_share, requests_sent=len(records), statuses=dict(statuses))
-    summary["answered"] = sum(n for s, n in statuses.items() if s.isdigit())
-    for key, start in (("4xx", "4"), ("5xx", "5"), ("lost", "lost")):
-        summary[key] = sum(n for s, n in statuses.items() if s.startswith(start))
-    summary.update(abandoned_by_client=statuses.get("abandoned", 0), peak_rss_mib=peak[0] / 2**20)
-    summary["memory_budget"] = args.memory_budget
-    for q in (50, 99):
-        summary[f"small_p{q}_s"] = float(np.percentile(small, q)) if small else None
-        summary[f"health_p{q}_ms"] = float(np.percentile(health, q)) * 1e3 if health else None
-    kinds = sorted({r["kind"] for r in records} - {"small", "big", "flush"})
-    summary["hostile"] = {
-        k: dict(Counter(str(r["status"]) for r in records if r["kind"] == k)) for k in kinds
+    summary = {
+        "machine": harness.machine_info(),
+        "duration_s": args.duration,
+        "rate": args.rate,
+        "big_share": args.big_share,
+        "requests_sent": len(records),
+        "statuses": dict(statuses),
+        "answered": sum(n for s, n in statuses.items() if s.isdigit()),
+        "4xx": sum(n for s, n in statuses.items() if s.startswith("4")),
+        "5xx": sum(n for s, n in statuses.items() if s.startswith("5")),
+        "lost": sum(n for s, n in statuses.items() if s.startswith("lost")),
+        "abandoned_by_client": statuses.get("abandoned", 0),
+        "peak_rss_mib": peak[0] / 2**20,
+        "memory_budget": args.memory_budget,
+        "small_p50_s": float(np.percentile(small, 50)) if small else None,
+        "small_p99_s": float(np.percentile(small, 99)) if small else None,
+        "health_p50_ms": float(np.percentile(health, 50)) * 1e3 if health else None,
+        "health_p99_ms": float(np.percentile(health, 99)) * 1e3 if health else None,
+        "health_max_ms": max(health) * 1e3 if health else None,
+        "hostile": {
+            k: dict(Counter(str(r["status"]) for r in records if r["kind"] == k))
+            for k in sorted({r["kind"] for r in records} - {"small", "big", "flush"})
+        },
+        "sigterm_burst": dict(drained),
+        "exit_code": code,
     }
-    summary.update(health_max_ms=max(health) * 1e3 if health else None, sigterm_burst=dict(drained))
-    summary["exit_code"] = code
     print(json.dumps(summary, indent=2))
     harness.save(args.out, summary)
 

@@ -28,7 +28,7 @@ from po_backend.engine.engine import Engine
 from po_backend.engine.models.loader import load_tokenizer, resolve_model_dir
 from po_backend.entrypoints.launch_cluster import worker_command
 from po_backend.entrypoints.spawn import ServerProcess, free_port
-from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
+from po_backend.sched.jct import CalibratedJCT, JCTModel, prediction_quality
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.serving.loop import EngineLoop
@@ -115,11 +115,12 @@ def servers_up(servers: Sequence[ServerProcess], timeout: float = 600.0) -> Iter
 def machine_info() -> dict[str, Any]:
     import transformers  # only for its version string
 
-    flags, isa = (
-        cpu_flags(),
-        ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"),
-    )
-    return {"cpu": cpu_model(), "cpu_class": cpu_class(), "arch": platform.machine()} | {
+    flags = cpu_flags()
+    isa = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    return {
+        "cpu": cpu_model(),
+        "cpu_class": cpu_class(),
+        "arch": platform.machine(),
         "flags": {f: f in flags for f in isa},
         # AVX512-bf16 or AMX: bf16 GEMMs run natively; elsewhere oneDNN emulates them, ~7x slower.
         "fast_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
@@ -248,8 +249,13 @@ def sim_step_model(
 
 def latency_summary(lat: Sequence[float]) -> dict[str, float]:
     a = np.asarray(lat, dtype=float)
-    mean, p50, p99 = (float(a.mean()), *map(float, np.percentile(a, [50, 99]))) if a.size else [math.nan] * 3
-    return {"mean_s": mean, "p50_s": p50, "p99_s": p99}
+    if a.size == 0:
+        return {"mean_s": math.nan, "p50_s": math.nan, "p99_s": math.nan}
+    return {
+        "mean_s": float(a.mean()),
+        "p50_s": float(np.percentile(a, 50)),
+        "p99_s": float(np.percentile(a, 99)),
+    }
 
 
 def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
@@ -282,8 +288,12 @@ def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | N
     lat = np.array(finished) - np.array(submitted)
     if not np.isfinite(lat).all():
         raise RuntimeError("a request has no completion time")
-    summary = {"latencies": lat.tolist(), **latency_summary(lat), "makespan_s": float(max(finished) - t0)}
-    return summary | {"other_cores": cpu.other_cores}
+    return {
+        "latencies": lat.tolist(),
+        **latency_summary(lat),
+        "makespan_s": float(max(finished) - t0),
+        "other_cores": cpu.other_cores,
+    }
 
 
 def run_trace(
@@ -302,9 +312,15 @@ def run_trace(
     r = replay(loop, reqs, arrivals)
     after, st = scorer.stats(), loop.stats()
     prompt = after.prompt_tokens - before.prompt_tokens
-    hits = (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0
-    r.update(hit_rate=hits, steps=st.steps, mean_batch=st.mean_batch_items, calibration=st.jct_calibration)
-    return {"policy": policy, **r, "step_log": step_rows(loop)}
+    return {
+        "policy": policy,
+        **r,
+        "hit_rate": (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0,
+        "steps": st.steps,
+        "mean_batch": st.mean_batch_items,
+        "calibration": st.jct_calibration,
+        "step_log": step_rows(loop),
+    }
 
 
 def step_rows(loop: EngineLoop) -> list[list[Any]]:
@@ -367,8 +383,12 @@ def sweep(
         qps = m * base
         for name, (scorer, policy) in setups.items():
             wait_for_quiet(quiet_wait)
-            r = run_trace(scorer, jct, policy, lam, reqs, [u / qps for u in unit])
-            r.update(config=name, mult=m, qps=qps)
+            r = {
+                **run_trace(scorer, jct, policy, lam, reqs, [u / qps for u in unit]),
+                "config": name,
+                "mult": m,
+                "qps": qps,
+            }
             runs.append(r)
             print(
                 f"  {m:5.2f}x {qps:6.3f} qps {name:8s} mean {r['mean_s']:6.2f} s  P99 {r['p99_s']:6.2f} s  "
@@ -376,9 +396,18 @@ def sweep(
             )
             if after_run is not None:
                 after_run(runs)
-    out = {"requests": len(reqs), "tokens": tokens, "isolated": iso, "isolated_mean_s": iso["mean_s"]}
-    out.update(slo_p99_s=slo_x * iso["mean_s"], saturated=sat, saturated_qps=sat_qps, anchor=anchor)
-    return out | {"anchor_qps": base, "runs": runs}
+    return {
+        "requests": len(reqs),
+        "tokens": tokens,
+        "isolated": iso,
+        "isolated_mean_s": iso["mean_s"],
+        "slo_p99_s": slo_x * iso["mean_s"],
+        "saturated": sat,
+        "saturated_qps": sat_qps,
+        "anchor": anchor,
+        "anchor_qps": base,
+        "runs": runs,
+    }
 
 
 # ---- analysis -------------------------------------------------------------------------------------
@@ -432,9 +461,13 @@ def slo_table(runs: list[dict[str, Any]], iso_mean: float, slo_xs: list[float]) 
 def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Predicted vs measured step time over the step logs of `runs` (none was used to fit)."""
     rows = [s for r in runs for s in r["step_log"]]
-    raw, cal, meas = (np.array([s[i] for s in rows]) for i in range(3))
-    out: dict[str, float] = {"steps": len(rows)}
-    for name, pred in (("raw", raw), ("calibrated", cal)):
-        out[f"r_{name}"] = pearson_r(pred.tolist(), meas.tolist())
-        out[f"median_rel_error_{name}"] = float(np.median(np.abs(pred / meas - 1)))
-    return out
+    measured = [s[2] for s in rows]
+    raw = prediction_quality([s[0] for s in rows], measured)
+    calibrated = prediction_quality([s[1] for s in rows], measured)
+    return {
+        "steps": len(rows),
+        "r_raw": raw.pearson_r,
+        "r_calibrated": calibrated.pearson_r,
+        "median_rel_error_raw": raw.median_rel_error,
+        "median_rel_error_calibrated": calibrated.median_rel_error,
+    }

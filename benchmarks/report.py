@@ -15,8 +15,12 @@ from typing import Any
 
 CONTENDED_CORES = 0.5  # other processes busier than this during a run: its numbers are upper bounds
 QPS_ORDER = ("hf", "fcfs", "chunked", "srjf", "lpm", "po")
-QPS_NAMES = {"hf": "transformers (`--backend hf`)", "fcfs": "ours fcfs + radix cache"}
-QPS_NAMES.update(chunked="ours chunked prefill + cache", po="ours po")
+QPS_NAMES = {
+    "hf": "transformers (`--backend hf`)",
+    "fcfs": "ours fcfs + radix cache",
+    "chunked": "ours chunked prefill + cache",
+    "po": "ours po",
+}
 SWEEP_HEADER = "workload | x anchor | QPS | config | mean s | P99 s | hits | P50 s | steps | items/step"
 # The router policy that keeps a user on one worker, and its baseline.
 AFFINITY, SPREAD = "cache_aware", "round_robin"
@@ -82,9 +86,9 @@ def _and(words: Sequence[str]) -> str:
 
 def sweep_rows(workloads: Doc, extra: bool = True) -> list[list[Any]]:
     """Every point of harness.sweep results (`*` = contended); `extra`: P50, steps, items/step too."""
-    spec = "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%" + (
-        " p50_s:.2f steps mean_batch:.1f" * extra
-    )
+    spec = "mult:g qps:.3f config* mean_s:.2f p99_s:.2f hit_rate:.0%"
+    if extra:
+        spec += " p50_s:.2f steps mean_batch:.1f"
     return [[name, *cells(r, spec)] for name, w in workloads.items() for r in sorted(w["runs"], key=_order)]
 
 
@@ -216,10 +220,16 @@ def cluster_ratios(doc: Doc) -> dict[str, dict[str, float]]:
     for point in dict.fromkeys(_point(r) for r in doc["runs"]):
         a, b = by.get((point, AFFINITY)), by.get((point, SPREAD))
         if a is not None and b is not None:
-            out[point] = {k: _ratio(a[k], b[k]) for k in ("items_per_s", "hit_rate")}
-            out[point] |= {k: _ratio(b[k], a[k]) for k in ("p50_s", "p99_s")}
-            out[point]["computed_tokens"] = _ratio(*(r["prompt_tokens"] - r["cached_tokens"] for r in (b, a)))
-            out[point]["cpu_per_item"] = _ratio(_cpu_per_item(b), _cpu_per_item(a))
+            out[point] = {
+                "items_per_s": _ratio(a["items_per_s"], b["items_per_s"]),
+                "hit_rate": _ratio(a["hit_rate"], b["hit_rate"]),
+                "p50_s": _ratio(b["p50_s"], a["p50_s"]),
+                "p99_s": _ratio(b["p99_s"], a["p99_s"]),
+                "computed_tokens": _ratio(
+                    b["prompt_tokens"] - b["cached_tokens"], a["prompt_tokens"] - a["cached_tokens"]
+                ),
+                "cpu_per_item": _ratio(_cpu_per_item(b), _cpu_per_item(a)),
+            }
     return out
 
 
@@ -353,7 +363,7 @@ def _axes(ax: Any, xlabel: str, ylabel: str, title: str, base: int = 10, logy: b
 
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if logy else "linear")
     ax.set_xscale("log", base=base)
-    for axis in [ax.xaxis] + [ax.yaxis] * logy:
+    for axis in [ax.xaxis, ax.yaxis] if logy else [ax.xaxis]:
         if base == 10:
             axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axis.set_minor_formatter(ticker.NullFormatter())

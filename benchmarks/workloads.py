@@ -117,12 +117,23 @@ def wl2(
 def add_trace_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
     """The WL1/WL2 size flags the in-process benchmarks take; `defaults` overrides the values
     below by flag name (wl1_users=6, ...)."""
-    d = dict(wl1_users=4, wl1_items=8, wl1_profile=600, wl1_item_tokens=80, wl2_requests=6, wl2_min=800)
-    d["wl2_max"] = 1600
+    d = {
+        "wl1_users": 4,
+        "wl1_items": 8,
+        "wl1_profile": 600,
+        "wl1_item_tokens": 80,
+        "wl2_requests": 6,
+        "wl2_min": 800,
+        "wl2_max": 1600,
+    }
     if set(defaults) - set(d):
         raise ValueError(f"unknown trace arguments {sorted(set(defaults) - set(d))}")
-    helps = {"wl1_items": "WL1 posts per user", "wl1_profile": "mean profile tokens (+-20%%)"}
-    helps.update(wl2_min="WL2 shortest history tokens", wl2_max="WL2 longest history tokens")
+    helps = {
+        "wl1_items": "WL1 posts per user",
+        "wl1_profile": "mean profile tokens (+-20%%)",
+        "wl2_min": "WL2 shortest history tokens",
+        "wl2_max": "WL2 longest history tokens",
+    }
     for name, default in {**d, **defaults}.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=helps.get(name))
 

@@ -80,7 +80,7 @@ class _FlakyScorer:
 
     def validate(self, req: ScoreRequest) -> None: ...
 
-    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
         if self.broken:
             raise RuntimeError("device lost")
         top = [(t, -0.5 - t) for t in range(max(r.top_k for r in requests))]

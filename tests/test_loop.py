@@ -216,10 +216,10 @@ def test_shutdown_with_drain_finishes_everything(eng: Engine) -> None:
 def test_running_step_completes_when_shutdown_does_not_drain(eng: Engine, monkeypatch) -> None:
     real_step, entered, release = eng.step, threading.Event(), threading.Event()
 
-    def blocking_step(reqs):
+    def blocking_step(reqs, ranks=None):
         entered.set()
         assert release.wait(TIMEOUT), "test never released the step"
-        return real_step(reqs)
+        return real_step(reqs, ranks)
 
     monkeypatch.setattr(eng, "step", blocking_step)
     loop = EngineLoop(eng, policy="fcfs", jct=JCT)
@@ -241,10 +241,10 @@ def test_step_error_reaches_every_request_of_the_step(eng: Engine, monkeypatch) 
     real_step = eng.step
     poison = 299
 
-    def step(reqs):
+    def step(reqs, ranks=None):
         if any(r.input_ids[-1] == poison for r in reqs):
             raise RuntimeError("boom")
-        return real_step(reqs)
+        return real_step(reqs, ranks)
 
     monkeypatch.setattr(eng, "step", step)
     prefix = tuple(range(100, 160))

@@ -377,6 +377,23 @@ def test_in_process_priority(tokenized_llama: Path, monkeypatch: pytest.MonkeyPa
         local.close()
 
 
+def test_batch_prefixes_do_not_evict_online_profiles() -> None:
+    """With priority classes, the cache evicts a batch job's prefixes before the online profiles
+    its users come back to, even when the batch ones are newer: the online calls after the
+    backlog still read their profiles. Without classes (one class: plain LRU), they do not."""
+    profile = {u: ids(10 + u, 100) for u in (1, 2)}
+    online = [req(20 + k, 10, None, profile[1 + k % 2]) for k in range(4)]
+    batch = [req(30 + k, 50, -1, ids(40 + k, 100)) for k in range(3)]
+    trace = [(0.0, online[0]), (0.0, online[1]), *((0.0, b) for b in batch)]
+    trace += [(5.0, online[2]), (5.0, online[3])]
+    for enable, hits in ((True, [100, 100]), (False, [0, 0])):
+        runs = sorted(
+            run(SchedulerConfig("po", enable_priority=enable), trace, pool=250), key=lambda r: r.rid
+        )
+        assert all(r.end <= 5.0 for r in runs[:5]), "the backlog ends before the online calls return"
+        assert [r.cached for r in runs[5:]] == hits
+
+
 def test_long_batch_request_runs_in_prefix_steps() -> None:
     """A batch request longer than the sized step computes its prompt over several steps (each
     caching its leading tokens for the next), so an online call waits for one short step."""
@@ -411,4 +428,7 @@ def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
         assert loop.stats().completed == 1
     assert len(steps) >= 3 and max(n for s in steps for n, _ in s.items) <= 300
     assert res.cached_tokens >= 200
+    # The loop tells the cache the request's class: what it stored is kept as batch's.
+    assert engine.cache is not None
+    assert {n.rank for n in engine.cache._nodes() if n is not engine.cache.root} == {1}
     assert res.logprobs == pytest.approx(cold.logprobs, abs=1e-4)

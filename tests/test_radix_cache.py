@@ -164,6 +164,32 @@ def test_never_reused_nodes_are_evicted_first() -> None:
     cache.check_integrity()
 
 
+def test_less_urgent_class_is_evicted_first() -> None:
+    """Within a reuse tier, a batch-class prefix (rank 1) goes before an online one (rank 0) even
+    when the online one is older; a batch prefix an online call reads is kept as online; a split
+    keeps the rank; eviction_order agrees with evict."""
+    _, cache = make()
+    slots = cache.alloc(3)
+    assert slots is not None
+    cache.insert([1, 2, 3], slots, rank=0)  # an online profile
+    slots = cache.alloc(3)
+    assert slots is not None
+    cache.insert([4, 5, 6], slots, rank=1)  # a batch job's prefix, newer
+    slots = cache.alloc(2)
+    assert slots is not None
+    cache.insert([7, 8], slots, rank=1)  # another batch prefix, read back by an online call
+    for key, rank in (([1, 2, 3], 0), ([4, 5, 6, 0], 1), ([7, 8, 0], 0)):
+        cache.match_prefix(key, rank)  # every node reused: one tier
+    cache.match_prefix([1, 2], rank=1)  # a batch read splits the online node: both parts stay online
+    order = [v.key for v in cache.eviction_order()]
+    assert order[0] == (4, 5, 6)
+    # [4,5,6] (newer, but batch), then the online leaf least recently used: [3] (split off)
+    assert [cache.evict(1) for _ in range(2)] == [3, 1]
+    assert cache.match_len([1, 2, 3]) == 2 and cache.match_len([7, 8]) == 2
+    cache.check_integrity()
+    assert sorted(n.rank for n in cache._nodes() if n is not cache.root) == [0, 0]
+
+
 def test_reuse_mark_splits_with_the_matched_part() -> None:
     """A match that ends inside a node marks only the part it read: the shared profile stays,
     the first request's own tail (stored with it) is evicted first."""

@@ -38,7 +38,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AVX512-bf16 or AMX make bf16 GEMMs ~3.5x faster than fp32 on CPU; without them bf16 is slow."""
+    """AVX512-bf16 or AMX run bf16 GEMMs in hardware, several times faster than fp32 on CPU; without
+    them bf16 is emulated and slower than fp32."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 

@@ -2,13 +2,13 @@
 O(n)), optionally after a cached prefix whose K/V come from the prefix cache.
 
 Which kernel: bf16 on a CPU with AVX512-BF16 and no AMX runs `po_backend.engine.attention_cpu` (a C++
-kernel on the bf16 dot-product units, built on first use; ~4-5x SDPA there, issue 17), for head
+kernel on the bf16 dot-product units, built at start-up; several times SDPA's speed there), for head
 dims that are multiples of 64. Everything else, and any CPU where that kernel cannot be built,
 runs torch's `scaled_dot_product_attention` as below.
 
 Grouped-query attention runs one SDPA call per KV head with that head broadcast (`expand`, no
-copy) over its query heads: materialising repeated K/V cost 2x the attention output in memory,
-and SDPA's `enable_gqa` measured 20% slower on CPU.
+copy) over its query heads: materialising repeated K/V would cost memory on the scale of the
+attention output, and SDPA's `enable_gqa` measured slower on CPU (REPORT).
 
 A cached prefix shared by several items (multi-item scoring) is never copied per item. The bf16
 CPU kernel takes prefix and items in one call (each query's online softmax runs on from the
@@ -143,7 +143,7 @@ def windowed_attend(
             last = (shape, mask)
         if softcap is None:
             # A window alone is a mask SDPA's fused kernels take: one call for all heads per
-            # block (grouped-query in the call) measured 2x the plain ops and per-KV-head calls.
+            # block (grouped-query in the call) measured faster than the plain ops and per-KV-head calls.
             o = F.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1).unsqueeze(0),
                 kb.transpose(0, 1).unsqueeze(0),

@@ -1,10 +1,11 @@
-"""CPU attention in bf16 on the AVX512-BF16 dot-product units (issue 17), through a small C++
-kernel (`csrc/attention_bf16.cpp`) built on first use, and the decision of when to use it.
+"""CPU attention in bf16 on the AVX512-BF16 dot-product units, through a small C++ kernel
+(`csrc/attention_bf16.cpp`) built when an engine that uses it starts, and the decision of when to
+use it.
 
 Why: torch's CPU `scaled_dot_product_attention` spends its bf16 FLOPs in matrix units only where
 oneDNN has AMX; on AVX512-BF16 CPUs without AMX (AMD EPYC) its bf16 runs at fp32 speed, and
 attention is most of a long prefill. An earlier version of this module ran tiles of torch bf16
-GEMMs with an fp32 online softmax: 2x SDPA here, but still far from the GEMM peak (Python per-op
+GEMMs with an fp32 online softmax: faster than SDPA there, but still far from the GEMM peak (Python per-op
 cost, scores rounded to bf16 by the GEMM, elementwise passes over the score tiles). The kernel
 keeps the scores in fp32 registers between the two dot-product passes.
 

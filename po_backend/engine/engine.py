@@ -15,7 +15,7 @@ from po_backend.core.errors import CapacityError, InvalidRequestError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
-from po_backend.engine.cache import CacheStats, KVPool, RadixCache
+from po_backend.engine.cache import KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes, profiled_peaks
@@ -28,43 +28,12 @@ from po_backend.engine.models.loader import (
     resolve_model_dir,
 )
 from po_backend.engine.runner import LOGIT_ROWS, SeqPlan, make_runner
+from po_backend.engine.stats import EngineStats
 from po_backend.sched.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
 
 PrefixLens = int | Sequence[int | None] | None  # one cache_prefix_len for all prompts, or one each
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    requests: int
-    forwards: int
-    prompt_tokens: int
-    computed_tokens: int
-    cached_tokens: int  # prompt tokens read from the prefix cache instead of computed
-    cache: CacheStats | None
-    pool_bytes: int
-    activation_budget_bytes: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @classmethod
-    def from_counts(
-        cls, counts: dict[str, int], cache: CacheStats | None = None, pool_bytes: int = 0, budget: int = 0
-    ) -> EngineStats:
-        """From a scorer's running counts (requests, forwards, prompt, computed, cached tokens)."""
-        return cls(
-            requests=counts["requests"],
-            forwards=counts["forwards"],
-            prompt_tokens=counts["prompt"],
-            computed_tokens=counts["computed"],
-            cached_tokens=counts["cached"],
-            cache=cache,
-            pool_bytes=pool_bytes,
-            activation_budget_bytes=budget,
-        )
 
 
 @dataclass
@@ -74,6 +43,7 @@ class _Work:
     index: int
     req: ScoreRequest
     store_len: int  # leading tokens to keep in the prefix cache once computed
+    rank: int = 0  # its priority class (scheduler rank): what the cache keeps first
     plan: SeqPlan | None = None
     node: Any = None  # locked radix node of the matched prefix
     match_slots: torch.Tensor | None = None  # slots of the prefix it reads (cache or batch-mate)
@@ -372,13 +342,20 @@ class Engine:
             self.shares_in_batch,
         )
 
-    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
-        new prefixes, unlock. Callers choose the batch (see `batchable`)."""
+        new prefixes, unlock. Callers choose the batch (see `batchable`). `ranks`: each request's
+        priority class (the scheduler's rank, 0 the most urgent; default all 0), which the
+        prefix cache's eviction order keeps the more urgent prefixes by."""
         self._probes.clear()  # the cache changes from here on
         asked = list(requests)
+        ranks = [0] * len(asked) if ranks is None else list(ranks)
+        if len(ranks) != len(asked):
+            raise ValueError(f"{len(asked)} requests but {len(ranks)} ranks")
         requests = [outputs.prepare(r, self.task) for r in asked]
-        batch = [_Work(i, r, self.store_len(r)) for i, r in enumerate(requests)]
+        batch = [
+            _Work(i, r, self.store_len(r), k) for i, (r, k) in enumerate(zip(requests, ranks, strict=True))
+        ]
         groups: dict[tuple[int, ...], int] = {}  # what a prefix is read from -> runner group
         stores = BatchStores()
         try:
@@ -391,7 +368,7 @@ class Engine:
                 # the activation bound.
                 for w in batch:
                     self._release(w)
-                return [res for r in asked for res in self.step([r])]
+                return [res for r, k in zip(asked, ranks, strict=True) for res in self.step([r], [k])]
             # Items of one prefix group must be adjacent so attention reads their prefix once.
             ordered = sorted(
                 batch, key=lambda w: (w.planned.prefix_group is None, w.planned.prefix_group or 0)
@@ -432,7 +409,7 @@ class Engine:
         start, prefix = 0, None
         source: tuple[int, ...] | None = None
         if self.cache is not None:
-            m = self.cache.match_prefix(ids[:limit])
+            m = self.cache.match_prefix(ids[:limit], w.rank)
             if m.length:
                 self.cache.lock(m.node)
                 w.node = m.node
@@ -466,12 +443,12 @@ class Engine:
         if w.store_slots is not None:
             assert w.match_slots is not None, "set by _plan"
             slots = torch.cat([w.match_slots, w.store_slots])
-            self.cache.insert(w.req.input_ids[: slots.numel()], slots)
+            self.cache.insert(w.req.input_ids[: slots.numel()], slots, w.rank)
             w.store_slots = None  # owned by the tree now
         if w.from_mate:
             # The prefix it read from a batch-mate is in the tree now (the mate inserted it
             # first): mark it reused, so eviction keeps it before never-read tails.
-            self.cache.match_prefix(w.req.input_ids[: w.planned.start_pos])
+            self.cache.match_prefix(w.req.input_ids[: w.planned.start_pos], w.rank)
 
     def _release(self, w: _Work) -> None:
         """Unlock and return uninserted slots, also when the forward failed."""

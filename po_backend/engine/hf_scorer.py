@@ -15,9 +15,9 @@ from po_backend.core.errors import UnsupportedModelError
 from po_backend.core.request import ScoreRequest, ScoreResult, validate_request
 from po_backend.engine.config import parse_dtype
 from po_backend.engine.device import resolve_device
-from po_backend.engine.engine import EngineStats
 from po_backend.engine.models.loader import load_tokenizer, read_task, resolve_model_dir
 from po_backend.engine.outputs import PromptSpan, score_result
+from po_backend.engine.stats import EngineStats
 
 
 class HFScorer:
@@ -71,8 +71,8 @@ class HFScorer:
     def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
         return [(0, 0)]  # one request per forward: the baseline as transformers users run it
 
-    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        return [self.score(r) for r in requests]
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
+        return [self.score(r) for r in requests]  # no cache, so no use for the ranks
 
     def stats(self) -> EngineStats:
         return EngineStats.from_counts(self._counts)

@@ -43,8 +43,8 @@ POLICIES = ("cache_aware", "round_robin", "power_of_two")
 # finishes in one forward, so a worker rarely holds more than a few and 64 never fires: a hot
 # user's burst queues on one worker while the others idle (tests/test_cluster.py). Too low a value
 # fires on ordinary Poisson bursts instead, sends users to workers without their profile and
-# costs the cache: simulated at 64 workers (bench_cluster_sim, 1,000 users), 8 sustains 0.68x the
-# QPS of 64 and 16 0.92x, while 32 equals 64 at every N and still splits a 60-call burst.
+# costs the cache: in bench_cluster_sim (many workers, many users) low values lose QPS to cache
+# misses, while 32 sustains what 64 does and still splits a hot user's burst (REPORT).
 BALANCE_ABS_THRESHOLD = 32
 ADD_WORKER = "add-worker"  # the subcommand
 RUN_ROUTER = "run-router"  # internal: the router with its keys read from the environment

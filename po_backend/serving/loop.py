@@ -67,8 +67,10 @@ class Scorer(Protocol):
     def validate(self, req: ScoreRequest) -> None:
         """Raise a typed error (po_backend.core.errors) for a request that can never run."""
 
-    def step(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        """Run one step over the requests chosen by `batchable`; a result per request, in order."""
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
+        """Run one step over the requests chosen by `batchable`; a result per request, in order.
+        `ranks`: each request's priority class (`SchedulerConfig.rank`), for a cache that keeps
+        the more urgent classes' prefixes first."""
 
     def cached_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` the scorer's cache would serve now (read-only)."""
@@ -414,7 +416,7 @@ class EngineLoop:
         start = self.clock()
         t = time.perf_counter()
         try:
-            results = self.engine.step([j.req for j in jobs])
+            results = self.engine.step([j.req for j in jobs], [self.config.rank(j.req) for j in jobs])
             if len(results) != len(jobs):
                 raise RuntimeError(
                     f"the scorer's step returned {len(results)} results for {len(jobs)} requests"

@@ -52,6 +52,9 @@ class PrefixLRU:
         self.max_batch_tokens = max_batch_tokens
         self._keys: list[tuple[int, ...]] = []  # sorted
         self._used: list[int] = []  # aligned with _keys: the tick it was last stored or hit
+        # aligned with _keys: the most urgent priority class (scheduler rank) that stored or hit
+        # it; less urgent prefixes are evicted first, as in the engine's radix cache
+        self._rank: list[int] = []
         self._tick = 0
         self._tokens = 0
         self._memo: dict[int, tuple[Request, int]] = {}  # id(request) -> (request, cached_len)
@@ -78,10 +81,14 @@ class PrefixLRU:
     def free_tokens(self) -> int:
         return self.capacity_tokens - self._tokens
 
+    def _victim_key(self, i: int) -> tuple[int, int]:
+        """Eviction order: the less urgent class first, then least recently used."""
+        return -self._rank[i], self._used[i]
+
     def eviction_order(self) -> Iterator[Victim]:
-        """The cached prefixes least recently used first (`step`'s eviction order), each keeping
-        cached what it shares with its neighbours (`reuse.Pool`)."""
-        for i in sorted(range(len(self._keys)), key=self._used.__getitem__):
+        """The cached prefixes in `step`'s eviction order (`_victim_key`), each keeping cached
+        what it shares with its neighbours (`reuse.Pool`)."""
+        for i in sorted(range(len(self._keys)), key=self._victim_key):
             key = self._keys[i]
             shared = max(
                 (common_prefix(key, self._keys[j]) for j in (i - 1, i + 1) if 0 <= j < len(self._keys)),
@@ -90,10 +97,11 @@ class PrefixLRU:
             if shared < len(key):
                 yield Victim(key, shared)
 
-    def step(self, reqs: Sequence[Request]) -> list[int]:
-        """Run a step: each request's cached tokens before it, then its declared prefix cached."""
+    def step(self, reqs: Sequence[Request], ranks: Sequence[int] | None = None) -> list[int]:
+        """Run a step: each request's cached tokens before it, then its declared prefix cached.
+        `ranks`: each request's priority class (`SchedulerConfig.rank`; default all 0)."""
         hits = [self.cached_len(r) for r in reqs]
-        for r in reqs:
+        for r, rank in zip(reqs, [0] * len(reqs) if ranks is None else ranks, strict=True):
             key = tuple(r.input_ids[: r.cache_prefix_len or 0])
             if not key or len(key) > self.capacity_tokens:
                 continue
@@ -101,14 +109,16 @@ class PrefixLRU:
             i = bisect.bisect_left(self._keys, key)
             if i < len(self._keys) and self._keys[i] == key:
                 self._used[i] = self._tick
+                self._rank[i] = min(self._rank[i], rank)
                 continue
             self._keys.insert(i, key)
             self._used.insert(i, self._tick)
+            self._rank.insert(i, rank)
             self._tokens += len(key)
             while self._tokens > self.capacity_tokens:
-                old = min(range(len(self._used)), key=self._used.__getitem__)
+                old = min(range(len(self._used)), key=self._victim_key)
                 self._tokens -= len(self._keys.pop(old))
-                del self._used[old]
+                del self._used[old], self._rank[old]
             self._memo.clear()
         return hits
 
@@ -161,12 +171,12 @@ def simulate(
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued
             prefix = pick.prefix_request()
-            cache.step([prefix])
+            cache.step([prefix], [config.rank(prefix)])
             clock.now += model.predict_items(pick.items)
             sched.step_done(start, clock.now, [(prefix, start)])
             steps += 1
             continue
-        hits = cache.step([e.req for e in pick.entries])
+        hits = cache.step([e.req for e in pick.entries], [config.rank(e.req) for e in pick.entries])
         # What the pick read covers the cache's hits; beyond them: prefixes read from batch-mates.
         assert all(h <= c for h, c in zip(hits, pick.n_cached, strict=True)), "stale cache state"
         clock.now += model.predict_items(pick.items)

@@ -25,9 +25,11 @@ _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 class Node:
     """One edge of the tree: `key` (token ids) and the slots holding their KV, index for index."""
 
-    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "uid", "reused")
+    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "uid", "reused", "rank")
 
-    def __init__(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, uid: int, now: int) -> None:
+    def __init__(
+        self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, uid: int, now: int, rank: int = 0
+    ) -> None:
         self.key = key  # int64, never mutated (splits take views)
         self.slots = slots  # int64 CPU tensor, len(slots) == len(key)
         self.parent = parent
@@ -39,11 +41,16 @@ class Node:
         # first: most are the unique tail of a prompt stored on speculation (a post after a
         # profile), while a reused node is a profile or document others come back to.
         self.reused = False
+        # The most urgent priority class (scheduler rank: 0 online, higher less urgent) that
+        # stored or read it. Among nodes alike in reuse, less urgent ones are evicted first, so
+        # a batch job's prefixes never push out the profiles online calls come back to; a batch
+        # prefix an online call reads is kept like an online one.
+        self.rank = rank
 
     def __repr__(self) -> str:
         return (
             f"Node(uid={self.uid}, len={len(self.key)}, lock_ref={self.lock_ref}, "
-            f"reused={self.reused}, children={len(self.children)})"
+            f"reused={self.reused}, rank={self.rank}, children={len(self.children)})"
         )
 
 
@@ -97,8 +104,8 @@ class RadixCache:
         self.evicted_tokens_total = 0
         self.inserted_tokens_total = 0
 
-    def _new_node(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None) -> Node:
-        return Node(key, slots, parent, next(self._uids), self._clock)
+    def _new_node(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, rank: int = 0) -> Node:
+        return Node(key, slots, parent, next(self._uids), self._clock, rank)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -111,7 +118,7 @@ class RadixCache:
         assert 0 < at < len(node.key), f"split point {at} outside (0, {len(node.key)})"
         parent = node.parent
         assert parent is not None, "cannot split the root"
-        upper = self._new_node(node.key[:at], node.slots[:at], parent)
+        upper = self._new_node(node.key[:at], node.slots[:at], parent, node.rank)
         # The upper part lies on every path the lower one does, so it inherits its locks.
         upper.lock_ref, upper.last_access, upper.reused = node.lock_ref, node.last_access, node.reused
         upper.children[int(node.key[at])] = node
@@ -120,10 +127,10 @@ class RadixCache:
         return upper
 
     def _descend(
-        self, tokens: np.ndarray, now: int, reuse: bool = False
+        self, tokens: np.ndarray, now: int, rank: int, reuse: bool = False
     ) -> tuple[int, Node, list[torch.Tensor]]:
         """Walk down as far as `tokens` match, splitting the last node at the match end; `reuse`
-        marks the matched nodes as reused."""
+        marks the matched nodes as reused, and each keeps the more urgent of its rank and `rank`."""
         node, pos, parts = self.root, 0, []
         node.last_access = now
         while pos < len(tokens):
@@ -134,6 +141,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            child.rank = min(child.rank, rank)
             if reuse and not child.reused:
                 child.reused = True
                 self._reused += len(child.key)
@@ -141,9 +149,12 @@ class RadixCache:
             node, pos = child, pos + n
         return pos, node, parts
 
-    def match_prefix(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> MatchResult:
-        """Longest cached prefix of `token_ids`; marks its path as recently used and reused."""
-        pos, node, parts = self._descend(_as_tokens(token_ids), self._tick(), reuse=True)
+    def match_prefix(
+        self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, rank: int = 0
+    ) -> MatchResult:
+        """Longest cached prefix of `token_ids`; marks its path as recently used and reused, and
+        as read by priority class `rank` (see `Node.rank`)."""
+        pos, node, parts = self._descend(_as_tokens(token_ids), self._tick(), rank, reuse=True)
         return MatchResult(pos, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64), node)
 
     def match_len(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
@@ -161,9 +172,10 @@ class RadixCache:
         return pos
 
     def insert(
-        self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor
+        self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor, rank: int = 0
     ) -> InsertResult:
-        """Cache `token_ids` with their KV in `slots`; the tree owns the new tokens' slots after.
+        """Cache `token_ids` with their KV in `slots`, stored by priority class `rank`; the tree
+        owns the new tokens' slots after.
 
         For the already-cached prefix, caller slots that differ from the tree's are duplicates
         and are freed; slots equal to the tree's (the caller passed back what `match_prefix`
@@ -172,13 +184,13 @@ class RadixCache:
         tokens = _as_tokens(token_ids)
         slots = slots.reshape(-1).to("cpu", torch.int64)
         assert len(slots) == len(tokens), f"{len(tokens)} tokens but {len(slots)} slots"
-        pos, node, parts = self._descend(tokens, self._tick())
+        pos, node, parts = self._descend(tokens, self._tick(), rank)
         if pos:
             tree_slots = torch.cat(parts)
             self.pool.free(slots[:pos][slots[:pos] != tree_slots])
         if pos < len(tokens):
             # Copies: the caller may reuse its token array / slot tensor.
-            leaf = self._new_node(tokens[pos:].copy(), slots[pos:].clone(), node)
+            leaf = self._new_node(tokens[pos:].copy(), slots[pos:].clone(), node, rank)
             node.children[int(tokens[pos])] = leaf
             self._evictable += len(leaf.key)
             self.inserted_tokens_total += len(leaf.key)
@@ -221,16 +233,26 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def evict(self, num_slots: int) -> int:
-        """Free unlocked leaves until `num_slots` are freed, never-reused ones first, each kind
-        least recently used first; return the count. Whole nodes are evicted, so more than asked
-        may be freed."""
+    @staticmethod
+    def _victim_key(n: Node) -> tuple[bool, int, int, int, Node]:
+        """Eviction order: never-reused first, then the less urgent class, then least recently
+        used (uid: a deterministic tie-breaker)."""
+        return (n.reused, -n.rank, n.last_access, n.uid, n)
+
+    def _leaves(self) -> list[tuple[bool, int, int, int, Node]]:
+        """A heap of the unlocked leaves by `_victim_key`."""
         heap = [
-            (n.reused, n.last_access, n.uid, n)
+            self._victim_key(n)
             for n in self._nodes()
             if not n.children and n.lock_ref == 0 and n is not self.root
         ]
         heapq.heapify(heap)
+        return heap
+
+    def evict(self, num_slots: int) -> int:
+        """Free unlocked leaves until `num_slots` are freed, in `_victim_key` order; return the
+        count. Whole nodes are evicted, so more than asked may be freed."""
+        heap = self._leaves()
         freed = 0
         while freed < num_slots and heap:
             *_, node = heapq.heappop(heap)
@@ -245,7 +267,7 @@ class RadixCache:
                 self._reused -= len(node.key)
             # A parent that just became an unlocked leaf is the next candidate in LRU order.
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.reused, parent.last_access, parent.uid, parent))
+                heapq.heappush(heap, self._victim_key(parent))
         self.evicted_tokens_total += freed
         return freed
 
@@ -256,12 +278,7 @@ class RadixCache:
         """The unlocked nodes in the order `evict` would free them, each as its path's tokens and
         the depth it starts at; nothing is evicted. Lazy: a scheduler pricing what a request's
         admission evicts reads only the first few."""
-        heap = [
-            (n.reused, n.last_access, n.uid, n)
-            for n in self._nodes()
-            if not n.children and n.lock_ref == 0 and n is not self.root
-        ]
-        heapq.heapify(heap)
+        heap = self._leaves()
         left: dict[int, int] = {}  # children not yet evicted, per parent uid
         while heap:
             *_, node = heapq.heappop(heap)
@@ -272,7 +289,7 @@ class RadixCache:
             assert parent is not None, "the root is never a victim"
             left[parent.uid] = left.get(parent.uid, len(parent.children)) - 1
             if parent is not self.root and not left[parent.uid] and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.reused, parent.last_access, parent.uid, parent))
+                heapq.heappush(heap, self._victim_key(parent))
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`pool.alloc(n)`, evicting first as needed; None (evicting nothing) if it cannot fit."""
