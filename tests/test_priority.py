@@ -394,6 +394,21 @@ def test_batch_prefixes_do_not_evict_online_profiles() -> None:
         assert [r.cached for r in runs[5:]] == hits
 
 
+def test_prefix_steps_keep_their_progress_in_a_small_pool() -> None:
+    """A long batch request's prefix steps keep what they computed until its last step, even in a
+    pool that cannot also hold every online profile (the profiles go instead); its last step
+    reads that prefix at the batch class's rank, so it goes before online profiles from then on."""
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # ~100-token batch steps
+    profile = {u: ids(10 + u, 100) for u in (1, 2)}
+    long = req(1, 300, -1)
+    cache = PrefixLRU(250)
+    trace = [(0.0, req(20 + u, 10, None, profile[u])) for u in (1, 2)] + [(0.0, long)]
+    runs = sorted(simulate(cfg, JCT, trace, cache), key=lambda r: r.rid)
+    assert runs[2].step >= 3 and runs[2].cached >= 150, "the batch request read back its prefix steps"
+    hit = [i for i, k in enumerate(cache._keys) if len(k) == runs[2].cached and long.input_ids[: len(k)] == k]
+    assert len(hit) == 1 and cache._rank[hit[0]] == 1
+
+
 def test_long_batch_request_runs_in_prefix_steps() -> None:
     """A batch request longer than the sized step computes its prompt over several steps (each
     caching its leading tokens for the next), so an online call waits for one short step."""

@@ -82,6 +82,13 @@ class SchedulerConfig:
         default priority, and for every request with priority scheduling off)."""
         return self.rank_of(req.priority) if self.enable_priority else 0
 
+    def cache_rank(self, req: Request, prefix_step: bool = False) -> int:
+        """The class the prefix cache keeps what `req` stores and reads under (less urgent first
+        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is 0 whatever
+        its class: the next steps of the same request read those tokens back, so they are kept
+        like the online class's until its last step reads them at its own rank."""
+        return 0 if prefix_step else self.rank(req)
+
     def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:
             return 0
