@@ -25,23 +25,32 @@ from po_backend import Engine  # noqa: E402
 from po_backend.engine.memory import MEMORY_CACHE_ENV  # noqa: E402
 from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
 
-_JCT_DIR: str | None = None
+# The session's profile directory, named in the environment by whichever pytest process made it
+# (xdist's controller, or the only process of a serial run): xdist's workers inherit it from the
+# controller, so every worker and every server of the run shares it.
+_PROFILE_DIR_ENV = "PO_TEST_PROFILE_DIR"
+_OWN_DIR: str | None = None  # the directory this process made, and removes at the end
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """JCT and memory profiles of throwaway tiny models go to one directory per session, shared by the
-    in-process loops and every test server (they inherit os.environ): a server profiles a model
-    once per session, and the user's cache gets none. The rest of the cache root (the embedded
-    model's GGUF conversion, the kernel build) stays the user's, converted and built once."""
-    global _JCT_DIR
-    _JCT_DIR = tempfile.mkdtemp(prefix="po-test-jct-")
-    os.environ[JCT_CACHE_ENV] = _JCT_DIR
-    os.environ[MEMORY_CACHE_ENV] = os.path.join(_JCT_DIR, "memory")
+    in-process loops, every xdist worker and every test server (they inherit os.environ): a model
+    (a shape, for memory profiles) is profiled once per run, and the user's cache gets none.
+    Measuring takes an OS file lock, so workers asking at once measure once. The rest of the cache
+    root (the embedded model's GGUF conversion, the kernel build) stays the user's, converted and
+    built once."""
+    global _OWN_DIR
+    shared = os.environ.get(_PROFILE_DIR_ENV)
+    if shared is None or not hasattr(config, "workerinput"):
+        shared = _OWN_DIR = tempfile.mkdtemp(prefix="po-test-jct-")
+        os.environ[_PROFILE_DIR_ENV] = shared
+    os.environ[JCT_CACHE_ENV] = shared
+    os.environ[MEMORY_CACHE_ENV] = os.path.join(shared, "memory")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _JCT_DIR is not None:
-        shutil.rmtree(_JCT_DIR, ignore_errors=True)
+    if _OWN_DIR is not None:
+        shutil.rmtree(_OWN_DIR, ignore_errors=True)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
