@@ -163,6 +163,21 @@ def test_budget_is_the_target_minus_what_online_calls_take() -> None:
         BackfillBudget(0.0)
 
 
+def test_budget_shrinks_by_how_much_batch_steps_overrun_their_prediction() -> None:
+    b = BackfillBudget(1.0, window=8)
+    b.step_done(0.0, 0.3, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == pytest.approx(0.7) and b.overrun == 1.0
+    b.step_done(1.0, 1.2, batch=True, online_arrivals=[], predicted=0.4)  # faster than priced
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)  # no credit for over-pricing
+    b.step_done(2.0, 2.5, batch=True, online_arrivals=[], predicted=0.25)  # twice as slow
+    assert b.overrun == pytest.approx(2.0) and b.budget_s == pytest.approx(0.35)
+    b.step_done(3.0, 3.3, batch=True, online_arrivals=[])  # no prediction: not counted
+    assert b.overrun == pytest.approx(2.0)
+    for t in range(8):  # priced right again: the overrun leaves with the window
+        b.step_done(10.0 + t, 10.5 + t, batch=True, online_arrivals=[], predicted=0.5)
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)
+
+
 def mixed_trace(online_tokens: int) -> list[tuple[float, ScoreRequest]]:
     """A batch backlog of four 600-token requests and online calls spaced so that they never
     queue behind each other, one of them first."""

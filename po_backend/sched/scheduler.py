@@ -17,6 +17,7 @@ push out a prefix others are queued to read waits until they have read it.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -407,13 +408,16 @@ class Scheduler:
                 )
         return pick
 
-    def step_done(self, start: float, end: float, ran: Sequence[tuple[Request, float]]) -> None:
+    def step_done(
+        self, start: float, end: float, ran: Sequence[tuple[Request, float]], predicted: float = math.nan
+    ) -> None:
         """A step picked here ran from `start` to `end` (the scheduler's clock); `ran`: (request,
-        arrival) of each request it computed, the head first. Feeds the batch-step sizing."""
+        arrival) of each request it computed, the head first; `predicted`: the seconds the JCT
+        model priced it at before it ran (nan: none). Feeds the batch-step sizing."""
         if self.backfill is None or not ran:
             return
         online = [a for r, a in ran if self.config.priority_class(r) == CLASSES[0]]
-        self.backfill.step_done(start, end, self.config.rank(ran[0][0]) > 0, online)
+        self.backfill.step_done(start, end, self.config.rank(ran[0][0]) > 0, online, predicted)
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
         """A step's predicted seconds; its computed tokens without a JCT model (fcfs, lpm)."""

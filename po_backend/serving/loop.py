@@ -445,7 +445,7 @@ class EngineLoop:
             self._counts["completed"] += sum(j.rid != PREFIX_STEP_RID for j in jobs)
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
-            self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs])
+            self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs], predicted)
         for j, r in zip(jobs, results, strict=True):
             j.future.set_result(dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted)))
 

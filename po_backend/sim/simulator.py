@@ -177,14 +177,14 @@ def simulate(
             prefix = pick.prefix_request()
             cache.step([prefix], [config.cache_rank(prefix, prefix_step=True)])
             clock.now += model.predict_items(pick.items)
-            sched.step_done(start, clock.now, [(prefix, start)])
+            sched.step_done(start, clock.now, [(prefix, start)], clock.now - start)
             steps += 1
             continue
         hits = cache.step([e.req for e in pick.entries], [config.cache_rank(e.req) for e in pick.entries])
         # What the pick read covers the cache's hits; beyond them: prefixes read from batch-mates.
         assert all(h <= c for h, c in zip(hits, pick.n_cached, strict=True)), "stale cache state"
         clock.now += model.predict_items(pick.items)
-        sched.step_done(start, clock.now, [(e.req, e.arrival) for e in pick.entries])
+        sched.step_done(start, clock.now, [(e.req, e.arrival) for e in pick.entries], clock.now - start)
         out += [
             SimRun(e.rid, e.arrival, start, clock.now, c, steps)
             for e, c in zip(pick.entries, pick.n_cached, strict=True)
