@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     harness.flags(ap, load=(0.5, "online rate as a share of its capacity"))
     harness.flags(ap, slo_x=(1.5, "online target: x the online-alone P99"))
+    harness.flags(ap, cache_profiles=(2.2, "prefix pool: this many online profiles plus one batch item"))
     harness.flags(ap, batch_min_share=DEFAULT_BATCH_MIN_SHARE, seed=0)
     return ap.parse_args(argv)
 
@@ -112,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     tok = harness.tokenizer()
     online, batch, unit = traces(args, tok)
-    # The pool holds 2 profiles (as bench_schedule's) plus one batch item (its prefix steps' work).
-    pool = int(2.2 * args.profile) + max(len(r.input_ids) for r in batch)
+    # By default the pool holds 2 profiles (as bench_schedule's) plus one batch item (its prefix
+    # steps' work): online calls lose profiles to each other and to the batch item in progress.
+    pool = int(args.cache_profiles * args.profile) + max(len(r.input_ids) for r in batch)
     run = Runner(args, pool)
     info = harness.machine_info()
     where = "simulator" if args.simulate else f"{info['cpu']}, {info['cores']} cores, embedded model"
