@@ -11,6 +11,7 @@ alone on the same engine; in process on the server's loop, or `--simulate` on th
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -22,7 +23,7 @@ from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import DEFAULT_BATCH_MIN_SHARE
 from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.jct_profile import startup_jct
-from po_backend.serving.loop import EngineLoop
+from po_backend.serving.loop import EngineLoop, StepRecord
 from po_backend.sim.simulator import PrefixLRU, simulate
 
 
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     harness.flags(ap, load=(0.5, "online rate as a share of its capacity"))
     harness.flags(ap, slo_x=(1.5, "online target: x the online-alone P99"))
+    harness.flags(ap, cache_profiles=(2.2, "prefix pool: this many online profiles plus one batch item"))
     harness.flags(ap, batch_min_share=DEFAULT_BATCH_MIN_SHARE, seed=0)
     return ap.parse_args(argv)
 
@@ -67,6 +69,8 @@ class Runner:
             # The server's start-up rule: a persisted profile, else a quick estimate refined online
             self.model, self.source = startup_jct(self.engine, "po"), "the server's start-up JCT model"
         self.pool = pool
+        self.cached: list[int] = []  # of the last run, per request: tokens read from the cache
+        self.steps: list[StepRecord] = []  # of the last run on the engine
 
     def isolated(self, reqs: list[ScoreRequest]) -> list[float]:
         """Each request alone, in order, the cache carried over: latency without queueing."""
@@ -76,18 +80,32 @@ class Runner:
         return list(harness.isolated(self.engine, self.model, reqs)["latencies"])
 
     def __call__(self, cfg: SchedulerConfig, trace: list[tuple[float, ScoreRequest]]) -> list[float]:
+        """Latency per request of `trace`; `self.cached` keeps the tokens each read from the cache,
+        `self.steps` the engine's steps (none on the simulator)."""
         if self.simulated:
             cache = PrefixLRU(self.pool, self.engine.config.max_batch_tokens)
-            ends = {r.rid: r.end - r.arrival for r in simulate(cfg, self.model, trace, cache)}
-            return [ends[i] for i in range(len(trace))]
+            runs = {r.rid: r for r in simulate(cfg, self.model, trace, cache)}
+            self.cached, self.steps = [runs[i].cached for i in range(len(trace))], []
+            return [runs[i].end - runs[i].arrival for i in range(len(trace))]
         order = sorted(range(len(trace)), key=lambda i: trace[i][0])
         self.engine.flush_cache()
         loop = EngineLoop(self.engine, scheduler=cfg, jct=self.model, max_queue=1 << 20, start=False)
         got = harness.replay(loop, [trace[i][1] for i in order], [trace[i][0] for i in order])
-        lat = [0.0] * len(trace)
+        lat, self.cached = [0.0] * len(trace), [0] * len(trace)
         for k, i in enumerate(order):
-            lat[i] = got["latencies"][k]
+            lat[i], self.cached[i] = got["latencies"][k], got["cached_tokens"][k]
+        self.steps = loop.step_log()
         return lat
+
+    def diagnostics(self, reqs: list[ScoreRequest], first: int) -> dict[str, float]:
+        """Of the last run: the share of the requests from `first` on's prompt tokens read from the
+        cache, and the engine's longest step against its prediction."""
+        longest = max(self.steps, key=lambda s: s.seconds, default=None)
+        return {
+            "online_cached_share": sum(self.cached[first:]) / sum(len(r.input_ids) for r in reqs[first:]),
+            "longest_step_s": longest.seconds if longest else math.nan,
+            "longest_step_predicted_s": longest.predicted if longest else math.nan,
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     tok = harness.tokenizer()
     online, batch, unit = traces(args, tok)
-    # The pool holds 2 profiles (as bench_schedule's) plus one batch item (its prefix steps' work).
-    pool = int(2.2 * args.profile) + max(len(r.input_ids) for r in batch)
+    # By default the pool holds 2 profiles (as bench_schedule's) plus one batch item (its prefix
+    # steps' work): online calls lose profiles to each other and to the batch item in progress.
+    pool = int(args.cache_profiles * args.profile) + max(len(r.input_ids) for r in batch)
     run = Runner(args, pool)
     info = harness.machine_info()
     where = "simulator" if args.simulate else f"{info['cpu']}, {info['cores']} cores, embedded model"
@@ -110,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     rate = args.load / iso_mean
     arrivals = [u / rate for u in unit]
     online_trace = list(zip(arrivals, online, strict=True))
-    alone = harness.latency_summary(run(po, online_trace))
+    alone = {**harness.latency_summary(run(po, online_trace)), **run.diagnostics(online, 0)}
     batch_lat = run(po, [(0.0, r) for r in batch])
     batch_alone = len(batch) / max(batch_lat)
     print(f"online alone P99 {alone['p99_s']:.3f} s; batch alone {batch_alone:.3f} items/s")
@@ -134,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                 "batch_items_s": len(batch) / max(b),
                 "batch_vs_alone": len(batch) / max(b) / batch_alone,
                 "slo_met": sum(x <= slo_s for x in o) / len(o),
+                **run.diagnostics([r for _, r in mixed], len(batch)),
             }
         )
     doc = {

@@ -290,6 +290,7 @@ def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | N
         raise RuntimeError("a request has no completion time")
     return {
         "latencies": lat.tolist(),
+        "cached_tokens": [f.result().cached_tokens for f in futs],
         **latency_summary(lat),
         "makespan_s": float(max(finished) - t0),
         "other_cores": cpu.other_cores,

@@ -163,6 +163,21 @@ def test_budget_is_the_target_minus_what_online_calls_take() -> None:
         BackfillBudget(0.0)
 
 
+def test_budget_shrinks_by_how_much_batch_steps_overrun_their_prediction() -> None:
+    b = BackfillBudget(1.0, window=8)
+    b.step_done(0.0, 0.3, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == pytest.approx(0.7) and b.overrun == 1.0
+    b.step_done(1.0, 1.2, batch=True, online_arrivals=[], predicted=0.4)  # faster than priced
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)  # no credit for over-pricing
+    b.step_done(2.0, 2.5, batch=True, online_arrivals=[], predicted=0.25)  # twice as slow
+    assert b.overrun == pytest.approx(2.0) and b.budget_s == pytest.approx(0.35)
+    b.step_done(3.0, 3.3, batch=True, online_arrivals=[])  # no prediction: not counted
+    assert b.overrun == pytest.approx(2.0)
+    for t in range(8):  # priced right again: the overrun leaves with the window
+        b.step_done(10.0 + t, 10.5 + t, batch=True, online_arrivals=[], predicted=0.5)
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)
+
+
 def mixed_trace(online_tokens: int) -> list[tuple[float, ScoreRequest]]:
     """A batch backlog of four 600-token requests and online calls spaced so that they never
     queue behind each other, one of them first."""
@@ -392,6 +407,21 @@ def test_batch_prefixes_do_not_evict_online_profiles() -> None:
         )
         assert all(r.end <= 5.0 for r in runs[:5]), "the backlog ends before the online calls return"
         assert [r.cached for r in runs[5:]] == hits
+
+
+def test_prefix_steps_keep_their_progress_in_a_small_pool() -> None:
+    """A long batch request's prefix steps keep what they computed until its last step, even in a
+    pool that cannot also hold every online profile (the profiles go instead); its last step
+    reads that prefix at the batch class's rank, so it goes before online profiles from then on."""
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # ~100-token batch steps
+    profile = {u: ids(10 + u, 100) for u in (1, 2)}
+    long = req(1, 300, -1)
+    cache = PrefixLRU(250)
+    trace = [(0.0, req(20 + u, 10, None, profile[u])) for u in (1, 2)] + [(0.0, long)]
+    runs = sorted(simulate(cfg, JCT, trace, cache), key=lambda r: r.rid)
+    assert runs[2].step >= 3 and runs[2].cached >= 150, "the batch request read back its prefix steps"
+    hit = [i for i, k in enumerate(cache._keys) if len(k) == runs[2].cached and long.input_ids[: len(k)] == k]
+    assert len(hit) == 1 and cache._rank[hit[0]] == 1
 
 
 def test_long_batch_request_runs_in_prefix_steps() -> None:

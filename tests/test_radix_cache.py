@@ -165,29 +165,24 @@ def test_never_reused_nodes_are_evicted_first() -> None:
 
 
 def test_less_urgent_class_is_evicted_first() -> None:
-    """Within a reuse tier, a batch-class prefix (rank 1) goes before an online one (rank 0) even
-    when the online one is older; a batch prefix an online call reads is kept as online; a split
+    """Within a reuse tier, a node last used by the batch class (rank 1) goes before one last used
+    by the online class (rank 0), even when the online one is older; a batch prefix an online call
+    reads is kept as online from then on, and an online one a batch call reads is not; a split
     keeps the rank; eviction_order agrees with evict."""
     _, cache = make()
-    slots = cache.alloc(3)
-    assert slots is not None
-    cache.insert([1, 2, 3], slots, rank=0)  # an online profile
-    slots = cache.alloc(3)
-    assert slots is not None
-    cache.insert([4, 5, 6], slots, rank=1)  # a batch job's prefix, newer
-    slots = cache.alloc(2)
-    assert slots is not None
-    cache.insert([7, 8], slots, rank=1)  # another batch prefix, read back by an online call
-    for key, rank in (([1, 2, 3], 0), ([4, 5, 6, 0], 1), ([7, 8, 0], 0)):
-        cache.match_prefix(key, rank)  # every node reused: one tier
-    cache.match_prefix([1, 2], rank=1)  # a batch read splits the online node: both parts stay online
-    order = [v.key for v in cache.eviction_order()]
-    assert order[0] == (4, 5, 6)
-    # [4,5,6] (newer, but batch), then the online leaf least recently used: [3] (split off)
-    assert [cache.evict(1) for _ in range(2)] == [3, 1]
-    assert cache.match_len([1, 2, 3]) == 2 and cache.match_len([7, 8]) == 2
+    for key, rank in (([1, 2, 3], 0), ([4, 5, 6], 1), ([7, 8], 1), ([9, 9], 0)):
+        slots = cache.alloc(len(key))
+        assert slots is not None
+        cache.insert(key, slots, rank=rank)
+    for key, rank in (([1, 2, 3], 0), ([4, 5, 6, 0], 1), ([7, 8, 0], 0), ([9, 9], 1)):
+        cache.match_prefix(key, rank)  # every node reused: one tier; [7,8] online now, [9,9] batch
+    cache.match_prefix([1, 2], rank=0)  # splits [1,2,3]: both parts online, [3] older
+    assert [v.key for v in cache.eviction_order()][:2] == [(4, 5, 6), (9, 9)]
+    # the batch ones, least recently used first; then the online ones: [3] (split off), then [7,8]
+    assert [cache.evict(1) for _ in range(4)] == [3, 2, 1, 2]
+    assert cache.match_len([1, 2, 3]) == 2 and cache.match_len([7, 8]) == 0
     cache.check_integrity()
-    assert sorted(n.rank for n in cache._nodes() if n is not cache.root) == [0, 0]
+    assert [n.rank for n in cache._nodes() if n is not cache.root] == [0]
 
 
 def test_reuse_mark_splits_with_the_matched_part() -> None:

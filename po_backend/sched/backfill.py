@@ -23,6 +23,18 @@ from po_backend.core.settings import BACKFILL_SHARE_BOUNDS, BACKFILL_SLO_SHARE, 
 # The tail the target is for (a P99 target): with fewer calls than 1 / (1 - q) in the window this
 # is the slowest of them.
 ONLINE_QUANTILE = 0.99
+# How far batch steps may overrun their prediction: the budget is in predicted seconds, so it is
+# divided by this quantile of the recent batch steps' measured / predicted times (a step the JCT
+# model under-prices, e.g. a prefix step over a long cached prefix, would otherwise overrun the
+# share of the target it was sized for). Not the maximum: one outlier (a page fault storm, another
+# process) would shrink every batch step for a whole window.
+OVERRUN_QUANTILE = 0.9
+
+
+def _quantile(values: deque[float], q: float) -> float:
+    """The q-quantile of `values` (non-empty): the smallest value with at least q of them at or
+    below it."""
+    return sorted(values)[max(0, math.ceil(q * len(values)) - 1)]
 
 
 class BackfillBudget:
@@ -34,20 +46,38 @@ class BackfillBudget:
         self.target_s = target_s
         self._own: deque[float] = deque(maxlen=window)  # online latency minus waits on batch steps
         self._batch_steps: deque[tuple[float, float]] = deque(maxlen=window)  # (start, end)
+        self._overrun: deque[float] = deque(maxlen=window)  # batch steps' measured / predicted
+
+    @property
+    def overrun(self) -> float:
+        """What the budget is divided by: the recent batch steps' measured / predicted seconds
+        (`OVERRUN_QUANTILE`), at least 1 (a model that over-prices steps leaves batch that slack)."""
+        return max(1.0, _quantile(self._overrun, OVERRUN_QUANTILE)) if self._overrun else 1.0
 
     @property
     def budget_s(self) -> float:
+        """Predicted seconds: the target minus the online calls' own time, within the bounds,
+        over the batch steps' overrun."""
         lo, hi = BACKFILL_SHARE_BOUNDS
         if not self._own:
-            return self.target_s * BACKFILL_SLO_SHARE
-        own = sorted(self._own)[max(0, math.ceil(ONLINE_QUANTILE * len(self._own)) - 1)]
-        return min(max(self.target_s - own, lo * self.target_s), hi * self.target_s)
+            return self.target_s * BACKFILL_SLO_SHARE / self.overrun
+        own = _quantile(self._own, ONLINE_QUANTILE)
+        return min(max(self.target_s - own, lo * self.target_s), hi * self.target_s) / self.overrun
 
-    def step_done(self, start: float, end: float, batch: bool, online_arrivals: Sequence[float]) -> None:
+    def step_done(
+        self,
+        start: float,
+        end: float,
+        batch: bool,
+        online_arrivals: Sequence[float],
+        predicted: float = math.nan,
+    ) -> None:
         """A step ran from `start` to `end`: a batch step (`batch`) or not, answering online calls
-        that arrived at `online_arrivals`."""
+        that arrived at `online_arrivals`; `predicted`: the seconds it was priced at (nan: unknown)."""
         if batch:
             self._batch_steps.append((start, end))
+            if predicted > 0:  # nan compares False
+                self._overrun.append((end - start) / predicted)
         for arrival in online_arrivals:
             blocked = sum(max(0.0, min(e, start) - max(s, arrival)) for s, e in self._batch_steps)
             self._own.append(max(0.0, end - arrival - blocked))

@@ -17,6 +17,7 @@ push out a prefix others are queued to read waits until they have read it.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -81,6 +82,13 @@ class SchedulerConfig:
         """A request's class, lower runs first: its priority in the configured order (0 for the
         default priority, and for every request with priority scheduling off)."""
         return self.rank_of(req.priority) if self.enable_priority else 0
+
+    def cache_rank(self, req: Request, prefix_step: bool = False) -> int:
+        """The class the prefix cache keeps what `req` stores and reads under (less urgent first
+        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is 0 whatever
+        its class: the next steps of the same request read those tokens back, so they are kept
+        like the online class's until its last step reads them at its own rank."""
+        return 0 if prefix_step else self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:
@@ -400,13 +408,16 @@ class Scheduler:
                 )
         return pick
 
-    def step_done(self, start: float, end: float, ran: Sequence[tuple[Request, float]]) -> None:
+    def step_done(
+        self, start: float, end: float, ran: Sequence[tuple[Request, float]], predicted: float = math.nan
+    ) -> None:
         """A step picked here ran from `start` to `end` (the scheduler's clock); `ran`: (request,
-        arrival) of each request it computed, the head first. Feeds the batch-step sizing."""
+        arrival) of each request it computed, the head first; `predicted`: the seconds the JCT
+        model priced it at before it ran (nan: none). Feeds the batch-step sizing."""
         if self.backfill is None or not ran:
             return
         online = [a for r, a in ran if self.config.priority_class(r) == CLASSES[0]]
-        self.backfill.step_done(start, end, self.config.rank(ran[0][0]) > 0, online)
+        self.backfill.step_done(start, end, self.config.rank(ran[0][0]) > 0, online, predicted)
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
         """A step's predicted seconds; its computed tokens without a JCT model (fcfs, lpm)."""

@@ -69,8 +69,8 @@ class Scorer(Protocol):
 
     def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
         """Run one step over the requests chosen by `batchable`; a result per request, in order.
-        `ranks`: each request's priority class (`SchedulerConfig.rank`), for a cache that keeps
-        the more urgent classes' prefixes first."""
+        `ranks`: each request's class for the prefix cache (`SchedulerConfig.cache_rank`), for a
+        cache that keeps the more urgent classes' prefixes first."""
 
     def cached_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` the scorer's cache would serve now (read-only)."""
@@ -124,6 +124,10 @@ class LoopStats:
     queued_by_class: dict[str, int]  # waiting per priority class (sched.scheduler.CLASSES)
     # Predicted seconds a batch step may take now (sched.backfill); 0 when batch steps are not sized
     batch_step_budget_s: float = 0.0
+
+
+# The rid of a prefix step's job (`Pick.prefix_only`): not a caller's request, so not counted.
+PREFIX_STEP_RID = -1
 
 
 class _Job:
@@ -389,7 +393,7 @@ class EngineLoop:
         if pick is None:
             return None
         if pick.prefix_only:  # the head stays queued; this step only caches its first tokens
-            job = _Job(-1, pick.prefix_request(), Future(), self.clock())
+            job = _Job(PREFIX_STEP_RID, pick.prefix_request(), Future(), self.clock())
             job.future.set_running_or_notify_cancel()
             self._running = [job]
             return [job], pick.items, pick.head_score
@@ -416,7 +420,8 @@ class EngineLoop:
         start = self.clock()
         t = time.perf_counter()
         try:
-            results = self.engine.step([j.req for j in jobs], [self.config.rank(j.req) for j in jobs])
+            ranks = [self.config.cache_rank(j.req, prefix_step=j.rid == PREFIX_STEP_RID) for j in jobs]
+            results = self.engine.step([j.req for j in jobs], ranks)
             if len(results) != len(jobs):
                 raise RuntimeError(
                     f"the scorer's step returned {len(results)} results for {len(jobs)} requests"
@@ -426,7 +431,7 @@ class EngineLoop:
             log.warning("a step of %d requests failed: %r", len(jobs), e)
             with self._cond:
                 self._running = []
-                self._counts["failed"] += sum(j.rid >= 0 for j in jobs)
+                self._counts["failed"] += sum(j.rid != PREFIX_STEP_RID for j in jobs)
                 self._failed_streak += 1
                 self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score, True))
             for j in jobs:
@@ -437,10 +442,10 @@ class EngineLoop:
             self.jct.observe(items, seconds)
         with self._cond:
             self._running = []
-            self._counts["completed"] += sum(j.rid >= 0 for j in jobs)
+            self._counts["completed"] += sum(j.rid != PREFIX_STEP_RID for j in jobs)
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
-            self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs])
+            self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs], predicted)
         for j, r in zip(jobs, results, strict=True):
             j.future.set_result(dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted)))
 

@@ -52,8 +52,8 @@ class PrefixLRU:
         self.max_batch_tokens = max_batch_tokens
         self._keys: list[tuple[int, ...]] = []  # sorted
         self._used: list[int] = []  # aligned with _keys: the tick it was last stored or hit
-        # aligned with _keys: the most urgent priority class (scheduler rank) that stored or hit
-        # it; less urgent prefixes are evicted first, as in the engine's radix cache
+        # aligned with _keys: the priority class (scheduler rank) of the request that last stored
+        # or hit it; less urgent prefixes are evicted first, as in the engine's radix cache
         self._rank: list[int] = []
         self._tick = 0
         self._tokens = 0
@@ -99,9 +99,13 @@ class PrefixLRU:
 
     def step(self, reqs: Sequence[Request], ranks: Sequence[int] | None = None) -> list[int]:
         """Run a step: each request's cached tokens before it, then its declared prefix cached.
-        `ranks`: each request's priority class (`SchedulerConfig.rank`; default all 0)."""
+        `ranks`: each request's class for the cache (`SchedulerConfig.cache_rank`; default all
+        0), which the prefix it read and the one it stores take (recency: only the stored one)."""
         hits = [self.cached_len(r) for r in reqs]
-        for r, rank in zip(reqs, [0] * len(reqs) if ranks is None else ranks, strict=True):
+        for r, rank, hit in zip(reqs, [0] * len(reqs) if ranks is None else ranks, hits, strict=True):
+            if hit:
+                j, _ = max(sorted_neighbours(self._keys, tuple(r.input_ids)), key=lambda jn: jn[1])
+                self._rank[j] = rank
             key = tuple(r.input_ids[: r.cache_prefix_len or 0])
             if not key or len(key) > self.capacity_tokens:
                 continue
@@ -109,7 +113,7 @@ class PrefixLRU:
             i = bisect.bisect_left(self._keys, key)
             if i < len(self._keys) and self._keys[i] == key:
                 self._used[i] = self._tick
-                self._rank[i] = min(self._rank[i], rank)
+                self._rank[i] = rank
                 continue
             self._keys.insert(i, key)
             self._used.insert(i, self._tick)
@@ -171,16 +175,16 @@ def simulate(
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued
             prefix = pick.prefix_request()
-            cache.step([prefix], [config.rank(prefix)])
+            cache.step([prefix], [config.cache_rank(prefix, prefix_step=True)])
             clock.now += model.predict_items(pick.items)
-            sched.step_done(start, clock.now, [(prefix, start)])
+            sched.step_done(start, clock.now, [(prefix, start)], clock.now - start)
             steps += 1
             continue
-        hits = cache.step([e.req for e in pick.entries], [config.rank(e.req) for e in pick.entries])
+        hits = cache.step([e.req for e in pick.entries], [config.cache_rank(e.req) for e in pick.entries])
         # What the pick read covers the cache's hits; beyond them: prefixes read from batch-mates.
         assert all(h <= c for h, c in zip(hits, pick.n_cached, strict=True)), "stale cache state"
         clock.now += model.predict_items(pick.items)
-        sched.step_done(start, clock.now, [(e.req, e.arrival) for e in pick.entries])
+        sched.step_done(start, clock.now, [(e.req, e.arrival) for e in pick.entries], clock.now - start)
         out += [
             SimRun(e.rid, e.arrival, start, clock.now, c, steps)
             for e, c in zip(pick.entries, pick.n_cached, strict=True)

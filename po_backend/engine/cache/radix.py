@@ -41,10 +41,10 @@ class Node:
         # first: most are the unique tail of a prompt stored on speculation (a post after a
         # profile), while a reused node is a profile or document others come back to.
         self.reused = False
-        # The most urgent priority class (scheduler rank: 0 online, higher less urgent) that
-        # stored or read it. Among nodes alike in reuse, less urgent ones are evicted first, so
-        # a batch job's prefixes never push out the profiles online calls come back to; a batch
-        # prefix an online call reads is kept like an online one.
+        # The priority class (scheduler rank: 0 online, higher less urgent) of the request that
+        # last stored or read it. Among nodes alike in reuse, less urgent ones are evicted first,
+        # so a finished batch job's prefixes never push out the profiles online calls come back
+        # to; a batch prefix an online call reads is kept like an online one from then on.
         self.rank = rank
 
     def __repr__(self) -> str:
@@ -130,7 +130,7 @@ class RadixCache:
         self, tokens: np.ndarray, now: int, rank: int, reuse: bool = False
     ) -> tuple[int, Node, list[torch.Tensor]]:
         """Walk down as far as `tokens` match, splitting the last node at the match end; `reuse`
-        marks the matched nodes as reused, and each keeps the more urgent of its rank and `rank`."""
+        marks the matched nodes as reused; each takes `rank` (the class that read it last)."""
         node, pos, parts = self.root, 0, []
         node.last_access = now
         while pos < len(tokens):
@@ -141,7 +141,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            child.rank = min(child.rank, rank)
+            child.rank = rank
             if reuse and not child.reused:
                 child.reused = True
                 self._reused += len(child.key)
@@ -153,7 +153,7 @@ class RadixCache:
         self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, rank: int = 0
     ) -> MatchResult:
         """Longest cached prefix of `token_ids`; marks its path as recently used and reused, and
-        as read by priority class `rank` (see `Node.rank`)."""
+        as last read by priority class `rank` (see `Node.rank`)."""
         pos, node, parts = self._descend(_as_tokens(token_ids), self._tick(), rank, reuse=True)
         return MatchResult(pos, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64), node)
 
