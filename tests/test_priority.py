@@ -438,6 +438,9 @@ def test_long_batch_request_runs_in_prefix_steps() -> None:
     # A pool that cannot keep the prefix: it still runs, whole, after a bounded number of tries.
     tiny = run(cfg, [(0.0, long)], pool=10)
     assert len(tiny) == 1 and tiny[0].cached == 0
+    # ... and stops trying once a prefix step left nothing cached for it to read (no cache, or
+    # too small a one): one wasted step, not one per MIN_PREFIX_STEP tokens.
+    assert tiny[0].step <= 1
     # Unsized, it is one step.
     whole = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
     assert whole[0].step == 0 and whole[0].cached == 0
