@@ -465,3 +465,39 @@ def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
     assert engine.cache is not None
     assert {n.rank for n in engine.cache._nodes() if n is not engine.cache.root} == {1}
     assert res.logprobs == pytest.approx(cold.logprobs, abs=1e-4)
+
+
+def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long batch request cancelled between its prefix steps: what they cached (kept as the
+    online class's while it waited, `SchedulerConfig.cache_rank`) goes back to the batch class,
+    as its last step would have made it, instead of staying kept like an online profile."""
+    from concurrent.futures import CancelledError as FutureCancelled
+
+    from po_backend.engine.engine import Engine
+    from po_backend.serving.loop import EngineLoop
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
+    real_step, futs = engine.step, []
+
+    def step(reqs: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> Any:
+        out = real_step(reqs, ranks)
+        futs[0].cancel()  # the request still waits for its next step: cancelling it succeeds
+        return out
+
+    monkeypatch.setattr(engine, "step", step)
+    with EngineLoop(engine, scheduler=cfg, jct=JCT, start=False) as loop:
+        futs.append(loop.submit(prompt))
+        loop.start()
+        with pytest.raises(FutureCancelled):
+            futs[0].result(30)
+    stats = loop.stats()
+    assert stats.cancelled == 1 and stats.completed == 0 and stats.steps == 1
+    assert engine.cache is not None
+    nodes = [n for n in engine.cache._nodes() if n is not engine.cache.root]
+    assert sum(len(n.key) for n in nodes) >= 64, "the prefix step cached its tokens"
+    assert {n.rank for n in nodes} == {1}
+    engine.cache.check_integrity()
