@@ -409,6 +409,19 @@ def test_batch_prefixes_do_not_evict_online_profiles() -> None:
         assert [r.cached for r in runs[5:]] == hits
 
 
+def test_prefix_lru_gives_a_read_its_class_before_the_step_stores() -> None:
+    """As in the engine (every request's prefix is matched before any is stored), a request's
+    read gives the prefix it hit its class, not a prefix a batch-mate stored in the same step:
+    here an online mate's store evicts the profile a batch request read, and the online prefix
+    it stored keeps the online class."""
+    profile, other = ids(1, 100), ids(2, 100)
+    cache = PrefixLRU(100)
+    cache.step([req(3, 5, None, profile)], [0])
+    reader, writer = ScoreRequest(profile + ids(4, 5), (1,), priority=-1), req(5, 5, None, other)
+    assert cache.step([writer, reader], [0, 1]) == [0, 100]
+    assert cache._keys == [other] and cache._rank == [0]
+
+
 def test_prefix_steps_keep_their_progress_in_a_small_pool() -> None:
     """A long batch request's prefix steps keep what they computed until its last step, even in a
     pool that cannot also hold every online profile (the profiles go instead); its last step
