@@ -162,10 +162,11 @@ class Pick:
 
     def prefix_request(self) -> ScoreRequest:
         """The request a `prefix_only` step runs: the head's first tokens, all kept in the cache,
-        at the head's priority."""
+        at the head's priority, pooled if the head is (a head or embedding model has no LM head
+        to answer a plain request with)."""
         head = self.entries[0].req
         ids = tuple(head.input_ids[: self.prefix_only])
-        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority)
+        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority, pool=head.pool)
 
 
 class Scheduler:
