@@ -385,6 +385,12 @@ class Engine:
             self.last_step_seconds = time.perf_counter() - t0
             for w in batch:  # in batch order: a batch-mate's prefix is in the tree before its readers
                 self._insert(w)
+            if self.cache is not None and len(set(ranks)) > 1:
+                # Every item read its prefix in the same forward: a prefix that items of several
+                # classes read keeps the most urgent one's, whichever of them stored it last.
+                for w in batch:
+                    if w.rank == min(ranks):
+                        self.cache.set_rank(w.req.input_ids[: w.planned.start_pos], w.rank)
             c = self._counts
             c["forwards"] += 1
             c["requests"] += len(batch)
