@@ -473,6 +473,9 @@ def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
         steps = loop.step_log()
         assert loop.stats().completed == 1
     assert len(steps) >= 3 and max(n for s in steps for n, _ in s.items) <= 300
+    # The first step is sized before any calibration: at most the budget's 100 tokens of the 300.
+    (first,) = steps[0].items
+    assert first[0] - first[1] <= 100
     assert res.cached_tokens >= 200
     # The loop tells the cache the request's class: what it stored is kept as batch's.
     assert engine.cache is not None
