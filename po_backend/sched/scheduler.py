@@ -87,7 +87,8 @@ class SchedulerConfig:
         """The class the prefix cache keeps what `req` stores and reads under (less urgent first
         out): its rank, except for a prefix step's (`Pick.prefix_request`), which is 0 whatever
         its class: the next steps of the same request read those tokens back, so they are kept
-        like the online class's until its last step reads them at its own rank."""
+        like the online class's until its last step reads them at its own rank (or, if it leaves
+        the queue without one, the engine loop gives them that rank)."""
         return 0 if prefix_step else self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
