@@ -73,6 +73,9 @@ def test_embedded_matches_transformers_gguf(embedded_fp32: Engine, monkeypatch: 
     # transformers rebuilds the same read-only GGUF->HF name map for every submodule (hundreds of
     # times, about a third of its load time here); one per (arch, layers) gives the same map.
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    # It also parses the whole file (its 49k-token vocabulary field by field) twice, for the config
+    # and for the weights: one read-only reader per path serves both.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
 
     from po_backend.engine.models.loader import embedded_model_file
 

@@ -409,6 +409,19 @@ def test_batch_prefixes_do_not_evict_online_profiles() -> None:
         assert [r.cached for r in runs[5:]] == hits
 
 
+def test_prefix_lru_gives_a_read_its_class_before_the_step_stores() -> None:
+    """As in the engine (every request's prefix is matched before any is stored), a request's
+    read gives the prefix it hit its class, not a prefix a batch-mate stored in the same step:
+    here an online mate's store evicts the profile a batch request read, and the online prefix
+    it stored keeps the online class."""
+    profile, other = ids(1, 100), ids(2, 100)
+    cache = PrefixLRU(100)
+    cache.step([req(3, 5, None, profile)], [0])
+    reader, writer = ScoreRequest(profile + ids(4, 5), (1,), priority=-1), req(5, 5, None, other)
+    assert cache.step([writer, reader], [0, 1]) == [0, 100]
+    assert cache._keys == [other] and cache._rank == [0]
+
+
 def test_prefix_steps_keep_their_progress_in_a_small_pool() -> None:
     """A long batch request's prefix steps keep what they computed until its last step, even in a
     pool that cannot also hold every online profile (the profiles go instead); its last step
@@ -438,6 +451,9 @@ def test_long_batch_request_runs_in_prefix_steps() -> None:
     # A pool that cannot keep the prefix: it still runs, whole, after a bounded number of tries.
     tiny = run(cfg, [(0.0, long)], pool=10)
     assert len(tiny) == 1 and tiny[0].cached == 0
+    # ... and stops trying once a prefix step left nothing cached for it to read (no cache, or
+    # too small a one): one wasted step, not one per MIN_PREFIX_STEP tokens.
+    assert tiny[0].step <= 1
     # Unsized, it is one step.
     whole = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
     assert whole[0].step == 0 and whole[0].cached == 0
@@ -457,8 +473,72 @@ def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
         steps = loop.step_log()
         assert loop.stats().completed == 1
     assert len(steps) >= 3 and max(n for s in steps for n, _ in s.items) <= 300
+    # The first step is sized before any calibration: at most the budget's 100 tokens of the 300.
+    (first,) = steps[0].items
+    assert first[0] - first[1] <= 100
     assert res.cached_tokens >= 200
     # The loop tells the cache the request's class: what it stored is kept as batch's.
     assert engine.cache is not None
     assert {n.rank for n in engine.cache._nodes() if n is not engine.cache.root} == {1}
     assert res.logprobs == pytest.approx(cold.logprobs, abs=1e-4)
+
+
+def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long batch request cancelled between its prefix steps: what they cached (kept as the
+    online class's while it waited, `SchedulerConfig.cache_rank`) goes back to the batch class,
+    as its last step would have made it, instead of staying kept like an online profile."""
+    from concurrent.futures import CancelledError as FutureCancelled
+
+    from po_backend.engine.engine import Engine
+    from po_backend.serving.loop import EngineLoop
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
+    real_step, futs = engine.step, []
+
+    def step(reqs: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> Any:
+        out = real_step(reqs, ranks)
+        futs[0].cancel()  # the request still waits for its next step: cancelling it succeeds
+        return out
+
+    monkeypatch.setattr(engine, "step", step)
+    with EngineLoop(engine, scheduler=cfg, jct=JCT, start=False) as loop:
+        futs.append(loop.submit(prompt))
+        loop.start()
+        with pytest.raises(FutureCancelled):
+            futs[0].result(30)
+    stats = loop.stats()
+    assert stats.cancelled == 1 and stats.completed == 0 and stats.steps == 1
+    assert engine.cache is not None
+    nodes = [n for n in engine.cache._nodes() if n is not engine.cache.root]
+    assert sum(len(n.key) for n in nodes) >= 64, "the prefix step cached its tokens"
+    assert {n.rank for n in nodes} == {1}
+    engine.cache.check_integrity()
+
+
+@pytest.mark.parametrize("ranks", [[1, 0, 1], [0, 1, 1]])
+def test_a_prefix_read_by_both_classes_in_one_step_is_kept_as_online(
+    tiny_model: Any, ranks: list[int]
+) -> None:
+    """A step with items of both classes (a batch head on its credit with online batch-mates):
+    the prefix the online call read or stored in it is kept as the online class's, whatever order
+    the others stored and read it in (all read it in the same forward)."""
+    from po_backend.engine.engine import Engine
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prefix = tuple(3 + (7 * k) % 200 for k in range(80))
+    step = [ScoreRequest(prefix + (10 + k, 20 + k), (5,), cache_prefix_len=len(prefix) + 2) for k in range(3)]
+    engine.step(step, ranks)  # the first computes the prefix, the others read it from it
+    cache = engine.cache
+    assert cache is not None and cache.match_len(prefix) == len(prefix)
+    node, pos, path = cache.root, 0, []
+    while pos < len(prefix):  # the prefix's nodes, read-only
+        node = node.children[prefix[pos]]
+        pos += len(node.key)
+        path.append(node.rank)
+    assert pos == len(prefix) and path == [0] * len(path)
+    tails = [n.rank for n in cache._nodes() if n is not cache.root and n.parent is node]
+    assert sorted(tails) == [0, 1, 1], "each request's own tail keeps its own class"

@@ -185,6 +185,21 @@ def test_less_urgent_class_is_evicted_first() -> None:
     assert [n.rank for n in cache._nodes() if n is not cache.root] == [0]
 
 
+def test_set_rank_gives_whole_covered_nodes_a_class() -> None:
+    """set_rank changes the class of the nodes the tokens cover whole, and nothing else: not a
+    node that goes on past them (others' tokens), not recency, not the reuse mark, no split."""
+    _, cache = make()
+    put(cache, [1, 2, 3, 4])
+    put(cache, [1, 2, 5])  # splits: [1,2] -> [3,4], [5]
+    before = {n.uid: (n.last_access, n.reused) for n in cache._nodes()}
+    cache.set_rank([1, 2, 3], rank=2)
+    ranks = {tuple(int(t) for t in n.key): n.rank for n in cache._nodes() if n is not cache.root}
+    assert ranks == {(1, 2): 2, (3, 4): 0, (5,): 0}
+    assert {n.uid: (n.last_access, n.reused) for n in cache._nodes()} == before
+    cache.set_rank([9], rank=1)  # nothing cached: nothing changes
+    cache.check_integrity()
+
+
 def test_reuse_mark_splits_with_the_matched_part() -> None:
     """A match that ends inside a node marks only the part it read: the shared profile stays,
     the first request's own tail (stored with it) is evicted first."""

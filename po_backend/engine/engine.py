@@ -50,6 +50,7 @@ class _Work:
     match_slots: torch.Tensor | None = None  # slots of the prefix it reads (cache or batch-mate)
     store_slots: torch.Tensor | None = None
     from_mate: bool = False  # its prefix includes tokens a batch-mate computes in this forward
+    cached_path: int = 0  # leading tokens it read or stored in the tree (set by _insert)
 
     @property
     def planned(self) -> SeqPlan:
@@ -386,6 +387,12 @@ class Engine:
             self.last_step_seconds = time.perf_counter() - t0
             for w in batch:  # in batch order: a batch-mate's prefix is in the tree before its readers
                 self._insert(w)
+            if self.cache is not None and len(set(ranks)) > 1:
+                # Every item read its prefix in the same forward: a prefix that items of several
+                # classes read or stored keeps the most urgent one's, whichever came last.
+                for w in batch:
+                    if w.rank == min(ranks):
+                        self.cache.set_rank(w.req.input_ids[: w.cached_path], w.rank)
             c = self._counts
             c["forwards"] += 1
             c["requests"] += len(batch)
@@ -445,9 +452,11 @@ class Engine:
     def _insert(self, w: _Work) -> None:
         if self.cache is None:
             return
+        w.cached_path = w.planned.start_pos
         if w.store_slots is not None:
             assert w.match_slots is not None, "set by _plan"
             slots = torch.cat([w.match_slots, w.store_slots])
+            w.cached_path = slots.numel()
             self.cache.insert(w.req.input_ids[: slots.numel()], slots, w.rank)
             w.store_slots = None  # owned by the tree now
         if w.from_mate:

@@ -87,7 +87,8 @@ class SchedulerConfig:
         """The class the prefix cache keeps what `req` stores and reads under (less urgent first
         out): its rank, except for a prefix step's (`Pick.prefix_request`), which is 0 whatever
         its class: the next steps of the same request read those tokens back, so they are kept
-        like the online class's until its last step reads them at its own rank."""
+        like the online class's until its last step reads them at its own rank (or, if it leaves
+        the queue without one, the engine loop gives them that rank)."""
         return 0 if prefix_step else self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
@@ -162,10 +163,11 @@ class Pick:
 
     def prefix_request(self) -> ScoreRequest:
         """The request a `prefix_only` step runs: the head's first tokens, all kept in the cache,
-        at the head's priority."""
+        at the head's priority, pooled if the head is (a head or embedding model has no LM head
+        to answer a plain request with)."""
         head = self.entries[0].req
         ids = tuple(head.input_ids[: self.prefix_only])
-        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority)
+        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority, pool=head.pool)
 
 
 class Scheduler:
@@ -195,7 +197,9 @@ class Scheduler:
         # yet used (`pick`), its share of the steps run while it waited. One credit per class, so
         # a middle class that always waits cannot spend what the least urgent one earned.
         self._credits: dict[int, float] = {}
-        self._prefix_steps: dict[int, int] = {}  # prefix-only steps run per waiting request
+        # Per waiting request that ran prefix-only steps: how many, and the tokens it had cached
+        # when the last one was picked (no more than that at its next pick: nothing was kept).
+        self._prefix_steps: dict[int, tuple[int, int]] = {}
         # Batch steps sized to the online latency target, from the online calls measured.
         slo = self.config.online_slo_s
         self.backfill = BackfillBudget(slo) if slo is not None and self.config.sizes_batch_steps else None
@@ -429,13 +433,17 @@ class Scheduler:
         """For a batch request whose one step would overrun `budget_s`: how many of its leading
         tokens a step within the budget computes (and caches, for its later steps to read), 0 to
         run it whole. At least MIN_PREFIX_STEP tokens a step; whole when what is left fits, when
-        less than that would be left, or after as many prefix steps as it needs (a pool that cannot keep
-        its prefix until it runs must not make it loop)."""
+        less than that would be left, when its last prefix step left it no more cached than before
+        (a scorer without a prefix cache, or a pool that cannot keep it: more steps would only
+        recompute the same tokens), or after as many prefix steps as it needs (a pool that cannot
+        keep its prefix until it runs must not make it loop)."""
         assert self.jct is not None, "sized batch steps need a JCT model"
         n = len(w.req.input_ids)
+        done, before = self._prefix_steps.get(w.rid, (0, -1))
         if (
             self.jct.predict_items([(n, cached)]) <= budget_s
-            or self._prefix_steps.get(w.rid, 0) > n // MIN_PREFIX_STEP
+            or done > n // MIN_PREFIX_STEP
+            or cached <= before
         ):
             return 0
         lo, hi = cached, w.req.reusable_len  # the largest k in (cached, reusable_len] within the budget
@@ -450,7 +458,7 @@ class Scheduler:
         lo = max(lo, cached + MIN_PREFIX_STEP)
         if lo >= w.req.reusable_len:
             return 0
-        self._prefix_steps[w.rid] = self._prefix_steps.get(w.rid, 0) + 1
+        self._prefix_steps[w.rid] = (done + 1, cached)
         return lo
 
     def _backfill(

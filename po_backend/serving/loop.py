@@ -27,7 +27,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -45,6 +44,7 @@ from po_backend.sched.scheduler import (
     SchedulerConfig,
 )
 from po_backend.serving.jct_profile import startup_jct
+from po_backend.serving.stats import LoopStats, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -82,48 +82,6 @@ class Scorer(Protocol):
     def stats(self) -> ScorerStats: ...
 
     def flush_cache(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step as the loop saw it."""
-
-    start: float  # loop clock
-    seconds: float  # measured wall time of engine.step
-    predicted_raw: float  # the fitted JCT model's price of the step, before calibration (nan: no JCT)
-    predicted: float  # what the scheduler used: raw times the calibration factor at the time
-    items: tuple[tuple[int, int], ...]  # (n_input, n_cached) per request
-    policy_score: float
-    error: bool = False
-
-
-@dataclass(frozen=True)
-class LoopStats:
-    policy: str
-    fairness_lambda: float
-    queued: int  # waiting, not started
-    running: int  # in the step being run now
-    submitted: int
-    completed: int
-    failed: int
-    cancelled: int
-    rejected: int  # refused at submit with OverloadedError
-    steps: int
-    mean_batch_items: float
-    step_p50_s: float
-    step_p90_s: float
-    step_p99_s: float
-    cache_hit_rate: float  # prompt tokens served from the prefix cache (engine lifetime)
-    # nan when the loop has no JCT model (fcfs / lpm without one)
-    jct_fit_r: float  # held-out Pearson r of the start-up profile fit
-    jct_fit_median_abs_error_s: float
-    jct_calibration: float  # measured / predicted step time factor applied to predictions
-    jct_online_r: float  # r of calibrated predictions vs measured over recent steps
-    jct_source: str  # where the coefficients came from (JCTModel.source), "" without a JCT model
-    jct_refits: int  # times the coefficients were refitted on real steps (a start-up estimate's)
-    queued_by_class: dict[str, int]  # waiting per priority class (sched.scheduler.CLASSES)
-    # Predicted seconds a batch step may take now (sched.backfill); 0 when batch steps are not sized
-    batch_step_budget_s: float = 0.0
 
 
 # The rid of a prefix step's job (`Pick.prefix_only`): not a caller's request, so not counted.
@@ -185,6 +143,10 @@ class EngineLoop:
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
         self._jobs: dict[int, _Job] = {}  # waiting jobs by rid
         self._running: list[_Job] = []
+        # Waiting requests that ran prefix-only steps -> what those steps cached, under the online
+        # class (`SchedulerConfig.cache_rank`): given back to the request's own class if it
+        # leaves the queue without its last step (cancelled, failed), which would have done that.
+        self._prefixed: dict[int, ScoreRequest] = {}
         self._calls: deque[tuple[Callable[[Any], Any], Future[Any]]] = deque()
         self._ids = itertools.count()
         self._calls_ids = itertools.count()
@@ -306,6 +268,7 @@ class EngineLoop:
             if fut.cancelled():
                 with self._cond:
                     if self._sched.remove(rid):
+                        self._forget_prefix(rid)
                         self._jobs.pop(rid, None)
                         self._counts["cancelled"] += 1
                         # CANCELLED -> CANCELLED_AND_NOTIFIED, as an executor does when it dequeues
@@ -314,6 +277,15 @@ class EngineLoop:
                         fut.set_running_or_notify_cancel()
 
         return done
+
+    def _forget_prefix(self, rid: int) -> None:
+        """`rid` left the queue without its last step: on the worker thread (it owns the cache),
+        give what its prefix steps cached its own class (caller holds the lock)."""
+        prefix = self._prefixed.pop(rid, None)
+        if prefix is not None and self._pool is not None:
+            ids, rank = prefix.input_ids, self.config.rank(prefix)
+            self._calls.append((lambda e: e.cache.set_rank(ids, rank), Future()))
+            self._cond.notify_all()
 
     def call(self, fn: Callable[[Any], T]) -> Future[T]:
         """Run fn(engine) on the worker thread between steps (the scorer is not thread-safe)."""
@@ -394,6 +366,7 @@ class EngineLoop:
             return None
         if pick.prefix_only:  # the head stays queued; this step only caches its first tokens
             job = _Job(PREFIX_STEP_RID, pick.prefix_request(), Future(), self.clock())
+            self._prefixed[pick.entries[0].rid] = job.req
             job.future.set_running_or_notify_cancel()
             self._running = [job]
             return [job], pick.items, pick.head_score
@@ -407,9 +380,11 @@ class EngineLoop:
             # dropped item was to compute a prefix the others read, they compute it themselves
             # (one forward each if together they would exceed the token budget).
             if job.future.set_running_or_notify_cancel():
+                self._prefixed.pop(entry.rid, None)  # its step reads its prefix at its own class
                 jobs.append(job)
                 items.append(item)
             else:
+                self._forget_prefix(entry.rid)
                 self._counts["cancelled"] += 1
         self._running = jobs
         return (jobs, items, pick.head_score) if jobs else None
@@ -456,6 +431,7 @@ class EngineLoop:
     def _fail_waiting(self, error: BaseException) -> None:
         """Fail every queued request with `error` (caller holds the lock)."""
         for w in self._sched.pop_all():
+            self._forget_prefix(w.rid)
             job = self._jobs.pop(w.rid)
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error)

@@ -102,10 +102,13 @@ class PrefixLRU:
         `ranks`: each request's class for the cache (`SchedulerConfig.cache_rank`; default all
         0), which the prefix it read and the one it stores take (recency: only the stored one)."""
         hits = [self.cached_len(r) for r in reqs]
-        for r, rank, hit in zip(reqs, [0] * len(reqs) if ranks is None else ranks, hits, strict=True):
+        ranks = [0] * len(reqs) if ranks is None else ranks
+        # Every read before any store, as in the engine: a store may evict what a mate read.
+        for r, rank, hit in zip(reqs, ranks, hits, strict=True):
             if hit:
                 j, _ = max(sorted_neighbours(self._keys, tuple(r.input_ids)), key=lambda jn: jn[1])
                 self._rank[j] = rank
+        for r, rank in zip(reqs, ranks, strict=True):
             key = tuple(r.input_ids[: r.cache_prefix_len or 0])
             if not key or len(key) > self.capacity_tokens:
                 continue

@@ -42,7 +42,8 @@ class Node:
         # profile), while a reused node is a profile or document others come back to.
         self.reused = False
         # The priority class (scheduler rank: 0 online, higher less urgent) of the request that
-        # last stored or read it. Among nodes alike in reuse, less urgent ones are evicted first,
+        # last stored or read it (of a step's requests, the most urgent: the engine's step sets
+        # that after its inserts). Among nodes alike in reuse, less urgent ones are evicted first,
         # so a finished batch job's prefixes never push out the profiles online calls come back
         # to; a batch prefix an online call reads is kept like an online one from then on.
         self.rank = rank
@@ -170,6 +171,19 @@ class RadixCache:
                 break
             node = child
         return pos
+
+    def set_rank(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, rank: int) -> None:
+        """Give the nodes that `token_ids` cover whole priority class `rank` (see `Node.rank`),
+        as if it had read them last, without touching recency or the reuse mark: for a request
+        that will never read back the prefix it cached under another class (cancelled between
+        its prefix steps)."""
+        tokens, node, pos = _as_tokens(token_ids), self.root, 0
+        while pos < len(tokens) and (child := node.children.get(int(tokens[pos]))) is not None:
+            n = _common_len(child.key, tokens[pos:])
+            if n < len(child.key):
+                break  # the node goes on past these tokens: others' too
+            child.rank = rank
+            node, pos = child, pos + n
 
     def insert(
         self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor, rank: int = 0
