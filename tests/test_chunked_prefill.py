@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from po_backend import Engine, ScoreRequest
+from po_backend.engine.activations import activation_bytes, chunked_activation_bytes
 from po_backend.engine.memory import MEMORY_CACHE_ENV, PeakMemory
-from po_backend.engine.runner import SeqPlan, activation_bytes, chunked_activation_bytes
+from po_backend.engine.runner import SeqPlan
 from po_backend.entrypoints.launch_server import build_parser, server_args
 from tests.conftest import hf_all_logprobs, hf_next_logprobs, save_llama
 

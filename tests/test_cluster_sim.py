@@ -73,6 +73,26 @@ def test_one_worker_is_simulate(router: str, policy: str) -> None:
     assert max(r.step for r in want) + 1 < len(want), "the trace must batch some steps to test batching"
 
 
+def test_one_worker_is_simulate_with_priority_classes() -> None:
+    """With classes and batch steps sized to an online target too: long batch requests run in
+    prefix-only steps (no request finishes in them) and each request finishes once."""
+    reqs = user_trace(3, 4)
+    rng = random.Random(5)
+    batch = [
+        ScoreRequest(tuple(rng.randrange(5000) for _ in range(400)), (1,), priority=-1) for _ in range(2)
+    ]
+    trace = [(0.0, b) for b in batch] + list(zip(poisson(len(reqs), 20.0), reqs, strict=True))
+    config = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)
+    want = simulate(config, MODEL, trace, PrefixLRU(2000, 1000))
+    got = simulate_cluster(
+        config, MODEL, trace, 1, RouterConfig("round_robin"), lambda: PrefixLRU(2000, 1000)
+    )
+    assert list(got.runs) == want
+    assert sorted(r.rid for r in got.runs) == list(range(len(trace)))
+    assert len({r.step for r in want}) < max(r.step for r in want) + 1, "some steps were prefix-only"
+    assert got.workers[0].steps == max(r.step for r in want) + 1
+
+
 class NaiveLRU(PrefixLRU):
     """The rule `PrefixLRU` implements, written the obvious way (every cached prefix compared, an
     ordered dict for recency): the oracle its sorted index and memo must agree with. What a

@@ -86,6 +86,26 @@ def test_head_matches_transformers_cold_cached_and_multi_item(classifiers, kind:
         assert _close(res.outputs, hf_logits(hf, ids)) <= 1e-4
 
 
+def test_long_batch_request_on_a_head_runs_in_prefix_steps(classifiers) -> None:
+    """With batch steps sized to an online target, a long batch classify request computes its
+    prompt over several pooled prefix steps (a head model has no LM head to run them as plain
+    requests), none failing, and its answer is transformers' on the whole prompt."""
+    from po_backend.sched.jct import JCTModel
+    from po_backend.sched.scheduler import SchedulerConfig
+    from po_backend.serving.loop import EngineLoop
+
+    path, hf = classifiers["llama"]
+    engine = Engine.from_pretrained(path, dtype="fp32")
+    ids = _prompts(1, 300, seed=4)[0]
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
+    with EngineLoop(engine, scheduler=cfg, jct=JCTModel.proxy(seconds_per_ktok=1.0)) as loop:
+        res = loop.submit(ScoreRequest(tuple(ids), pool=True, priority=-1)).result(60)
+        steps = loop.step_log()
+    assert not [s for s in steps if s.error], "a prefix step failed"
+    assert len(steps) >= 3 and res.cached_tokens >= 200
+    assert _close(res.outputs, hf_logits(hf, ids)) <= 1e-4
+
+
 def test_trailing_pad_tokens_follow_transformers(classifiers) -> None:
     """transformers scores the last token that is not pad_token_id (the first when all are)."""
     path, hf = classifiers["qwen2"]

@@ -473,6 +473,9 @@ def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
         steps = loop.step_log()
         assert loop.stats().completed == 1
     assert len(steps) >= 3 and max(n for s in steps for n, _ in s.items) <= 300
+    # The first step is sized before any calibration: at most the budget's 100 tokens of the 300.
+    (first,) = steps[0].items
+    assert first[0] - first[1] <= 100
     assert res.cached_tokens >= 200
     # The loop tells the cache the request's class: what it stored is kept as batch's.
     assert engine.cache is not None
@@ -514,3 +517,28 @@ def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
     assert sum(len(n.key) for n in nodes) >= 64, "the prefix step cached its tokens"
     assert {n.rank for n in nodes} == {1}
     engine.cache.check_integrity()
+
+
+@pytest.mark.parametrize("ranks", [[1, 0, 1], [0, 1, 1]])
+def test_a_prefix_read_by_both_classes_in_one_step_is_kept_as_online(
+    tiny_model: Any, ranks: list[int]
+) -> None:
+    """A step with items of both classes (a batch head on its credit with online batch-mates):
+    the prefix the online call read or stored in it is kept as the online class's, whatever order
+    the others stored and read it in (all read it in the same forward)."""
+    from po_backend.engine.engine import Engine
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prefix = tuple(3 + (7 * k) % 200 for k in range(80))
+    step = [ScoreRequest(prefix + (10 + k, 20 + k), (5,), cache_prefix_len=len(prefix) + 2) for k in range(3)]
+    engine.step(step, ranks)  # the first computes the prefix, the others read it from it
+    cache = engine.cache
+    assert cache is not None and cache.match_len(prefix) == len(prefix)
+    node, pos, path = cache.root, 0, []
+    while pos < len(prefix):  # the prefix's nodes, read-only
+        node = node.children[prefix[pos]]
+        pos += len(node.key)
+        path.append(node.rank)
+    assert pos == len(prefix) and path == [0] * len(path)
+    tails = [n.rank for n in cache._nodes() if n is not cache.root and n.parent is node]
+    assert sorted(tails) == [0, 1, 1], "each request's own tail keeps its own class"

@@ -15,6 +15,7 @@ from po_backend.core.errors import CapacityError, InvalidRequestError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
+from po_backend.engine.activations import LOGIT_ROWS
 from po_backend.engine.cache import KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
 from po_backend.engine.device import describe, resolve_device
@@ -27,7 +28,7 @@ from po_backend.engine.models.loader import (
     read_task,
     resolve_model_dir,
 )
-from po_backend.engine.runner import LOGIT_ROWS, SeqPlan, make_runner
+from po_backend.engine.runner import SeqPlan, make_runner
 from po_backend.engine.stats import EngineStats
 from po_backend.sched.scheduler import BatchStores, fit_batch
 
@@ -49,6 +50,7 @@ class _Work:
     match_slots: torch.Tensor | None = None  # slots of the prefix it reads (cache or batch-mate)
     store_slots: torch.Tensor | None = None
     from_mate: bool = False  # its prefix includes tokens a batch-mate computes in this forward
+    cached_path: int = 0  # leading tokens it read or stored in the tree (set by _insert)
 
     @property
     def planned(self) -> SeqPlan:
@@ -385,6 +387,12 @@ class Engine:
             self.last_step_seconds = time.perf_counter() - t0
             for w in batch:  # in batch order: a batch-mate's prefix is in the tree before its readers
                 self._insert(w)
+            if self.cache is not None and len(set(ranks)) > 1:
+                # Every item read its prefix in the same forward: a prefix that items of several
+                # classes read or stored keeps the most urgent one's, whichever came last.
+                for w in batch:
+                    if w.rank == min(ranks):
+                        self.cache.set_rank(w.req.input_ids[: w.cached_path], w.rank)
             c = self._counts
             c["forwards"] += 1
             c["requests"] += len(batch)
@@ -427,6 +435,7 @@ class Engine:
                     stores.add(ids, w.store_len, w.index)
         w.match_slots = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
         first = w.req.logprob_start_len if w.req.logprob_start_len >= 0 else n - 1
+        declared = w.req.cache_prefix_len or 0
         w.plan = SeqPlan(
             token_ids=torch.tensor(ids[start:], dtype=torch.int64),
             logit_offsets=torch.arange(first - start, n - start, dtype=torch.int64),
@@ -435,14 +444,19 @@ class Engine:
             store_slots=w.store_slots,
             # Every item reading the same prefix is one group: attention reads it once for all.
             prefix_group=groups.setdefault(source, len(groups)) if source is not None else None,
+            # A declared prefix computed here: the rest reads it as the requests that find it
+            # cached will (see SeqPlan.own_prefix), so they score it the same.
+            own_prefix=declared if start == 0 and declared < n else 0,
         )
 
     def _insert(self, w: _Work) -> None:
         if self.cache is None:
             return
+        w.cached_path = w.planned.start_pos
         if w.store_slots is not None:
             assert w.match_slots is not None, "set by _plan"
             slots = torch.cat([w.match_slots, w.store_slots])
+            w.cached_path = slots.numel()
             self.cache.insert(w.req.input_ids[: slots.numel()], slots, w.rank)
             w.store_slots = None  # owned by the tree now
         if w.from_mate:

@@ -27,11 +27,12 @@ from typing import ClassVar
 import torch
 
 from po_backend.engine import attention_cpu
-from po_backend.engine.attention import attend, attend_items, fallback_scratch_bytes, masked_scratch_bytes
+from po_backend.engine.activations import activation_bytes, chunked_activation_bytes
+from po_backend.engine.attention import attend, attend_items
 from po_backend.engine.cache.kv_pool import KVPool
-from po_backend.engine.config import PREFILL_MODES, ModelConfig, PrefillMode, ResidualDtype, resolve_residual
+from po_backend.engine.config import PREFILL_MODES, PrefillMode, ResidualDtype, resolve_residual
 from po_backend.engine.models.layers import Rotary
-from po_backend.engine.models.llama import HEAD_CHUNK_ELEMS, LlamaForCausalLM
+from po_backend.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,12 @@ class SeqPlan:
     # store_slots are written before that layer's attention), so a shared prefix and its items
     # can run as one forward; ChunkedRunner reads prefixes before computing anything.
     prefix_group: int | None = None
+    # HybridRunner, a sequence without a cached prefix only: its first `own_prefix` tokens are a
+    # prefix the rest reads as a later request reads them from the cache (`attend_items` over
+    # them, not one causal call over all), so a cold run and a cache hit of a declared prefix
+    # compute the same arithmetic: in bf16 even the last-bit differences of a different
+    # attention split would grow through the layers into different scores.
+    own_prefix: int = 0
 
     def __post_init__(self) -> None:
         assert self.token_ids.numel() > 0, "a sequence needs at least one token to compute"
@@ -60,6 +67,10 @@ class SeqPlan:
         assert self.prefix_group is None or self.start_pos > 0, "a prefix group needs a cached prefix"
         if self.store_slots is not None:
             assert self.store_slots.numel() <= self.token_ids.numel(), "more store slots than tokens"
+        assert 0 <= self.own_prefix < self.token_ids.numel(), "own_prefix leaves no token after it"
+        assert not (self.own_prefix and self.start_pos), (
+            "own_prefix is for a sequence without a cached prefix"
+        )
 
 
 class Runner(ABC):
@@ -147,6 +158,7 @@ class HybridRunner(Runner):
         # Slot ids live on the CPU (the pool's free list); moved to the device once per forward,
         # not once per layer, so a GPU forward issues no host-to-device copy inside the layers.
         groups = [(p if p is None else p.to(dev), m) for p, m in _prefix_groups(seqs, starts)]
+        own_prefix = {a: s.own_prefix for s, a in zip(seqs, starts, strict=False) if s.own_prefix}
         stores = [
             (s.store_slots.to(dev), a)
             for s, a in zip(seqs, starts, strict=False)
@@ -193,15 +205,31 @@ class HybridRunner(Runner):
             for prefix, members in groups:
                 if prefix is None:
                     for a, b in members:
+                        # rows [mid, b) read [a, mid) as a prefix (all of [a, b) is one causal call)
+                        mid = a + own_prefix[a] if a in own_prefix else b
                         attend(
-                            qa[a:b],
-                            ka[a:b],
-                            va[a:b],
-                            attn_a[a:b],
+                            qa[a:mid],
+                            ka[a:mid],
+                            va[a:mid],
+                            attn_a[a:mid],
                             self.scale,
                             window=window,
                             softcap=softcap,
                         )
+                        if mid < b:  # contiguous, as the pool's K/V a cache hit reads
+                            pk, pv = ka[a:mid].contiguous(), va[a:mid].contiguous()
+                            attend_items(
+                                qa,
+                                ka,
+                                va,
+                                attn_a,
+                                self.scale,
+                                [(mid, b)],
+                                pk,
+                                pv,
+                                window=window,
+                                softcap=softcap,
+                            )
                 else:
                     assert pool is not None, "a sequence with a cached prefix needs the pool"
                     pk, pv = pool.read(li, prefix)  # once per layer for all items sharing it
@@ -373,110 +401,6 @@ def _prefix_groups(
             groups.append((prefix, [(a, b)]))
         last = s.prefix_group
     return groups
-
-
-def activation_bytes(
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    n_tokens: int,
-    chunk_size: int,
-    prefix_tokens: int = 0,
-    device: torch.device | None = None,
-    resid_dtype: torch.dtype | None = None,
-    attn_dtype: torch.dtype | None = None,
-) -> int:
-    """Upper bound on what one hybrid forward over `n_tokens` packed tokens allocates beyond weights
-    and the prefix pool. Mirrors the buffers above; the profile run checks it by measurement.
-    `device` (default CPU) decides whether items over a prefix may use attention's plain-torch
-    fallback, whose score blocks are a constant. `resid_dtype`, `attn_dtype`: the residual
-    stream's and attention's (default `dtype`; a wider attention dtype adds copies of q/k/v and
-    the attention output, and of the prefix K/V)."""
-    it = torch.empty((), dtype=dtype).element_size()
-    rit = torch.empty((), dtype=resid_dtype or dtype).element_size()
-    chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
-    q, kv = cfg.q_size, cfg.kv_size
-    per_token = rit * cfg.hidden_size + it * (
-        q + 2 * kv + q + _ropes(cfg) * cfg.head_dim
-    )  # h, qkv, attn, cos/sin
-    per_token += it * 2 * q  # SDPA output of one KV-head group and its transpose copy (bound)
-    per_token += 4 * 2 * q if prefix_tokens else 0  # fp32 partial outputs merged after a prefix
-    # Contiguous copies of K/V stored into the pool, ids/positions/rotary angles, allocator slack:
-    # measured 0.5-1 KB/token above the buffers on a 256-wide model; bound it generously.
-    per_token += it * (cfg.hidden_size + 2 * kv) + 64
-    wide = attn_dtype is not None and attn_dtype != dtype
-    ait = torch.empty((), dtype=attn_dtype).element_size() if wide else 0
-    per_token += ait * (2 * q + 2 * kv)
-    scratch = it * chunk * (cfg.hidden_size + 3 * cfg.intermediate_size)
-    head = _head_bytes(cfg, it)
-    # One layer's prefix K/V gathered from the pool, and the bf16 CPU kernel's packed copy of it
-    # (its packed copy of the items' own K/V is within the per-token copies above).
-    prefix = (it * 4 + ait * 2) * prefix_tokens * kv
-    if prefix_tokens:
-        group = cfg.num_heads // cfg.num_kv_heads
-        dev = device or torch.device("cpu")
-        prefix += fallback_scratch_bytes(dev, dtype, group, prefix_tokens + n_tokens)
-    return (
-        per_token * n_tokens + scratch + head + prefix + _masked_bytes(cfg, dtype, prefix_tokens + n_tokens)
-    )
-
-
-def _ropes(cfg: ModelConfig) -> int:
-    """How many cos/sin tables a forward holds (one per distinct RoPE)."""
-    return len({cfg.layer_rope(li) for li in range(cfg.num_layers)})
-
-
-def _masked_bytes(cfg: ModelConfig, dtype: torch.dtype, keys: int) -> int:
-    """`windowed_attend`'s block scratch for layers with soft-capping or a window, over up to
-    `keys` keys (a sliding layer's blocks read at most twice its window)."""
-    spans = [
-        keys if cfg.attn_softcap is not None else 0,
-        *(min(keys, 2 * w) for w in {cfg.layer_window(li) for li in range(cfg.num_layers)} if w),
-    ]
-    return masked_scratch_bytes(cfg.num_heads, max(spans), dtype) if max(spans) else 0
-
-
-def chunked_activation_bytes(
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    n_tokens: int,
-    chunk_size: int,
-    prefix_tokens: int = 0,
-    resid_dtype: torch.dtype | None = None,
-    attn_dtype: torch.dtype | None = None,
-) -> int:
-    """Upper bound on one chunked-prefill forward (prefill_mode="chunked") over `n_tokens` packed
-    tokens after up to `prefix_tokens` of cached prefix. Mirrors `ChunkedRunner.forward`: the term
-    that grows with the context is the K/V of every layer."""
-    it = torch.empty((), dtype=dtype).element_size()
-    rit = torch.empty((), dtype=resid_dtype or dtype).element_size()
-    n = n_tokens + prefix_tokens
-    chunk = min(chunk_size, n_tokens) if chunk_size > 0 else n_tokens
-    q, kv = cfg.q_size, cfg.kv_size
-    resident_kv = it * 2 * cfg.num_layers * n * kv
-    # attend(): one layer's context K/V concatenated (a copy, twice after a prefix), a
-    # [chunk, context] bool mask and the additive float mask SDPA may build from it.
-    attention = it * 4 * n * kv + chunk * n * (1 + 4)
-    if attn_dtype is not None and attn_dtype != dtype:  # fp32 copies of the context and the chunk
-        ait = torch.empty((), dtype=attn_dtype).element_size()
-        attention += ait * (2 * n * kv + chunk * (2 * q + 2 * kv))
-    scratch = it * chunk * (2 * cfg.hidden_size + 3 * q + 2 * kv + cfg.head_dim + 3 * cfg.intermediate_size)
-    scratch += (rit - it) * chunk * cfg.hidden_size  # h in the residual dtype
-    per_token = rit * cfg.hidden_size + it * cfg.head_dim + 64  # output rows, ids, positions, cos/sin
-    head = _head_bytes(cfg, it)
-    masked = _masked_bytes(cfg, dtype, n)
-    return resident_kv + attention + scratch + per_token * n_tokens + head + masked
-
-
-# Rows of the LM head computed at once: bounds the [rows, vocab] logits of long logprob spans.
-LOGIT_ROWS = 64
-
-
-def _head_bytes(cfg: ModelConfig, it: int) -> int:
-    """One block of fp32 logits and their log-softmax, the block's hidden rows, and the fp32 head
-    weights `final_logits` upcasts at a time plus one chunk's output."""
-    logits = LOGIT_ROWS * cfg.vocab_size * (2 * 4 + it)
-    upcast = 4 * HEAD_CHUNK_ELEMS + 4 * LOGIT_ROWS * (cfg.hidden_size + HEAD_CHUNK_ELEMS // cfg.hidden_size)
-    return logits + upcast
 
 
 def _pack(seqs: list[SeqPlan], dev: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:

@@ -4,7 +4,8 @@ An online call that arrives while a batch step runs waits for the rest of that s
 what it would take alone: its own step and any online calls ahead of it. So a batch step may last
 the target minus what online calls take without batch work in their way, measured: every finished
 online call reports its latency and the part of it spent waiting on batch steps, and the budget is
-the target minus a high quantile of the difference over the recent calls. Heavier online traffic
+the target minus a high quantile of the difference over the recent calls, divided by how much
+recent batch steps overran their predicted time (the budget is in predicted seconds). Heavier online traffic
 (longer queues among online calls, longer prompts) shrinks the batch steps; light traffic lets
 them grow, within `BACKFILL_SHARE_BOUNDS` of the target.
 

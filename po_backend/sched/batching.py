@@ -28,6 +28,9 @@ class Request(Protocol):
     @property
     def priority(self) -> int | None: ...
 
+    @property
+    def pool(self) -> bool: ...  # a pooled answer (head, embedding): its prefix steps are pooled too
+
 
 # The engine and the simulator pass functions of their own request type, so these are generic
 # over it (a function of ScoreRequest is not a function of every Request). The Scheduler itself

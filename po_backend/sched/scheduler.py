@@ -87,7 +87,8 @@ class SchedulerConfig:
         """The class the prefix cache keeps what `req` stores and reads under (less urgent first
         out): its rank, except for a prefix step's (`Pick.prefix_request`), which is 0 whatever
         its class: the next steps of the same request read those tokens back, so they are kept
-        like the online class's until its last step reads them at its own rank."""
+        like the online class's until its last step reads them at its own rank (or, if it leaves
+        the queue without one, the engine loop gives them that rank)."""
         return 0 if prefix_step else self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
@@ -162,10 +163,11 @@ class Pick:
 
     def prefix_request(self) -> ScoreRequest:
         """The request a `prefix_only` step runs: the head's first tokens, all kept in the cache,
-        at the head's priority."""
+        at the head's priority, pooled if the head is (a head or embedding model has no LM head
+        to answer a plain request with)."""
         head = self.entries[0].req
         ids = tuple(head.input_ids[: self.prefix_only])
-        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority)
+        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority, pool=head.pool)
 
 
 class Scheduler:

@@ -51,7 +51,7 @@ class EngineCache(Protocol):
 
     def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]: ...
 
-    def step(self, reqs: Sequence[Request]) -> list[int]: ...
+    def step(self, reqs: Sequence[Request], ranks: Sequence[int] | None = None) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -298,20 +298,35 @@ def simulate_cluster(
         clocks[w].now = now
         pick = scheds[w].pick(caches[w].cached_len, batchables[w], pools[w])
         assert pick is not None, "a non-empty queue gives a pick"
-        reqs = [e.req for e in pick.entries]
-        caches[w].step(reqs)  # only to update the cache: what the step reused is pick.n_cached
+        # As `simulate`: a prefix-only step caches a long batch request's leading tokens, and the
+        # request stays queued; no request finishes in it.
+        reqs: list[Request]
+        if pick.prefix_only:
+            reqs = [pick.prefix_request()]
+            ranks = [config.cache_rank(reqs[0], prefix_step=True)]
+            ran: list[tuple[Request, float]] = [(reqs[0], now)]
+        else:
+            reqs = [e.req for e in pick.entries]
+            ranks = [config.cache_rank(r) for r in reqs]
+            ran = [(e.req, e.arrival) for e in pick.entries]
+        caches[w].step(reqs, ranks)  # only to update the cache: what the step reused is pick.n_cached
         seconds = model.predict_items(pick.items)
         end = now + seconds
-        running[w] = [
-            SimRun(e.rid, e.arrival, now, end, c, steps)
-            for e, c in zip(pick.entries, pick.n_cached, strict=True)
-        ]
+        scheds[w].step_done(now, end, ran, seconds)
+        running[w] = (
+            []
+            if pick.prefix_only
+            else [
+                SimRun(e.rid, e.arrival, now, end, c, steps)
+                for e, c in zip(pick.entries, pick.n_cached, strict=True)
+            ]
+        )
         s = stats[w]
-        s[0] += len(reqs)
+        s[0] += len(running[w])
         s[1] += 1
         s[2] += seconds
-        s[3] += sum(len(r.input_ids) for r in reqs)
-        s[4] += sum(pick.n_cached)
+        s[3] += sum(n for n, _ in pick.items)
+        s[4] += sum(c for _, c in pick.items)
         steps += 1
         busy[w] = True
         heapq.heappush(done, (end, w))

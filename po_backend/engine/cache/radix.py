@@ -42,7 +42,8 @@ class Node:
         # profile), while a reused node is a profile or document others come back to.
         self.reused = False
         # The priority class (scheduler rank: 0 online, higher less urgent) of the request that
-        # last stored or read it. Among nodes alike in reuse, less urgent ones are evicted first,
+        # last stored or read it (of a step's requests, the most urgent: the engine's step sets
+        # that after its inserts). Among nodes alike in reuse, less urgent ones are evicted first,
         # so a finished batch job's prefixes never push out the profiles online calls come back
         # to; a batch prefix an online call reads is kept like an online one from then on.
         self.rank = rank
