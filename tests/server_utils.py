@@ -3,11 +3,13 @@ starts it and waits until it is healthy), and SGLang's frontend or a skip."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,17 @@ def poll_until(ready: Callable[[], bool], what: str, timeout: float = 120.0, int
         if time.monotonic() >= deadline:
             raise AssertionError(f"not reached within {timeout:.0f} s: {what}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def dead_url() -> Iterator[str]:
+    """A loopback URL that refuses connections for as long as the block runs: its port is bound by
+    a socket that never listens, so no other process can take it meanwhile. A port that was only
+    found free (`free_port`), or the port of a server just stopped, can be taken at any moment by
+    a server that another test starts, which then answers instead of nobody."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 class ServerProcess(spawn.ServerProcess):

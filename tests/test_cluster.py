@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from po_backend.entrypoints import spawn
 from po_backend.entrypoints.launch_cluster import add_worker, visible_gpus, worker_env
 from tests.deps import require
-from tests.server_utils import REPO_ROOT, ServerProcess, free_port, poll_until
+from tests.server_utils import REPO_ROOT, ServerProcess, dead_url, free_port, poll_until
 
 require("sglang_router", "pip install sglang-router")
 
@@ -207,8 +207,8 @@ def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path, single: Se
         after = rerank_calls(first), rerank_calls(extra.url)
 
         # Nothing listens there: a clear error once our wait is over, not a hang.
-        with pytest.raises(RuntimeError, match="has not taken"):
-            add_worker(url, f"http://127.0.0.1:{free_port()}", timeout=2)
+        with dead_url() as nobody, pytest.raises(RuntimeError, match="has not taken"):
+            add_worker(url, nobody, timeout=2)
     assert got == want
     on_first, on_extra = after[0] - before[0], after[1] - before[1]
     assert on_first + on_extra == len(bodies)

@@ -14,7 +14,7 @@ import pytest
 
 import po_lang as po
 from tests.deps import missing
-from tests.server_utils import sglang_frontend
+from tests.server_utils import dead_url, sglang_frontend
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -121,8 +121,8 @@ def test_credit_check_histories_and_decisions(capsys: pytest.CaptureFixture[str]
 
 def test_sglang_select_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     sglang_frontend()  # installed, or a skip
-    url = f"http://127.0.0.1:{sglang_select.free_port()}"  # nothing listens there
-    assert sglang_select.main(["--url", url]) == 1
+    with dead_url() as url:
+        assert sglang_select.main(["--url", url]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
 

@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 
 import po_lang as po
-from po_backend.entrypoints.spawn import free_port
 from po_lang.label import main as label_main
 from po_lang.label import source, store
 from po_lang.label.cli import parse_args
 from po_lang.label.task import from_template
 from tests.deps import require
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, dead_url
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "examples" / "data" / "reviews.jsonl"
@@ -155,8 +154,8 @@ def test_edited_rows_are_relabeled_and_a_changed_setup_never_deletes(
         assert run([str(path), *other], fake) == 2, other
         assert "--output" in capsys.readouterr().err
         assert n_requests(fake) == before and out_path.read_bytes() == kept
-    dead = po.Remote(f"http://127.0.0.1:{free_port()}", retries=0)
-    assert run([str(path), "--labels", "good,bad"], dead) == 2
+    with dead_url() as nobody:
+        assert run([str(path), "--labels", "good,bad"], po.Remote(nobody, retries=0)) == 2
     assert out_path.read_bytes() == kept
     # ... and labels into a new file when asked to.
     new = tmp_path / "goodbad.jsonl"
@@ -315,8 +314,8 @@ def test_unreachable_backend_stops_on_the_first_row_it_cannot_reach(
     assert [r["line"] for r in read_output(out_path)] == list(range(1, 9))
 
     # A server that is not there at all: the first request fails, exit 1, the records stay.
-    dead = po.Remote(f"http://127.0.0.1:{free_port()}", retries=1, max_retry_wait=0.5)
-    assert run([str(path)], dead) == 1
+    with dead_url() as nobody:
+        assert run([str(path)], po.Remote(nobody, retries=1, max_retry_wait=0.5)) == 1
     assert "127.0.0.1" in capsys.readouterr().err
     assert [r["line"] for r in read_output(out_path)] == list(range(1, 9))
 
@@ -673,5 +672,7 @@ def test_server_labels_as_in_process_and_resumes(
         tmp_path / "remote.jsonl", [*_tiny_lines(), json.dumps({"id": 99, "text": "one more"})]
     )
     before = read_output(tmp_path / "remote.labeled.jsonl")
-    assert label_main([str(more), "--server", proc.url, *MODEL_ARGS]) == 1
+    # (Its port may already serve a server another test started: a URL that nothing answers at.)
+    with dead_url() as gone:
+        assert label_main([str(more), "--server", gone, *MODEL_ARGS]) == 1
     assert read_output(tmp_path / "remote.labeled.jsonl") == before

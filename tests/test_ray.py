@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 import po_lang as po
-from po_backend.entrypoints.spawn import free_port
 from po_lang.label import main as label_main
 from tests.deps import require
+from tests.server_utils import dead_url
 from tests.test_label import (
     MODEL_ARGS,
     _tiny_lines,
@@ -97,9 +97,9 @@ def test_ray_labels_as_in_process_resumes_and_stops_on_a_dead_server(
 
     # Actors whose server cannot be reached: the job stops (exit 1), no row becomes a bad row,
     # the records stay.
-    dead = f"http://127.0.0.1:{free_port()}"
     fresh = write_jsonl(tmp_path / "dead.jsonl", reviews(6))
-    assert label_main([str(fresh), "--server", dead, *MODEL_ARGS, "--ray"], backend=driver) == 1
+    with dead_url() as dead:
+        assert label_main([str(fresh), "--server", dead, *MODEL_ARGS, "--ray"], backend=driver) == 1
     err = capsys.readouterr().err
     assert "bad row" not in err and "BackendUnavailable" in err
     assert read_output(tmp_path / "dead.labeled.jsonl") == []
