@@ -286,7 +286,8 @@ Scores = list[list[list[float]]]  # label log-probs per list, per item
 
 def _scores(engine: Any, lists: Any, labels: tuple[int, int], cached: bool) -> Scores:
     """Label log-probs per list and item; `cached`: the prefix is computed once and read from the
-    cache by the items over it, else every prompt is computed from scratch."""
+    cache by the items over it, else every prompt is computed from scratch (the same requests,
+    their prefix declared as a user's would be, on an empty cache)."""
     from po_backend import ScoreRequest
 
     out = []
@@ -302,7 +303,7 @@ def _scores(engine: Any, lists: Any, labels: tuple[int, int], cached: bool) -> S
             res = []
             for s in items:
                 engine.flush_cache()
-                res += engine.run([ScoreRequest(tuple(prefix + s), labels)])
+                res += engine.run([ScoreRequest(tuple(prefix + s), labels, cache_prefix_len=len(prefix))])
         out.append([list(r.logprobs) for r in res])
     return out
 

@@ -302,3 +302,19 @@ def test_warm_up_left_out_of_the_give_up_rule() -> None:
     assert not simulate_cluster(PO, MODEL, trace, 1, router, lambda: PrefixLRU(130), bound).complete
     after = simulate_cluster(PO, MODEL, trace, 1, router, lambda: PrefixLRU(130), bound, measured_from=50.0)
     assert after.complete and list(after.runs) == list(full.runs)
+
+
+def test_prefix_lru_holds_an_extended_prefix_once() -> None:
+    """A key that extends a cached one (a long request's next prefix step) replaces it, as the
+    engine's tree holds the shared tokens once; unrelated keys stay."""
+    lru = PrefixLRU(1000)
+    ids = tuple(range(1, 401))
+    other = ScoreRequest(tuple(range(5000, 5100)), (1,), cache_prefix_len=100)
+    lru.step([other])
+    for k in (100, 200, 300):
+        lru.step([ScoreRequest(ids[:k], (1,), cache_prefix_len=k)])
+    assert len(lru) == 2 and lru.free_tokens() == 1000 - 300 - 100
+    assert (
+        lru.cached_len(ScoreRequest(ids, (1,))) == 300
+        and lru.cached_len(ScoreRequest((*other.input_ids, 7), (1,))) == 100
+    )

@@ -118,6 +118,13 @@ class PrefixLRU:
                 self._used[i] = self._tick
                 self._rank[i] = rank
                 continue
+            # The cached prefix this key extends (a long request's previous prefix step): the
+            # engine's tree holds those tokens once, so the new key takes its place.
+            j, shared = max(sorted_neighbours(self._keys, key), key=lambda jn: jn[1], default=(0, 0))
+            if shared and shared == len(self._keys[j]):
+                self._tokens -= len(self._keys.pop(j))
+                del self._used[j], self._rank[j]
+                i -= j < i
             self._keys.insert(i, key)
             self._used.insert(i, self._tick)
             self._rank.insert(i, rank)
