@@ -167,3 +167,22 @@ def test_fallback_memory_is_independent_of_the_prefix(monkeypatch) -> None:
     assert rec.largest <= max(n * HEADS * D, block, HEADS // KV_HEADS * 3000)
     assert rec.largest < n * 3000  # today's fallback built a [n, p + n] mask per item
     assert (out - _reference(q, k, v, pk, pv, bounds)).abs().max().item() <= 1e-4
+
+
+def test_an_item_gets_the_same_bits_alone_and_in_a_batch() -> None:
+    """per_item: each item of a multi-item call is computed as if it ran alone, to the last bit
+    (under bf16 weights those bits would grow through the layers into scores that depend on the
+    batch)."""
+    torch.manual_seed(0)
+    lens = [32, 37, 33, 35, 36, 34, 33, 38, 31, 35, 36, 37, 32, 33, 34, 35]  # 560 queries
+    n, (heads, kv, d) = sum(lens), (9, 3, 64)
+    q, k, v = torch.randn(n, heads, d), torch.randn(n, kv, d), torch.randn(n, kv, d)
+    pk, pv = torch.randn(35, kv, d), torch.randn(35, kv, d)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    bounds = [(a, a + m) for a, m in zip(starts, lens, strict=True)]
+    out = torch.empty(n, heads * d)
+    attend_items(q, k, v, out, 0.125, bounds, pk, pv, per_item=True)
+    for a, b in bounds:
+        alone = torch.empty(b - a, heads * d)
+        attend_items(q[a:b], k[a:b], v[a:b], alone, 0.125, [(0, b - a)], pk, pv, per_item=True)
+        assert torch.equal(alone, out[a:b])

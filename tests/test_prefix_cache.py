@@ -225,7 +225,8 @@ def test_declared_prefix_hit_is_the_cold_run_bit_for_bit(tiny_model, tmp_path, k
     path = tiny_model("qwen2")[0] if kind == "qwen2" else _windowed(tmp_path)
     eng = Engine.from_pretrained(path, dtype=dtype, chunk_size=32)
     prefix = _rand(70, 11)
-    prompts = [prefix + _rand(20 + 5 * s, 20 + s) for s in range(3)]
+    # enough items that a batch has more queries than one item (the kernels block them by count)
+    prompts = [prefix + _rand(20 + 3 * s, 20 + s) for s in range(12)]
     cold = []
     for p in prompts:
         eng.flush_cache()

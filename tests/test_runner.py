@@ -82,3 +82,11 @@ def test_hybrid_items_over_a_prefix_computed_in_the_same_forward(tiny_model) -> 
         whole = torch.cat([prefix, it])
         (ref,) = runner.forward([SeqPlan(whole, torch.tensor([len(whole) - 1]))])
         torch.testing.assert_close(hidden[row], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_items_get_their_own_bits_under_bf16_weights_on_a_cpu(tiny_model) -> None:
+    """The runner asks attention for per-item prefix calls (`attend_items`' per_item) where the
+    last bits matter, under bf16 weights, and keeps one call for all items in fp32."""
+    path = tiny_model("llama")[0]
+    assert Engine.from_pretrained(path, dtype="bf16").runner.items_alone
+    assert not Engine.from_pretrained(path, dtype="fp32").runner.items_alone

@@ -13,7 +13,8 @@ attention output, and SDPA's `enable_gqa` measured slower on CPU (REPORT).
 A cached prefix shared by several items (multi-item scoring) is never copied per item. The bf16
 CPU kernel takes prefix and items in one call (each query's online softmax runs on from the
 prefix into its own item). Elsewhere the prefix is attended ONCE for all the items'
-queries together, and each item attends causally to itself; the two partial results are merged
+queries together (or, `per_item`, one item at a time: its last bits as when it runs alone), and
+each item attends causally to itself; the two partial results are merged
 with their log-sum-exps (the split-KV trick of flash-decoding). So on every device the prefix
 K/V are never copied per item and no [queries, keys] mask is built. What returns a partial
 attention with its log-sum-exp depends on the device (`lse_attention`):
@@ -385,6 +386,7 @@ def attend_items(
     partial: LseAttention | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    per_item: bool = False,
 ) -> None:
     """Items that share one cached prefix: item i (rows bounds[i] of q/k/v/out) attends to the
     whole prefix and causally to its own tokens only, never to another item.
@@ -392,7 +394,8 @@ def attend_items(
     partial: the partial-attention implementation; None picks the device's: the bf16 CPU kernel
     in one call (each query's online softmax runs on from the prefix into its own item, nothing
     to merge), else `lse_attention`. window/softcap: items whose keys need them run
-    `windowed_attend` one by one, each reading only the part of the prefix its window reaches."""
+    `windowed_attend` one by one, each reading only the part of the prefix its window reaches.
+    per_item: each item's prefix part in a call of its own (see below)."""
     k, v = _cast(q, k), _cast(q, v)
     prefix_k, prefix_v = _cast(q, prefix_k), _cast(q, prefix_v)
     longest = max(b - a for a, b in bounds)
@@ -407,14 +410,23 @@ def attend_items(
     if partial is None:
         partial = lse_attention(q.device, q.dtype)
     lo, hi = bounds[0][0], bounds[-1][1]
-    o_pre, lse_pre = partial(q[lo:hi], prefix_k, prefix_v, False, scale)
+    # `per_item`: each item's prefix part is its own call, shaped as when the item runs alone:
+    # the flash kernel's query blocking (and so a row's last bits) depends on how many queries a
+    # call has, and under bf16 weights those bits grow through the layers into scores that would
+    # depend on the batch. Otherwise all items' queries go in one call (fewer, larger calls).
+    batched = not per_item
+    if batched:
+        o_all, lse_all = partial(q[lo:hi], prefix_k, prefix_v, False, scale)
     heads = q.shape[1]
     for a, b in bounds:
+        if batched:
+            o_pre, lp = o_all[a - lo : b - lo], lse_all[a - lo : b - lo]
+        else:
+            o_pre, lp = partial(q[a:b], prefix_k, prefix_v, False, scale)
         o_own, lse_own = partial(q[a:b], k[a:b], v[a:b], True, scale)
-        lp = lse_pre[a - lo : b - lo]
         m = torch.maximum(lp, lse_own)
         w_pre, w_own = torch.exp(lp - m), torch.exp(lse_own - m)
         # In place: a long item must not allocate several [n, heads, d] fp32 temporaries.
-        merged = o_pre[a - lo : b - lo].mul_(w_pre[..., None])
+        merged = o_pre.mul_(w_pre[..., None])
         merged.add_(o_own.mul_(w_own[..., None])).div_((w_pre + w_own)[..., None])
         out[a:b].view(b - a, heads, -1).copy_(merged)

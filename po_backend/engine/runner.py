@@ -94,6 +94,9 @@ class Runner(ABC):
         # Decided (and the bf16 CPU kernel built or loaded) here, at start-up, never in a request.
         self.attention = attention_cpu.decide(self.dtype, device, self.cfg.head_dim)
         self.attn_dtype = _attention_dtype(self.dtype, self.resid_dtype, device, self.attention)
+        # Items over a shared prefix get the bits they would alone (`attend_items`' per_item)
+        # where those bits matter: under bf16/fp16 weights on a CPU (a GPU is launch-bound).
+        self.items_alone = self.dtype != torch.float32 and device.type == "cpu"
         log.info(
             "attention: %s in %s (%s); residual stream in %s",
             "the bf16 CPU kernel" if self.attention.attention == "kernel" else "torch SDPA",
@@ -235,7 +238,17 @@ class HybridRunner(Runner):
                     pk, pv = pool.read(li, prefix)  # once per layer for all items sharing it
                     pk, pv = pk.to(self.attn_dtype), pv.to(self.attn_dtype)
                     attend_items(
-                        qa, ka, va, attn_a, self.scale, members, pk, pv, window=window, softcap=softcap
+                        qa,
+                        ka,
+                        va,
+                        attn_a,
+                        self.scale,
+                        members,
+                        pk,
+                        pv,
+                        window=window,
+                        softcap=softcap,
+                        per_item=self.items_alone,
                     )
             if wide:
                 attn.copy_(attn_a)
