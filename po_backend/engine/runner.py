@@ -206,7 +206,9 @@ class HybridRunner(Runner):
             if wide:
                 qkv_a.copy_(qkv)
             for prefix, members in groups:
-                if prefix is None:
+                # (prefix K, prefix V, item rows) that read them, through attend_items
+                reads: list[tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = []
+                if prefix is None:  # one sequence: a group of its own
                     for a, b in members:
                         # rows [mid, b) read [a, mid) as a prefix (all of [a, b) is one causal call)
                         mid = a + own_prefix[a] if a in own_prefix else b
@@ -220,30 +222,19 @@ class HybridRunner(Runner):
                             softcap=softcap,
                         )
                         if mid < b:  # contiguous, as the pool's K/V a cache hit reads
-                            pk, pv = ka[a:mid].contiguous(), va[a:mid].contiguous()
-                            attend_items(
-                                qa,
-                                ka,
-                                va,
-                                attn_a,
-                                self.scale,
-                                [(mid, b)],
-                                pk,
-                                pv,
-                                window=window,
-                                softcap=softcap,
-                            )
+                            reads.append((ka[a:mid].contiguous(), va[a:mid].contiguous(), [(mid, b)]))
                 else:
                     assert pool is not None, "a sequence with a cached prefix needs the pool"
                     pk, pv = pool.read(li, prefix)  # once per layer for all items sharing it
-                    pk, pv = pk.to(self.attn_dtype), pv.to(self.attn_dtype)
+                    reads.append((pk.to(self.attn_dtype), pv.to(self.attn_dtype), members))
+                for pk, pv, items in reads:
                     attend_items(
                         qa,
                         ka,
                         va,
                         attn_a,
                         self.scale,
-                        members,
+                        items,
                         pk,
                         pv,
                         window=window,

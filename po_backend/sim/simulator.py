@@ -66,8 +66,7 @@ class PrefixLRU:
         memo = self._memo.get(id(req))
         if memo is not None and memo[0] is req:
             return memo[1]
-        best = max((n for _, n in sorted_neighbours(self._keys, tuple(req.input_ids))), default=0)
-        n = min(best, req.reusable_len)
+        n = min(self._longest_match(tuple(req.input_ids))[1], req.reusable_len)
         self._memo[id(req)] = (req, n)
         return n
 
@@ -77,6 +76,11 @@ class PrefixLRU:
 
     def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
         return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
+
+    def _longest_match(self, ids: tuple[int, ...]) -> tuple[int, int]:
+        """(index, shared ids) of the cached prefix sharing the most leading ids with `ids`;
+        (0, 0) when none does."""
+        return max(sorted_neighbours(self._keys, ids), key=lambda jn: jn[1], default=(0, 0))
 
     def free_tokens(self) -> int:
         return self.capacity_tokens - self._tokens
@@ -106,8 +110,7 @@ class PrefixLRU:
         # Every read before any store, as in the engine: a store may evict what a mate read.
         for r, rank, hit in zip(reqs, ranks, hits, strict=True):
             if hit:
-                j, _ = max(sorted_neighbours(self._keys, tuple(r.input_ids)), key=lambda jn: jn[1])
-                self._rank[j] = rank
+                self._rank[self._longest_match(tuple(r.input_ids))[0]] = rank
         for r, rank in zip(reqs, ranks, strict=True):
             key = tuple(r.input_ids[: r.cache_prefix_len or 0])
             if not key or len(key) > self.capacity_tokens:
@@ -120,7 +123,7 @@ class PrefixLRU:
                 continue
             # The cached prefix this key extends (a long request's previous prefix step): the
             # engine's tree holds those tokens once, so the new key takes its place.
-            j, shared = max(sorted_neighbours(self._keys, key), key=lambda jn: jn[1], default=(0, 0))
+            j, shared = self._longest_match(key)
             if shared and shared == len(self._keys[j]):
                 self._tokens -= len(self._keys.pop(j))
                 del self._used[j], self._rank[j]
