@@ -9,6 +9,14 @@ import os
 # process whose cores are shared (test servers, a CI neighbour) ran some tests 10x slower, its
 # threads spinning at barriers while their partners waited for a core. Servers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# An xdist worker (scripts/dev.sh runs one more than the cores) gets its share of the cores as torch
+# threads, not every core: with a process per core and more, a second thread per process only
+# adds synchronisation, the tiny models' ops being too small to split. It also makes the workers'
+# in-process engines the same as the test servers (one thread each): the memory and JCT profiles,
+# keyed by the thread count, are then measured once for both.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // max(1, _workers)))
 
 import gc  # noqa: E402
 import json  # noqa: E402
