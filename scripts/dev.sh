@@ -37,11 +37,16 @@ setup() {
 }
 
 # Chained with &&: `set -e` does not apply inside a function called from an && list (`test`).
+# mypy's cache lives in the user's cache root (as the GGUF conversion and the kernel build do), not
+# in the checkout: a fresh clone then checks only the modules whose content changed (mypy validates
+# a cached module by its hash when its path or mtime differ) instead of all of torch's and
+# transformers' annotations again. MYPY_CACHE_DIR, when set, wins.
 lint() {
+    local mypy_cache=${MYPY_CACHE_DIR:-${PREFILLONLY_CACHE:-$HOME/.cache/prefillonly}/mypy}
     "$venv/bin/ruff" check . &&
         "$venv/bin/ruff" format --check . &&
         "$venv/bin/lint-imports" &&
-        "$venv/bin/mypy"
+        MYPY_CACHE_DIR=$mypy_cache "$venv/bin/mypy"
 }
 
 # The GPU machine has no dev extras and may have no package index: a venv that sees the packages of
