@@ -466,11 +466,9 @@ def jct_accuracy(max_input_len: int, warmup: int, held: int) -> dict[str, Any]:
 
     engine = Engine.from_pretrained("embedded", max_input_len=max_input_len)
     t = time.perf_counter()
-    grid, _ = jp._measure(engine, jp.DEFAULT_GRID, jp.profile_key(engine, jp.DEFAULT_GRID), "grid")
+    grid, _ = jp.measure(engine, jp.DEFAULT_GRID, "grid")
     grid_s, t = time.perf_counter() - t, time.perf_counter()
-    quick, anchors = jp._measure(
-        engine, jp.QUICK_GRID, jp.profile_key(engine, jp.QUICK_GRID), "quick", retry=False
-    )
+    quick, anchors = jp.measure(engine, jp.QUICK_GRID, "quick", retry=False)
     quick_s = time.perf_counter() - t
     models = {
         "today_grid_calibrated": CalibratedJCT(grid),

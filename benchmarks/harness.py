@@ -259,8 +259,8 @@ def latency_summary(lat: Sequence[float]) -> dict[str, float]:
 
 
 def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
-    """Submit `reqs` at `arrivals` (seconds from start; None: all at once, before the worker
-    starts, so the first pick sees the whole burst), wait for every one, drain the loop. Latency
+    """Submit `reqs` at `arrivals` (seconds from start, ascending; None: all at once, before the
+    worker starts, so the first pick sees the whole burst), wait for every one, drain the loop. Latency
     = completion - submission, per request. `loop` must be built with start=False."""
     n = len(reqs)
     submitted, finished = [math.nan] * n, [math.nan] * n
@@ -276,9 +276,15 @@ def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | N
             submitted = [t0] * n
             loop.start()
         else:
+            # Requests that arrive at the first instant are queued together before the first pick,
+            # as the burst above: submitted one by one, the first of them would get the engine alone.
+            first = next((i for i, a in enumerate(arrivals) if a > arrivals[0]), n)
+            futs = [track(i, f) for i, f in enumerate(loop.submit_many(reqs[:first]))]
+            submitted[:first] = [t0] * first
             loop.start()
-            futs = []
             for i, (a, r) in enumerate(zip(arrivals, reqs, strict=True)):
+                if i < first:
+                    continue
                 time.sleep(max(0.0, t0 + a - time.perf_counter()))
                 submitted[i] = time.perf_counter()
                 futs.append(track(i, loop.submit(r)))

@@ -11,10 +11,11 @@ import torch
 
 from po_backend import Engine, ScoreRequest
 from po_backend.engine.activations import activation_bytes, chunked_activation_bytes
-from po_backend.engine.memory import MEMORY_CACHE_ENV, PeakMemory
-from po_backend.engine.runner import SeqPlan
+from po_backend.engine.config import ModelConfig
+from po_backend.engine.models.loader import read_config
 from po_backend.entrypoints.launch_server import build_parser, server_args
 from tests.conftest import hf_all_logprobs, hf_next_logprobs, save_llama
+from tests.memory_probe import in_fresh_process
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
@@ -120,42 +121,34 @@ def deep_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
 
 
-def _kv_bytes_per_token(engine: Engine) -> int:
-    m = engine.model_config
+def _kv_bytes_per_token(m: ModelConfig) -> int:
     return 2 * m.num_layers * m.kv_size * 4  # K and V, every layer, fp32
 
 
-def _measured_peak(engine: Engine, n: int) -> int:
-    ids = torch.randint(0, engine.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-    plan = SeqPlan(token_ids=ids, logit_offsets=torch.tensor([n - 1]))
-    engine.runner.forward([plan])  # warm-up at this size
-    with PeakMemory(torch.device("cpu")) as pm:
-        engine.runner.forward([plan])
-    return pm.peak
-
-
-def test_chunked_memory_grows_by_all_layer_kv(
-    deep_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The budget's profile is measured here, in this process, like the peaks it must bound (one
-    # read from the session's shared profiles may have been measured by another process, whose
-    # allocator state differs).
-    monkeypatch.setenv(MEMORY_CACHE_ENV, str(tmp_path))
-    kw = dict(dtype="fp32", chunk_size=256, enable_cache=False, memory_budget=1 << 30)
-    chunked = Engine.from_pretrained(deep_model, max_input_len=4096, prefill_mode="chunked", **kw)
-    hybrid = Engine.from_pretrained(deep_model, max_input_len=4096, **kw)
-    per_token = _kv_bytes_per_token(chunked)
+def test_chunked_memory_grows_by_all_layer_kv(deep_model: str, tmp_path: Path) -> None:
+    # Each engine's budget profile and peaks measured in one fresh interpreter of its own
+    # (tests/memory_probe.py): in this worker a peak would also count what earlier tests left.
+    kw = dict(dtype="fp32", chunk_size=256, enable_cache=False, memory_budget=1 << 30, max_input_len=4096)
     lo, hi = 1024, 4096
-    c_lo, c_hi = _measured_peak(chunked, lo), _measured_peak(chunked, hi)
-    h_lo, h_hi = _measured_peak(hybrid, lo), _measured_peak(hybrid, hi)
+    chunked = in_fresh_process(
+        "forward_peaks",
+        tmp_path / "chunked",
+        model=deep_model,
+        lengths=[lo, hi],
+        prefill_mode="chunked",
+        **kw,
+    )
+    hybrid = in_fresh_process("forward_peaks", tmp_path / "hybrid", model=deep_model, lengths=[lo, hi], **kw)
+    (c_lo, c_hi), (h_lo, h_hi) = chunked["peaks"], hybrid["peaks"]
+    cfg = read_config(Path(deep_model))
+    per_token = _kv_bytes_per_token(cfg)
     print(f"chunked {c_lo >> 10} -> {c_hi >> 10} KiB, hybrid {h_lo >> 10} -> {h_hi >> 10} KiB")
     # Measured: the resident all-layer K/V grows with the context ...
     assert c_hi - c_lo >= 0.9 * per_token * (hi - lo), (c_lo, c_hi, per_token)
     # ... and hybrid prefilling, which keeps one layer's K/V, grows by less at the same chunk size.
     assert h_hi - h_lo < c_hi - c_lo
     # Declared: the profile-run budget bounds the measured peak and carries the K/V term.
-    assert c_hi <= chunked.activation_budget
-    cfg = chunked.model_config
+    assert c_hi <= chunked["budget"], (c_hi, chunked["budget"])
     declared = [chunked_activation_bytes(cfg, torch.float32, n, 256) for n in (lo, hi)]
     assert declared[1] - declared[0] >= per_token * (hi - lo)
     assert chunked_activation_bytes(cfg, torch.float32, hi, 256) > activation_bytes(

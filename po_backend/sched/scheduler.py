@@ -306,6 +306,16 @@ class Scheduler:
         keyed.sort(key=lambda k: (rank(k[3].req), *k[:3]))
         return keyed, cached
 
+    def _sharing(self, key: tuple[int, ...]) -> set[int]:
+        """The waiting requests whose ids start with `key`: one contiguous run of the queue sorted
+        by ids, found by bisection instead of comparing every waiting request's prefix."""
+        i = bisect.bisect_left(self._by_ids, key, key=itemgetter(0))
+        out: set[int] = set()
+        while i < len(self._by_ids) and self._by_ids[i][0][: len(key)] == key:
+            out.add(self._by_ids[i][1])
+            i += 1
+        return out
+
     def shared_len(self, head: Waiting) -> int:
         """The prefix length to group the waiting requests by for `head`'s step: of the lengths
         that at least `min_shared_prefix` tokens long other waiting requests share with it, the
@@ -373,13 +383,13 @@ class Scheduler:
         strict = cfg.policy == "fcfs"
         group = [head]
         if prefix > 0:
-            key = head.req.input_ids[:prefix]
+            sharers = self._sharing(tuple(head.req.input_ids[:prefix]))
             # Policy order; equally or more urgent requests only (keyed is sorted by class)
             rest = (k[3] for i, k in enumerate(keyed) if i != at and cfg.rank(k[3].req) <= rank)
             if strict:  # only the run right behind the head: nobody overtakes an earlier arrival
-                group += takewhile(lambda w: w.req.input_ids[:prefix] == key, rest)
+                group += takewhile(lambda w: w.rid in sharers, rest)
             else:
-                group += [w for w in rest if w.req.input_ids[:prefix] == key]
+                group += [w for w in rest if w.rid in sharers]
         chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, cached[head.rid])]
         assert chosen and chosen[0][0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
         if strict:  # stop at the first request batchable leaves out: it must run before the rest

@@ -296,11 +296,18 @@ def _fit(samples: Sequence[JCTSample], key: dict[str, Any], source: str) -> JCTM
     return JCTModel((0.0, 0.0, per_ktok, 0.0, 0.0), None, key, "proxy")
 
 
-def _measure(
-    engine: Engine, grid: ProfileGrid, key: dict[str, Any], source: str, *, retry: bool = True
+def measure(
+    engine: Engine,
+    grid: ProfileGrid,
+    source: str,
+    key: dict[str, Any] | None = None,
+    *,
+    retry: bool = True,
 ) -> tuple[JCTModel, list[JCTSample]]:
-    """Time `grid` and fit; with `retry`, a poor fit times the grid once more and keeps each
-    point's faster run."""
+    """Time `grid` on `engine` and fit (nothing read or saved: `load_or_profile` and `startup_jct`
+    add the persisted profile); the samples too. `key`: the profile's key (`profile_key` when
+    None); with `retry`, a poor fit times the grid once more and keeps each point's faster run."""
+    key = key if key is not None else profile_key(engine, grid)
     t = time.perf_counter()
     samples = profile(engine, grid)
     model = _fit(samples, key, source)
@@ -347,7 +354,7 @@ def load_or_profile(
     with profile_lock(path):
         if not refresh and (model := _try_load(path, key)) is not None:
             return model  # measured by another process while we waited
-        model, samples = _measure(engine, grid, key, "grid")
+        model, samples = measure(engine, grid, "grid", key)
         q = model.quality
         if q is None or not q.pearson_r >= MIN_PERSIST_R:
             # Most likely something else was using the machine while we timed: use this fit now,
@@ -430,6 +437,6 @@ def startup_jct(engine: Engine, policy: str) -> JCTModel | CalibratedJCT | None:
         log.info("no JCT profile for this machine yet: timing short steps (seconds; refined from real steps)")
         # No second pass on a poor fit: real steps refine it within minutes, and on a busy
         # machine a second pass would double the wait for the first request.
-        model, samples = _measure(engine, QUICK_GRID, key, "quick", retry=False)
+        model, samples = measure(engine, QUICK_GRID, "quick", key, retry=False)
         _save(model, path, samples)
     return online(model, samples)
