@@ -3,6 +3,7 @@ the `prefillonly serve MODEL` entry point."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,24 @@ def test_prefillonly_serve_entry_point() -> None:
         text=True,
     )
     assert out.returncode != 0 and "unknown command" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "pre", "want"),
+    [(None, "", "PASSIVE"), ("ACTIVE", "", "ACTIVE"), (None, "import torch; ", "None")],
+    ids=["unset", "user's choice", "torch already loaded"],
+)
+def test_the_server_lets_idle_openmp_threads_sleep(given: str | None, pre: str, want: str) -> None:
+    """`prefillonly serve` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP, unless the user
+    set it; once torch is loaded the policy is fixed and the variable is left alone."""
+    code = (
+        f"import atexit, os; {pre}"
+        "atexit.register(lambda: print('OMP=' + str(os.environ.get('OMP_WAIT_POLICY')))); "
+        "from po_lang.cli import main; main(['serve', '--help'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"OMP={want}" in out.stdout.splitlines()

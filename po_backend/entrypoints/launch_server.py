@@ -34,7 +34,7 @@ from po_backend.server import LoopService, ServerArgs, create_app
 
 log = logging.getLogger("po_backend.entrypoints.launch_server")
 
-__all__ = ["build_parser", "build_service", "main", "parse_bytes", "server_args"]
+__all__ = ["build_parser", "build_service", "main", "parse_bytes", "prefer_passive_openmp", "server_args"]
 
 API_KEY_ENV = "PREFILLONLY_API_KEY"
 
@@ -162,8 +162,18 @@ class DrainingServer(uvicorn.Server):
             log.warning("shutdown deadline: %d queued requests answered 503 (Retry-After)", n)
 
 
+def prefer_passive_openmp() -> None:
+    """Idle OpenMP threads sleep instead of spinning, unless the user chose (`OMP_WAIT_POLICY`).
+    A server shares its cores with its own HTTP and tokenizer threads, and often with a router or
+    a client on the same machine: a thread spinning at a barrier holds a core its partner thread
+    waits for. OpenMP reads the policy once, when torch loads it, so this runs before that."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.monotonic()
+    prefer_passive_openmp()
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
