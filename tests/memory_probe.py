@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.server_utils import REPO_ROOT
+
 _MARK = "MEMORY-PROBE "
 
 

@@ -307,14 +307,11 @@ class Scheduler:
         return keyed, cached
 
     def _sharing(self, key: tuple[int, ...]) -> set[int]:
-        """The waiting requests whose ids start with `key`: one contiguous run of the queue sorted
-        by ids, found by bisection instead of comparing every waiting request's prefix."""
-        i = bisect.bisect_left(self._by_ids, key, key=itemgetter(0))
-        out: set[int] = set()
-        while i < len(self._by_ids) and self._by_ids[i][0][: len(key)] == key:
-            out.add(self._by_ids[i][1])
-            i += 1
-        return out
+        """The waiting requests whose ids start with `key`: the neighbours of `key` in the queue sorted
+        by ids that share all of it, instead of comparing every waiting request's prefix."""
+        return {
+            self._by_ids[j][1] for j, _ in sorted_neighbours(self._by_ids, key, len(key), key=itemgetter(0))
+        }
 
     def shared_len(self, head: Waiting) -> int:
         """The prefix length to group the waiting requests by for `head`'s step: of the lengths
