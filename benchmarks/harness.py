@@ -39,7 +39,7 @@ GiB = 1 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_INPUT_LEN = 4096
-Setup = tuple[Any, str]  # (a scorer EngineLoop can drive, its scheduling policy)
+Setup = tuple[Any, str, float]  # (a scorer EngineLoop can drive, its scheduling policy, fairness lambda)
 
 
 def parser(doc: str | None, out: Path | None = None, quick: str | None = None) -> argparse.ArgumentParser:
@@ -388,10 +388,10 @@ def sweep(
     runs: list[dict[str, Any]] = []
     for m in mults:
         qps = m * base
-        for name, (scorer, policy) in setups.items():
+        for name, (scorer, policy, setup_lam) in setups.items():
             wait_for_quiet(quiet_wait)
             r = {
-                **run_trace(scorer, jct, policy, lam, reqs, [u / qps for u in unit]),
+                **run_trace(scorer, jct, policy, setup_lam, reqs, [u / qps for u in unit]),
                 "config": name,
                 "mult": m,
                 "qps": qps,

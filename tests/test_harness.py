@@ -1,12 +1,16 @@
 """benchmarks/harness.py's replay of a trace on the engine loop: requests that arrive at the same
 first instant are all queued before the loop's first pick, so the trace's order within that instant
-gives none of them the engine alone."""
+gives none of them the engine alone. bench_schedule's `po@LAMBDA` configs: po with its own
+fairness lambda beside the other configs of one sweep."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from benchmarks import harness
@@ -37,3 +41,28 @@ def test_replay_queues_the_first_instant_before_the_first_pick(
     assert steps[0].items == ((len(online.input_ids), 0),), steps[0]
     assert len(got["latencies"]) == 5
     assert sum(len(s.items) for s in steps) == 5  # every request ran once
+
+
+def test_po_variants_run_with_their_own_lambda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import bench_schedule
+
+    args = bench_schedule.parse_args(["--configs", "po@1,fcfs,po", "--out", str(tmp_path / "s.json")])
+    assert args.configs == ["fcfs", "po", "po@1"]
+    with pytest.raises(SystemExit):
+        bench_schedule.parse_args(["--configs", "po@fast"])
+    seen: list[SchedulerConfig] = []
+    real = bench_schedule.simulate
+
+    def spy(config: SchedulerConfig, *rest: Any) -> Any:
+        seen.append(config)
+        return real(config, *rest)
+
+    monkeypatch.setattr(bench_schedule, "simulate", spy)
+    out = tmp_path / "sim.json"
+    bench_schedule.main(
+        ["--simulate", "--quick", "--workloads", "WL1", "--configs", "fcfs,po,po@1.5"]
+        + ["--sim-mults", "1", "--sim-paper", "2,3", "--out", str(out)]
+    )
+    assert {(c.policy, c.fairness_lambda) for c in seen} == {("fcfs", 0.2), ("po", 0.2), ("po", 1.5)}
+    runs = json.loads(out.read_text())["workloads"]["WL1"]["runs"]
+    assert {(r["config"], r["policy"]) for r in runs} == {("fcfs", "fcfs"), ("po", "po"), ("po@1.5", "po")}
