@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from po_backend.engine.models.loader import generic_tokenizer_class, load_tokenizer
-from tests.server_utils import REPO_ROOT
 
 TEXTS = [
     "User profile:\nlikes cats and dogs\nPost: a cat video\nWill the user engage? Answer: Yes",
@@ -77,17 +74,18 @@ def test_folders_it_leaves_to_auto_tokenizer(tokenized_llama: Path, tmp_path: Pa
         assert generic_tokenizer_class(folder) is None, name
 
 
-def test_loading_imports_no_model_loading_stack(tokenized_llama: Path) -> None:
-    """The cost the direct path removes, checked in a fresh interpreter: loading the tokenizer
-    imports neither torch.distributed's tensor package nor sympy (AutoTokenizer's config lookup
-    imports both)."""
-    code = (
-        "import sys; from pathlib import Path; from po_backend.engine.models.loader import load_tokenizer; "
-        f"tok = load_tokenizer(Path({str(tokenized_llama)!r})); assert tok is not None; "
-        "print(sorted(m for m in ('sympy', 'torch.distributed.tensor', 'accelerate') if m in sys.modules))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+def test_the_direct_path_skips_auto_tokenizers_config_lookup(
+    tokenized_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cost the direct path removes: AutoTokenizer loads the model's config class (whose import
+    pulls in transformers' model-loading stack) before it picks the tokenizer class; the direct path
+    never asks for a config or for AutoTokenizer."""
+    import transformers
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the direct path looked the model's config up")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    tok = load_tokenizer(tokenized_llama)
+    assert tok is not None and tok.encode(TEXTS[0]) == list(tok(TEXTS[0])["input_ids"])
