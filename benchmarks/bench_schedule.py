@@ -130,16 +130,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, float]:
     """The JCT profile, timed again if other processes used the CPU meanwhile: a profile timed on
     a busy CPU prices steps wrongly for the whole run. Returns the model and the seconds it took."""
-    for _attempt in range(3):
+
+    def timed() -> tuple[JCTModel, float]:
         t = time.perf_counter()
-        with harness.CpuShare() as cpu:
-            jct = load_or_profile(engine, refresh=args.reprofile)
-        seconds = time.perf_counter() - t
-        if cpu.other_cores < 0.5 or seconds < 1.0:  # quiet, or loaded from disk
-            break
-        print(f"other processes used {cpu.other_cores:.2f} cores while profiling: waiting, then again")
-        harness.wait_for_quiet(args.quiet_wait)
-    return jct, seconds
+        return load_or_profile(engine, refresh=args.reprofile), time.perf_counter() - t
+
+    return harness.quietly(timed, "profiling", args.quiet_wait)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
