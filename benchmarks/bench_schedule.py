@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -104,8 +105,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.configs = [c for c in CONFIGS if c in args.configs.split(",")]
+    wanted = args.configs.split(",")
+    # po@LAMBDA: po with that fairness lambda, beside the others on the same anchor and arrivals
+    # (a second run would measure its own isolated latency, so its QPS points would differ).
+    variants = [c for c in wanted if c.startswith("po@")]
+    for c in variants:
+        if not re.fullmatch(r"po@\d+(\.\d+)?", c):
+            ap.error(f"--configs {c}: po@LAMBDA takes a number >= 0, e.g. po@1")
+    args.configs = [c for c in CONFIGS if c in wanted] + variants
     return args
+
+
+def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, float]:
+    """The JCT profile, timed again if other processes used the CPU meanwhile: a profile timed on
+    a busy CPU prices steps wrongly for the whole run. Returns the model and the seconds it took."""
+
+    def timed() -> tuple[JCTModel, float]:
+        t = time.perf_counter()
+        return load_or_profile(engine, refresh=args.reprofile), time.perf_counter() - t
+
+    return harness.quietly(timed, "profiling", args.quiet_wait)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,10 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     harness.wait_for_quiet(args.quiet_wait)
     engine = harness.load_engine(pool or None)
     print(f"dtype {engine.config.dtype}, max_batch_tokens {engine.config.max_batch_tokens}, pool {pool}")
-    # A poor fit (another process took the CPU) is timed again by load_or_profile itself.
-    t = time.perf_counter()
-    jct = load_or_profile(engine, refresh=args.reprofile)
-    profile_s = time.perf_counter() - t
+    jct, profile_s = profile_quietly(engine, args)
     q = jct.quality
     print(f"JCT profile ({profile_s:.1f} s): held-out r={q.pearson_r if q else '?'}, coef {jct.coef}")
     doc: dict[str, Any] = {
@@ -147,12 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     setups: dict[str, harness.Setup] = {}
     for c in args.configs:
         if c == "hf":
-            setups[c] = (HFScorer.from_pretrained("embedded", max_input_len=harness.MAX_INPUT_LEN), "fcfs")
+            hf = HFScorer.from_pretrained("embedded", max_input_len=harness.MAX_INPUT_LEN)
+            setups[c] = (hf, "fcfs", args.fairness_lambda)
         elif c == "chunked":  # it shares the hybrid engine's JCT model: under FCFS it only logs
-            setups[c] = (harness.load_engine(pool or None, "chunked"), "fcfs")
+            setups[c] = (harness.load_engine(pool or None, "chunked"), "fcfs", args.fairness_lambda)
         else:
-            setups[c] = (engine, c)
-    doc["configs"] = {c: CONFIGS[c] for c in args.configs}
+            policy, _, lam = c.partition("@")
+            setups[c] = (engine, policy, float(lam) if lam else args.fairness_lambda)
+    doc["configs"] = {c: CONFIGS.get(c, f"{CONFIGS['po']}, fairness lambda {c[3:]}") for c in args.configs}
     cal = CalibratedJCT(jct)  # one calibration for the whole benchmark, as one long-lived server
     partial = args.out.with_suffix(".partial.json")
 
@@ -197,9 +215,9 @@ def offline(
     nothing, so every item costs it the same: it runs the first `--baseline-items` requests only."""
     iso = harness.isolated(ours, jct, reqs)
     out = {"ours, one at a time": {"items": len(reqs), "items_per_s": len(reqs) / sum(iso["latencies"])}}
-    for name, (scorer, policy) in setups.items():
+    for name, (scorer, policy, lam) in setups.items():
         part = reqs[: args.baseline_items] if name == "hf" else reqs
-        r = harness.run_trace(scorer, jct, policy, args.fairness_lambda, part, None)
+        r = harness.run_trace(scorer, jct, policy, lam, part, None)
         out[name] = {
             "items": len(part),
             "items_per_s": len(part) / r["makespan_s"],
@@ -266,12 +284,15 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         users, posts = (int(x) for x in args.sim_paper.split(","))
         paper = argparse.Namespace(**{**vars(args), "wl1_users": users, "wl1_items": posts})
         traces[f"WL1 {users}x{posts}"] = build_traces(paper, tok, ("WL1",))["WL1"]
-    policies = [c for c in args.configs if c in POLICIES]
+    policies = [c for c in args.configs if c.partition("@")[0] in POLICIES]
 
-    def run(policy: str, reqs: list[ScoreRequest], arrivals: list[float]) -> dict[str, Any]:
+    def run(config: str, reqs: list[ScoreRequest], arrivals: list[float]) -> dict[str, Any]:
         cache = PrefixLRU(pool, engine.config.max_batch_tokens)
         trace = list(zip(arrivals, reqs, strict=True))
-        out = simulate(SchedulerConfig(policy, args.fairness_lambda), model, trace, cache)
+        policy, _, lam = config.partition("@")
+        out = simulate(
+            SchedulerConfig(policy, float(lam) if lam else args.fairness_lambda), model, trace, cache
+        )
         steps = max(r.step for r in out) + 1
         hits = sum(r.cached for r in out) / sum(len(r.input_ids) for r in reqs)
         lat = harness.latency_summary([r.end - r.arrival for r in out])
@@ -293,7 +314,7 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         runs = [
             {
                 "config": p,
-                "policy": p,
+                "policy": p.partition("@")[0],
                 "mult": m,
                 "qps": m * base,
                 **run(p, reqs, [u / (m * base) for u in unit]),

@@ -1,18 +1,24 @@
 """benchmarks/harness.py's replay of a trace on the engine loop: requests that arrive at the same
 first instant are all queued before the loop's first pick, so the trace's order within that instant
-gives none of them the engine alone."""
+gives none of them the engine alone. bench_schedule's `po@LAMBDA` configs: po with its own
+fairness lambda beside the other configs of one sweep."""
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 import torch
 
 from benchmarks import harness
 from po_backend import Engine, ScoreRequest
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.serving.loop import EngineLoop
 
 
@@ -37,3 +43,68 @@ def test_replay_queues_the_first_instant_before_the_first_pick(
     assert steps[0].items == ((len(online.input_ids), 0),), steps[0]
     assert len(got["latencies"]) == 5
     assert sum(len(s.items) for s in steps) == 5  # every request ran once
+
+
+def test_po_variants_run_with_their_own_lambda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import bench_schedule
+
+    args = bench_schedule.parse_args(["--configs", "po@1,fcfs,po", "--out", str(tmp_path / "s.json")])
+    assert args.configs == ["fcfs", "po", "po@1"]
+    with pytest.raises(SystemExit):
+        bench_schedule.parse_args(["--configs", "po@fast"])
+    seen: list[SchedulerConfig] = []
+    real = bench_schedule.simulate
+
+    def spy(config: SchedulerConfig, *rest: Any) -> Any:
+        seen.append(config)
+        return real(config, *rest)
+
+    monkeypatch.setattr(bench_schedule, "simulate", spy)
+    out = tmp_path / "sim.json"
+    bench_schedule.main(
+        ["--simulate", "--quick", "--workloads", "WL1", "--configs", "fcfs,po,po@1.5"]
+        + ["--sim-mults", "1", "--sim-paper", "2,3", "--out", str(out)]
+    )
+    lam = DEFAULT_FAIRNESS_LAMBDA
+    assert {(c.policy, c.fairness_lambda) for c in seen} == {("fcfs", lam), ("po", lam), ("po", 1.5)}
+    runs = json.loads(out.read_text())["workloads"]["WL1"]["runs"]
+    assert {(r["config"], r["policy"]) for r in runs} == {("fcfs", "fcfs"), ("po", "po"), ("po@1.5", "po")}
+
+
+@pytest.mark.parametrize(
+    ("shares", "step_s", "tries", "kept"),
+    [
+        ([0.9, 0.8, 0.1], 2.0, 3, 3),  # shared twice, then quiet: the third run is kept
+        ([0.9, 0.8, 0.7], 2.0, 2, 2),  # never quiet: the last of `tries` is kept
+        ([0.9, 0.1], 0.1, 3, 1),  # under a second: too short to tell, kept
+    ],
+)
+def test_quietly_times_again_while_the_machine_is_shared(
+    monkeypatch: pytest.MonkeyPatch, shares: list[float], step_s: float, tries: int, kept: int
+) -> None:
+    seq = iter(shares)
+
+    class Share:  # what harness.CpuShare reports, scripted
+        other_cores = 0.0
+
+        def __enter__(self) -> Share:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.other_cores = next(seq)
+
+    clock = itertools.count(0.0, step_s / 2)  # each run reads the clock twice
+    waits: list[float] = []
+    monkeypatch.setattr(harness, "CpuShare", Share)
+    monkeypatch.setattr(harness, "wait_for_quiet", waits.append)
+    monkeypatch.setattr(harness, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    runs: list[int] = []
+
+    def run() -> int:
+        runs.append(len(runs) + 1)
+        return len(runs)
+
+    out, cpu = harness.quietly(run, "testing", 7.0, tries)
+    assert out == kept and runs == list(range(1, kept + 1))
+    assert cpu.other_cores == shares[kept - 1]
+    assert waits == [7.0] * (kept - 1)

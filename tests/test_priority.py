@@ -483,6 +483,29 @@ def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
     assert res.logprobs == pytest.approx(cold.logprobs, abs=1e-4)
 
 
+def test_a_prefix_step_counts_its_request_once(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a prefix step computes a long batch request's first tokens, the request stays in the
+    scheduler's queue for its next step; the loop's counts show it once, as running, so queued +
+    running stays the number of requests accepted and unanswered."""
+    from po_backend.engine.engine import Engine
+    from po_backend.serving.loop import EngineLoop
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
+    real_step, seen = engine.step, []
+
+    def step(reqs: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> Any:
+        seen.append(loop.stats())  # the step runs outside the loop's lock
+        return real_step(reqs, ranks)
+
+    monkeypatch.setattr(engine, "step", step)
+    with EngineLoop(engine, scheduler=cfg, jct=JCT) as loop:
+        loop.submit(prompt).result(60)
+    assert len(seen) >= 3, "the request ran in prefix steps"
+    assert [(s.queued, s.running, s.queued_by_class["batch"]) for s in seen] == [(0, 1, 0)] * len(seen)
+
+
 def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

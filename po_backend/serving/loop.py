@@ -451,6 +451,13 @@ class EngineLoop:
             steps = list(self._steps)
             queued, running = len(self._sched), len(self._running)
             by_class = self._sched.waiting_by_class()
+            # A prefix step's request stays in the scheduler's queue for its next step, but it is
+            # being computed now: count it once, as running, so queued + running is the requests
+            # accepted and unanswered.
+            for j in self._running:
+                if j.rid == PREFIX_STEP_RID:
+                    queued -= 1
+                    by_class[self.config.priority_class(j.req)] -= 1
             budget = self._sched.backfill.budget_s if self._sched.backfill else 0.0
             counts = dict(self._counts)
             n_steps = self._n_steps

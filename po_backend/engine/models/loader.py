@@ -240,9 +240,64 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """transformers' tokenizer for the folder, or None for weight-only folders (tests)."""
+    """transformers' tokenizer for the folder, or None for weight-only folders (tests): the class
+    `AutoTokenizer` resolves the folder to, without `AutoTokenizer` where that class is known
+    from the folder's files alone (`generic_tokenizer_class`)."""
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         return None
+    generic = generic_tokenizer_class(model_dir)
+    if generic is not None:
+        return generic.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+# The class transformers writes into tokenizer_config.json for a fast tokenizer it saved (our GGUF
+# conversion's, a tokenizer trained with the `tokenizers` library and saved through transformers).
+_GENERIC_TOKENIZER = "TokenizersBackend"
+
+
+def generic_tokenizer_class(model_dir: Path) -> type[Any] | None:
+    """transformers' generic fast tokenizer class when `AutoTokenizer.from_pretrained(model_dir)`
+    would load the folder with it, else None (then `AutoTokenizer` decides).
+
+    Why not always `AutoTokenizer`: it first loads the model's config class to decide, and importing
+    a config class imports transformers' model-loading stack (torch.distributed, sympy, accelerate),
+    seconds of CPU at every engine start that the engine, which loads its weights itself, never
+    uses. The rule is AutoTokenizer's own for a local folder whose tokenizer_config.json names the
+    generic class and no remote code: it keeps that class unless transformers may override the
+    declared class for the model type (its list of types whose declared class is wrong, and types
+    registered to Mistral's own backend). Anything else (another declared class, remote code, no
+    model type) goes to AutoTokenizer; tests/test_tokenizer.py checks that both give the same class
+    and the same tokens."""
+    try:
+        declared = json.loads((model_dir / "tokenizer_config.json").read_text())
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(declared, dict) or not isinstance(config, dict):
+        return None
+    model_type = config.get("model_type")
+    if (
+        declared.get("tokenizer_class") != _GENERIC_TOKENIZER
+        or "auto_map" in declared
+        or "auto_map" in config
+        or "model_name" in config  # AutoTokenizer's override list also matches a config's model_name
+        or not isinstance(model_type, str)
+    ):
+        return None
+    try:
+        from transformers.models.auto.tokenization_auto import (
+            MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+            TOKENIZER_MAPPING_NAMES,
+        )
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its AutoTokenizer decides
+        return None
+    registered = TOKENIZER_MAPPING_NAMES.get(model_type)
+    if model_type in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS or (
+        isinstance(registered, str) and registered.removesuffix("Fast") == "MistralCommonBackend"
+    ):
+        return None
+    return TokenizersBackend
