@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from benchmarks.workloads import Item
-from po_backend.core.cpu import cpu_class, cpu_flags, cpu_model
+from po_backend.core.cpu import cpu_class, cpu_flags, cpu_has_fast_bf16, cpu_model
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
 from po_backend.engine.models.loader import load_tokenizer, resolve_model_dir
@@ -47,7 +47,7 @@ def parser(doc: str | None, out: Path | None = None, quick: str | None = None) -
     """A benchmark's parser: its docstring's first line, `--out` (default `out`) and, given its
     help, `--quick`."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
-    ap.add_argument("--out", type=Path, default=out, help="result JSON (.md beside it)")
+    ap.add_argument("--out", type=Path, default=out, help="result JSON (.md and any plot beside it)")
     if quick:
         ap.add_argument("--quick", action="store_true", help=quick)
     return ap
@@ -82,13 +82,12 @@ def save(out: Path, doc: dict[str, Any], md: str | None = None) -> None:
 def our_server(
     flags: Sequence[str] = (),
     model_path: str = "embedded",
-    port: int | None = None,
     cwd: str | os.PathLike[str] | None = REPO_ROOT,
     env: dict[str, str] | None = None,
     log_level: str = "warning",
 ) -> ServerProcess:
-    """Our server as launch_cluster starts a worker, on `port` (a free one when None); not started."""
-    port = free_port() if port is None else port
+    """Our server as launch_cluster starts a worker, on a free port; not started."""
+    port = free_port()
     cmd = worker_command(model_path, port, ["--log-level", log_level, *flags])
     return ServerProcess(cmd, f"http://127.0.0.1:{port}", cwd=cwd, env=env)
 
@@ -123,8 +122,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_class": cpu_class(),
         "arch": platform.machine(),
         "flags": {f: f in flags for f in isa},
-        # AVX512-bf16 or AMX: bf16 GEMMs run natively; elsewhere oneDNN emulates them, ~7x slower.
-        "fast_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+        "fast_bf16": cpu_has_fast_bf16(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "mem_total_gib": round(psutil.virtual_memory().total / GiB, 1),
@@ -191,16 +189,14 @@ def quietly(run: Callable[[], T], what: str, quiet_wait: float = 60.0, tries: in
         attempt += 1
 
 
-def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) -> tuple[float, float]:
-    """Wait until other processes use fewer than `threshold` cores (or `max_wait` seconds pass).
-    Returns (seconds waited, other cores at the last probe)."""
-    start = time.perf_counter()
+def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) -> None:
+    """Wait until other processes use fewer than `threshold` cores (or `max_wait` seconds pass)."""
+    deadline = time.perf_counter() + max_wait
     while True:
         with CpuShare() as cpu:
             time.sleep(probe)
-        waited = time.perf_counter() - start
-        if cpu.other_cores < threshold or waited >= max_wait:
-            return waited, cpu.other_cores
+        if cpu.other_cores < threshold or time.perf_counter() >= deadline:
+            return
 
 
 # ---- engines and traces ---------------------------------------------------------------------------
