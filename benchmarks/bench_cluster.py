@@ -30,11 +30,12 @@ import httpx
 
 from benchmarks import harness, report
 from benchmarks.bench_serving import Call, make_calls, scrape, send_open_loop, summarize, warm_up
+from po_backend.entrypoints.launch_cluster import POLICIES as ROUTER_POLICIES
 from po_backend.entrypoints.launch_cluster import router_command, visible_gpus, worker_env, worker_threads
 from po_backend.entrypoints.spawn import ServerProcess, free_port
 
 SHAPES = ("generate", "rerank")
-POLICIES = ("cache_aware", "round_robin")
+POLICIES = (report.AFFINITY, report.SPREAD)  # the default pair of launch_cluster's ROUTER_POLICIES
 KEY_TOKENS = 24  # a profile's first ids: "User 12 profile. Interests: ..." differ between users
 KEY_CHARS = 120  # the same for text
 Seen = list[tuple[int, str | tuple[int, ...], int]]  # (worker, call key, items) per forwarded call
@@ -157,7 +158,7 @@ def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterato
 def shape_calls(args: argparse.Namespace, tok: Any, shape: str) -> list[Call]:
     """The WL1 trace as bench_serving builds it, calls shuffled: `generate` one prompt per call, no
     `cache_prefix_len`; `rerank` the profile as the query, `--docs-per-call` posts as documents."""
-    ns = argparse.Namespace(**vars(args), items=args.posts, history_tokens=0, order="shuffled", num_calls=0)
+    ns = argparse.Namespace(**vars(args), items=args.posts, history_tokens=0)
     ns.workload, ns.api, ns.prefix_hint = "wl1", shape, False
     ns.items_per_call = 1 if shape == "generate" else args.docs_per_call
     return make_calls(ns, tok)
@@ -251,8 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shapes, args.policies = args.shapes.split(","), args.policies.split(",")
     if not set(args.shapes) <= set(SHAPES):
         ap.error(f"--shapes must be a subset of {SHAPES}, got {args.shapes}")
-    if not set(args.policies) <= {"cache_aware", "round_robin", "power_of_two"}:
-        ap.error(f"--policies: cache_aware, round_robin, power_of_two; got {args.policies}")
+    if not set(args.policies) <= set(ROUTER_POLICIES):
+        ap.error(f"--policies must be a subset of {ROUTER_POLICIES}, got {args.policies}")
     try:
         args.items_per_s = [float(x) for x in args.items_per_s.split(",")]
     except ValueError:

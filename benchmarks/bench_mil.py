@@ -379,22 +379,13 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
 
     from po_backend import Engine, ScoreRequest
 
-    cfg = transformers.LlamaConfig(  # SmolLM2-135M's shape
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-        num_hidden_layers=args.layers,
-        num_labels=2,
-        pad_token_id=0,
-    )
+    cfg = transformers.AutoConfig.from_pretrained(resolve_model_dir("embedded"))  # SmolLM2-135M's shape
+    cfg.num_hidden_layers, cfg.num_labels, cfg.pad_token_id = args.layers, 2, 0
     rng = random.Random(0)
-    shared = [rng.randrange(1, 49152) for _ in range(args.prefix)]
-    prompts = [shared + [rng.randrange(1, 49152) for _ in range(args.suffix)] for _ in range(args.items)]
+    shared = [rng.randrange(1, cfg.vocab_size) for _ in range(args.prefix)]
+    prompts = [
+        shared + [rng.randrange(1, cfg.vocab_size) for _ in range(args.suffix)] for _ in range(args.items)
+    ]
 
     def ours(path: Path, reuse: bool) -> tuple[float, list[torch.Tensor], int]:
         engine = Engine.from_pretrained(path, dtype="fp32", enable_cache=reuse, max_input_len=1024)

@@ -64,7 +64,7 @@ class Runner:
         self.engine = harness.load_engine(pool)
         self.model: Any
         if self.simulated:
-            self.model, self.source = harness.sim_step_model(harness.RESULTS / "schedule.json", self.engine)
+            self.model, self.source = harness.sim_step_model(engine=self.engine)
         else:
             # The server's start-up rule: a persisted profile, else a quick estimate refined online
             self.model, self.source = startup_jct(self.engine, "po"), "the server's start-up JCT model"

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness, report
-from benchmarks.workloads import add_trace_args, build_traces, label_ids
+from benchmarks.workloads import build_traces, label_ids
 from po_backend.core.cpu import cpu_flags
 from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import POLICIES
@@ -67,8 +67,7 @@ if not set(POLICIES) <= set(CONFIGS):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.flags(ap, quick=(False, "tiny traces, 2 QPS points"))
+    ap = harness.parser(__doc__, quick="tiny traces, 2 QPS points")
     mode = ap.add_mutually_exclusive_group()
     harness.flags(mode, offline=(False, "items/s of the whole job at t=0, no sweep"))
     harness.flags(mode, simulate=(False, "the sweep on po_backend.sim.simulator"))
@@ -76,8 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(mode, llamacpp=(False, "llama.cpp next to ours on the same GGUF"))
     harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
     harness.flags(ap, workers=(1, "--startup: servers booted at once, fresh cache"))
-    harness.flags(ap, skip_starts=(False, "--startup: the JCT accuracy only"))
-    harness.flags(ap, skip_accuracy=(False, "--startup: the start times only"))
     harness.flags(ap, timeout=(900.0, "--startup: seconds to /health 200"))
     harness.flags(ap, configs=("fcfs,srjf,lpm,po", f"of {','.join(CONFIGS)}"))
     harness.flags(ap, mults=("0.5,0.7,1,1.4,2,4", "QPS as multiples of the anchor QPS"))
@@ -90,17 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, lambdas=(f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10", "--ablation"))
     harness.flags(ap, ablation_mult=(1.0, "--ablation: QPS x saturated"))
     harness.add_sweep_args(ap, quiet_wait=60.0)
-    add_trace_args(
-        ap,
-        wl1_users=6,
-        wl1_items=12,
-        wl1_profile=500,
-        wl1_item_tokens=50,
-        wl2_requests=8,
-        wl2_min=1500,
-        wl2_max=2500,
-    )
-    ap.add_argument("--out", type=Path, default=None, help="result JSON (.md and .png beside it)")
+    harness.flags(ap, wl1_users=6, wl1_items=(12, "WL1 posts per user"), wl1_item_tokens=50)
+    harness.flags(ap, wl1_profile=(500, "mean profile tokens (+-20%%)"), wl2_requests=8)
+    harness.flags(ap, wl2_min=(1500, "WL2 shortest history tokens"), wl2_max=(2500, "WL2 longest"))
     args = ap.parse_args(argv)
     if args.quick:
         args.mults, args.mults_wl2, args.baseline_items = "0.5,2", "", 2
@@ -130,16 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, float]:
     """The JCT profile, timed again if other processes used the CPU meanwhile: a profile timed on
     a busy CPU prices steps wrongly for the whole run. Returns the model and the seconds it took."""
-    for _attempt in range(3):
+
+    def timed() -> tuple[JCTModel, float]:
         t = time.perf_counter()
-        with harness.CpuShare() as cpu:
-            jct = load_or_profile(engine, refresh=args.reprofile)
-        seconds = time.perf_counter() - t
-        if cpu.other_cores < 0.5 or seconds < 1.0:  # quiet, or loaded from disk
-            break
-        print(f"other processes used {cpu.other_cores:.2f} cores while profiling: waiting, then again")
-        harness.wait_for_quiet(args.quiet_wait)
-    return jct, seconds
+        return load_or_profile(engine, refresh=args.reprofile), time.perf_counter() - t
+
+    return harness.quietly(timed, "profiling", args.quiet_wait)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -293,7 +278,7 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
     """The sweep on the simulator: isolated latency (each request alone, in trace order, the cache
     carried over), then every (multiple of the isolated rate, policy)."""
     engine = harness.load_engine(pool or None)  # its batching limit and, without a measured run, its profile
-    model, source = harness.sim_step_model(harness.RESULTS / "schedule.json", engine)
+    model, source = harness.sim_step_model(engine=engine)
     print(f"step times: JCT model from {source}: coef {model.coef}")
     if "WL1" in traces:
         users, posts = (int(x) for x in args.sim_paper.split(","))
@@ -543,13 +528,11 @@ def startup(args: argparse.Namespace) -> None:
         "cpu": m["cpu"],
         "cores": m["cores"],
         "torch_threads": m["torch_threads"],
-        "load_avg_at_start": os.getloadavg(),
+        "load_avg_at_start": os.getloadavg(),  # entries are evaluated in order: before the runs
+        "starts": time_starts(args.workers, args.timeout),
+        "accuracy": jct_accuracy(*((2048, 48, 48) if args.quick else (8192, 96, 96))),
+        "load_avg_at_end": os.getloadavg(),
     }
-    if not args.skip_starts:
-        doc["starts"] = time_starts(args.workers, args.timeout)
-    if not args.skip_accuracy:
-        doc["accuracy"] = jct_accuracy(*((2048, 48, 48) if args.quick else (8192, 96, 96)))
-    doc["load_avg_at_end"] = os.getloadavg()
     harness.save(args.out, doc)
 
 

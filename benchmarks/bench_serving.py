@@ -71,7 +71,7 @@ class Outcome:
 
 def make_calls(args: argparse.Namespace, tok: Any) -> list[Call]:
     """The workload's items (grouped by user) as calls of up to `--items-per-call` items each,
-    shuffled unless `--order grouped`, each with its request for `--api`."""
+    shuffled (users interleave: the scheduler's order matters), each with its request for `--api`."""
     p, h = args.profile_tokens, args.history_tokens
     if args.workload == "wl1":
         span = (max(1, p // 2), p * 3 // 2)
@@ -84,9 +84,7 @@ def make_calls(args: argparse.Namespace, tok: Any) -> list[Call]:
         for a in range(0, len(its), args.items_per_call):
             chunk = its[a : a + args.items_per_call]
             calls.append(Call(user, chunk[0].prefix, tuple(it.suffix for it in chunk)))
-    if args.order == "shuffled":
-        random.Random(args.seed).shuffle(calls)  # users interleave: the scheduler's order matters
-    calls = calls[: args.num_calls] if args.num_calls else calls
+    random.Random(args.seed).shuffle(calls)
     return [Call(c.user, c.prefix, c.suffixes, *request_body(c, args, tok)) for c in calls]
 
 
@@ -102,7 +100,7 @@ def request_body(call: Call, args: argparse.Namespace, tok: Any) -> tuple[str, d
         docs = [tok.decode(s) for s in call.suffixes]
         return "/v1/rerank", {"query": tok.decode(call.prefix), "documents": docs, "return_documents": False}
     prompts: list[Any] = [list(call.prefix + s) for s in call.suffixes]
-    if getattr(args, "generate_as", "ids") == "text":
+    if args.generate_as == "text":
         prompts = [tok.decode(p) for p in prompts]
     one = len(prompts) == 1  # a single prompt, not a batch of one: what plain SGLang clients send
     key = "input_ids" if isinstance(prompts[0], list) else "text"
@@ -225,8 +223,8 @@ def main() -> None:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server")
     where.add_argument("--launch", help=f"launch ours per config, one at a time: any of {','.join(LAUNCH)}")
-    harness.flags(ap, model_path=("embedded", "model to launch; its tokenizer is used"), dtype="auto")
-    harness.flags(ap, tokenizer=(None, "tokenizer folder (default: --model-path)"), max_input_len=0)
+    harness.flags(ap, model_path=("embedded", "model to launch; its tokenizer is used"))
+    harness.flags(ap, tokenizer=(None, "tokenizer folder (default: --model-path)"))
     harness.flags(ap, api_key=None, seed=0)
     harness.flags(ap, server_args=("", "more flags for every launched server"))
     harness.flags(ap, base_checkout=(None, "the checkout `--launch base` runs (another commit)"))
@@ -240,9 +238,8 @@ def main() -> None:
     harness.flags(
         ap, profile_tokens=(1000, "WL1: mean profile length"), item_tokens=(150, "WL1: tokens per post")
     )
-    harness.flags(ap, history_tokens=(3000, "WL2: longest history"), order=["shuffled", "grouped"])
+    harness.flags(ap, history_tokens=(3000, "WL2: longest history"))
     harness.flags(ap, items_per_call=(1, "items of one user per HTTP call"))
-    harness.flags(ap, num_calls=(0, "cap on calls per rate (0: the whole workload)"))
     harness.flags(ap, qps=(None, "offered calls/s, comma list (default 0.5,1,2; --quick: 1)"))
     harness.flags(
         ap, timeout=(600.0, "per request, seconds"), out=("serving", "results file stem in results/")
@@ -277,8 +274,7 @@ def main() -> None:
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
     rows: list[dict[str, Any]] = bench_one("server", args.url, calls, args) if args.url else []
     for name in args.launch.split(",") if args.launch else []:
-        flags = ["--dtype", args.dtype, *LAUNCH[name], *args.server_args.split()]
-        flags += ["--max-input-len", str(args.max_input_len)] if args.max_input_len else []
+        flags = [*LAUNCH[name], *args.server_args.split()]
         # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
         cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
         srv = harness.our_server(flags, args.model_path, cwd=cwd)

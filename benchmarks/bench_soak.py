@@ -23,8 +23,7 @@ import numpy as np
 import psutil
 
 from benchmarks import harness
-
-WORDS = "user likes hiking coffee camping photos tax news betting stocks cats dogs trail guide".split()
+from benchmarks.workloads import WORDS
 
 
 def text(rng: random.Random, words: int) -> str:

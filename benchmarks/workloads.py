@@ -114,34 +114,10 @@ def wl2(
     return out
 
 
-def add_trace_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
-    """The WL1/WL2 size flags the in-process benchmarks take; `defaults` overrides the values
-    below by flag name (wl1_users=6, ...)."""
-    d = {
-        "wl1_users": 4,
-        "wl1_items": 8,
-        "wl1_profile": 600,
-        "wl1_item_tokens": 80,
-        "wl2_requests": 6,
-        "wl2_min": 800,
-        "wl2_max": 1600,
-    }
-    if set(defaults) - set(d):
-        raise ValueError(f"unknown trace arguments {sorted(set(defaults) - set(d))}")
-    helps = {
-        "wl1_items": "WL1 posts per user",
-        "wl1_profile": "mean profile tokens (+-20%%)",
-        "wl2_min": "WL2 shortest history tokens",
-        "wl2_max": "WL2 longest history tokens",
-    }
-    for name, default in {**d, **defaults}.items():
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=helps.get(name))
-
-
 def build_traces(
     args: argparse.Namespace, tok: Any, wanted: tuple[str, ...] = ("WL1", "WL2")
 ) -> dict[str, list[Item]]:
-    """The workloads in `wanted`, sized by the flags of `add_trace_args`."""
+    """The workloads in `wanted`, sized by bench_schedule's `--wl1-*` / `--wl2-*` flags."""
     out: dict[str, list[Item]] = {}
     if "WL1" in wanted:
         mean, users, items = args.wl1_profile, args.wl1_users, args.wl1_items

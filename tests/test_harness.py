@@ -5,9 +5,11 @@ fairness lambda beside the other configs of one sweep."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from benchmarks import harness
 from po_backend import Engine, ScoreRequest
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.serving.loop import EngineLoop
 
 
@@ -63,6 +65,46 @@ def test_po_variants_run_with_their_own_lambda(tmp_path: Path, monkeypatch: pyte
         ["--simulate", "--quick", "--workloads", "WL1", "--configs", "fcfs,po,po@1.5"]
         + ["--sim-mults", "1", "--sim-paper", "2,3", "--out", str(out)]
     )
-    assert {(c.policy, c.fairness_lambda) for c in seen} == {("fcfs", 0.2), ("po", 0.2), ("po", 1.5)}
+    lam = DEFAULT_FAIRNESS_LAMBDA
+    assert {(c.policy, c.fairness_lambda) for c in seen} == {("fcfs", lam), ("po", lam), ("po", 1.5)}
     runs = json.loads(out.read_text())["workloads"]["WL1"]["runs"]
     assert {(r["config"], r["policy"]) for r in runs} == {("fcfs", "fcfs"), ("po", "po"), ("po@1.5", "po")}
+
+
+@pytest.mark.parametrize(
+    ("shares", "step_s", "tries", "kept"),
+    [
+        ([0.9, 0.8, 0.1], 2.0, 3, 3),  # shared twice, then quiet: the third run is kept
+        ([0.9, 0.8, 0.7], 2.0, 2, 2),  # never quiet: the last of `tries` is kept
+        ([0.9, 0.1], 0.1, 3, 1),  # under a second: too short to tell, kept
+    ],
+)
+def test_quietly_times_again_while_the_machine_is_shared(
+    monkeypatch: pytest.MonkeyPatch, shares: list[float], step_s: float, tries: int, kept: int
+) -> None:
+    seq = iter(shares)
+
+    class Share:  # what harness.CpuShare reports, scripted
+        other_cores = 0.0
+
+        def __enter__(self) -> Share:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.other_cores = next(seq)
+
+    clock = itertools.count(0.0, step_s / 2)  # each run reads the clock twice
+    waits: list[float] = []
+    monkeypatch.setattr(harness, "CpuShare", Share)
+    monkeypatch.setattr(harness, "wait_for_quiet", waits.append)
+    monkeypatch.setattr(harness, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    runs: list[int] = []
+
+    def run() -> int:
+        runs.append(len(runs) + 1)
+        return len(runs)
+
+    out, cpu = harness.quietly(run, "testing", 7.0, tries)
+    assert out == kept and runs == list(range(1, kept + 1))
+    assert cpu.other_cores == shares[kept - 1]
+    assert waits == [7.0] * (kept - 1)

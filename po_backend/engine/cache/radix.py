@@ -25,7 +25,18 @@ _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 class Node:
     """One edge of the tree: `key` (token ids) and the slots holding their KV, index for index."""
 
-    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "uid", "reused", "rank")
+    __slots__ = (
+        "key",
+        "slots",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access",
+        "uid",
+        "reused",
+        "rank",
+        "_key_tuple",
+    )
 
     def __init__(
         self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, uid: int, now: int, rank: int = 0
@@ -47,6 +58,18 @@ class Node:
         # so a finished batch job's prefixes never push out the profiles online calls come back
         # to; a batch prefix an online call reads is kept like an online one from then on.
         self.rank = rank
+        self._key_tuple: tuple[int, ...] | None = None
+
+    def key_tuple(self) -> tuple[int, ...]:
+        """`key` as a tuple of ints, made on first use: the scheduler probes every waiting request
+        (a tuple of ids) each step, and comparing tuple slices costs far less than converting each
+        whole prompt to an array."""
+        if self._key_tuple is None:
+            self._key_tuple = tuple(self.key.tolist())
+        return self._key_tuple
+
+    def set_key(self, key: np.ndarray, slots: torch.Tensor) -> None:
+        self.key, self.slots, self._key_tuple = key, slots, None
 
     def __repr__(self) -> str:
         return (
@@ -124,7 +147,8 @@ class RadixCache:
         upper.lock_ref, upper.last_access, upper.reused = node.lock_ref, node.last_access, node.reused
         upper.children[int(node.key[at])] = node
         parent.children[int(node.key[0])] = upper
-        node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
+        node.set_key(node.key[at:], node.slots[at:])
+        node.parent = upper
         return upper
 
     def _descend(
@@ -161,8 +185,19 @@ class RadixCache:
     def match_len(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Read-only probe of the cached prefix length: no split, no LRU touch, no slot gather.
 
-        For a scheduler that re-scores every waiting request before each step.
+        For a scheduler that re-scores every waiting request before each step. A tuple (a
+        request's ids) is compared node by node as tuple slices; only a node it leaves partway is
+        compared as arrays.
         """
+        if isinstance(token_ids, tuple):
+            ids, node, pos = token_ids, self.root, 0
+            while pos < len(ids) and (child := node.children.get(ids[pos])) is not None:
+                key = child.key_tuple()
+                if ids[pos : pos + len(key)] != key:
+                    return pos + _common_len(child.key, _as_tokens(ids[pos : pos + len(key)]))
+                pos += len(key)
+                node = child
+            return pos
         tokens, node, pos = _as_tokens(token_ids), self.root, 0
         while pos < len(tokens) and (child := node.children.get(int(tokens[pos]))) is not None:
             n = _common_len(child.key, tokens[pos:])
