@@ -116,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def policy_of(config: str, default_lambda: float) -> tuple[str, float]:
+    """A config's scheduling policy and fairness lambda: `po@LAMBDA` is po with that lambda, every
+    other config (hf and chunked run fcfs) its own policy with `default_lambda`."""
+    policy, _, lam = config.partition("@")
+    return {"hf": "fcfs", "chunked": "fcfs"}.get(policy, policy), float(lam) if lam else default_lambda
+
+
 def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, float]:
     """The JCT profile, timed again if other processes used the CPU meanwhile: a profile timed on
     a busy CPU prices steps wrongly for the whole run. Returns the model and the seconds it took."""
@@ -163,14 +170,16 @@ def main(argv: list[str] | None = None) -> None:
     setups: dict[str, harness.Setup] = {}
     for c in args.configs:
         if c == "hf":
-            hf = HFScorer.from_pretrained("embedded", max_input_len=harness.MAX_INPUT_LEN)
-            setups[c] = (hf, "fcfs", args.fairness_lambda)
+            scorer: Any = HFScorer.from_pretrained("embedded", max_input_len=harness.MAX_INPUT_LEN)
         elif c == "chunked":  # it shares the hybrid engine's JCT model: under FCFS it only logs
-            setups[c] = (harness.load_engine(pool or None, "chunked"), "fcfs", args.fairness_lambda)
+            scorer = harness.load_engine(pool or None, "chunked")
         else:
-            policy, _, lam = c.partition("@")
-            setups[c] = (engine, policy, float(lam) if lam else args.fairness_lambda)
-    doc["configs"] = {c: CONFIGS.get(c, f"{CONFIGS['po']}, fairness lambda {c[3:]}") for c in args.configs}
+            scorer = engine
+        setups[c] = (scorer, *policy_of(c, args.fairness_lambda))
+    doc["configs"] = {
+        c: CONFIGS.get(c, f"{CONFIGS['po']}, fairness lambda {policy_of(c, args.fairness_lambda)[1]:g}")
+        for c in args.configs
+    }
     cal = CalibratedJCT(jct)  # one calibration for the whole benchmark, as one long-lived server
     partial = args.out.with_suffix(".partial.json")
 
@@ -289,10 +298,7 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
     def run(config: str, reqs: list[ScoreRequest], arrivals: list[float]) -> dict[str, Any]:
         cache = PrefixLRU(pool, engine.config.max_batch_tokens)
         trace = list(zip(arrivals, reqs, strict=True))
-        policy, _, lam = config.partition("@")
-        out = simulate(
-            SchedulerConfig(policy, float(lam) if lam else args.fairness_lambda), model, trace, cache
-        )
+        out = simulate(SchedulerConfig(*policy_of(config, args.fairness_lambda)), model, trace, cache)
         steps = max(r.step for r in out) + 1
         hits = sum(r.cached for r in out) / sum(len(r.input_ids) for r in reqs)
         lat = harness.latency_summary([r.end - r.arrival for r in out])
@@ -314,7 +320,7 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         runs = [
             {
                 "config": p,
-                "policy": p.partition("@")[0],
+                "policy": policy_of(p, args.fairness_lambda)[0],
                 "mult": m,
                 "qps": m * base,
                 **run(p, reqs, [u / (m * base) for u in unit]),

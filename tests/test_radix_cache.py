@@ -330,7 +330,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(tokens=tokens_st)
     def match(self, tokens: list[int]) -> None:
         probe = self.cache.match_len(tokens)
-        probe_ids = self.cache.match_len(tuple(tokens))  # a request's ids: match_len's tuple path
+        probe_ids = self.cache.match_len(tuple(tokens))  # a request's ids, as the engine probes
         m = self.cache.match_prefix(tokens)  # may split a node where the match ends
         assert m.length == probe == probe_ids == depth(m.node)
         self._verify(tokens, m.length, m.slots)

@@ -185,25 +185,17 @@ class RadixCache:
     def match_len(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Read-only probe of the cached prefix length: no split, no LRU touch, no slot gather.
 
-        For a scheduler that re-scores every waiting request before each step. A tuple (a
-        request's ids) is compared node by node as tuple slices; only a node it leaves partway is
-        compared as arrays.
+        For a scheduler that re-scores every waiting request before each step: a request's ids
+        (a tuple) are compared with each node's key as tuple slices, far cheaper than converting
+        the whole prompt to an array at every probe; other inputs are converted to a tuple once.
         """
-        if isinstance(token_ids, tuple):
-            ids, node, pos = token_ids, self.root, 0
-            while pos < len(ids) and (child := node.children.get(ids[pos])) is not None:
-                key = child.key_tuple()
-                if ids[pos : pos + len(key)] != key:
-                    return pos + _common_len(child.key, _as_tokens(ids[pos : pos + len(key)]))
-                pos += len(key)
-                node = child
-            return pos
-        tokens, node, pos = _as_tokens(token_ids), self.root, 0
-        while pos < len(tokens) and (child := node.children.get(int(tokens[pos]))) is not None:
-            n = _common_len(child.key, tokens[pos:])
-            pos += n
-            if n < len(child.key):
-                break
+        ids = token_ids if isinstance(token_ids, tuple) else tuple(_as_tokens(token_ids).tolist())
+        node, pos = self.root, 0
+        while pos < len(ids) and (child := node.children.get(ids[pos])) is not None:
+            key = child.key_tuple()
+            if ids[pos : pos + len(key)] != key:  # the match ends inside this node
+                return pos + _common_len(child.key, _as_tokens(ids[pos : pos + len(key)]))
+            pos += len(key)
             node = child
         return pos
 
