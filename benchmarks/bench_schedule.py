@@ -6,11 +6,12 @@ and WL2-style ones (long unique histories); the prefix pool holds `--cache-profi
 - sweep (default): harness.sweep per workload for each of `--configs` (policies, the transformers
   baseline, chunked prefill): the QPS each sustains at the P99 SLO, po / fcfs, and the JCT model's
   accuracy on every (held-out) step. The anchor is the isolated throughput: for WL1 the all-at-t=0
-  rate is far higher and a sweep anchored there never finds the SLO crossing.
+  rate is far higher and a sweep anchored there never finds the SLO crossing. The paper's
+  ablations (Fig. 10/11) are configs: `po-nodiscard` (suffix discarding off: each request declares
+  all but its last token as its cache prefix) and `po@LAMBDA` (po with that fairness lambda), in
+  one sweep on the same anchor and arrivals (run_all's `lambda` step).
 - `--offline`: items/s of the whole job queued at t=0 per config, and ours one request at a time.
 - `--simulate`: the same traces on po_backend.sim.simulator, step times from the last measured fit.
-- `--ablation` (paper Fig. 10/11): suffix discarding on/off, then a fairness lambda sweep of po at
-  `--ablation-mult` x saturated QPS (fcfs on the same arrivals for reference).
 - `--llamacpp`: llama.cpp (llama-cpp-python, optional) next to ours on the same GGUF and WL1 items,
   one at a time in user order with prefix reuse on both sides; items/s and label agreement.
 - `--startup`: launch to /health 200 of `--workers` servers on a fresh cache, then a later start;
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import POLICIES
 from po_backend.engine.hf_scorer import HFScorer
 from po_backend.sched.jct import CalibratedJCT, JCTModel
-from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
+from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.sim.simulator import PrefixLRU, simulate
 
@@ -61,6 +62,7 @@ CONFIGS = {
     "srjf": "ours, shortest remaining job first",
     "lpm": "ours, longest prefix match",
     "po": "ours, prefix-aware SRJF + JCT calibration (`--schedule-policy po`)",
+    "po-nodiscard": "ours, po with suffix discarding off (all but the last token declared as the prefix)",
 }
 if not set(POLICIES) <= set(CONFIGS):
     raise RuntimeError("bench_schedule and the scheduler disagree on the policies")
@@ -71,7 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = ap.add_mutually_exclusive_group()
     harness.flags(mode, offline=(False, "items/s of the whole job at t=0, no sweep"))
     harness.flags(mode, simulate=(False, "the sweep on po_backend.sim.simulator"))
-    harness.flags(mode, ablation=(False, "suffix discarding on/off, lambda sweep"))
     harness.flags(mode, llamacpp=(False, "llama.cpp next to ours on the same GGUF"))
     harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
     harness.flags(ap, workers=(1, "--startup: servers booted at once, fresh cache"))
@@ -84,8 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, reprofile=(False, "re-time the JCT grid even if persisted"))
     harness.flags(ap, sim_mults="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8")
     harness.flags(ap, sim_paper=("20,50", "USERS,POSTS of the paper-shaped WL1 trace"))
-    harness.flags(ap, lambdas=(f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10", "--ablation"))
-    harness.flags(ap, ablation_mult=(1.0, "--ablation: QPS x saturated"))
     harness.add_sweep_args(ap, quiet_wait=60.0)
     harness.flags(ap, wl1_users=6, wl1_items=(12, "WL1 posts per user"), wl1_item_tokens=50)
     harness.flags(ap, wl1_profile=(500, "mean profile tokens (+-20%%)"), wl2_requests=8)
@@ -95,14 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mults, args.mults_wl2, args.baseline_items = "0.5,2", "", 2
         args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
         args.wl2_requests, args.wl2_min, args.wl2_max = 2, 300, 500
-        args.lambdas, args.quiet_wait = f"0,{DEFAULT_FAIRNESS_LAMBDA:g}", min(args.quiet_wait, 5.0)
+        args.quiet_wait = min(args.quiet_wait, 5.0)
     if args.out is None and args.startup:
         args.out = harness.RESULTS / f"startup{'_quick' if args.quick else ''}.json"
     elif args.out is None:
-        stem = next(
-            (m for m in ("ablation", "llamacpp") if getattr(args, m)),
-            "schedule_sim" if args.simulate else "schedule",
-        )
+        stem = "llamacpp" if args.llamacpp else "schedule_sim" if args.simulate else "schedule"
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
     args.out.parent.mkdir(parents=True, exist_ok=True)
     wanted = args.configs.split(",")
@@ -118,9 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def policy_of(config: str, default_lambda: float) -> tuple[str, float]:
     """A config's scheduling policy and fairness lambda: `po@LAMBDA` is po with that lambda, every
-    other config (hf and chunked run fcfs) its own policy with `default_lambda`."""
+    other config (hf and chunked run fcfs, po-nodiscard po) its own policy with `default_lambda`."""
     policy, _, lam = config.partition("@")
-    return {"hf": "fcfs", "chunked": "fcfs"}.get(policy, policy), float(lam) if lam else default_lambda
+    policy = {"hf": "fcfs", "chunked": "fcfs", "po-nodiscard": "po"}.get(policy, policy)
+    return policy, float(lam) if lam else default_lambda
 
 
 def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, float]:
@@ -140,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.startup:
         return startup(args)
     tok = harness.tokenizer()
-    wl1_only = args.ablation or args.llamacpp
-    traces = build_traces(args, tok, ("WL1",) if wl1_only else tuple(args.workloads.split(",")))
+    traces = build_traces(args, tok, ("WL1",) if args.llamacpp else tuple(args.workloads.split(",")))
     if args.llamacpp:
         return llamacpp(args, traces["WL1"], label_ids(tok))
     # --cache-profiles 0: the engine's default pool.
@@ -165,8 +161,6 @@ def main(argv: list[str] | None = None) -> None:
         "pool_tokens": pool,
         "workloads": {},
     }
-    if args.ablation:
-        return ablation(engine, jct, traces["WL1"], tok, doc, args)
     setups: dict[str, harness.Setup] = {}
     for c in args.configs:
         if c == "hf":
@@ -175,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
             scorer = harness.load_engine(pool or None, "chunked")
         else:
             scorer = engine
-        setups[c] = (scorer, *policy_of(c, args.fairness_lambda))
+        setups[c] = harness.Setup(
+            scorer, *policy_of(c, args.fairness_lambda), keep_suffix=c == "po-nodiscard"
+        )
     doc["configs"] = {
         c: CONFIGS.get(c, f"{CONFIGS['po']}, fairness lambda {policy_of(c, args.fairness_lambda)[1]:g}")
         for c in args.configs
@@ -224,63 +220,18 @@ def offline(
     nothing, so every item costs it the same: it runs the first `--baseline-items` requests only."""
     iso = harness.isolated(ours, jct, reqs)
     out = {"ours, one at a time": {"items": len(reqs), "items_per_s": len(reqs) / sum(iso["latencies"])}}
-    for name, (scorer, policy, lam) in setups.items():
-        part = reqs[: args.baseline_items] if name == "hf" else reqs
-        r = harness.run_trace(scorer, jct, policy, lam, part, None)
-        out[name] = {
-            "items": len(part),
-            "items_per_s": len(part) / r["makespan_s"],
-            "hit_rate": r["hit_rate"],
-            "mean_batch": r["mean_batch"],
+    for name, s in setups.items():
+        part = s.requests(reqs[: args.baseline_items] if name == "hf" else reqs)
+        r = harness.run_trace(s.scorer, jct, s.policy, s.lam, part, None)
+        out[name] = {"items": len(part), "items_per_s": len(part) / r["makespan_s"]}
+        out[name] |= {
+            k: r[k] for k in ("hit_rate", "mean_batch", "inserted_tokens", "evicted_tokens") if k in r
         }
     base = out.get("hf", {}).get("items_per_s")
     for name, o in out.items():
         vs = f" ({o['items_per_s'] / base:.1f}x hf)" if base else ""
         print(f"  {name:20s} {o['items']:4d} items: {o['items_per_s']:.3f} items/s{vs}")
     return out
-
-
-def ablation(engine: Any, jct: JCTModel, items: list[Any], tok: Any, doc: dict[str, Any], args: Any) -> None:
-    """Suffix discarding on/off under po, all requests at t=0 and Poisson at `--ablation-mult` x that
-    rate (with the tokens the prefix cache inserted and evicted); then the lambda sweep."""
-    reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
-    reqs_off = [replace(r, cache_prefix_len=len(r.input_ids) - 1) for r in reqs]  # all but the last
-
-    def run(rs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
-        harness.wait_for_quiet(args.quiet_wait)
-        before = engine.stats().cache
-        r = harness.run_trace(engine, jct, "po", DEFAULT_FAIRNESS_LAMBDA, rs, arrivals)
-        after = engine.stats().cache
-        return {
-            **r,
-            "inserted_tokens": after.inserted_tokens_total - before.inserted_tokens_total,
-            "evicted_tokens": after.evicted_tokens_total - before.evicted_tokens_total,
-            "items_per_s": len(rs) / r["makespan_s"],
-        }
-
-    sat = run(reqs, None)
-    qps = args.ablation_mult * sat["items_per_s"]
-    arrivals = [u / qps for u in unit]
-    doc["requests"] = len(reqs)
-    doc["qps"] = qps
-    doc["suffix"] = {}
-    doc["args"] = {**doc["args"], "mult": args.ablation_mult}
-    for mode, rs in (("on", reqs), ("off", reqs_off)):
-        s = sat if mode == "on" else run(rs, None)
-        p = run(rs, arrivals)
-        doc["suffix"][mode] = {"saturated": s, "poisson": p}
-        print(
-            f"  suffix discarding {mode:3s}: saturated {s['items_per_s']:.3f} items/s, hits {s['hit_rate']:.0%}, "
-            f"inserted {s['inserted_tokens']}, evicted {s['evicted_tokens']}; at {qps:.3f} qps mean "
-            f"{p['mean_s']:.2f} s P99 {p['p99_s']:.2f} s hits {p['hit_rate']:.0%}"
-        )
-    doc["lambda"] = []
-    for policy, lam in [("fcfs", 0.0)] + [("po", float(x)) for x in args.lambdas.split(",")]:
-        harness.wait_for_quiet(args.quiet_wait)
-        r = {**harness.run_trace(engine, jct, policy, lam, reqs, arrivals), "lam": lam}
-        doc["lambda"].append(r)
-        print(f"  {policy} lambda {lam:g}: mean {r['mean_s']:.2f} s, P99 {r['p99_s']:.2f} s")
-    harness.save(args.out, doc)
 
 
 def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: Any, pool: int) -> None:

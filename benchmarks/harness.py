@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,8 +40,22 @@ GiB = 1 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_INPUT_LEN = 4096
-Setup = tuple[Any, str, float]  # (a scorer EngineLoop can drive, its scheduling policy, fairness lambda)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One config of a sweep: a scorer EngineLoop can drive, its scheduling policy and fairness
+    lambda; `keep_suffix`: each request declares all but its last token as its cache prefix, so
+    suffixes enter the pool too (the paper's suffix-discarding ablation)."""
+
+    scorer: Any
+    policy: str
+    lam: float
+    keep_suffix: bool = False
+
+    def requests(self, reqs: list[ScoreRequest]) -> list[ScoreRequest]:
+        return [replace(r, cache_prefix_len=len(r.input_ids) - 1) for r in reqs] if self.keep_suffix else reqs
 
 
 def parser(doc: str | None, out: Path | None = None, quick: str | None = None) -> argparse.ArgumentParser:
@@ -216,7 +231,7 @@ def pool_tokens(items: Sequence[Item], profiles: float) -> int:
 
 def load_engine(prefix_pool_tokens: int | None = None, prefill_mode: str = "hybrid") -> Engine:
     # "declared": only the prefix a request declares (the user profile) enters the cache: the
-    # paper's suffix discarding (bench_schedule --ablation turns it off per request).
+    # paper's suffix discarding (Setup.keep_suffix turns it off per request).
     return Engine.from_pretrained(
         "embedded",
         cache_policy="declared",
@@ -333,7 +348,7 @@ def run_trace(
     r = replay(loop, reqs, arrivals)
     after, st = scorer.stats(), loop.stats()
     prompt = after.prompt_tokens - before.prompt_tokens
-    return {
+    out = {
         "policy": policy,
         **r,
         "hit_rate": (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0,
@@ -342,6 +357,10 @@ def run_trace(
         "calibration": st.jct_calibration,
         "step_log": step_rows(loop),
     }
+    if before.cache and after.cache:  # the transformers baseline has no cache
+        out["inserted_tokens"] = after.cache.inserted_tokens_total - before.cache.inserted_tokens_total
+        out["evicted_tokens"] = after.cache.evicted_tokens_total - before.cache.evicted_tokens_total
+    return out
 
 
 def step_rows(loop: EngineLoop) -> list[list[Any]]:
@@ -413,10 +432,10 @@ def sweep(
     runs: list[dict[str, Any]] = []
     for m in mults:
         qps = m * base
-        for name, (scorer, policy, setup_lam) in setups.items():
+        for name, s in setups.items():
             wait_for_quiet(quiet_wait)
             r = {
-                **run_trace(scorer, jct, policy, setup_lam, reqs, [u / qps for u in unit]),
+                **run_trace(s.scorer, jct, s.policy, s.lam, s.requests(reqs), [u / qps for u in unit]),
                 "config": name,
                 "mult": m,
                 "qps": qps,
