@@ -80,7 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, configs=("fcfs,srjf,lpm,po", f"of {','.join(CONFIGS)}"))
     harness.flags(ap, mults=("0.5,0.7,1,1.4,2,4", "QPS as multiples of the anchor QPS"))
     harness.flags(ap, mults_wl2=("0.5,1,2,4", "WL2's (empty: --mults)"))
-    harness.flags(ap, slo_extra=("4,16", "further SLO multiples to report"))
     harness.flags(ap, baseline_items=(6, "--offline: requests hf runs"))
     harness.flags(ap, reprofile=(False, "re-time the JCT grid even if persisted"))
     harness.flags(ap, sim_mults="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8")
@@ -182,25 +181,37 @@ def main(argv: list[str] | None = None) -> None:
     def keep(name: str, runs: list[dict[str, Any]]) -> None:  # a long run that gets killed keeps its data
         partial.write_text(json.dumps({"report": doc, "running": {name: runs}}, default=str))
 
-    slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
+    def point(reqs: list[ScoreRequest], config: str, arrivals: list[float]) -> dict[str, Any]:
+        harness.wait_for_quiet(args.quiet_wait)
+        s = setups[config]
+        return harness.run_trace(s.scorer, cal, s.policy, s.lam, s.requests(reqs), arrivals)
+
     all_runs: list[dict[str, Any]] = []  # everything with a step log, in the order it ran
     for name, items in traces.items():
-        print(f"\n{name}:")
         reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
+        tokens = sum(len(r.input_ids) for r in reqs)
+        print(f"\n{name}: {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
         if args.offline:
             doc["workloads"][name] = {"offline": offline(setups, engine, cal, reqs, args)}
             continue
+        harness.wait_for_quiet(args.quiet_wait)
+        iso = harness.isolated(engine, cal, reqs)
+        harness.wait_for_quiet(args.quiet_wait)
+        sat = harness.run_trace(engine, cal, "po", args.fairness_lambda, reqs, None)
+        print(
+            f"  isolated mean {iso['mean_s']:.2f} s (P99 SLO {args.slo_x * iso['mean_s']:.2f} s); saturated "
+            f"po {len(reqs) / sat['makespan_s']:.3f} req/s, hits {sat['hit_rate']:.0%}"
+        )
         mults = args.mults_wl2 if name == "WL2" and args.mults_wl2 else args.mults
         mults = [float(x) for x in mults.split(",")]
+        keep_runs = functools.partial(keep, name)
         w = harness.sweep(
-            engine, cal, setups, reqs, unit, mults, args, after_run=functools.partial(keep, name)
+            functools.partial(point, reqs), args.configs, reqs, unit, mults, iso, args, sat, keep_runs
         )
         all_runs += [w["isolated"], w["saturated"], *w["runs"]]
-        at_slo = harness.slo_table(w["runs"], w["isolated_mean_s"], slo_xs)
-        main_slo = at_slo[f"{args.slo_x:g}"]
+        main_slo = w["at_slo"][f"{args.slo_x:g}"]
         doc["workloads"][name] = {
             **w,
-            "at_slo": at_slo,
             "sustained_qps": main_slo["sustained_qps"],
             "po_vs_fcfs": main_slo["po_vs_fcfs"],
             "jct": harness.jct_quality(w["runs"]),
@@ -246,13 +257,14 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         traces[f"WL1 {users}x{posts}"] = build_traces(paper, tok, ("WL1",))["WL1"]
     policies = [c for c in args.configs if c.partition("@")[0] in POLICIES]
 
-    def run(config: str, reqs: list[ScoreRequest], arrivals: list[float]) -> dict[str, Any]:
+    def run(reqs: list[ScoreRequest], config: str, arrivals: list[float]) -> dict[str, Any]:
         cache = PrefixLRU(pool, engine.config.max_batch_tokens)
         trace = list(zip(arrivals, reqs, strict=True))
-        out = simulate(SchedulerConfig(*policy_of(config, args.fairness_lambda)), model, trace, cache)
+        sched = SchedulerConfig(*policy_of(config, args.fairness_lambda))
+        out = simulate(sched, model, trace, cache)
         steps = max(r.step for r in out) + 1
         hits = sum(r.cached for r in out) / sum(len(r.input_ids) for r in reqs)
-        lat = harness.latency_summary([r.end - r.arrival for r in out])
+        lat = {"policy": sched.policy, **harness.latency_summary([r.end - r.arrival for r in out])}
         return {**lat, "hit_rate": hits, "steps": steps, "mean_batch": len(out) / steps, "other_cores": 0.0}
 
     doc: dict[str, Any] = {
@@ -262,33 +274,12 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         "pool_tokens": pool,
         "workloads": {},
     }
-    slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
     for name, items in traces.items():
         reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
         t = time.perf_counter()
-        iso = run("fcfs", reqs, [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
-        base = 1.0 / iso["mean_s"]
-        runs = [
-            {
-                "config": p,
-                "policy": policy_of(p, args.fairness_lambda)[0],
-                "mult": m,
-                "qps": m * base,
-                **run(p, reqs, [u / (m * base) for u in unit]),
-            }
-            for m in [float(x) for x in args.sim_mults.split(",")]
-            for p in policies
-        ]
-        w = {
-            "requests": len(reqs),
-            "isolated": iso,
-            "isolated_mean_s": iso["mean_s"],
-            "anchor": "isolated",
-            "anchor_qps": base,
-            "runs": runs,
-            "slo_p99_s": args.slo_x * iso["mean_s"],
-            "at_slo": harness.slo_table(runs, iso["mean_s"], slo_xs),
-        }
+        iso = run(reqs, "fcfs", [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
+        mults = [float(x) for x in args.sim_mults.split(",")]
+        w = harness.sweep(functools.partial(run, reqs), policies, reqs, unit, mults, iso, args)
         doc["workloads"][name] = w
         ratios = ", ".join(f"{x}x: {a['po_vs_fcfs']}" for x, a in w["at_slo"].items())
         print(

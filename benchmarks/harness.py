@@ -398,66 +398,53 @@ def add_sweep_args(ap: argparse.ArgumentParser, quiet_wait: float) -> None:
     """The flags of `sweep` (and of the benchmarks' prefix pool and arrivals)."""
     flags(ap, workloads="WL1,WL2", anchor=(["isolated", "saturated"], "what --mults multiply"))
     flags(ap, fairness_lambda=DEFAULT_FAIRNESS_LAMBDA, slo_x=(8.0, "P99 SLO = this x mean isolated latency"))
+    flags(ap, slo_extra=("4,16", "further SLO multiples to report"))
     flags(ap, cache_profiles=(2.0, "prefix pool in WL1 profiles"), seed=(0, "arrivals and request order"))
     flags(ap, quiet_wait=(quiet_wait, "max seconds to wait for an idle CPU"))
 
 
 def sweep(
-    ours: Engine,
-    jct: JCTModel | CalibratedJCT,
-    setups: dict[str, Setup],
+    run: Callable[[str, list[float]], dict[str, Any]],
+    configs: Sequence[str],
     reqs: list[ScoreRequest],
     unit: list[float],
     mults: Sequence[float],
+    iso: dict[str, Any],
     args: argparse.Namespace,
+    sat: dict[str, Any] | None = None,
     after_run: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
-    """One workload: isolated latency of ours (the SLO is `--slo-x` x its mean), saturated
-    throughput of ours under po (all requests at t=0), then Poisson arrivals at `mults` x the
-    anchor QPS (1 / mean isolated latency, or the saturated rate) for every setup, interleaved,
-    on the same unit-rate arrival pattern `unit`. `args`: the flags of `add_sweep_args`."""
-    lam, anchor, slo_x, quiet_wait = args.fairness_lambda, args.anchor, args.slo_x, args.quiet_wait
-    tokens = sum(len(r.input_ids) for r in reqs)
-    print(f"  {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
-    wait_for_quiet(quiet_wait)
-    iso = isolated(ours, jct, reqs)
-    wait_for_quiet(quiet_wait)
-    sat = run_trace(ours, jct, "po", lam, reqs, None)
-    sat_qps = len(reqs) / sat["makespan_s"]
-    base = 1.0 / iso["mean_s"] if anchor == "isolated" else sat_qps
-    print(
-        f"  isolated mean {iso['mean_s']:.2f} s (P99 SLO {slo_x * iso['mean_s']:.2f} s); saturated po "
-        f"{sat_qps:.3f} req/s, hits {sat['hit_rate']:.0%}; anchor ({anchor}) {base:.3f} req/s"
-    )
+    """One workload on the engine or the simulator: `run(config, arrivals)` for every config at
+    `mults` x the anchor QPS (1 / the mean isolated latency of `iso`, or with `--anchor saturated`
+    the all-at-t=0 rate of `sat`), interleaved, on the same unit-rate arrival pattern `unit`; then
+    each config's sustained QPS at the P99 SLOs (`--slo-x` and `--slo-extra` x the isolated mean).
+    `args`: the flags of `add_sweep_args`."""
+    sat_qps = len(reqs) / sat["makespan_s"] if sat else None
+    anchor = args.anchor if sat_qps else "isolated"
+    base = sat_qps if sat_qps and anchor == "saturated" else 1.0 / iso["mean_s"]
     runs: list[dict[str, Any]] = []
     for m in mults:
-        qps = m * base
-        for name, s in setups.items():
-            wait_for_quiet(quiet_wait)
-            r = {
-                **run_trace(s.scorer, jct, s.policy, s.lam, s.requests(reqs), [u / qps for u in unit]),
-                "config": name,
-                "mult": m,
-                "qps": qps,
-            }
+        for c in configs:
+            r = {**run(c, [u / (m * base) for u in unit]), "config": c, "mult": m, "qps": m * base}
             runs.append(r)
             print(
-                f"  {m:5.2f}x {qps:6.3f} qps {name:8s} mean {r['mean_s']:6.2f} s  P99 {r['p99_s']:6.2f} s  "
+                f"  {m:5.2f}x {m * base:6.3f} qps {c:8s} mean {r['mean_s']:6.2f} s  P99 {r['p99_s']:6.2f} s  "
                 f"hits {r['hit_rate']:4.0%}  steps {r['steps']:3d}  other cores {r['other_cores']:.2f}"
             )
             if after_run is not None:
                 after_run(runs)
+    slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
     return {
         "requests": len(reqs),
-        "tokens": tokens,
+        "tokens": sum(len(r.input_ids) for r in reqs),
         "isolated": iso,
         "isolated_mean_s": iso["mean_s"],
-        "slo_p99_s": slo_x * iso["mean_s"],
-        "saturated": sat,
-        "saturated_qps": sat_qps,
+        "slo_p99_s": args.slo_x * iso["mean_s"],
+        **({"saturated": sat, "saturated_qps": sat_qps} if sat else {}),
         "anchor": anchor,
         "anchor_qps": base,
         "runs": runs,
+        "at_slo": slo_table(runs, iso["mean_s"], slo_xs),
     }
 
 
