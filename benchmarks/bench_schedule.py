@@ -6,11 +6,12 @@ and WL2-style ones (long unique histories); the prefix pool holds `--cache-profi
 - sweep (default): harness.sweep per workload for each of `--configs` (policies, the transformers
   baseline, chunked prefill): the QPS each sustains at the P99 SLO, po / fcfs, and the JCT model's
   accuracy on every (held-out) step. The anchor is the isolated throughput: for WL1 the all-at-t=0
-  rate is far higher and a sweep anchored there never finds the SLO crossing.
+  rate is far higher and a sweep anchored there never finds the SLO crossing. The paper's
+  ablations (Fig. 10/11) are configs: `po-nodiscard` (suffix discarding off: each request declares
+  all but its last token as its cache prefix) and `po@LAMBDA` (po with that fairness lambda), in
+  one sweep on the same anchor and arrivals (run_all's `lambda` step).
 - `--offline`: items/s of the whole job queued at t=0 per config, and ours one request at a time.
 - `--simulate`: the same traces on po_backend.sim.simulator, step times from the last measured fit.
-- `--ablation` (paper Fig. 10/11): suffix discarding on/off, then a fairness lambda sweep of po at
-  `--ablation-mult` x saturated QPS (fcfs on the same arrivals for reference).
 - `--llamacpp`: llama.cpp (llama-cpp-python, optional) next to ours on the same GGUF and WL1 items,
   one at a time in user order with prefix reuse on both sides; items/s and label agreement.
 - `--startup`: launch to /health 200 of `--workers` servers on a fresh cache, then a later start;
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -37,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,7 @@ from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import POLICIES
 from po_backend.engine.hf_scorer import HFScorer
 from po_backend.sched.jct import CalibratedJCT, JCTModel
-from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
+from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.sim.simulator import PrefixLRU, simulate
 
@@ -61,6 +63,7 @@ CONFIGS = {
     "srjf": "ours, shortest remaining job first",
     "lpm": "ours, longest prefix match",
     "po": "ours, prefix-aware SRJF + JCT calibration (`--schedule-policy po`)",
+    "po-nodiscard": "ours, po with suffix discarding off (all but the last token declared as the prefix)",
 }
 if not set(POLICIES) <= set(CONFIGS):
     raise RuntimeError("bench_schedule and the scheduler disagree on the policies")
@@ -71,7 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = ap.add_mutually_exclusive_group()
     harness.flags(mode, offline=(False, "items/s of the whole job at t=0, no sweep"))
     harness.flags(mode, simulate=(False, "the sweep on po_backend.sim.simulator"))
-    harness.flags(mode, ablation=(False, "suffix discarding on/off, lambda sweep"))
     harness.flags(mode, llamacpp=(False, "llama.cpp next to ours on the same GGUF"))
     harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
     harness.flags(ap, workers=(1, "--startup: servers booted at once, fresh cache"))
@@ -79,13 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, configs=("fcfs,srjf,lpm,po", f"of {','.join(CONFIGS)}"))
     harness.flags(ap, mults=("0.5,0.7,1,1.4,2,4", "QPS as multiples of the anchor QPS"))
     harness.flags(ap, mults_wl2=("0.5,1,2,4", "WL2's (empty: --mults)"))
-    harness.flags(ap, slo_extra=("4,16", "further SLO multiples to report"))
     harness.flags(ap, baseline_items=(6, "--offline: requests hf runs"))
     harness.flags(ap, reprofile=(False, "re-time the JCT grid even if persisted"))
     harness.flags(ap, sim_mults="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8")
     harness.flags(ap, sim_paper=("20,50", "USERS,POSTS of the paper-shaped WL1 trace"))
-    harness.flags(ap, lambdas=(f"0,0.1,{DEFAULT_FAIRNESS_LAMBDA:g},2,10", "--ablation"))
-    harness.flags(ap, ablation_mult=(1.0, "--ablation: QPS x saturated"))
     harness.add_sweep_args(ap, quiet_wait=60.0)
     harness.flags(ap, wl1_users=6, wl1_items=(12, "WL1 posts per user"), wl1_item_tokens=50)
     harness.flags(ap, wl1_profile=(500, "mean profile tokens (+-20%%)"), wl2_requests=8)
@@ -95,14 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mults, args.mults_wl2, args.baseline_items = "0.5,2", "", 2
         args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
         args.wl2_requests, args.wl2_min, args.wl2_max = 2, 300, 500
-        args.lambdas, args.quiet_wait = f"0,{DEFAULT_FAIRNESS_LAMBDA:g}", min(args.quiet_wait, 5.0)
+        args.quiet_wait = min(args.quiet_wait, 5.0)
     if args.out is None and args.startup:
         args.out = harness.RESULTS / f"startup{'_quick' if args.quick else ''}.json"
     elif args.out is None:
-        stem = next(
-            (m for m in ("ablation", "llamacpp") if getattr(args, m)),
-            "schedule_sim" if args.simulate else "schedule",
-        )
+        stem = "llamacpp" if args.llamacpp else "schedule_sim" if args.simulate else "schedule"
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
     args.out.parent.mkdir(parents=True, exist_ok=True)
     wanted = args.configs.split(",")
@@ -118,9 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def policy_of(config: str, default_lambda: float) -> tuple[str, float]:
     """A config's scheduling policy and fairness lambda: `po@LAMBDA` is po with that lambda, every
-    other config (hf and chunked run fcfs) its own policy with `default_lambda`."""
+    other config (hf and chunked run fcfs, po-nodiscard po) its own policy with `default_lambda`."""
     policy, _, lam = config.partition("@")
-    return {"hf": "fcfs", "chunked": "fcfs"}.get(policy, policy), float(lam) if lam else default_lambda
+    policy = {"hf": "fcfs", "chunked": "fcfs", "po-nodiscard": "po"}.get(policy, policy)
+    return policy, float(lam) if lam else default_lambda
 
 
 def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, float]:
@@ -140,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.startup:
         return startup(args)
     tok = harness.tokenizer()
-    wl1_only = args.ablation or args.llamacpp
-    traces = build_traces(args, tok, ("WL1",) if wl1_only else tuple(args.workloads.split(",")))
+    traces = build_traces(args, tok, ("WL1",) if args.llamacpp else tuple(args.workloads.split(",")))
     if args.llamacpp:
         return llamacpp(args, traces["WL1"], label_ids(tok))
     # --cache-profiles 0: the engine's default pool.
@@ -165,8 +161,6 @@ def main(argv: list[str] | None = None) -> None:
         "pool_tokens": pool,
         "workloads": {},
     }
-    if args.ablation:
-        return ablation(engine, jct, traces["WL1"], tok, doc, args)
     setups: dict[str, harness.Setup] = {}
     for c in args.configs:
         if c == "hf":
@@ -175,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
             scorer = harness.load_engine(pool or None, "chunked")
         else:
             scorer = engine
-        setups[c] = (scorer, *policy_of(c, args.fairness_lambda))
+        setups[c] = harness.Setup(
+            scorer, *policy_of(c, args.fairness_lambda), keep_suffix=c == "po-nodiscard"
+        )
     doc["configs"] = {
         c: CONFIGS.get(c, f"{CONFIGS['po']}, fairness lambda {policy_of(c, args.fairness_lambda)[1]:g}")
         for c in args.configs
@@ -186,25 +182,39 @@ def main(argv: list[str] | None = None) -> None:
     def keep(name: str, runs: list[dict[str, Any]]) -> None:  # a long run that gets killed keeps its data
         partial.write_text(json.dumps({"report": doc, "running": {name: runs}}, default=str))
 
-    slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
+    def point(reqs: list[ScoreRequest], config: str, arrivals: list[float]) -> dict[str, Any]:
+        harness.wait_for_quiet(args.quiet_wait)
+        s = setups[config]
+        return harness.run_trace(s.scorer, cal, s.policy, s.lam, s.requests(reqs), arrivals)
+
     all_runs: list[dict[str, Any]] = []  # everything with a step log, in the order it ran
-    for name, items in traces.items():
-        print(f"\n{name}:")
-        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
+    seeds = harness.seeds(args.seed)
+    for (trace, items), seed in itertools.product(traces.items(), seeds):
+        name = trace if len(seeds) == 1 else f"{trace} seed {seed}"
+        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), seed)
+        tokens = sum(len(r.input_ids) for r in reqs)
+        print(f"\n{name}: {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
         if args.offline:
             doc["workloads"][name] = {"offline": offline(setups, engine, cal, reqs, args)}
             continue
-        mults = args.mults_wl2 if name == "WL2" and args.mults_wl2 else args.mults
+        harness.wait_for_quiet(args.quiet_wait)
+        iso = harness.isolated(engine, cal, reqs)
+        harness.wait_for_quiet(args.quiet_wait)
+        sat = harness.run_trace(engine, cal, "po", args.fairness_lambda, reqs, None)
+        print(
+            f"  isolated mean {iso['mean_s']:.2f} s (P99 SLO {args.slo_x * iso['mean_s']:.2f} s); saturated "
+            f"po {len(reqs) / sat['makespan_s']:.3f} req/s, hits {sat['hit_rate']:.0%}"
+        )
+        mults = args.mults_wl2 if trace == "WL2" and args.mults_wl2 else args.mults
         mults = [float(x) for x in mults.split(",")]
+        keep_runs = functools.partial(keep, name)
         w = harness.sweep(
-            engine, cal, setups, reqs, unit, mults, args, after_run=functools.partial(keep, name)
+            functools.partial(point, reqs), args.configs, reqs, unit, mults, iso, args, sat, keep_runs
         )
         all_runs += [w["isolated"], w["saturated"], *w["runs"]]
-        at_slo = harness.slo_table(w["runs"], w["isolated_mean_s"], slo_xs)
-        main_slo = at_slo[f"{args.slo_x:g}"]
+        main_slo = w["at_slo"][f"{args.slo_x:g}"]
         doc["workloads"][name] = {
             **w,
-            "at_slo": at_slo,
             "sustained_qps": main_slo["sustained_qps"],
             "po_vs_fcfs": main_slo["po_vs_fcfs"],
             "jct": harness.jct_quality(w["runs"]),
@@ -212,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.offline:
         return harness.save(args.out, doc)
     doc["jct_online"] = harness.jct_quality(all_runs)
+    pool_seeds(doc, traces, seeds)
     harness.save(args.out, doc, report.schedule_markdown(doc, args.configs))
     report.plot_sweeps(doc["workloads"], args.out.with_suffix(".png"), report.QPS_NAMES)
     partial.unlink(missing_ok=True)
@@ -224,14 +235,12 @@ def offline(
     nothing, so every item costs it the same: it runs the first `--baseline-items` requests only."""
     iso = harness.isolated(ours, jct, reqs)
     out = {"ours, one at a time": {"items": len(reqs), "items_per_s": len(reqs) / sum(iso["latencies"])}}
-    for name, (scorer, policy, lam) in setups.items():
-        part = reqs[: args.baseline_items] if name == "hf" else reqs
-        r = harness.run_trace(scorer, jct, policy, lam, part, None)
-        out[name] = {
-            "items": len(part),
-            "items_per_s": len(part) / r["makespan_s"],
-            "hit_rate": r["hit_rate"],
-            "mean_batch": r["mean_batch"],
+    for name, s in setups.items():
+        part = s.requests(reqs[: args.baseline_items] if name == "hf" else reqs)
+        r = harness.run_trace(s.scorer, jct, s.policy, s.lam, part, None)
+        out[name] = {"items": len(part), "items_per_s": len(part) / r["makespan_s"]}
+        out[name] |= {
+            k: r[k] for k in ("hit_rate", "mean_batch", "inserted_tokens", "evicted_tokens") if k in r
         }
     base = out.get("hf", {}).get("items_per_s")
     for name, o in out.items():
@@ -240,47 +249,12 @@ def offline(
     return out
 
 
-def ablation(engine: Any, jct: JCTModel, items: list[Any], tok: Any, doc: dict[str, Any], args: Any) -> None:
-    """Suffix discarding on/off under po, all requests at t=0 and Poisson at `--ablation-mult` x that
-    rate (with the tokens the prefix cache inserted and evicted); then the lambda sweep."""
-    reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
-    reqs_off = [replace(r, cache_prefix_len=len(r.input_ids) - 1) for r in reqs]  # all but the last
-
-    def run(rs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
-        harness.wait_for_quiet(args.quiet_wait)
-        before = engine.stats().cache
-        r = harness.run_trace(engine, jct, "po", DEFAULT_FAIRNESS_LAMBDA, rs, arrivals)
-        after = engine.stats().cache
-        return {
-            **r,
-            "inserted_tokens": after.inserted_tokens_total - before.inserted_tokens_total,
-            "evicted_tokens": after.evicted_tokens_total - before.evicted_tokens_total,
-            "items_per_s": len(rs) / r["makespan_s"],
+def pool_seeds(doc: dict[str, Any], traces: dict[str, Any], seeds: list[int]) -> None:
+    """With several seeds, each trace's sweeps pooled (`harness.pooled`) into doc["pooled"]."""
+    if len(seeds) > 1:
+        doc["pooled"] = {
+            t: harness.pooled([doc["workloads"][f"{t} seed {s}"]["runs"] for s in seeds]) for t in traces
         }
-
-    sat = run(reqs, None)
-    qps = args.ablation_mult * sat["items_per_s"]
-    arrivals = [u / qps for u in unit]
-    doc["requests"] = len(reqs)
-    doc["qps"] = qps
-    doc["suffix"] = {}
-    doc["args"] = {**doc["args"], "mult": args.ablation_mult}
-    for mode, rs in (("on", reqs), ("off", reqs_off)):
-        s = sat if mode == "on" else run(rs, None)
-        p = run(rs, arrivals)
-        doc["suffix"][mode] = {"saturated": s, "poisson": p}
-        print(
-            f"  suffix discarding {mode:3s}: saturated {s['items_per_s']:.3f} items/s, hits {s['hit_rate']:.0%}, "
-            f"inserted {s['inserted_tokens']}, evicted {s['evicted_tokens']}; at {qps:.3f} qps mean "
-            f"{p['mean_s']:.2f} s P99 {p['p99_s']:.2f} s hits {p['hit_rate']:.0%}"
-        )
-    doc["lambda"] = []
-    for policy, lam in [("fcfs", 0.0)] + [("po", float(x)) for x in args.lambdas.split(",")]:
-        harness.wait_for_quiet(args.quiet_wait)
-        r = {**harness.run_trace(engine, jct, policy, lam, reqs, arrivals), "lam": lam}
-        doc["lambda"].append(r)
-        print(f"  {policy} lambda {lam:g}: mean {r['mean_s']:.2f} s, P99 {r['p99_s']:.2f} s")
-    harness.save(args.out, doc)
 
 
 def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: Any, pool: int) -> None:
@@ -295,14 +269,23 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         traces[f"WL1 {users}x{posts}"] = build_traces(paper, tok, ("WL1",))["WL1"]
     policies = [c for c in args.configs if c.partition("@")[0] in POLICIES]
 
-    def run(config: str, reqs: list[ScoreRequest], arrivals: list[float]) -> dict[str, Any]:
+    def run(reqs: list[ScoreRequest], config: str, arrivals: list[float]) -> dict[str, Any]:
         cache = PrefixLRU(pool, engine.config.max_batch_tokens)
         trace = list(zip(arrivals, reqs, strict=True))
-        out = simulate(SchedulerConfig(*policy_of(config, args.fairness_lambda)), model, trace, cache)
+        sched = SchedulerConfig(*policy_of(config, args.fairness_lambda))
+        out = simulate(sched, model, trace, cache)
         steps = max(r.step for r in out) + 1
         hits = sum(r.cached for r in out) / sum(len(r.input_ids) for r in reqs)
-        lat = harness.latency_summary([r.end - r.arrival for r in out])
-        return {**lat, "hit_rate": hits, "steps": steps, "mean_batch": len(out) / steps, "other_cores": 0.0}
+        lat = [r.end - r.arrival for r in out]
+        return {
+            "policy": sched.policy,
+            **harness.latency_summary(lat),
+            "latencies": lat,
+            "hit_rate": hits,
+            "steps": steps,
+            "mean_batch": len(out) / steps,
+            "other_cores": 0.0,
+        }
 
     doc: dict[str, Any] = {
         "args": vars(args),
@@ -311,38 +294,20 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         "pool_tokens": pool,
         "workloads": {},
     }
-    slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
-    for name, items in traces.items():
-        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
+    seeds = harness.seeds(args.seed)
+    for (trace, items), seed in itertools.product(traces.items(), seeds):
+        name = trace if len(seeds) == 1 else f"{trace} seed {seed}"
+        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), seed)
         t = time.perf_counter()
-        iso = run("fcfs", reqs, [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
-        base = 1.0 / iso["mean_s"]
-        runs = [
-            {
-                "config": p,
-                "policy": policy_of(p, args.fairness_lambda)[0],
-                "mult": m,
-                "qps": m * base,
-                **run(p, reqs, [u / (m * base) for u in unit]),
-            }
-            for m in [float(x) for x in args.sim_mults.split(",")]
-            for p in policies
-        ]
-        w = {
-            "requests": len(reqs),
-            "isolated": iso,
-            "isolated_mean_s": iso["mean_s"],
-            "anchor": "isolated",
-            "anchor_qps": base,
-            "runs": runs,
-            "slo_p99_s": args.slo_x * iso["mean_s"],
-            "at_slo": harness.slo_table(runs, iso["mean_s"], slo_xs),
-        }
+        iso = run(reqs, "fcfs", [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
+        mults = [float(x) for x in args.sim_mults.split(",")]
+        w = harness.sweep(functools.partial(run, reqs), policies, reqs, unit, mults, iso, args)
         doc["workloads"][name] = w
         ratios = ", ".join(f"{x}x: {a['po_vs_fcfs']}" for x, a in w["at_slo"].items())
         print(
             f"{name}: {len(reqs)} requests simulated in {time.perf_counter() - t:.1f} s; po / fcfs {ratios}"
         )
+    pool_seeds(doc, traces, seeds)
     harness.save(args.out, doc, report.schedule_sim_markdown(doc, policies))
     report.plot_sweeps(doc["workloads"], args.out.with_suffix(".png"))
 

@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,8 +40,22 @@ GiB = 1 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_INPUT_LEN = 4096
-Setup = tuple[Any, str, float]  # (a scorer EngineLoop can drive, its scheduling policy, fairness lambda)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One config of a sweep: a scorer EngineLoop can drive, its scheduling policy and fairness
+    lambda; `keep_suffix`: each request declares all but its last token as its cache prefix, so
+    suffixes enter the pool too (the paper's suffix-discarding ablation)."""
+
+    scorer: Any
+    policy: str
+    lam: float
+    keep_suffix: bool = False
+
+    def requests(self, reqs: list[ScoreRequest]) -> list[ScoreRequest]:
+        return [replace(r, cache_prefix_len=len(r.input_ids) - 1) for r in reqs] if self.keep_suffix else reqs
 
 
 def parser(doc: str | None, out: Path | None = None, quick: str | None = None) -> argparse.ArgumentParser:
@@ -216,7 +231,7 @@ def pool_tokens(items: Sequence[Item], profiles: float) -> int:
 
 def load_engine(prefix_pool_tokens: int | None = None, prefill_mode: str = "hybrid") -> Engine:
     # "declared": only the prefix a request declares (the user profile) enters the cache: the
-    # paper's suffix discarding (bench_schedule --ablation turns it off per request).
+    # paper's suffix discarding (Setup.keep_suffix turns it off per request).
     return Engine.from_pretrained(
         "embedded",
         cache_policy="declared",
@@ -333,7 +348,7 @@ def run_trace(
     r = replay(loop, reqs, arrivals)
     after, st = scorer.stats(), loop.stats()
     prompt = after.prompt_tokens - before.prompt_tokens
-    return {
+    out = {
         "policy": policy,
         **r,
         "hit_rate": (after.cached_tokens - before.cached_tokens) / prompt if prompt else 0.0,
@@ -342,6 +357,10 @@ def run_trace(
         "calibration": st.jct_calibration,
         "step_log": step_rows(loop),
     }
+    if before.cache and after.cache:  # the transformers baseline has no cache
+        out["inserted_tokens"] = after.cache.inserted_tokens_total - before.cache.inserted_tokens_total
+        out["evicted_tokens"] = after.cache.evicted_tokens_total - before.cache.evicted_tokens_total
+    return out
 
 
 def step_rows(loop: EngineLoop) -> list[list[Any]]:
@@ -379,66 +398,54 @@ def add_sweep_args(ap: argparse.ArgumentParser, quiet_wait: float) -> None:
     """The flags of `sweep` (and of the benchmarks' prefix pool and arrivals)."""
     flags(ap, workloads="WL1,WL2", anchor=(["isolated", "saturated"], "what --mults multiply"))
     flags(ap, fairness_lambda=DEFAULT_FAIRNESS_LAMBDA, slo_x=(8.0, "P99 SLO = this x mean isolated latency"))
-    flags(ap, cache_profiles=(2.0, "prefix pool in WL1 profiles"), seed=(0, "arrivals and request order"))
+    flags(ap, slo_extra=("4,16", "further SLO multiples to report"))
+    flags(ap, cache_profiles=(2.0, "prefix pool in WL1 profiles"))
+    flags(ap, seed=("0", "arrivals and request order; several (0,1,2): a sweep each, pooled"))
     flags(ap, quiet_wait=(quiet_wait, "max seconds to wait for an idle CPU"))
 
 
 def sweep(
-    ours: Engine,
-    jct: JCTModel | CalibratedJCT,
-    setups: dict[str, Setup],
+    run: Callable[[str, list[float]], dict[str, Any]],
+    configs: Sequence[str],
     reqs: list[ScoreRequest],
     unit: list[float],
     mults: Sequence[float],
+    iso: dict[str, Any],
     args: argparse.Namespace,
+    sat: dict[str, Any] | None = None,
     after_run: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
-    """One workload: isolated latency of ours (the SLO is `--slo-x` x its mean), saturated
-    throughput of ours under po (all requests at t=0), then Poisson arrivals at `mults` x the
-    anchor QPS (1 / mean isolated latency, or the saturated rate) for every setup, interleaved,
-    on the same unit-rate arrival pattern `unit`. `args`: the flags of `add_sweep_args`."""
-    lam, anchor, slo_x, quiet_wait = args.fairness_lambda, args.anchor, args.slo_x, args.quiet_wait
-    tokens = sum(len(r.input_ids) for r in reqs)
-    print(f"  {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
-    wait_for_quiet(quiet_wait)
-    iso = isolated(ours, jct, reqs)
-    wait_for_quiet(quiet_wait)
-    sat = run_trace(ours, jct, "po", lam, reqs, None)
-    sat_qps = len(reqs) / sat["makespan_s"]
-    base = 1.0 / iso["mean_s"] if anchor == "isolated" else sat_qps
-    print(
-        f"  isolated mean {iso['mean_s']:.2f} s (P99 SLO {slo_x * iso['mean_s']:.2f} s); saturated po "
-        f"{sat_qps:.3f} req/s, hits {sat['hit_rate']:.0%}; anchor ({anchor}) {base:.3f} req/s"
-    )
+    """One workload on the engine or the simulator: `run(config, arrivals)` for every config at
+    `mults` x the anchor QPS (1 / the mean isolated latency of `iso`, or with `--anchor saturated`
+    the all-at-t=0 rate of `sat`), interleaved, on the same unit-rate arrival pattern `unit`; then
+    each config's sustained QPS at the P99 SLOs (`--slo-x` and `--slo-extra` x the isolated mean).
+    `args`: the flags of `add_sweep_args`."""
+    sat_qps = len(reqs) / sat["makespan_s"] if sat else None
+    anchor = args.anchor if sat_qps else "isolated"
+    base = sat_qps if sat_qps and anchor == "saturated" else 1.0 / iso["mean_s"]
     runs: list[dict[str, Any]] = []
     for m in mults:
-        qps = m * base
-        for name, (scorer, policy, setup_lam) in setups.items():
-            wait_for_quiet(quiet_wait)
-            r = {
-                **run_trace(scorer, jct, policy, setup_lam, reqs, [u / qps for u in unit]),
-                "config": name,
-                "mult": m,
-                "qps": qps,
-            }
+        for c in configs:
+            r = {**run(c, [u / (m * base) for u in unit]), "config": c, "mult": m, "qps": m * base}
             runs.append(r)
             print(
-                f"  {m:5.2f}x {qps:6.3f} qps {name:8s} mean {r['mean_s']:6.2f} s  P99 {r['p99_s']:6.2f} s  "
+                f"  {m:5.2f}x {m * base:6.3f} qps {c:8s} mean {r['mean_s']:6.2f} s  P99 {r['p99_s']:6.2f} s  "
                 f"hits {r['hit_rate']:4.0%}  steps {r['steps']:3d}  other cores {r['other_cores']:.2f}"
             )
             if after_run is not None:
                 after_run(runs)
+    slo_xs = [args.slo_x] + [float(x) for x in args.slo_extra.split(",") if x]
     return {
         "requests": len(reqs),
-        "tokens": tokens,
+        "tokens": sum(len(r.input_ids) for r in reqs),
         "isolated": iso,
         "isolated_mean_s": iso["mean_s"],
-        "slo_p99_s": slo_x * iso["mean_s"],
-        "saturated": sat,
-        "saturated_qps": sat_qps,
+        "slo_p99_s": args.slo_x * iso["mean_s"],
+        **({"saturated": sat, "saturated_qps": sat_qps} if sat else {}),
         "anchor": anchor,
         "anchor_qps": base,
         "runs": runs,
+        "at_slo": slo_table(runs, iso["mean_s"], slo_xs),
     }
 
 
@@ -487,6 +494,41 @@ def slo_table(runs: list[dict[str, Any]], iso_mean: float, slo_xs: list[float]) 
             "sustained_qps": {c: {"qps": v, "mark": mk} for c, (v, mk) in sus.items()},
             "po_vs_fcfs": ratio_cell(sus["po"], sus["fcfs"])[0] if {"po", "fcfs"} <= set(sus) else "n/a",
         }
+    return out
+
+
+def seeds(arg: str) -> list[int]:
+    """`--seed`'s values: one seed, or a comma-separated list of them."""
+    return [int(x) for x in arg.split(",")]
+
+
+def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Several seeds' sweeps of one workload (each its runs): per load multiple and config, the mean
+    and P99 over every seed's requests together, and against fcfs's the pooled ratios and each
+    seed's P99 ratio. With few requests a seed's P99 is its slowest request or two: pooling is what
+    makes a tail comparison mean something."""
+    lat: dict[str, dict[str, list[np.ndarray]]] = {}
+    for runs in sweeps:
+        for r in runs:
+            lat.setdefault(f"{r['mult']:g}", {}).setdefault(r["config"], []).append(
+                np.asarray(r["latencies"])
+            )
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for mult, by_config in lat.items():
+        base = by_config.get("fcfs")
+        out[mult] = {}
+        for config, per_seed in by_config.items():
+            a = np.concatenate(per_seed)
+            row: dict[str, Any] = {"seeds": len(per_seed), "requests": int(a.size), **latency_summary(a)}
+            if base is not None and len(base) == len(per_seed):
+                b = np.concatenate(base)
+                row["mean_vs_fcfs"] = float(a.mean() / b.mean())
+                row["p99_vs_fcfs"] = float(np.percentile(a, 99) / np.percentile(b, 99))
+                row["p99_vs_fcfs_per_seed"] = [
+                    float(np.percentile(x, 99) / np.percentile(y, 99))
+                    for x, y in zip(per_seed, base, strict=True)
+                ]
+            out[mult][config] = row
     return out
 
 

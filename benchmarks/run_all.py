@@ -25,14 +25,17 @@ from po_backend.engine.config import parse_dtype
 
 # step -> its benchmark and flags (the sizes each step has always run at): throughput-latency on
 # WL1/WL2 (hf / fcfs+cache / chunked prefill / po); max input length and hybrid on/off; suffix
-# discarding and the fairness lambda; 1..64 simulated workers behind the router (~3 min); 2 real
-# workers behind the real SGLang router (~6 min); llama.cpp on the same GGUF and items (optional).
+# discarding on/off at t=0, then with the fairness lambdas at 1x po's saturated rate (the paper's
+# Fig. 10/11 ablations); 1..64 simulated workers behind the router (~3 min); 2 real workers behind
+# the real SGLang router (~6 min); llama.cpp on the same GGUF and items (optional).
 SCHEDULE = "bench_schedule --wl1-items 6 --quiet-wait 30 --slo-extra= --mults-wl2="
+ABLATION = f"{SCHEDULE} --workloads WL1 --wl1-items 8 --wl1-users 4 --wl1-profile 600 --wl1-item-tokens 80"
 STEPS = {
     "qps": f"{SCHEDULE} --configs hf,fcfs,chunked,po --mults 0.25,0.5,1,2,4 --wl1-users 4 --wl1-profile 600 "
     "--wl1-item-tokens 80 --wl2-requests 8 --wl2-min 1500 --wl2-max 2500",
     "mil": "bench_mil",
-    "ablation": f"{SCHEDULE} --ablation --wl1-items 8 --wl1-users 4 --wl1-profile 600 --wl1-item-tokens 80",
+    "suffix": f"{ABLATION} --offline --configs po,po-nodiscard",
+    "lambda": f"{ABLATION} --anchor saturated --mults 1 --configs fcfs,po,po-nodiscard,po@0,po@0.1,po@2,po@10",
     "cluster_sim": "bench_cluster_sim",
     "cluster": "bench_cluster",
     "llamacpp": "bench_schedule --llamacpp --wl1-users 3 --wl1-items 8 --wl1-profile 600 --wl1-item-tokens 80",
