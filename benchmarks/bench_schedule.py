@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -187,8 +188,10 @@ def main(argv: list[str] | None = None) -> None:
         return harness.run_trace(s.scorer, cal, s.policy, s.lam, s.requests(reqs), arrivals)
 
     all_runs: list[dict[str, Any]] = []  # everything with a step log, in the order it ran
-    for name, items in traces.items():
-        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
+    seeds = harness.seeds(args.seed)
+    for (trace, items), seed in itertools.product(traces.items(), seeds):
+        name = trace if len(seeds) == 1 else f"{trace} seed {seed}"
+        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), seed)
         tokens = sum(len(r.input_ids) for r in reqs)
         print(f"\n{name}: {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
         if args.offline:
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             f"  isolated mean {iso['mean_s']:.2f} s (P99 SLO {args.slo_x * iso['mean_s']:.2f} s); saturated "
             f"po {len(reqs) / sat['makespan_s']:.3f} req/s, hits {sat['hit_rate']:.0%}"
         )
-        mults = args.mults_wl2 if name == "WL2" and args.mults_wl2 else args.mults
+        mults = args.mults_wl2 if trace == "WL2" and args.mults_wl2 else args.mults
         mults = [float(x) for x in mults.split(",")]
         keep_runs = functools.partial(keep, name)
         w = harness.sweep(
@@ -219,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.offline:
         return harness.save(args.out, doc)
     doc["jct_online"] = harness.jct_quality(all_runs)
+    pool_seeds(doc, traces, seeds)
     harness.save(args.out, doc, report.schedule_markdown(doc, args.configs))
     report.plot_sweeps(doc["workloads"], args.out.with_suffix(".png"), report.QPS_NAMES)
     partial.unlink(missing_ok=True)
@@ -245,6 +249,14 @@ def offline(
     return out
 
 
+def pool_seeds(doc: dict[str, Any], traces: dict[str, Any], seeds: list[int]) -> None:
+    """With several seeds, each trace's sweeps pooled (`harness.pooled`) into doc["pooled"]."""
+    if len(seeds) > 1:
+        doc["pooled"] = {
+            t: harness.pooled([doc["workloads"][f"{t} seed {s}"]["runs"] for s in seeds]) for t in traces
+        }
+
+
 def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: Any, pool: int) -> None:
     """The sweep on the simulator: isolated latency (each request alone, in trace order, the cache
     carried over), then every (multiple of the isolated rate, policy)."""
@@ -264,8 +276,16 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         out = simulate(sched, model, trace, cache)
         steps = max(r.step for r in out) + 1
         hits = sum(r.cached for r in out) / sum(len(r.input_ids) for r in reqs)
-        lat = {"policy": sched.policy, **harness.latency_summary([r.end - r.arrival for r in out])}
-        return {**lat, "hit_rate": hits, "steps": steps, "mean_batch": len(out) / steps, "other_cores": 0.0}
+        lat = [r.end - r.arrival for r in out]
+        return {
+            "policy": sched.policy,
+            **harness.latency_summary(lat),
+            "latencies": lat,
+            "hit_rate": hits,
+            "steps": steps,
+            "mean_batch": len(out) / steps,
+            "other_cores": 0.0,
+        }
 
     doc: dict[str, Any] = {
         "args": vars(args),
@@ -274,8 +294,10 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         "pool_tokens": pool,
         "workloads": {},
     }
-    for name, items in traces.items():
-        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), args.seed)
+    seeds = harness.seeds(args.seed)
+    for (trace, items), seed in itertools.product(traces.items(), seeds):
+        name = trace if len(seeds) == 1 else f"{trace} seed {seed}"
+        reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), seed)
         t = time.perf_counter()
         iso = run(reqs, "fcfs", [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
         mults = [float(x) for x in args.sim_mults.split(",")]
@@ -285,6 +307,7 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
         print(
             f"{name}: {len(reqs)} requests simulated in {time.perf_counter() - t:.1f} s; po / fcfs {ratios}"
         )
+    pool_seeds(doc, traces, seeds)
     harness.save(args.out, doc, report.schedule_sim_markdown(doc, policies))
     report.plot_sweeps(doc["workloads"], args.out.with_suffix(".png"))
 

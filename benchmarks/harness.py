@@ -399,7 +399,8 @@ def add_sweep_args(ap: argparse.ArgumentParser, quiet_wait: float) -> None:
     flags(ap, workloads="WL1,WL2", anchor=(["isolated", "saturated"], "what --mults multiply"))
     flags(ap, fairness_lambda=DEFAULT_FAIRNESS_LAMBDA, slo_x=(8.0, "P99 SLO = this x mean isolated latency"))
     flags(ap, slo_extra=("4,16", "further SLO multiples to report"))
-    flags(ap, cache_profiles=(2.0, "prefix pool in WL1 profiles"), seed=(0, "arrivals and request order"))
+    flags(ap, cache_profiles=(2.0, "prefix pool in WL1 profiles"))
+    flags(ap, seed=("0", "arrivals and request order; several (0,1,2): a sweep each, pooled"))
     flags(ap, quiet_wait=(quiet_wait, "max seconds to wait for an idle CPU"))
 
 
@@ -493,6 +494,41 @@ def slo_table(runs: list[dict[str, Any]], iso_mean: float, slo_xs: list[float]) 
             "sustained_qps": {c: {"qps": v, "mark": mk} for c, (v, mk) in sus.items()},
             "po_vs_fcfs": ratio_cell(sus["po"], sus["fcfs"])[0] if {"po", "fcfs"} <= set(sus) else "n/a",
         }
+    return out
+
+
+def seeds(arg: str) -> list[int]:
+    """`--seed`'s values: one seed, or a comma-separated list of them."""
+    return [int(x) for x in arg.split(",")]
+
+
+def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Several seeds' sweeps of one workload (each its runs): per load multiple and config, the mean
+    and P99 over every seed's requests together, and against fcfs's the pooled ratios and each
+    seed's P99 ratio. With few requests a seed's P99 is its slowest request or two: pooling is what
+    makes a tail comparison mean something."""
+    lat: dict[str, dict[str, list[np.ndarray]]] = {}
+    for runs in sweeps:
+        for r in runs:
+            lat.setdefault(f"{r['mult']:g}", {}).setdefault(r["config"], []).append(
+                np.asarray(r["latencies"])
+            )
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for mult, by_config in lat.items():
+        base = by_config.get("fcfs")
+        out[mult] = {}
+        for config, per_seed in by_config.items():
+            a = np.concatenate(per_seed)
+            row: dict[str, Any] = {"seeds": len(per_seed), "requests": int(a.size), **latency_summary(a)}
+            if base is not None and len(base) == len(per_seed):
+                b = np.concatenate(base)
+                row["mean_vs_fcfs"] = float(a.mean() / b.mean())
+                row["p99_vs_fcfs"] = float(np.percentile(a, 99) / np.percentile(b, 99))
+                row["p99_vs_fcfs_per_seed"] = [
+                    float(np.percentile(x, 99) / np.percentile(y, 99))
+                    for x, y in zip(per_seed, base, strict=True)
+                ]
+            out[mult][config] = row
     return out
 
 

@@ -140,7 +140,9 @@ def schedule_markdown(doc: Doc, policies: list[str]) -> str:
     intro = prose("schedule", m=m, a=a, sweep=sweep_intro(doc))
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
     title = "bench_schedule: scheduling policies under Poisson load (embedded SmolLM2-135M, CPU)"
-    return doc_md(title, intro, sweep, markdown_table(*slo_rows(doc, policies)), _bullets(notes))
+    return doc_md(
+        title, intro, sweep, markdown_table(*slo_rows(doc, policies)), _bullets(notes), *pooled_md(doc)
+    )
 
 
 def schedule_sim_markdown(doc: Doc, policies: list[str]) -> str:
@@ -148,7 +150,26 @@ def schedule_sim_markdown(doc: Doc, policies: list[str]) -> str:
     intro = prose("schedule_sim", a=doc["args"], pool=doc["pool_tokens"], jct=doc["jct_source"])
     title = "bench_schedule --simulate: the same policies on the simulator (no machine noise)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
-    return doc_md(title, intro, markdown_table(*slo_rows(doc, policies)), sweep)
+    return doc_md(title, intro, markdown_table(*slo_rows(doc, policies)), sweep, *pooled_md(doc))
+
+
+def pooled_md(doc: Doc) -> list[str]:
+    """The seeds pooled (`harness.pooled`), when a sweep ran several: a table per trace."""
+    header = "x anchor | config | seeds | requests | mean s | P99 s | mean / fcfs | P99 / fcfs | P99 / fcfs per seed"
+    return [
+        f"{trace}, every seed's requests pooled:\n\n"
+        + markdown_table(
+            header,
+            [
+                [f"{m}x", c, r["seeds"], r["requests"], f"{r['mean_s']:.2f}", f"{r['p99_s']:.2f}"]
+                + [f"{r[k]:.2f}x" if k in r else "" for k in ("mean_vs_fcfs", "p99_vs_fcfs")]
+                + [", ".join(f"{x:.2f}" for x in r.get("p99_vs_fcfs_per_seed", []))]
+                for m, by_config in by_mult.items()
+                for c, r in by_config.items()
+            ],
+        )
+        for trace, by_mult in doc.get("pooled", {}).items()
+    ]
 
 
 SERVING_HEADER = (

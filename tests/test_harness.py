@@ -1,7 +1,7 @@
 """benchmarks/harness.py's replay of a trace on the engine loop: requests that arrive at the same
 first instant are all queued before the loop's first pick, so the trace's order within that instant
 gives none of them the engine alone. bench_schedule's `po@LAMBDA` configs: po with its own
-fairness lambda beside the other configs of one sweep."""
+fairness lambda beside the other configs of one sweep; several `--seed`s swept and pooled."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,42 @@ def test_po_variants_run_with_their_own_lambda(tmp_path: Path, monkeypatch: pyte
     assert {(c.policy, c.fairness_lambda) for c in seen} == {("fcfs", lam), ("po", lam), ("po", 1.5)}
     runs = json.loads(out.read_text())["workloads"]["WL1"]["runs"]
     assert {(r["config"], r["policy"]) for r in runs} == {("fcfs", "fcfs"), ("po", "po"), ("po@1.5", "po")}
+
+
+def test_several_seeds_are_swept_and_pooled(tmp_path: Path) -> None:
+    from benchmarks import bench_schedule
+
+    out = tmp_path / "sim.json"
+    bench_schedule.main(
+        ["--simulate", "--quick", "--workloads", "WL1", "--configs", "fcfs,po", "--seed", "0,3"]
+        + ["--sim-mults", "0.5,2", "--sim-paper", "2,3", "--out", str(out)]
+    )
+    doc = json.loads(out.read_text())
+    # A sweep per seed, each with its own arrivals and request order
+    seeds = {s: doc["workloads"][f"WL1 seed {s}"]["runs"] for s in (0, 3)}
+    assert set(doc["workloads"]) == {"WL1 seed 0", "WL1 seed 3", "WL1 2x3 seed 0", "WL1 2x3 seed 3"}
+    assert seeds[0][0]["latencies"] != seeds[3][0]["latencies"]
+    pooled = doc["pooled"]["WL1"]
+    for mult in ("0.5", "2"):
+        lat = {
+            c: [
+                x
+                for s in seeds.values()
+                for r in s
+                if r["config"] == c and f"{r['mult']:g}" == mult
+                for x in r["latencies"]
+            ]
+            for c in ("fcfs", "po")
+        }
+        po, fcfs = pooled[mult]["po"], pooled[mult]["fcfs"]
+        assert po["seeds"] == 2 and po["requests"] == len(lat["po"]) == len(lat["fcfs"])
+        assert po["mean_vs_fcfs"] == pytest.approx(
+            (sum(lat["po"]) / len(lat["po"])) / (sum(lat["fcfs"]) / len(lat["fcfs"]))
+        )
+        assert po["p99_s"] == pytest.approx(float(np.percentile(lat["po"], 99)))
+        assert po["p99_vs_fcfs"] == pytest.approx(po["p99_s"] / fcfs["p99_s"])
+        assert len(po["p99_vs_fcfs_per_seed"]) == 2 and fcfs["p99_vs_fcfs_per_seed"] == [1.0, 1.0]
+    assert "every seed's requests pooled" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.parametrize(
