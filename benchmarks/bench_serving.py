@@ -25,15 +25,13 @@ import httpx
 
 from benchmarks import harness, report
 from benchmarks.workloads import label_ids, wl1, wl2
+from po_backend.core.settings import POLICIES
 
 # --launch names -> launch_server flags. chunked: vLLM-style FCFS + prefix cache + Sarathi chunked
 # prefill; po-nogroup: po without grouping undeclared shared prefixes; base: po as built by
 # another checkout (--base-checkout), so one run measures a change against what it replaces.
 LAUNCH = {
-    "po": ["--schedule-policy", "po"],
-    "fcfs": ["--schedule-policy", "fcfs"],
-    "srjf": ["--schedule-policy", "srjf"],
-    "lpm": ["--schedule-policy", "lpm"],
+    **{policy: ["--schedule-policy", policy] for policy in POLICIES},
     "po-nocache": ["--schedule-policy", "po", "--disable-radix-cache"],
     "hf": ["--backend", "hf"],
     "chunked": ["--schedule-policy", "fcfs", "--prefill-mode", "chunked"],

@@ -236,6 +236,10 @@ def local_ray() -> Iterator[None]:
     # Ray starts its workers at nice 15: beside any busy process of normal priority (a CI
     # neighbour) they get almost no CPU and a Ray test crawls for many minutes.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # Ray kills a worker idle for a second once more are alive than CPUs (the actors' engine
+    # loads leave the task workers idle that long), then starts a fresh one, importing Ray and
+    # the project again, for the next stage's tasks: keep them for the file's few minutes.
+    os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", str(10 * 60 * 1000))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
