@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from po_backend.entrypoints import spawn
+from po_backend.entrypoints import launch_cluster, spawn
 from po_backend.entrypoints.launch_cluster import add_worker, visible_gpus, worker_env
 from tests.deps import require
 from tests.server_utils import REPO_ROOT, ServerProcess, dead_url, free_port, poll_until
@@ -55,10 +55,35 @@ def launched_cluster(model: Path, flags: Sequence[str]) -> Iterator[tuple[str, s
             proc.wait()
 
 
+class Clusters:
+    """The module's 2-worker cluster, started once for the tests that share it. A test that ends
+    it (SIGTERM) takes it instead (`take`): no later test can get a cluster that is gone, a later
+    `shared()` starts a fresh one. What is still running at the end of the module is killed."""
+
+    def __init__(self, model: Path, stack: contextlib.ExitStack) -> None:
+        self.model, self.stack = model, stack
+        self.running: tuple[str, subprocess.Popen[bytes]] | None = None
+
+    def shared(self) -> tuple[str, subprocess.Popen[bytes]]:
+        if self.running is None:
+            self.running = self.stack.enter_context(launched_cluster(self.model, ["--workers", "2"]))
+        return self.running
+
+    def take(self) -> tuple[str, subprocess.Popen[bytes]]:
+        running = self.shared()
+        self.running = None
+        return running
+
+
 @pytest.fixture(scope="module")
-def cluster(tokenized_llama: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    with launched_cluster(tokenized_llama, ["--workers", "2"]) as running:
-        yield running
+def clusters(tokenized_llama: Path) -> Iterator[Clusters]:
+    with contextlib.ExitStack() as stack:
+        yield Clusters(tokenized_llama, stack)
+
+
+@pytest.fixture
+def cluster(clusters: Clusters) -> tuple[str, subprocess.Popen[bytes]]:
+    return clusters.shared()
 
 
 @pytest.fixture(scope="module")
@@ -134,43 +159,43 @@ def submitted(worker_url: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(tokenized_llama: Path) -> None:
-    """Its own cluster: the test ends it with SIGTERM (a shared one would be gone for later tests)."""
-    with launched_cluster(tokenized_llama, ["--workers", "2"]) as (url, proc):
-        workers = [c for c in psutil.Process(proc.pid).children() if "launch_server" in " ".join(c.cmdline())]
-        assert len(workers) == 2
-        victim = workers[0]
-        cmdline = victim.cmdline()
-        victim_url = f"http://127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"
-        assert victim_url in worker_urls(url)
-        before = submitted(victim_url)
+def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(clusters: Clusters) -> None:
+    """The test ends the cluster with SIGTERM: it takes the shared one, which no later test gets."""
+    url, proc = clusters.take()
+    workers = [c for c in psutil.Process(proc.pid).children() if "launch_server" in " ".join(c.cmdline())]
+    assert len(workers) == 2
+    victim = workers[0]
+    cmdline = victim.cmdline()
+    victim_url = f"http://127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"
+    assert victim_url in worker_urls(url)
+    before = submitted(victim_url)
 
-        async def burst() -> list[Any]:
-            async with httpx.AsyncClient(timeout=120) as client:
+    async def burst() -> list[Any]:
+        async with httpx.AsyncClient(timeout=120) as client:
 
-                def send(i: int) -> asyncio.Future[Any]:
-                    body = {**QUERY, "query": f"{QUERY['query']} {i}"}  # distinct prefixes: both workers
-                    return asyncio.ensure_future(client.post(url + "/v1/rerank", json=body))
+            def send(i: int) -> asyncio.Future[Any]:
+                body = {**QUERY, "query": f"{QUERY['query']} {i}"}  # distinct prefixes: both workers
+                return asyncio.ensure_future(client.post(url + "/v1/rerank", json=body))
 
-                tasks = [send(i) for i in range(100)]
-                # Mid-burst: once the victim holds some of the burst (the tasks send meanwhile).
-                await asyncio.to_thread(
-                    poll_until, lambda: submitted(victim_url) > before, "the victim worker has requests"
-                )
-                victim.kill()  # SIGKILL: no drain, no goodbye
-                tasks += [send(i) for i in range(100, 120)]  # after the death: the router routes around it
-                return await asyncio.gather(*tasks, return_exceptions=True)
+            tasks = [send(i) for i in range(100)]
+            # Mid-burst: once the victim holds some of the burst (the tasks send meanwhile).
+            await asyncio.to_thread(
+                poll_until, lambda: submitted(victim_url) > before, "the victim worker has requests"
+            )
+            victim.kill()  # SIGKILL: no drain, no goodbye
+            tasks += [send(i) for i in range(100, 120)]  # after the death: the router routes around it
+            return await asyncio.gather(*tasks, return_exceptions=True)
 
-        results = asyncio.run(burst())
-        assert len(results) == 120
-        failed = [r if isinstance(r, BaseException) else (r.status_code, r.text[:200]) for r in results
-                  if isinstance(r, BaseException) or r.status_code != 200]  # fmt: skip
-        assert not failed, failed[:3]
-        children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-        gone, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [p.cmdline() for p in alive]
+    results = asyncio.run(burst())
+    assert len(results) == 120
+    failed = [r if isinstance(r, BaseException) else (r.status_code, r.text[:200]) for r in results
+              if isinstance(r, BaseException) or r.status_code != 200]  # fmt: skip
+    assert not failed, failed[:3]
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
 
 
 @pytest.mark.slow
@@ -235,6 +260,9 @@ def test_each_worker_gets_one_gpu_where_there_are_gpus(monkeypatch: pytest.Monke
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     import torch
 
+    assert len(visible_gpus()) == torch.cuda.device_count()
+    # With a GPU driver's device node present, torch counts (here: none, a CPU build or no GPU).
+    monkeypatch.setattr(launch_cluster, "GPU_DEVICE_NODES", ("null",))
     assert len(visible_gpus()) == torch.cuda.device_count()
     env = worker_env(2, 0, [])
     assert env.get("CUDA_VISIBLE_DEVICES") is None

@@ -195,16 +195,16 @@ def test_completions(router: RouterProcess, server: str) -> None:
 def test_the_router_loads_the_embedded_models_tokenizer_from_disk() -> None:
     """`--model-path embedded` (or a .gguf file) is no hub id: the router reads the tokenizer
     folder from the worker's /server_info `model_path` and must not try the hub for "embedded"."""
-    # fcfs: no JCT profile of the embedded model at start, and batches no longer than a prompt: a
-    # short memory profile run (this test is about the tokenizer).
+    # fcfs: no JCT profile of the embedded model at start (this test is about the tokenizer). The
+    # start-up memory profile's shapes (fp32, 256-token prompts, default batches) are those of the
+    # session's other embedded fp32 engines (tests/conftest.py's embedded_fp32, test_lang_embedded),
+    # so the session measures it once.
     flags = [
         "--model-path",
         "embedded",
         "--dtype",
         "fp32",
         "--max-input-len",
-        "256",
-        "--max-batch-tokens",
         "256",
         "--schedule-policy",
         "fcfs",

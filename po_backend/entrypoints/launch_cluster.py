@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
 
@@ -46,6 +47,8 @@ POLICIES = ("cache_aware", "round_robin", "power_of_two")
 # costs the cache: in bench_cluster --simulate (many workers, many users) low values lose QPS to cache
 # misses, while 32 sustains what 64 does and still splits a hot user's burst (REPORT).
 BALANCE_ABS_THRESHOLD = 32
+# The /dev entries of the drivers torch.cuda reaches GPUs through: NVIDIA's, ROCm's, WSL 2's.
+GPU_DEVICE_NODES = ("nvidia*", "kfd", "dxg")
 ADD_WORKER = "add-worker"  # the subcommand
 RUN_ROUTER = "run-router"  # internal: the router with its keys read from the environment
 API_KEY_ENV = "PREFILLONLY_API_KEY"  # the data plane's key: clients -> router -> workers
@@ -128,6 +131,10 @@ def visible_gpus() -> list[str]:
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    if sys.platform == "linux" and not any(any(Path("/dev").glob(p)) for p in GPU_DEVICE_NODES):
+        # No node a GPU driver makes (NVIDIA's, ROCm's, WSL's): nothing to count, and importing
+        # torch to learn that costs the launcher seconds of CPU beside the workers it starts.
+        return []
     import torch  # lazy: only to count devices; the launcher itself runs no torch code
 
     return [str(i) for i in range(torch.cuda.device_count())]
