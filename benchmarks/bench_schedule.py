@@ -9,9 +9,11 @@ and WL2-style ones (long unique histories); the prefix pool holds `--cache-profi
   rate is far higher and a sweep anchored there never finds the SLO crossing. The paper's
   ablations (Fig. 10/11) are configs: `po-nodiscard` (suffix discarding off: each request declares
   all but its last token as its cache prefix) and `po@LAMBDA` (po with that fairness lambda), in
-  one sweep on the same anchor and arrivals (run_all's `lambda` step).
+  one sweep on the same anchor and arrivals (run_all's `lambda` step). `--seed 0,1,2`: a sweep
+  per arrival seed and request order, then every seed's requests pooled per load and config (with
+  a few dozen requests a seed, one seed's P99 is its slowest request or two).
 - `--offline`: items/s of the whole job queued at t=0 per config, and ours one request at a time.
-- `--simulate`: the same traces on po_backend.sim.simulator, step times from the last measured fit.
+- `--simulate`: the same traces on po_backend.sim.simulator, step times from a measured fit (`--jct`).
 - `--llamacpp`: llama.cpp (llama-cpp-python, optional) next to ours on the same GGUF and WL1 items,
   one at a time in user order with prefix reuse on both sides; items/s and label agreement.
 - `--startup`: launch to /health 200 of `--workers` servers on a fresh cache, then a later start;
@@ -85,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, reprofile=(False, "re-time the JCT grid even if persisted"))
     harness.flags(ap, sim_mults="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8")
     harness.flags(ap, sim_paper=("20,50", "USERS,POSTS of the paper-shaped WL1 trace"))
+    harness.flags(ap, jct=(harness.RESULTS / "schedule.json", "--simulate: a run whose JCT fit times steps"))
     harness.add_sweep_args(ap, quiet_wait=60.0)
     harness.flags(ap, wl1_users=6, wl1_items=(12, "WL1 posts per user"), wl1_item_tokens=50)
     harness.flags(ap, wl1_profile=(500, "mean profile tokens (+-20%%)"), wl2_requests=8)
@@ -261,7 +264,7 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
     """The sweep on the simulator: isolated latency (each request alone, in trace order, the cache
     carried over), then every (multiple of the isolated rate, policy)."""
     engine = harness.load_engine(pool or None)  # its batching limit and, without a measured run, its profile
-    model, source = harness.sim_step_model(engine=engine)
+    model, source = harness.sim_step_model(args.jct, engine)
     print(f"step times: JCT model from {source}: coef {model.coef}")
     if "WL1" in traces:
         users, posts = (int(x) for x in args.sim_paper.split(","))
