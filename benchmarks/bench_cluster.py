@@ -6,7 +6,15 @@ and `rerank` (the profile as the query, `--docs-per-call` posts as documents). E
 behind a pass-through tap that records which worker got which call (the router does not say).
 REPORT.md and report_template.md describe the measures.
 
-    python -m benchmarks.bench_cluster [--quick]    # ~6 min on 2 cores; --quick ~1.5 min
+`--simulate`: past one machine (`po_backend.sim.cluster`), the sustained QPS at a P99 bound of
+`--sim-workers` workers behind the router's policies on the paper's WL1 (`--sim-users` x
+`--sim-posts`, token lengths / `--scale`). Each worker is the simulator's engine (the real Scheduler
+under `po`, an LRU prefix cache sized from `--pool-gib` of KV, step times from the JCT fit in
+results/schedule.json, else this machine's profile). Per (router, N): the highest QPS with P99 <=
+`--slo-x` x the isolated mean latency (bracket, then bisection), its hit rate and imbalance.
+
+    python -m benchmarks.bench_cluster [--quick]               # ~6 min on 2 cores; --quick ~1.5 min
+    python -m benchmarks.bench_cluster --simulate [--quick]    # ~3-5 min; --quick ~20 s, 1..8 workers
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import math
 import random
 import sys
 import threading
@@ -30,12 +39,15 @@ import httpx
 
 from benchmarks import harness, report
 from benchmarks.bench_serving import Call, make_calls, scrape, send_open_loop, summarize, warm_up
-from po_backend.entrypoints.launch_cluster import POLICIES as ROUTER_POLICIES
-from po_backend.entrypoints.launch_cluster import router_command, visible_gpus, worker_env, worker_threads
+from benchmarks.harness import RESULTS, GiB
+from po_backend.entrypoints import launch_cluster as lc
 from po_backend.entrypoints.spawn import ServerProcess, free_port
+from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
+from po_backend.sim import cluster as sim
+from po_backend.sim.simulator import PrefixLRU
 
 SHAPES = ("generate", "rerank")
-POLICIES = (report.AFFINITY, report.SPREAD)  # the default pair of launch_cluster's ROUTER_POLICIES
+POLICIES = (report.AFFINITY, report.SPREAD)  # the default pair of launch_cluster's lc.POLICIES
 KEY_TOKENS = 24  # a profile's first ids: "User 12 profile. Interests: ..." differ between users
 KEY_CHARS = 120  # the same for text
 Seen = list[tuple[int, str | tuple[int, ...], int]]  # (worker, call key, items) per forwarded call
@@ -120,8 +132,8 @@ class Worker:
 @contextlib.contextmanager
 def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
     """`--workers` PrefillOnly workers as launch_cluster starts them, each behind a tap."""
-    gpus = visible_gpus()
-    envs = [worker_env(args.workers, i, gpus) for i in range(args.workers)]
+    gpus = lc.visible_gpus()
+    envs = [lc.worker_env(args.workers, i, gpus) for i in range(args.workers)]
     servers = [harness.our_server(args.worker_args.split(), args.model_path, env=env) for env in envs]
     taps = [Tap(i, s.url, seen) for i, s in enumerate(servers)]
     try:
@@ -137,7 +149,7 @@ def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterato
     """A fresh router (launch_cluster's command) in front of the workers' taps, ready once every
     worker is registered and healthy (the first calls must not all go to the first one up)."""
     port = free_port()
-    cmd = router_command([w.tap.url for w in workers], "127.0.0.1", port, policy)
+    cmd = lc.router_command([w.tap.url for w in workers], "127.0.0.1", port, policy)
     router = ServerProcess(cmd, f"http://127.0.0.1:{port}", health_path="/get_model_info").start()
     assert router.proc is not None, "started"
     try:
@@ -233,7 +245,7 @@ def run_one(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = harness.parser(__doc__, harness.RESULTS / "cluster.json", "4 users x 5 posts, ~1.5 min")
+    ap = harness.parser(__doc__, None, "4 users x 5 posts (~1.5 min); --simulate: 200 x 20 x 1..8 workers")
     harness.flags(
         ap, model_path="embedded", workers=2, worker_args=("--max-input-len 2048", "every worker's flags")
     )
@@ -246,14 +258,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, items_per_s=("4,12,30", "offered posts/s (Poisson), comma list"))
     harness.flags(ap, seed=(0, "trace, call order and arrivals"), timeout=(600.0, "per call, seconds"))
     harness.flags(ap, quiet_wait=(20.0, "max seconds to wait for an idle CPU"), startup_timeout=600.0)
+    harness.flags(ap, simulate=(False, "N workers behind the router, simulated"))
+    # --simulate only: the trace, each simulated worker, the P99 bound and the search for its QPS.
+    harness.flags(ap, sim_workers="1,2,4,8,16,32,64", sim_users=1000, sim_posts=50)
+    harness.flags(ap, scale=(8.0, "the paper's token lengths / this"), max_batch_tokens=8192)
+    # 1 GiB holds ~26 of our profiles, as an 80 GB GPU holds ~30 of the paper's 14k-token ones for an 8B model.
+    harness.flags(ap, pool_gib=(1.0, "prefix-KV memory per worker"), fairness_lambda=DEFAULT_FAIRNESS_LAMBDA)
+    harness.flags(ap, slo_x=(8.0, "P99 bound = this x mean isolated latency"))
+    # Every user's first, cold, request falls early in the trace; 0 = the whole trace, as bench_schedule.
+    harness.flags(ap, warmup=(0.0, "trace share left out of the P99"))
+    harness.flags(ap, balance_abs_threshold=(lc.BALANCE_ABS_THRESHOLD, "cache_aware's load rule"))
+    harness.flags(ap, rel_tol=(0.05, "bisection stops within this ratio"))
+    harness.flags(ap, jct=(RESULTS / "schedule.json", "bench_schedule's results"))
     args = ap.parse_args(argv)
+    args.out = args.out or RESULTS / ("cluster_sim.json" if args.simulate else "cluster.json")
+    args.policies = args.policies.split(",")
+    if args.simulate:
+        if args.quick:
+            args.sim_users, args.sim_posts, args.sim_workers = 200, 20, "1,2,4,8"
+        args.sim_workers = sorted({int(n) for n in args.sim_workers.split(",")})
+        if (
+            not set(args.policies) <= set(sim.ROUTER_POLICIES)
+            or args.sim_workers[0] < 1
+            or not 0 <= args.warmup < 1
+        ):
+            ap.error(f"--policies of {sim.ROUTER_POLICIES}, --sim-workers >= 1, --warmup in [0, 1)")
+        return args
     if args.quick:
         args.users, args.posts, args.profile_tokens, args.items_per_s = 4, 5, 600, "3"
-    args.shapes, args.policies = args.shapes.split(","), args.policies.split(",")
+    args.shapes = args.shapes.split(",")
     if not set(args.shapes) <= set(SHAPES):
         ap.error(f"--shapes must be a subset of {SHAPES}, got {args.shapes}")
-    if not set(args.policies) <= set(ROUTER_POLICIES):
-        ap.error(f"--policies must be a subset of {ROUTER_POLICIES}, got {args.policies}")
+    if not set(args.policies) <= set(lc.POLICIES):
+        ap.error(f"--policies must be a subset of {lc.POLICIES}, got {args.policies}")
     try:
         args.items_per_s = [float(x) for x in args.items_per_s.split(",")]
     except ValueError:
@@ -266,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if args.simulate:
+        return simulate(args)
     t0 = time.perf_counter()
     tok = harness.tokenizer(args.model_path)
     traces = {s: shape_calls(args, tok, s) for s in SHAPES}
@@ -297,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "machine": machine,
         "args": vars(args),
-        "threads_per_worker": worker_threads(args.workers),
+        "threads_per_worker": lc.worker_threads(args.workers),
         # What the workers resolved (dtype, pool policy, scheduler, ...): /server_info minus its live state.
         "worker_settings": {k: v for k, v in info.items() if k != "internal_states"},
         "workload": workload,
@@ -307,6 +346,134 @@ def main(argv: list[str] | None = None) -> int:
     doc["ratios"] = report.cluster_ratios(doc)
     harness.save(args.out, doc, report.cluster_markdown(doc))
     return 1 if sum(r["calls"] - r["ok"] for r in rows) else 0
+
+
+def kv_bytes_per_token() -> tuple[int, str]:
+    """What one cached token of the embedded model costs (K and V of every layer) at the CPU dtype."""
+    import torch
+
+    from po_backend.engine.cache.kv_pool import KVPool
+    from po_backend.engine.config import parse_dtype
+    from po_backend.engine.models.loader import read_config, resolve_model_dir
+
+    cfg, dtype = read_config(resolve_model_dir("embedded")), parse_dtype(None, torch.device("cpu"))
+    return KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype), str(dtype)
+
+
+def sim_summary(
+    res: sim.ClusterResult, qps: float, since: float, span_s: float, slo: float
+) -> dict[str, Any]:
+    """A run at `qps`: latency over the requests that arrived from `since` on, hit rate, balance."""
+    lat = [r.end - r.arrival for r in res.runs if r.arrival >= since]
+    busy = [w.busy_s / max(r.end for r in res.runs) for w in res.workers]
+    return {
+        "qps": qps,
+        "p99_s": sim.p99(lat),
+        "mean_s": sum(lat) / len(lat),
+        "span_over_bound": span_s / slo,
+        "hit_rate": res.hit_rate,
+        "imbalance": res.imbalance,
+        "busy_share": busy,
+        "items_per_worker": [w.items for w in res.workers],
+        "balanced_by_load": res.balanced_by_load,
+        "by_match": res.by_match,
+        "mean_batch": len(lat) / sum(w.steps for w in res.workers),
+    }
+
+
+def simulate(args: argparse.Namespace) -> int:
+    """--simulate: per (router, N) the sustained QPS at the P99 bound (report.py: table and plot)."""
+    t0 = time.perf_counter()
+    model, source = harness.sim_step_model(args.jct)
+    per_token, dtype = kv_bytes_per_token()
+    pool = int(args.pool_gib * GiB) // per_token
+    shape = sim.TraceShape(users=args.sim_users, posts=args.sim_posts, scale=args.scale, seed=args.seed)
+    reqs, unit = sim.paper_trace(shape)
+    prefixes = {r.input_ids[: r.cache_prefix_len] for r in reqs}
+    mean_prefix = sum(map(len, prefixes)) / len(prefixes)
+    print(
+        f"trace: {len(reqs)} requests ({args.sim_users} users x {args.sim_posts} posts), mean prompt "
+        f"{sum(len(r.input_ids) for r in reqs) / len(reqs):.0f} tokens, mean profile {mean_prefix:.0f}; "
+        f"step times: {source}, coef {model.coef}; prefix pool per worker: {args.pool_gib:g} GiB / "
+        f"{per_token} B per token ({dtype}) = {pool} tokens = {pool / mean_prefix:.0f} profiles"
+    )
+    sched = SchedulerConfig("po", args.fairness_lambda)
+
+    def run(
+        n: int, router: str, trace: list[tuple[float, Any]], slo: float | None = None, since: float = 0.0
+    ) -> sim.ClusterResult:
+        config = sim.RouterConfig(router, balance_abs_threshold=args.balance_abs_threshold, seed=args.seed)
+        cache = lambda: PrefixLRU(pool, args.max_batch_tokens)  # noqa: E731
+        return sim.simulate_cluster(sched, model, trace, n, config, cache, slo, since)
+
+    iso = run(1, "round_robin", [(1e6 * i, r) for i, r in enumerate(reqs)])  # none ever waits
+    iso_mean = sum(iso.latencies) / len(reqs)
+    slo = args.slo_x * iso_mean
+    print(f"isolated: mean {iso_mean:.3f} s, hits {iso.hit_rate:.1%}; P99 bound {slo:.2f} s")
+    skip = unit[int(args.warmup * len(unit))] if args.warmup > 0 else 0.0  # unit-rate seconds
+    rows: list[dict[str, Any]] = []
+    for policy in args.policies:
+        guess, prev_n = 1.0 / iso_mean, 1
+        for n in args.sim_workers:
+            guess *= n / prev_n
+            best: dict[float, sim.ClusterResult] = {}
+
+            def p99_at(qps: float, n: int = n, policy: str = policy, best: dict = best) -> float:
+                trace = [(u / qps, r) for u, r in zip(unit, reqs, strict=True)]
+                res = best[qps] = run(n, policy, trace, slo, skip / qps)
+                lat = [r.end - r.arrival for r in res.runs if r.arrival >= skip / qps]
+                return sim.p99(lat) if res.complete else math.inf
+
+            t = time.perf_counter()
+            one = next((r for r in rows if r["workers"] == 1), None) if n == 1 else None
+            if one is not None:  # one worker: every router sends everything to it, the same run
+                row = {**one, "router": policy}
+                if policy != "cache_aware":
+                    row["balanced_by_load"] = row["by_match"] = 0
+            else:
+                qps, runs = sim.max_qps_at_p99(p99_at, slo, guess, rel_tol=args.rel_tol)
+                if qps <= 0:
+                    raise RuntimeError(f"{policy} x {n}: no rate found within the P99 bound")
+                row = {
+                    "router": policy,
+                    "workers": n,
+                    "sustained_qps": qps,
+                    "runs": runs,
+                    **sim_summary(best[qps], qps, skip / qps, unit[-1] / qps, slo),
+                }
+            rows.append(row)
+            guess, prev_n = row["sustained_qps"], n
+            print(
+                f"  {policy:12s} N={n:3d}: {guess:8.3f} qps ({guess / n:.3f} per worker), P99 {row['p99_s']:6.2f} s, "
+                f"hits {row['hit_rate']:5.1%}, imbalance {row['imbalance']:.3f}, load-balanced "
+                f"{row['balanced_by_load']}, {row['runs']} runs in {time.perf_counter() - t:.1f} s"
+            )
+    settings = sim.RouterConfig("cache_aware", balance_abs_threshold=args.balance_abs_threshold)
+    # report.py reads the trace's size as users and posts, the workers simulated as workers.
+    a = {**vars(args), "users": args.sim_users, "posts": args.sim_posts, "workers": args.sim_workers}
+    doc = {
+        "args": a,
+        "jct_source": source,
+        "coef": model.coef,
+        "kv_bytes_per_token": per_token,
+        "dtype": dtype,
+        "pool_tokens": pool,
+        "mean_profile_tokens": mean_prefix,
+        "requests": len(reqs),
+        "isolated_mean_s": iso_mean,
+        "isolated_hit_rate": iso.hit_rate,
+        "slo_p99_s": slo,
+        "rows": rows,
+        "router_settings": {
+            "cache_threshold": settings.cache_threshold,
+            "balance_abs_threshold": settings.balance_abs_threshold,
+            "balance_rel_threshold": settings.balance_rel_threshold,
+        },
+        "seconds": time.perf_counter() - t0,
+    }
+    harness.save(args.out, doc, report.cluster_sim_markdown(doc))
+    report.plot_cluster_sim(doc, args.out.with_suffix(".png"))
+    return 0
 
 
 if __name__ == "__main__":

@@ -304,7 +304,7 @@ def cluster_markdown(doc: Doc) -> str:
     return doc_md(title, intro, markdown_table(CLUSTER_HEADER, cluster_rows(doc)), _bullets(ratios))
 
 
-# ---- bench_cluster_sim (simulated) ----------------------------------------------------------------------
+# ---- bench_cluster --simulate ----------------------------------------------------------------------
 
 CLUSTER_SIM_HEADER = (
     "router | workers | QPS at P99 bound | per worker | efficiency | vs round robin | hit rate | "
@@ -333,7 +333,7 @@ def cluster_sim_rows(doc: Doc) -> list[list[str]]:
 
 
 def cluster_sim_markdown(doc: Doc) -> str:
-    """results/cluster_sim.md from bench_cluster_sim: what ran, and per (router, N) the table."""
+    """results/cluster_sim.md from bench_cluster --simulate: what ran, and per (router, N) the table."""
     a, d, profile, pool = doc["args"], doc["router_settings"], doc["mean_profile_tokens"], doc["pool_tokens"]
     warmup = (
         f"The P99 leaves out the requests of the first {a['warmup']:.0%} of the trace (warm-up)."
@@ -346,7 +346,7 @@ def cluster_sim_markdown(doc: Doc) -> str:
         iso=doc["isolated_mean_s"], min_span=MIN_SPAN, warmup=warmup,
     )  # fmt: skip
     table = markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc))
-    return doc_md("bench_cluster_sim: N workers behind the router, simulated", intro, table)
+    return doc_md("bench_cluster --simulate: N workers behind the router, simulated", intro, table)
 
 
 # ---- plots ----------------------------------------------------------------------------------------

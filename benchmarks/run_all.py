@@ -36,7 +36,7 @@ STEPS = {
     "mil": "bench_mil",
     "suffix": f"{ABLATION} --offline --configs po,po-nodiscard",
     "lambda": f"{ABLATION} --anchor saturated --mults 1 --configs fcfs,po,po-nodiscard,po@0,po@0.1,po@2,po@10",
-    "cluster_sim": "bench_cluster_sim",
+    "cluster_sim": "bench_cluster --simulate",
     "cluster": "bench_cluster",
     "llamacpp": "bench_schedule --llamacpp --wl1-users 3 --wl1-items 8 --wl1-profile 600 --wl1-item-tokens 80",
 }

@@ -139,7 +139,7 @@ def test_poisson_arrivals_scale_with_rate() -> None:
     assert 150 < unit[-1] < 250  # mean gap 1 s
 
 
-# ---- scaling out: bench_cluster (measured) and bench_cluster_sim (simulated) --------------------------
+# ---- scaling out: bench_cluster, measured and --simulate ---------------------------------------------
 
 
 def _cluster_run(

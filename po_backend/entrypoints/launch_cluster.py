@@ -44,7 +44,7 @@ POLICIES = ("cache_aware", "round_robin", "power_of_two")
 # finishes in one forward, so a worker rarely holds more than a few and 64 never fires: a hot
 # user's burst queues on one worker while the others idle (tests/test_cluster.py). Too low a value
 # fires on ordinary Poisson bursts instead, sends users to workers without their profile and
-# costs the cache: in bench_cluster_sim (many workers, many users) low values lose QPS to cache
+# costs the cache: in bench_cluster --simulate (many workers, many users) low values lose QPS to cache
 # misses, while 32 sustains what 64 does and still splits a hot user's burst (REPORT).
 BALANCE_ABS_THRESHOLD = 32
 # The /dev entries of the drivers torch.cuda reaches GPUs through: NVIDIA's, ROCm's, WSL 2's.

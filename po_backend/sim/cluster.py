@@ -18,7 +18,7 @@ Routers (`ROUTER_POLICIES`), as the SGLang router (sglang-router 0.3) implements
 - round_robin: worker i mod N.
 - power_of_two: two distinct workers drawn at random (seeded), the less loaded one.
 
-Torch-free, like the simulator. `benchmarks/bench_cluster_sim.py` replays a paper-shaped trace
+Torch-free, like the simulator. `benchmarks/bench_cluster.py --simulate` replays a paper-shaped trace
 (`paper_trace`) for 1..64 workers.
 """
 
