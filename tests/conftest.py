@@ -18,6 +18,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // max(1, _workers)))
 
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -26,6 +27,7 @@ import tempfile  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import httpx._transports.default  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -33,6 +35,12 @@ import transformers  # noqa: E402
 from po_backend import Engine  # noqa: E402
 from po_backend.engine.memory import MEMORY_CACHE_ENV  # noqa: E402
 from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
+
+# httpx builds an SSL context (loading the CA bundle: tens of milliseconds of CPU) for every client,
+# and httpx.get / httpx.post make a client per call: the tests' hundreds of loopback calls and
+# polls spent more CPU there than on the answers. A test process's clients share one context per
+# set of options (an SSL context is made to be shared; nothing here changes one).
+httpx._transports.default.create_ssl_context = functools.cache(httpx._transports.default.create_ssl_context)
 
 # The session's profile directory, named in the environment by whichever pytest process made it
 # (xdist's controller, or the only process of a serial run): xdist's workers inherit it from the

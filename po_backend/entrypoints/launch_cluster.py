@@ -211,27 +211,29 @@ def stop_all(router: subprocess.Popen[bytes] | None, workers: Sequence[subproces
 
 def wait_for_workers(urls: Sequence[str], procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
     """Until every worker answers /health, saying every few seconds how many are ready: the
-    workers log at warning level, and a first start (model conversion, JCT profile) takes a while."""
+    workers log at warning level, and a first start (model conversion, JCT profile) takes a while.
+    One HTTP client polls them all (a client per poll builds an SSL context each time)."""
     start = time.monotonic()
     pending = dict(enumerate(urls))
     last_report = start
-    while pending:
-        for i, url in list(pending.items()):
-            try:
-                wait_until(url + "/health", procs, timeout=0.0)
-            except NotReadyError:
-                if time.monotonic() - start > timeout:
-                    raise
-                continue
-            del pending[i]
-            log.info("worker %d/%d ready at %s (%.0f s)", i + 1, len(urls), url, time.monotonic() - start)
-        if pending and time.monotonic() - last_report >= 10:
-            last_report = time.monotonic()
-            log.info("starting workers: %d/%d ready after %.0f s (loading the model; a first start "
-                     "converts it and measures the JCT model once)", len(urls) - len(pending), len(urls),
-                     last_report - start)  # fmt: skip
-        if pending:
-            time.sleep(0.5)
+    with httpx.Client(timeout=2.0) as client:
+        while pending:
+            for i, url in list(pending.items()):
+                try:
+                    wait_until(url + "/health", procs, timeout=0.0, client=client)
+                except NotReadyError:
+                    if time.monotonic() - start > timeout:
+                        raise
+                    continue
+                del pending[i]
+                log.info("worker %d/%d ready at %s (%.0f s)", i + 1, len(urls), url, time.monotonic() - start)
+            if pending and time.monotonic() - last_report >= 10:
+                last_report = time.monotonic()
+                log.info("starting workers: %d/%d ready after %.0f s (loading the model; a first start "
+                         "converts it and measures the JCT model once)", len(urls) - len(pending), len(urls),
+                         last_report - start)  # fmt: skip
+            if pending:
+                time.sleep(0.5)
 
 
 # ---- adding a worker at runtime ------------------------------------------------------------------

@@ -39,15 +39,21 @@ def wait_until(
     *,
     headers: Mapping[str, str] | None = None,
     interval: float = 0.2,
+    client: httpx.Client | None = None,
 ) -> None:
-    """Until `url` answers 200; a process of `procs` exiting first, or the deadline, is an error."""
+    """Until `url` answers 200; a process of `procs` exiting first, or the deadline, is an error.
+    One HTTP client polls (`client`, or one made for this wait): a client per poll builds an SSL
+    context each time, tens of milliseconds of CPU, beside the server starting on the same cores."""
+    if client is None:
+        with httpx.Client(timeout=2.0) as own:
+            return wait_until(url, procs, timeout, headers=headers, interval=interval, client=own)
     deadline = time.monotonic() + timeout
     while True:
         for p in procs:
             if p.poll() is not None:
                 raise ChildExitedError(f"{str(p.args)[:160]} exited with {p.returncode}")
         try:
-            if httpx.get(url, timeout=2.0, headers=dict(headers or {})).status_code == 200:
+            if client.get(url, timeout=2.0, headers=dict(headers or {})).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
