@@ -93,9 +93,11 @@ def sweep_rows(workloads: Doc, extra: bool = True) -> list[list[Any]]:
 
 
 def sweep_intro(doc: Doc) -> str:
-    """What a bench_schedule sweep ran: arrivals, the SLO, the traces, the prefix pool."""
+    """What a bench_schedule sweep ran: arrivals, the SLO, the traces it ran, the prefix pool."""
     a = doc["args"]
-    return prose("sweep_intro", a=a, anchor=a.get("anchor", "saturated"), pool=doc.get("pool_tokens", "?"))
+    traces = " ".join(prose(f"trace_{w}", a=a) for w in a.get("workloads", "WL1,WL2").split(","))
+    anchor, pool = a.get("anchor", "saturated"), doc.get("pool_tokens", "?")
+    return prose("sweep_intro", a=a, anchor=anchor, pool=pool, traces=traces)
 
 
 # ---- bench_schedule and bench_serving ---------------------------------------------------------------

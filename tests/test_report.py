@@ -21,6 +21,7 @@ from benchmarks.report import (
     plot_sweeps,
     schedule_sim_markdown,
     serving_markdown,
+    sweep_intro,
     sweep_rows,
 )
 
@@ -111,6 +112,17 @@ def test_slo_table_and_sim_markdown(tmp_path: Path) -> None:
     assert "| WL1 | 8 | 8.000 | fcfs* | 40.00 | 80.00 | 50% | 26.67 | 4 | 1.5 |" in md
     plot_sweeps(doc["workloads"], tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_sweep_intro_describes_the_traces_that_ran() -> None:
+    a = {"mults": "0.5,2", "slo_x": 8.0, "anchor": "isolated", "cache_profiles": 2.0}
+    a |= {"wl1_users": 4, "wl1_items": 6, "wl1_profile": 600, "wl1_item_tokens": 80}
+    a |= {"wl2_requests": 8, "wl2_min": 1500, "wl2_max": 2500}
+    both = sweep_intro({"args": {**a, "workloads": "WL1,WL2"}, "pool_tokens": 1540})
+    assert "WL1: 4 users x 6 posts, profiles ~600 tokens" in both
+    assert "WL2: 8 histories of 1500-2500 tokens" in both and "Prefix pool: 1540 tokens" in both
+    wl1 = sweep_intro({"args": {**a, "workloads": "WL1"}, "pool_tokens": 1540})
+    assert "WL1: 4 users" in wl1 and "WL2" not in wl1
 
 
 def test_serving_markdown_ratios_to_hf() -> None:
