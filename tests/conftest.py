@@ -39,8 +39,11 @@ from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
 # httpx builds an SSL context (loading the CA bundle: tens of milliseconds of CPU) for every client,
 # and httpx.get / httpx.post make a client per call: the tests' hundreds of loopback calls and
 # polls spent more CPU there than on the answers. A test process's clients share one context per
-# set of options (an SSL context is made to be shared; nothing here changes one).
-httpx._transports.default.create_ssl_context = functools.cache(httpx._transports.default.create_ssl_context)
+# set of options (an SSL context is made to be shared; nothing here changes one). The function is
+# httpx's private helper: where a release renames it, the tests only pay that CPU again.
+_create_ssl_context = getattr(httpx._transports.default, "create_ssl_context", None)
+if _create_ssl_context is not None:
+    httpx._transports.default.create_ssl_context = functools.cache(_create_ssl_context)
 
 # The session's profile directory, named in the environment by whichever pytest process made it
 # (xdist's controller, or the only process of a serial run): xdist's workers inherit it from the
