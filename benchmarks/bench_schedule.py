@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     all_runs: list[dict[str, Any]] = []  # everything with a step log, in the order it ran
     seeds = harness.seeds(args.seed)
     for (trace, items), seed in itertools.product(traces.items(), seeds):
-        name = trace if len(seeds) == 1 else f"{trace} seed {seed}"
+        name = sweep_name(trace, seed, seeds)
         reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), seed)
         tokens = sum(len(r.input_ids) for r in reqs)
         print(f"\n{name}: {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
@@ -252,11 +252,17 @@ def offline(
     return out
 
 
+def sweep_name(trace: str, seed: int, seeds: list[int]) -> str:
+    """A sweep's key in the results: its trace, and its seed where the run swept several."""
+    return trace if len(seeds) == 1 else f"{trace} seed {seed}"
+
+
 def pool_seeds(doc: dict[str, Any], traces: dict[str, Any], seeds: list[int]) -> None:
     """With several seeds, each trace's sweeps pooled (`harness.pooled`) into doc["pooled"]."""
     if len(seeds) > 1:
         doc["pooled"] = {
-            t: harness.pooled([doc["workloads"][f"{t} seed {s}"]["runs"] for s in seeds]) for t in traces
+            t: harness.pooled([doc["workloads"][sweep_name(t, s, seeds)]["runs"] for s in seeds])
+            for t in traces
         }
 
 
@@ -299,7 +305,7 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
     }
     seeds = harness.seeds(args.seed)
     for (trace, items), seed in itertools.product(traces.items(), seeds):
-        name = trace if len(seeds) == 1 else f"{trace} seed {seed}"
+        name = sweep_name(trace, seed, seeds)
         reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), seed)
         t = time.perf_counter()
         iso = run(reqs, "fcfs", [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
