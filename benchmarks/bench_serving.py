@@ -2,7 +2,7 @@
 `/v1/score`, `/v1/rerank` or `/generate`) against our server per `--launch` config or any running
 server (`--url`, e.g. a real SGLang): mean/P50/P99 latency (send -> response) and items/s per offered
 QPS, ratios against the baseline config (`hf` when launched, else the first) of the same run.
-Results: benchmarks/results/<out>.json, .md and .png. bench_cluster builds its traffic here.
+Results: `--out` (results/serving.json), its .md and .png. bench_cluster builds its traffic here.
 
     python -m benchmarks.bench_serving --launch po,fcfs,hf --qps 0.5,1,2
     python -m benchmarks.bench_serving --url http://127.0.0.1:30000 --api score --qps 1,2
@@ -209,7 +209,8 @@ def bench_one(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    quick = "2 users x 4 posts, 300-token profiles, qps 1"
+    ap = harness.parser(__doc__, harness.RESULTS / "serving.json", quick)
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server")
     where.add_argument("--launch", help=f"launch ours per config, one at a time: any of {','.join(LAUNCH)}")
@@ -217,9 +218,8 @@ def main() -> None:
     harness.flags(ap, tokenizer=(None, "tokenizer folder (default: --model-path)"))
     harness.flags(ap, server_args=("", "more flags for every launched server"))
     harness.flags(ap, base_checkout=(None, "the checkout `--launch base` runs (another commit)"))
-    harness.flags(
-        ap, api=["score", "rerank", "generate"], generate_as=(["ids", "text"], "/generate: ids or text")
-    )
+    harness.flags(ap, api=["score", "rerank", "generate"], timeout=(600.0, "per request, seconds"))
+    harness.flags(ap, generate_as=(["ids", "text"], "/generate: token ids or text"))
     ap.add_argument(
         "--no-prefix-hint", dest="prefix_hint", action="store_false", help="/generate: no cache_prefix_len"
     )
@@ -231,10 +231,6 @@ def main() -> None:
         ap, history_tokens=(3000, "WL2: longest history"), items_per_call=(1, "items per HTTP call")
     )
     harness.flags(ap, qps=(None, "offered calls/s, comma list (default 0.5,1,2; --quick: 1)"))
-    harness.flags(
-        ap, timeout=(600.0, "per request, seconds"), out=("serving", "results file stem in results/")
-    )
-    harness.flags(ap, quick=(False, "2 users x 4 items, 300-token profiles, qps 1"))
     args = ap.parse_args()
     if args.quick:
         args.users, args.items, args.profile_tokens, args.item_tokens = 2, 4, 300, 60
@@ -276,9 +272,8 @@ def main() -> None:
         "workload": workload,
         "results": rows,
     }
-    harness.save(harness.RESULTS / f"{args.out}.json", doc, report.serving_markdown(doc))
-    plot = {f"{args.workload} via /{args.api}": {"runs": rows}}
-    report.plot_sweeps(plot, harness.RESULTS / f"{args.out}.png")
+    harness.save(args.out, doc, report.serving_markdown(doc))
+    report.plot_sweeps({f"{args.workload} via /{args.api}": {"runs": rows}}, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
