@@ -66,11 +66,11 @@ class Runner:
         self.steps: list[StepRecord] = []  # of the last run on the engine
 
     def isolated(self, reqs: list[ScoreRequest]) -> list[float]:
-        """Each request alone, in order, the cache carried over: latency without queueing."""
+        """Each request alone, in order, on a cache cold at the start: latency without queueing."""
         if self.simulated:  # 1e6 s apart on the virtual clock: none ever waits
             return self(SchedulerConfig("fcfs"), [(1e6 * i, r) for i, r in enumerate(reqs)])
         # On the engine each waits for the last to finish (arrivals 1e6 s apart would be slept)
-        return list(harness.isolated(self.engine, self.model, reqs)["latencies"])
+        return harness.isolated(self.engine, self.model, reqs)["latencies"]
 
     def __call__(self, cfg: SchedulerConfig, trace: list[tuple[float, ScoreRequest]]) -> list[float]:
         """Latency per request of `trace`; `self.cached` keeps the tokens each read from the cache,
@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{where}; step times: {run.source}")
     t0 = time.perf_counter()
     po, fcfs = SchedulerConfig("po"), SchedulerConfig("fcfs")
-    # Online capacity: each call alone (1e6 s apart), cold cache at the start.
-    iso = run.isolated(online)
+    iso = run.isolated(online)  # the online calls' capacity
     iso_mean = sum(iso) / len(iso)
     print(f"online calls alone: mean {iso_mean:.3f} s ({time.perf_counter() - t0:.0f} s)")
     rate = args.load / iso_mean

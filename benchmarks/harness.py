@@ -185,16 +185,15 @@ def quietly(run: Callable[[], T], what: str, quiet_wait: float = 60.0, tries: in
     """`run()`, again (`tries` times at most) while other processes used over half a core during it:
     a measurement later ones are scaled by (a JCT profile, the isolated latency) must not carry
     another process's load into a whole run. One under a second is kept: too short to tell."""
-    attempt = 1
-    while True:
+    for attempt in range(1, tries + 1):
         t = time.perf_counter()
         with CpuShare() as cpu:
             out = run()
         if cpu.other_cores < 0.5 or time.perf_counter() - t < 1.0 or attempt == tries:
-            return out, cpu
+            break
         print(f"other processes used {cpu.other_cores:.2f} cores while {what}: waiting, then again")
         wait_for_quiet(quiet_wait)
-        attempt += 1
+    return out, cpu
 
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) -> None:
@@ -387,11 +386,10 @@ def sweep(
     sat: dict[str, Any] | None = None,
     after_run: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
-    """One workload on the engine or the simulator: `run(config, arrivals)` for every config at
-    `mults` x the anchor QPS (1 / the mean isolated latency of `iso`, or with `--anchor saturated`
-    the all-at-t=0 rate of `sat`), interleaved, on the same unit-rate arrival pattern `unit`; then
-    each config's sustained QPS at the P99 SLOs (`--slo-x` and `--slo-extra` x the isolated mean).
-    `args`: the flags of `add_sweep_args`."""
+    """One workload: `run(config, arrivals)` for every config at `mults` x the anchor QPS (1 / the
+    mean isolated latency of `iso`, or the all-at-t=0 rate of `sat` with `--anchor saturated`),
+    interleaved, on the arrival pattern `unit`; then each config's sustained QPS at the P99 SLOs
+    (`--slo-x` and `--slo-extra` x the isolated mean). `args`: the flags of `add_sweep_args`."""
     sat_qps = len(reqs) / sat["makespan_s"] if sat else None
     anchor = args.anchor if sat_qps else "isolated"
     base = sat_qps if sat_qps and anchor == "saturated" else 1.0 / iso["mean_s"]
@@ -471,10 +469,10 @@ def seeds(arg: str) -> list[int]:
 
 
 def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Several seeds' sweeps of one workload (each its runs): per load multiple and config, the mean
-    and P99 over every seed's requests together, and against fcfs's the pooled ratios and each
-    seed's P99 ratio. With few requests a seed's P99 is its slowest request or two: pooling is what
-    makes a tail comparison mean something."""
+    """Several seeds' sweeps (each its runs) of one workload: per load multiple and config, mean and
+    P99 over every seed's requests together, the pooled ratios to fcfs and each seed's P99 ratio.
+    With few requests a seed's P99 is its slowest request or two: pooling makes a tail comparison
+    mean something."""
     lat: dict[str, dict[str, list[np.ndarray]]] = defaultdict(lambda: defaultdict(list))
     for r in itertools.chain.from_iterable(sweeps):
         lat[f"{r['mult']:g}"][r["config"]].append(np.asarray(r["latencies"]))
