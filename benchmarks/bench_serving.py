@@ -178,7 +178,12 @@ def warm_up(url: str, call: Call, timeout: float, headers: dict[str, str] | None
 
 
 def bench_one(
-    name: str, url: str, calls: list[Call], args: Any, auth: dict[str, str], pid: int | None = None
+    name: str,
+    url: str,
+    calls: list[Call],
+    args: argparse.Namespace,
+    auth: dict[str, str],
+    pid: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every `--qps` on one server, each from a flushed cache. Without a pid (a server not
     launched here) the server's own CPU use counts as "other"."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -77,7 +78,7 @@ async def soak(
 ) -> tuple[list[tuple[str, str, float]], list[float], int]:
     """`--duration` seconds of mixed load: per call (kind, status, latency), the /health latencies
     and the server's peak RSS."""
-    rng, health, peak_rss = random.Random(args.seed), [], 0
+    rng, health, peak_rss, server = random.Random(args.seed), [], 0, psutil.Process(pid)
     end = time.monotonic() + args.duration
     # No client-side connection limit: a pool that is full of slow calls would queue the next
     # ones (and the probes) in the client and charge that wait to the server.
@@ -103,7 +104,8 @@ async def soak(
         async def monitor() -> None:  # until cancelled: RSS while any call is out, /health until `end`
             nonlocal peak_rss
             while True:
-                peak_rss = max(peak_rss, psutil.Process(pid).memory_info().rss)
+                with contextlib.suppress(psutil.NoSuchProcess):  # a server that died shows as lost calls
+                    peak_rss = max(peak_rss, server.memory_info().rss)
                 t0 = time.monotonic()
                 if t0 < end:
                     try:
