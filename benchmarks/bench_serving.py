@@ -178,12 +178,7 @@ def warm_up(url: str, call: Call, timeout: float, headers: dict[str, str] | None
 
 
 def bench_one(
-    name: str,
-    url: str,
-    calls: list[Call],
-    args: argparse.Namespace,
-    auth: dict[str, str],
-    pid: int | None = None,
+    name: str, url: str, calls: list[Call], args: argparse.Namespace, auth: dict[str, str], pid: int | None
 ) -> list[dict[str, Any]]:
     """Every `--qps` on one server, each from a flushed cache. Without a pid (a server not
     launched here) the server's own CPU use counts as "other"."""
@@ -263,14 +258,14 @@ def main() -> None:
     }
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
-    rows = bench_one("server", args.url, calls, args, auth) if args.url else []
+    rows = bench_one("server", args.url, calls, args, auth, None) if args.url else []
     for name in launch:
         # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
         cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
         srv = harness.our_server([*LAUNCH[name], *args.server_args.split()], args.model_path, cwd=cwd)
         with harness.servers_up([srv]):
             warm_up(srv.url, calls[0], args.timeout, auth)
-            rows += bench_one(name, srv.url, calls, args, auth, pid=srv.proc.pid if srv.proc else None)
+            rows += bench_one(name, srv.url, calls, args, auth, srv.proc.pid if srv.proc else None)
     doc = {
         "machine": machine,
         "args": {k: v for k, v in vars(args).items() if k != "api_key"},
