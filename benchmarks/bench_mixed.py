@@ -87,8 +87,8 @@ class Runner:
         return got["latencies"]
 
     def diagnostics(self, reqs: list[ScoreRequest], first: int) -> dict[str, float]:
-        """Of the last run: the share of the requests from `first` on's prompt tokens read from the
-        cache, and the engine's longest step against its prediction."""
+        """Of the last run: the share of the prompt tokens of `reqs[first:]` read from the cache, and
+        the engine's longest step against its prediction."""
         longest = max(self.steps, key=lambda s: s.seconds, default=None)
         return {
             "online_cached_share": sum(self.cached[first:]) / sum(len(r.input_ids) for r in reqs[first:]),

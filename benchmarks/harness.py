@@ -261,8 +261,8 @@ def sim_step_model(
 
 def latency_summary(lat: Sequence[float]) -> dict[str, float]:
     a = np.asarray(lat, dtype=float) if len(lat) else np.array([math.nan])
-    p50, p99 = np.percentile(a, [50, 99])
-    return {"mean_s": float(a.mean()), "p50_s": float(p50), "p99_s": float(p99)}
+    median, tail = np.percentile(a, [50, 99])
+    return {"mean_s": float(a.mean()), "p50_s": float(median), "p99_s": float(tail)}
 
 
 def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
