@@ -35,7 +35,7 @@ from po_backend.sched.jct import CalibratedJCT, JCTModel, prediction_quality
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.serving.loop import EngineLoop
-from po_backend.sim.cluster import LinearStepModel
+from po_backend.sim.cluster import LinearStepModel, p99
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -473,9 +473,9 @@ def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, di
     P99 over every seed's requests together, the pooled ratios to fcfs and each seed's P99 ratio.
     With few requests a seed's P99 is its slowest request or two: pooling makes a tail comparison
     mean something."""
-    lat: dict[str, dict[str, list[np.ndarray]]] = defaultdict(lambda: defaultdict(list))
+    lat: dict[str, dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
     for r in itertools.chain.from_iterable(sweeps):
-        lat[f"{r['mult']:g}"][r["config"]].append(np.asarray(r["latencies"]))
+        lat[f"{r['mult']:g}"][r["config"]].append(list(r["latencies"]))
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mult, by_config in lat.items():
         base = by_config.get("fcfs")
@@ -486,14 +486,10 @@ def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, di
             if base is not None and len(base) == len(per_seed):
                 b = np.concatenate(base)
                 row["mean_vs_fcfs"] = float(a.mean() / b.mean())
-                row["p99_vs_fcfs"] = _p99(a) / _p99(b)
-                row["p99_vs_fcfs_per_seed"] = [_p99(x) / _p99(y) for x, y in zip(per_seed, base, strict=True)]
+                row["p99_vs_fcfs"] = row["p99_s"] / latency_summary(b)["p99_s"]
+                row["p99_vs_fcfs_per_seed"] = [p99(x) / p99(y) for x, y in zip(per_seed, base, strict=True)]
             out[mult][config] = row
     return out
-
-
-def _p99(a: np.ndarray) -> float:
-    return float(np.percentile(a, 99))
 
 
 def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
