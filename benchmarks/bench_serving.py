@@ -37,13 +37,7 @@ LAUNCH = {
     "base": ["--schedule-policy", "po"],
     "po-nogroup": ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)],
 }
-# Scored and cache-hit tokens; what the pool holds, and how much of it was read back.
-COUNTERS = (
-    "po_prompt_tokens_total",
-    "po_cache_hit_tokens_total",
-    "po_cache_tokens",
-    "po_cache_reused_tokens",
-)
+Headers = dict[str, str] | None  # an API key's Authorization header, or none
 
 
 @dataclass(frozen=True)
@@ -114,11 +108,7 @@ def request_body(call: Call, args: argparse.Namespace, tok: Any) -> tuple[str, d
 
 
 async def send_open_loop(
-    url: str,
-    calls: Sequence[Call],
-    arrivals: Sequence[float],
-    timeout: float,
-    headers: dict[str, str] | None = None,
+    url: str, calls: Sequence[Call], arrivals: Sequence[float], timeout: float, headers: Headers = None
 ) -> tuple[list[Outcome], float]:
     """POST each call at its arrival (seconds from the start) whatever happened to the earlier
     ones, so a server that falls behind shows it as latency. Returns the outcomes and the span
@@ -160,17 +150,16 @@ def summarize(outcomes: list[Outcome], span: float, qps: float, items_per_call: 
     }
 
 
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """Our server's counters (an SGLang server has other names: then empty)."""
+def scrape(url: str, headers: Headers = None) -> dict[str, float]:
+    """Our server's unlabelled `po_*` metrics (an SGLang server has other names: then empty)."""
     try:
         text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     except httpx.HTTPError:
         return {}
-    found = {name: re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M) for name in COUNTERS}
-    return {name: float(m.group(1)) for name, m in found.items() if m}
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(po_\w+) ([0-9.e+-]+)$", text, re.M)}
 
 
-def warm_up(url: str, call: Call, timeout: float, headers: dict[str, str] | None = None) -> None:
+def warm_up(url: str, call: Call, timeout: float, headers: Headers = None) -> None:
     """One request first: one-off start-up costs (allocator, kernels) stay out of the numbers."""
     r = httpx.post(url + call.path, json=call.body, headers=headers, timeout=timeout)
     if r.status_code != 200:
@@ -178,7 +167,7 @@ def warm_up(url: str, call: Call, timeout: float, headers: dict[str, str] | None
 
 
 def bench_one(
-    name: str, url: str, calls: list[Call], args: argparse.Namespace, auth: dict[str, str], pid: int | None
+    name: str, url: str, calls: list[Call], args: argparse.Namespace, auth: Headers, pid: int | None
 ) -> list[dict[str, Any]]:
     """Every `--qps` on one server, each from a flushed cache. Without a pid (a server not
     launched here) the server's own CPU use counts as "other"."""
