@@ -159,8 +159,7 @@ def test_server_matches_transformers(tokenized_llama, tiny_model, hf_on, device:
     server = ServerProcess(["--model-path", str(tokenized_llama), "--device", device, "--dtype", "fp32"])
     prefix = _rand(120, 21)
     prompts = [prefix + _rand(25, s) for s in (22, 23, 24)]
-    try:
-        server.start().wait_ready()
+    with server:
         info = httpx.get(server.url + "/server_info", timeout=30.0).json()
         assert str(info["device"]).startswith(device)
         cached = []
@@ -182,6 +181,4 @@ def test_server_matches_transformers(tokenized_llama, tiny_model, hf_on, device:
             assert [e[0] for e in row] == pytest.approx(ref[list(LABELS)].tolist(), abs=TOL)
             (top,) = meta["output_top_logprobs"]
             assert [e[1] for e in top] == ref.topk(3).indices.tolist()
-    finally:
-        server.stop()
     assert cached[0] == 0 and min(cached[1:]) >= len(prefix) - 1, cached
