@@ -1,17 +1,15 @@
 """Prefix affinity through the real SGLang router: WL1-style users x posts over N PrefillOnly workers
-(launch_cluster's commands, CPU threads split), the router's cache_aware policy against round_robin
-in the same run; each (traffic shape, policy) run gets a fresh router and flushed worker caches.
-Shapes: `generate` (plain SGLang traffic: one prompt per call, profile first, no prefix declared)
-and `rerank` (the profile as the query, `--docs-per-call` posts as documents). Each worker sits
-behind a pass-through tap that records which worker got which call (the router does not say).
-REPORT.md and report_template.md describe the measures.
+(launch_cluster's commands, CPU threads split), cache_aware against round_robin in the same run, each
+(traffic shape, policy) run on a fresh router and flushed worker caches. Shapes: `generate` (plain
+SGLang traffic: one prompt per call, profile first, no prefix declared) and `rerank` (the profile as
+the query, `--docs-per-call` posts as documents). A pass-through tap in front of each worker records
+which worker got which call (the router does not say). REPORT.md describes the measures.
 
-`--simulate`: past one machine (`po_backend.sim.cluster`), the sustained QPS at a P99 bound of
-`--sim-workers` workers behind the router's policies on the paper's WL1 (`--sim-users` x
-`--sim-posts`, token lengths / `--scale`). Each worker is the simulator's engine (the real Scheduler
-under `po`, an LRU prefix cache sized from `--pool-gib` of KV, step times from the JCT fit in
-results/schedule.json, else this machine's profile). Per (router, N): the highest QPS with P99 <=
-`--slo-x` x the isolated mean latency (bracket, then bisection), its hit rate and imbalance.
+`--simulate`: past one machine (`po_backend.sim.cluster`), per router and N of `--sim-workers`, the
+highest QPS with P99 <= `--slo-x` x the isolated mean latency (bracket, then bisection) on the
+paper's WL1 (`--sim-users` x `--sim-posts`, token lengths / `--scale`). Each worker is the real
+Scheduler under `po`, an LRU prefix cache of `--pool-gib` of KV, step times from the JCT fit in
+results/schedule.json (else this machine's profile).
 
     python -m benchmarks.bench_cluster [--quick]               # ~6 min on 2 cores; --quick ~1.5 min
     python -m benchmarks.bench_cluster --simulate [--quick]    # ~3-5 min; --quick ~20 s, 1..8 workers
@@ -22,7 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import http.client
+import functools
 import json
 import math
 import random
@@ -79,7 +77,7 @@ class Tap:
     in `seen` for every scoring POST it forwards; everything else passes unchanged."""
 
     def __init__(self, index: int, target: str, seen: Seen) -> None:
-        host, port = target.removeprefix("http://").split(":")
+        self.client = client = httpx.Client(base_url=target, timeout=900)  # thread-safe, pooled
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive: the router reuses its connections
@@ -92,14 +90,10 @@ class Tap:
                         seen.append((index, key, call_items(call)))  # list.append is atomic
                 keep = ("content-type", "authorization")
                 headers = {k: v for k, v in self.headers.items() if k.lower() in keep}
-                if not hasattr(self, "conn"):
-                    self.conn = http.client.HTTPConnection(host, int(port), timeout=900)
                 try:
-                    self.conn.request(self.command, self.path, body or None, headers)
-                    resp = self.conn.getresponse()
-                    status, ctype, data = resp.status, resp.getheader("content-type"), resp.read()
-                except (OSError, http.client.HTTPException) as e:
-                    self.conn.close()  # a fresh connection next time
+                    r = client.request(self.command, self.path, content=body or None, headers=headers)
+                    status, ctype, data = r.status_code, r.headers.get("content-type"), r.content
+                except httpx.HTTPError as e:
                     status, ctype, data = 502, "text/plain", f"tap: {e}".encode()
                 self.send_response(status)
                 self.send_header("content-type", ctype or "application/octet-stream")
@@ -120,6 +114,7 @@ class Tap:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.client.close()
 
 
 @dataclass(frozen=True)
@@ -201,12 +196,30 @@ def run_one(
         harness.wait_for_quiet(args.quiet_wait)
         before = [token_counters(w.url) for w in workers]
         # CPU of each worker and of the router, and of everything else: other users of the machine.
-        shares = [harness.CpuShare(p) for p in [*(w.pid for w in workers), router_pid]]
+        pids = [*(w.pid for w in workers), router_pid]
         with contextlib.ExitStack() as stack:
-            for s in shares:
-                stack.enter_context(s)
+            shares = [stack.enter_context(harness.CpuShare(p)) for p in pids]
             outcomes, span = asyncio.run(send_open_loop(url, calls, arrivals, args.timeout))
         after = [token_counters(w.url) for w in workers]
+    # Where each call went: a call the router retried counts on both workers.
+    user_of = {call_key(c.body): c.user for c in calls}
+    where: dict[int, set[int]] = defaultdict(set)  # user -> the workers its calls reached
+    for i, key, _ in seen:
+        if key in user_of:
+            where[user_of[key]].add(i)
+    per_worker = [
+        {
+            "prompt_tokens": p1 - p0,
+            "cached_tokens": c1 - c0,
+            "share": (c1 - c0) / (p1 - p0) if p1 > p0 else 0.0,
+            "calls": sum(j == i for j, _, _ in seen),
+            "items": sum(n for j, _, n in seen if j == i),
+            "users": sum(i in ws for ws in where.values()),
+        }
+        for i, ((p1, c1), (p0, c0)) in enumerate(zip(after, before, strict=True))
+    ]
+    prompt = sum(w["prompt_tokens"] for w in per_worker)
+    cached = sum(w["cached_tokens"] for w in per_worker)
     row: dict[str, Any] = {
         "shape": shape,
         "rate": rate,
@@ -215,31 +228,13 @@ def run_one(
         **summarize(outcomes, span, qps, per_call),
         "cluster_cores": sum(s.pid_cores for s in shares),
         "other_cores": max(0.0, shares[0].other_cores - sum(s.pid_cores for s in shares[1:])),
+        "workers": per_worker,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "workers_per_user": {str(u): len(ws) for u, ws in sorted(where.items())},
+        "traced_calls": len(seen),
     }
-    # Where each call went, per worker and per user: a call the router retried counts on both.
-    user_of = {call_key(c.body): c.user for c in calls}
-    where: dict[int, set[int]] = defaultdict(set)
-    calls_of, items_of = [0] * len(workers), [0] * len(workers)
-    for i, key, items in seen:
-        if key in user_of:
-            where[user_of[key]].add(i)
-        calls_of[i], items_of[i] = calls_of[i] + 1, items_of[i] + items
-    row["workers"] = [
-        {
-            "prompt_tokens": p1 - p0,
-            "cached_tokens": c1 - c0,
-            "calls": calls_of[i],
-            "items": items_of[i],
-            "share": (c1 - c0) / (p1 - p0) if p1 > p0 else 0.0,
-            "users": sum(i in ws for ws in where.values()),
-        }
-        for i, ((p1, c1), (p0, c0)) in enumerate(zip(after, before, strict=True))
-    ]
-    prompt = row["prompt_tokens"] = sum(w["prompt_tokens"] for w in row["workers"])
-    row["cached_tokens"] = sum(w["cached_tokens"] for w in row["workers"])
-    row["hit_rate"] = row["cached_tokens"] / prompt if prompt else 0.0
-    row["workers_per_user"] = {str(u): len(ws) for u, ws in sorted(where.items())}
-    row["traced_calls"] = sum(calls_of)
     print(" | ".join(report.cluster_rows({"runs": [row]})[0]), flush=True)
     return row
 
@@ -272,31 +267,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(ap, jct=(RESULTS / "schedule.json", "bench_schedule's results"))
     args = ap.parse_args(argv)
     args.out = args.out or RESULTS / ("cluster_sim.json" if args.simulate else "cluster.json")
-    args.policies = args.policies.split(",")
-    if args.simulate:
-        if args.quick:
-            args.sim_users, args.sim_posts, args.sim_workers = 200, 20, "1,2,4,8"
-        args.sim_workers = sorted({int(n) for n in args.sim_workers.split(",")})
-        if (
-            not set(args.policies) <= set(sim.ROUTER_POLICIES)
-            or args.sim_workers[0] < 1
-            or not 0 <= args.warmup < 1
-        ):
-            ap.error(f"--policies of {sim.ROUTER_POLICIES}, --sim-workers >= 1, --warmup in [0, 1)")
-        return args
-    if args.quick:
+    if args.quick and args.simulate:
+        args.sim_users, args.sim_posts, args.sim_workers = 200, 20, "1,2,4,8"
+    elif args.quick:
         args.users, args.posts, args.profile_tokens, args.items_per_s = 4, 5, 600, "3"
-    args.shapes = args.shapes.split(",")
-    if not set(args.shapes) <= set(SHAPES):
-        ap.error(f"--shapes must be a subset of {SHAPES}, got {args.shapes}")
-    if not set(args.policies) <= set(lc.POLICIES):
-        ap.error(f"--policies must be a subset of {lc.POLICIES}, got {args.policies}")
+    args.policies, args.shapes = args.policies.split(","), args.shapes.split(",")
     try:
         args.items_per_s = [float(x) for x in args.items_per_s.split(",")]
+        args.sim_workers = sorted({int(n) for n in args.sim_workers.split(",")})
     except ValueError:
-        ap.error(f"--items-per-s must be a comma list of numbers, got {args.items_per_s!r}")
-    if min(args.workers, args.users, args.posts, args.docs_per_call, *args.items_per_s) <= 0:
-        ap.error("--workers, --users, --posts, --docs-per-call and --items-per-s must be positive")
+        ap.error("--items-per-s and --sim-workers take comma lists of numbers")
+    allowed = sim.ROUTER_POLICIES if args.simulate else lc.POLICIES
+    sizes = (args.workers, args.users, args.posts, args.docs_per_call, *args.items_per_s, *args.sim_workers)
+    checks = {
+        f"--policies of {allowed}": set(args.policies) <= set(allowed),
+        f"--shapes of {SHAPES}": set(args.shapes) <= set(SHAPES),
+        "--warmup in [0, 1)": 0 <= args.warmup < 1,
+        "--workers, --users, --posts, --docs-per-call, --items-per-s, --sim-workers > 0": min(sizes) > 0,
+    }
+    if bad := [k for k, ok in checks.items() if not ok]:
+        ap.error("; ".join(bad))
     return args
 
 
@@ -348,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if sum(r["calls"] - r["ok"] for r in rows) else 0
 
 
+# ---- --simulate: N workers behind the router's policies -------------------------------------------
+
+
 def kv_bytes_per_token() -> tuple[int, str]:
     """What one cached token of the embedded model costs (K and V of every layer) at the CPU dtype."""
     import torch
@@ -365,7 +358,6 @@ def sim_summary(
 ) -> dict[str, Any]:
     """A run at `qps`: latency over the requests that arrived from `since` on, hit rate, balance."""
     lat = [r.end - r.arrival for r in res.runs if r.arrival >= since]
-    busy = [w.busy_s / max(r.end for r in res.runs) for w in res.workers]
     return {
         "qps": qps,
         "p99_s": sim.p99(lat),
@@ -373,7 +365,7 @@ def sim_summary(
         "span_over_bound": span_s / slo,
         "hit_rate": res.hit_rate,
         "imbalance": res.imbalance,
-        "busy_share": busy,
+        "busy_share": [w.busy_s / max(r.end for r in res.runs) for w in res.workers],
         "items_per_worker": [w.items for w in res.workers],
         "balanced_by_load": res.balanced_by_load,
         "by_match": res.by_match,
@@ -382,7 +374,7 @@ def sim_summary(
 
 
 def simulate(args: argparse.Namespace) -> int:
-    """--simulate: per (router, N) the sustained QPS at the P99 bound (report.py: table and plot)."""
+    """Per (router, N) the sustained QPS at the P99 bound (report.py: table and plot)."""
     t0 = time.perf_counter()
     model, source = harness.sim_step_model(args.jct)
     per_token, dtype = kv_bytes_per_token()
@@ -398,12 +390,12 @@ def simulate(args: argparse.Namespace) -> int:
         f"{per_token} B per token ({dtype}) = {pool} tokens = {pool / mean_prefix:.0f} profiles"
     )
     sched = SchedulerConfig("po", args.fairness_lambda)
+    cache = functools.partial(PrefixLRU, pool, args.max_batch_tokens)
 
     def run(
         n: int, router: str, trace: list[tuple[float, Any]], slo: float | None = None, since: float = 0.0
     ) -> sim.ClusterResult:
         config = sim.RouterConfig(router, balance_abs_threshold=args.balance_abs_threshold, seed=args.seed)
-        cache = lambda: PrefixLRU(pool, args.max_batch_tokens)  # noqa: E731
         return sim.simulate_cluster(sched, model, trace, n, config, cache, slo, since)
 
     iso = run(1, "round_robin", [(1e6 * i, r) for i, r in enumerate(reqs)])  # none ever waits
@@ -416,13 +408,14 @@ def simulate(args: argparse.Namespace) -> int:
         guess, prev_n = 1.0 / iso_mean, 1
         for n in args.sim_workers:
             guess *= n / prev_n
-            best: dict[float, sim.ClusterResult] = {}
+            found: dict[float, dict[str, Any]] = {}  # qps -> sim_summary of a complete run
 
-            def p99_at(qps: float, n: int = n, policy: str = policy, best: dict = best) -> float:
-                trace = [(u / qps, r) for u, r in zip(unit, reqs, strict=True)]
-                res = best[qps] = run(n, policy, trace, slo, skip / qps)
-                lat = [r.end - r.arrival for r in res.runs if r.arrival >= skip / qps]
-                return sim.p99(lat) if res.complete else math.inf
+            def p99_at(qps: float, n: int = n, policy: str = policy, found: dict = found) -> float:
+                res = run(n, policy, [(u / qps, r) for u, r in zip(unit, reqs, strict=True)], slo, skip / qps)
+                if not res.complete:  # it gave up past the bound
+                    return math.inf
+                found[qps] = sim_summary(res, qps, skip / qps, unit[-1] / qps, slo)
+                return found[qps]["p99_s"]
 
             t = time.perf_counter()
             one = next((r for r in rows if r["workers"] == 1), None) if n == 1 else None
@@ -434,13 +427,7 @@ def simulate(args: argparse.Namespace) -> int:
                 qps, runs = sim.max_qps_at_p99(p99_at, slo, guess, rel_tol=args.rel_tol)
                 if qps <= 0:
                     raise RuntimeError(f"{policy} x {n}: no rate found within the P99 bound")
-                row = {
-                    "router": policy,
-                    "workers": n,
-                    "sustained_qps": qps,
-                    "runs": runs,
-                    **sim_summary(best[qps], qps, skip / qps, unit[-1] / qps, slo),
-                }
+                row = {"router": policy, "workers": n, "sustained_qps": qps, "runs": runs, **found[qps]}
             rows.append(row)
             guess, prev_n = row["sustained_qps"], n
             print(
@@ -449,10 +436,9 @@ def simulate(args: argparse.Namespace) -> int:
                 f"{row['balanced_by_load']}, {row['runs']} runs in {time.perf_counter() - t:.1f} s"
             )
     settings = sim.RouterConfig("cache_aware", balance_abs_threshold=args.balance_abs_threshold)
-    # report.py reads the trace's size as users and posts, the workers simulated as workers.
-    a = {**vars(args), "users": args.sim_users, "posts": args.sim_posts, "workers": args.sim_workers}
     doc = {
-        "args": a,
+        # report.py reads the trace's size as users and posts, the workers simulated as workers.
+        "args": {**vars(args), "users": args.sim_users, "posts": args.sim_posts, "workers": args.sim_workers},
         "jct_source": source,
         "coef": model.coef,
         "kv_bytes_per_token": per_token,
@@ -465,9 +451,8 @@ def simulate(args: argparse.Namespace) -> int:
         "slo_p99_s": slo,
         "rows": rows,
         "router_settings": {
-            "cache_threshold": settings.cache_threshold,
-            "balance_abs_threshold": settings.balance_abs_threshold,
-            "balance_rel_threshold": settings.balance_rel_threshold,
+            k: getattr(settings, k)
+            for k in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
         },
         "seconds": time.perf_counter() - t0,
     }

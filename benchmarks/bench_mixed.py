@@ -31,12 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = harness.parser(__doc__)  # --out: results/mixed.json, or mixed_sim.json with --simulate
     harness.flags(ap, simulate=(False, "on the simulator instead of the engine"))
     harness.flags(ap, users=(3, "online: users (one profile each)"), posts=(10, "online: calls per user"))
-    harness.flags(
-        ap, profile=(300, "online: profile tokens (the shared prefix)"), post=(40, "online: post tokens")
-    )
-    harness.flags(
-        ap, batch=(10, "batch: items in the backlog"), batch_tokens=("600,900", "batch: MIN,MAX tokens")
-    )
+    harness.flags(ap, profile=(300, "online: profile tokens (shared)"), post=(40, "online: post tokens"))
+    harness.flags(ap, batch=(10, "batch: backlog items"), batch_tokens=("600,900", "batch: MIN,MAX tokens"))
     harness.flags(ap, load=(0.5, "online rate as a share of its capacity"))
     harness.flags(ap, slo_x=(1.5, "online target: x the online-alone P99"))
     harness.flags(ap, cache_profiles=(2.2, "prefix pool: this many online profiles plus one batch item"))
@@ -45,61 +41,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def traces(args: argparse.Namespace, tok: Any) -> tuple[list[ScoreRequest], list[ScoreRequest], list[float]]:
-    """Online requests (users interleaved), their unit-rate Poisson arrivals, batch requests."""
+    """Online requests (users interleaved), batch requests, the online unit-rate Poisson arrivals."""
     labels = label_ids(tok)
     online_items = wl1(tok, args.users, args.posts, args.profile, args.profile // 8, (1, 10**6), args.post)
     online, unit = harness.requests_and_arrivals(online_items, labels, args.seed)
     lo, hi = (int(x) for x in args.batch_tokens.split(","))
-    batch = [
-        ScoreRequest(it.ids, labels, priority=-1) for it in wl2(tok, args.batch, (lo, hi), args.seed + 1)
-    ]
-    return online, batch, unit
+    batch_items = wl2(tok, args.batch, (lo, hi), args.seed + 1)
+    return online, [ScoreRequest(it.ids, labels, priority=-1) for it in batch_items], unit
 
 
 class Runner:
-    """One policy over (arrival, request) pairs -> latency per request (trace order), makespan."""
+    """One policy over a trace of (arrival, request) pairs, arrivals ascending, on the engine or the
+    simulator: each request's latency, in trace order."""
 
     def __init__(self, args: argparse.Namespace, pool: int) -> None:
-        self.simulated = args.simulate
+        self.simulated, self.pool = args.simulate, pool
         self.engine = harness.load_engine(pool)
         self.model: Any
         if self.simulated:
             self.model, self.source = harness.sim_step_model(engine=self.engine)
-        else:
-            # The server's start-up rule: a persisted profile, else a quick estimate refined online
+        else:  # the server's start-up rule: a persisted profile, else a quick estimate refined online
             self.model, self.source = startup_jct(self.engine, "po"), "the server's start-up JCT model"
-        self.pool = pool
         self.cached: list[int] = []  # of the last run, per request: tokens read from the cache
         self.steps: list[StepRecord] = []  # of the last run on the engine
 
     def isolated(self, reqs: list[ScoreRequest]) -> list[float]:
-        """Each request alone, in order, the cache carried over: latency without queueing."""
+        """Each request alone, in order, on a cache cold at the start: latency without queueing."""
         if self.simulated:  # 1e6 s apart on the virtual clock: none ever waits
             return self(SchedulerConfig("fcfs"), [(1e6 * i, r) for i, r in enumerate(reqs)])
         # On the engine each waits for the last to finish (arrivals 1e6 s apart would be slept)
-        return list(harness.isolated(self.engine, self.model, reqs)["latencies"])
+        return harness.isolated(self.engine, self.model, reqs)["latencies"]
 
     def __call__(self, cfg: SchedulerConfig, trace: list[tuple[float, ScoreRequest]]) -> list[float]:
         """Latency per request of `trace`; `self.cached` keeps the tokens each read from the cache,
         `self.steps` the engine's steps (none on the simulator)."""
         if self.simulated:
             cache = PrefixLRU(self.pool, self.engine.config.max_batch_tokens)
-            runs = {r.rid: r for r in simulate(cfg, self.model, trace, cache)}
-            self.cached, self.steps = [runs[i].cached for i in range(len(trace))], []
-            return [runs[i].end - runs[i].arrival for i in range(len(trace))]
-        order = sorted(range(len(trace)), key=lambda i: trace[i][0])
+            runs = sorted(simulate(cfg, self.model, trace, cache), key=lambda r: r.rid)  # trace order
+            self.cached, self.steps = [r.cached for r in runs], []
+            return [r.end - r.arrival for r in runs]
         self.engine.flush_cache()
         loop = EngineLoop(self.engine, scheduler=cfg, jct=self.model, max_queue=1 << 20, start=False)
-        got = harness.replay(loop, [trace[i][1] for i in order], [trace[i][0] for i in order])
-        lat, self.cached = [0.0] * len(trace), [0] * len(trace)
-        for k, i in enumerate(order):
-            lat[i], self.cached[i] = got["latencies"][k], got["cached_tokens"][k]
-        self.steps = loop.step_log()
-        return lat
+        got = harness.replay(loop, [r for _, r in trace], [a for a, _ in trace])
+        self.cached, self.steps = got["cached_tokens"], loop.step_log()
+        return got["latencies"]
 
     def diagnostics(self, reqs: list[ScoreRequest], first: int) -> dict[str, float]:
-        """Of the last run: the share of the requests from `first` on's prompt tokens read from the
-        cache, and the engine's longest step against its prediction."""
+        """Of the last run: the share of the prompt tokens of `reqs[first:]` read from the cache, and
+        the engine's longest step against its prediction."""
         longest = max(self.steps, key=lambda s: s.seconds, default=None)
         return {
             "online_cached_share": sum(self.cached[first:]) / sum(len(r.input_ids) for r in reqs[first:]),
@@ -122,16 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{where}; step times: {run.source}")
     t0 = time.perf_counter()
     po, fcfs = SchedulerConfig("po"), SchedulerConfig("fcfs")
-    # Online capacity: each call alone (1e6 s apart), cold cache at the start.
-    iso = run.isolated(online)
+    iso = run.isolated(online)  # the online calls' capacity
     iso_mean = sum(iso) / len(iso)
     print(f"online calls alone: mean {iso_mean:.3f} s ({time.perf_counter() - t0:.0f} s)")
     rate = args.load / iso_mean
-    arrivals = [u / rate for u in unit]
-    online_trace = list(zip(arrivals, online, strict=True))
+    online_trace = [(u / rate, r) for u, r in zip(unit, online, strict=True)]
     alone = {**harness.latency_summary(run(po, online_trace)), **run.diagnostics(online, 0)}
-    batch_lat = run(po, [(0.0, r) for r in batch])
-    batch_alone = len(batch) / max(batch_lat)
+    batch_alone = len(batch) / max(run(po, [(0.0, r) for r in batch]))
     print(f"online alone P99 {alone['p99_s']:.3f} s; batch alone {batch_alone:.3f} items/s")
     slo_s = args.slo_x * alone["p99_s"]
     prio = SchedulerConfig(
@@ -141,17 +127,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, cfg in (("fcfs", fcfs), ("po", po), ("po+prio", prio)):
         lat = run(cfg, mixed)
-        b, o = lat[: len(batch)], lat[len(batch) :]
+        o, items_s = lat[len(batch) :], len(batch) / max(lat[: len(batch)])
         s = harness.latency_summary(o)
-        print(f"{name}: online P99 {s['p99_s']:.3f} s, batch {len(batch) / max(b):.3f} items/s")
+        print(f"{name}: online P99 {s['p99_s']:.3f} s, batch {items_s:.3f} items/s")
         rows.append(
             {
                 "policy": name,
                 "online_p50_s": s["p50_s"],
                 "online_p99_s": s["p99_s"],
                 "p99_vs_alone": s["p99_s"] / alone["p99_s"],
-                "batch_items_s": len(batch) / max(b),
-                "batch_vs_alone": len(batch) / max(b) / batch_alone,
+                "batch_items_s": items_s,
+                "batch_vs_alone": items_s / batch_alone,
                 "slo_met": sum(x <= slo_s for x in o) / len(o),
                 **run.diagnostics([r for _, r in mixed], len(batch)),
             }
@@ -177,14 +163,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def markdown(doc: dict[str, Any]) -> str:
     a = doc["args"]
-    intro = prose(
-        "mixed",
-        d=doc,
-        a=a,
-        sim=" --simulate" if a["simulate"] else "",
-        batch=a["batch_tokens"].replace(",", "-"),
-        ms=doc["online_slo_s"] * 1e3,
-    )
+    sim, batch = " --simulate" if a["simulate"] else "", a["batch_tokens"].replace(",", "-")
+    intro = prose("mixed", d=doc, a=a, sim=sim, batch=batch, ms=doc["online_slo_s"] * 1e3)
     head = (
         "policy | online P50 s | online P99 s | P99 / alone | within target | batch items/s | batch / alone"
     )

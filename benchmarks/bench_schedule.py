@@ -1,29 +1,19 @@
-"""Scheduling and the JCT model in process on the embedded model and the server's own loop (no HTTP;
-bench_serving goes through HTTP), on WL1-style traces (users x posts sharing a per-user profile)
-and WL2-style ones (long unique histories); the prefix pool holds `--cache-profiles` WL1 profiles
-(as in the paper, the cache cannot hold every user). Modes:
+"""Scheduling and the JCT model in process on the embedded model and the server's own loop (no HTTP),
+on WL1-style traces (users x posts sharing a per-user profile) and WL2-style ones (long unique
+histories); the prefix pool holds `--cache-profiles` WL1 profiles (the paper's cache cannot hold
+every user either). Modes:
 
-- sweep (default): harness.sweep per workload for each of `--configs` (policies, the transformers
-  baseline, chunked prefill): the QPS each sustains at the P99 SLO, po / fcfs, and the JCT model's
-  accuracy on every (held-out) step. The anchor is the isolated throughput: for WL1 the all-at-t=0
-  rate is far higher and a sweep anchored there never finds the SLO crossing. The paper's
-  ablations (Fig. 10/11) are configs: `po-nodiscard` (suffix discarding off: each request declares
-  all but its last token as its cache prefix) and `po@LAMBDA` (po with that fairness lambda), in
-  one sweep on the same anchor and arrivals (run_all's `lambda` step). `--seed 0,1,2`: a sweep
-  per arrival seed and request order, then every seed's requests pooled per load and config (with
-  a few dozen requests a seed, one seed's P99 is its slowest request or two).
+- sweep (default): harness.sweep per workload and `--configs` (the paper's Fig. 10/11 ablations are
+  configs: `po-nodiscard`, `po@LAMBDA`): the QPS each sustains at the P99 SLO, po / fcfs, and the
+  JCT model's accuracy on every (held-out) step. QPS are multiples of the isolated throughput: WL1's
+  all-at-t=0 rate is so much higher that a sweep anchored there never finds the SLO crossing.
+  `--seed 0,1,2`: a sweep per seed, then every seed's requests pooled per load and config.
 - `--offline`: items/s of the whole job queued at t=0 per config, and ours one request at a time.
 - `--simulate`: the same traces on po_backend.sim.simulator, step times from a measured fit (`--jct`).
-- `--llamacpp`: llama.cpp (llama-cpp-python, optional) next to ours on the same GGUF and WL1 items,
-  one at a time in user order with prefix reuse on both sides; items/s and label agreement.
-- `--startup`: launch to /health 200 of `--workers` servers on a fresh cache, then a later start;
-  and the start-up JCT model (quick estimate, refined online) against the full profile, both
-  predicting every real step of one engine before it runs (r and median error after warm-up).
+- `--llamacpp`: llama.cpp (llama-cpp-python, optional) next to ours on the same GGUF and WL1 items.
+- `--startup`: time to /health 200 and the start-up JCT model against the full profile.
 
-    flock /tmp/po-bench.lock python -m benchmarks.bench_schedule      # ~25-35 min
-    python -m benchmarks.bench_schedule --quick                       # ~2 min smoke run
-    python -m benchmarks.bench_schedule --simulate                    # ~30 s
-    python -m benchmarks.bench_schedule --startup --quick             # max_input_len 2048
+    flock /tmp/po-bench.lock python -m benchmarks.bench_schedule      # ~25-35 min; --quick ~2 min
 """
 
 from __future__ import annotations
@@ -80,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
     harness.flags(ap, workers=(1, "--startup: servers booted at once, fresh cache"))
     harness.flags(ap, timeout=(900.0, "--startup: seconds to /health 200"))
-    harness.flags(ap, configs=("fcfs,srjf,lpm,po", f"of {','.join(CONFIGS)}"))
+    harness.flags(ap, configs=("fcfs,srjf,lpm,po", f"of {','.join(CONFIGS)}, po@LAMBDA"))
     harness.flags(ap, mults=("0.5,0.7,1,1.4,2,4", "QPS as multiples of the anchor QPS"))
     harness.flags(ap, mults_wl2=("0.5,1,2,4", "WL2's (empty: --mults)"))
     harness.flags(ap, baseline_items=(6, "--offline: requests hf runs"))
@@ -105,13 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"  # tmp/: git-ignored
     args.out.parent.mkdir(parents=True, exist_ok=True)
     wanted = args.configs.split(",")
+    if bad := [c for c in wanted if c not in CONFIGS and not re.fullmatch(r"po@\d+(\.\d+)?", c)]:
+        ap.error(f"--configs {','.join(bad)}: not one of {','.join(CONFIGS)}, nor po@LAMBDA (LAMBDA >= 0)")
     # po@LAMBDA: po with that fairness lambda, beside the others on the same anchor and arrivals
     # (a second run would measure its own isolated latency, so its QPS points would differ).
-    variants = [c for c in wanted if c.startswith("po@")]
-    for c in variants:
-        if not re.fullmatch(r"po@\d+(\.\d+)?", c):
-            ap.error(f"--configs {c}: po@LAMBDA takes a number >= 0, e.g. po@1")
-    args.configs = [c for c in CONFIGS if c in wanted] + variants
+    args.configs = [c for c in CONFIGS if c in wanted] + [c for c in wanted if c.startswith("po@")]
     return args
 
 
@@ -123,15 +111,22 @@ def policy_of(config: str, default_lambda: float) -> tuple[str, float]:
     return policy, float(lam) if lam else default_lambda
 
 
-def profile_quietly(engine: Any, args: argparse.Namespace) -> tuple[JCTModel, float]:
-    """The JCT profile, timed again if other processes used the CPU meanwhile: a profile timed on
-    a busy CPU prices steps wrongly for the whole run. Returns the model and the seconds it took."""
+def floats(csv: str) -> list[float]:
+    return [float(x) for x in csv.split(",")]
 
-    def timed() -> tuple[JCTModel, float]:
-        t = time.perf_counter()
-        return load_or_profile(engine, refresh=args.reprofile), time.perf_counter() - t
 
-    return harness.quietly(timed, "profiling", args.quiet_wait)[0]
+def sweep_name(trace: str, seed: int, seeds: list[int]) -> str:
+    """A sweep's key in the results: its trace, and its seed where the run swept several."""
+    return trace if len(seeds) == 1 else f"{trace} seed {seed}"
+
+
+def pool_seeds(doc: dict[str, Any], traces: dict[str, Any], seeds: list[int]) -> None:
+    """With several seeds, each trace's sweeps pooled (`harness.pooled`) into doc["pooled"]."""
+    if len(seeds) > 1:
+        doc["pooled"] = {
+            t: harness.pooled([doc["workloads"][sweep_name(t, s, seeds)]["runs"] for s in seeds])
+            for t in traces
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,7 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     harness.wait_for_quiet(args.quiet_wait)
     engine = harness.load_engine(pool or None)
     print(f"dtype {engine.config.dtype}, max_batch_tokens {engine.config.max_batch_tokens}, pool {pool}")
-    jct, profile_s = profile_quietly(engine, args)
+
+    def profile() -> tuple[JCTModel, float]:
+        t = time.perf_counter()
+        return load_or_profile(engine, refresh=args.reprofile), time.perf_counter() - t
+
+    # Timed again if other processes used the CPU meanwhile: a profile timed on a busy CPU prices
+    # steps wrongly for the whole run.
+    jct, profile_s = harness.quietly(profile, "profiling", args.quiet_wait)[0]
     q = jct.quality
     print(f"JCT profile ({profile_s:.1f} s): held-out r={q.pearson_r if q else '?'}, coef {jct.coef}")
     doc: dict[str, Any] = {
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         "jct_fit": {"profile_seconds": profile_s, "coef": jct.coef, **(asdict(q) if q else {})},
         "pool_tokens": pool,
         "workloads": {},
+        "configs": {},
     }
     setups: dict[str, harness.Setup] = {}
     for c in args.configs:
@@ -172,13 +175,8 @@ def main(argv: list[str] | None = None) -> None:
             scorer = harness.load_engine(pool or None, "chunked")
         else:
             scorer = engine
-        setups[c] = harness.Setup(
-            scorer, *policy_of(c, args.fairness_lambda), keep_suffix=c == "po-nodiscard"
-        )
-    doc["configs"] = {
-        c: CONFIGS.get(c, f"{CONFIGS['po']}, fairness lambda {policy_of(c, args.fairness_lambda)[1]:g}")
-        for c in args.configs
-    }
+        setups[c] = setup = harness.Setup(scorer, *policy_of(c, args.fairness_lambda), c == "po-nodiscard")
+        doc["configs"][c] = CONFIGS.get(c, f"{CONFIGS['po']}, fairness lambda {setup.lam:g}")
     cal = CalibratedJCT(jct)  # one calibration for the whole benchmark, as one long-lived server
     partial = args.out.with_suffix(".partial.json")
 
@@ -198,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = sum(len(r.input_ids) for r in reqs)
         print(f"\n{name}: {len(reqs)} requests, {tokens} tokens, mean {tokens / len(reqs):.0f} per request")
         if args.offline:
-            doc["workloads"][name] = {"offline": offline(setups, engine, cal, reqs, args)}
+            doc["workloads"][name] = {"offline": offline(setups, engine, cal, reqs, args.baseline_items)}
             continue
         harness.wait_for_quiet(args.quiet_wait)
         iso = harness.isolated(engine, cal, reqs)
@@ -208,20 +206,13 @@ def main(argv: list[str] | None = None) -> None:
             f"  isolated mean {iso['mean_s']:.2f} s (P99 SLO {args.slo_x * iso['mean_s']:.2f} s); saturated "
             f"po {len(reqs) / sat['makespan_s']:.3f} req/s, hits {sat['hit_rate']:.0%}"
         )
-        mults = args.mults_wl2 if trace == "WL2" and args.mults_wl2 else args.mults
-        mults = [float(x) for x in mults.split(",")]
-        keep_runs = functools.partial(keep, name)
-        w = harness.sweep(
-            functools.partial(point, reqs), args.configs, reqs, unit, mults, iso, args, sat, keep_runs
-        )
+        mults = floats(args.mults_wl2 if trace == "WL2" and args.mults_wl2 else args.mults)
+        run, kept = functools.partial(point, reqs), functools.partial(keep, name)
+        w = harness.sweep(run, args.configs, reqs, unit, mults, iso, args, sat, kept)
         all_runs += [w["isolated"], w["saturated"], *w["runs"]]
-        main_slo = w["at_slo"][f"{args.slo_x:g}"]
-        doc["workloads"][name] = {
-            **w,
-            "sustained_qps": main_slo["sustained_qps"],
-            "po_vs_fcfs": main_slo["po_vs_fcfs"],
-            "jct": harness.jct_quality(w["runs"]),
-        }
+        at_slo = w["at_slo"][f"{args.slo_x:g}"]
+        doc["workloads"][name] = {**w, **{k: at_slo[k] for k in ("sustained_qps", "po_vs_fcfs")}}
+        doc["workloads"][name]["jct"] = harness.jct_quality(w["runs"])
     if args.offline:
         return harness.save(args.out, doc)
     doc["jct_online"] = harness.jct_quality(all_runs)
@@ -232,38 +223,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def offline(
-    setups: dict[str, harness.Setup], ours: Any, jct: CalibratedJCT, reqs: list[ScoreRequest], args: Any
+    setups: dict[str, harness.Setup], ours: Any, jct: CalibratedJCT, reqs: list[ScoreRequest], hf_items: int
 ) -> dict[str, Any]:
     """Items/s of the job queued at t=0 per setup, and of ours one request at a time. hf reuses
-    nothing, so every item costs it the same: it runs the first `--baseline-items` requests only."""
+    nothing, so every item costs it the same: it runs the first `hf_items` requests only."""
     iso = harness.isolated(ours, jct, reqs)
     out = {"ours, one at a time": {"items": len(reqs), "items_per_s": len(reqs) / sum(iso["latencies"])}}
     for name, s in setups.items():
-        part = s.requests(reqs[: args.baseline_items] if name == "hf" else reqs)
+        part = s.requests(reqs[:hf_items] if name == "hf" else reqs)
         r = harness.run_trace(s.scorer, jct, s.policy, s.lam, part, None)
-        out[name] = {"items": len(part), "items_per_s": len(part) / r["makespan_s"]}
-        out[name] |= {
-            k: r[k] for k in ("hit_rate", "mean_batch", "inserted_tokens", "evicted_tokens") if k in r
-        }
+        counts = {k: r[k] for k in ("hit_rate", "mean_batch", "inserted_tokens", "evicted_tokens") if k in r}
+        out[name] = {"items": len(part), "items_per_s": len(part) / r["makespan_s"], **counts}
     base = out.get("hf", {}).get("items_per_s")
     for name, o in out.items():
         vs = f" ({o['items_per_s'] / base:.1f}x hf)" if base else ""
         print(f"  {name:20s} {o['items']:4d} items: {o['items_per_s']:.3f} items/s{vs}")
     return out
-
-
-def sweep_name(trace: str, seed: int, seeds: list[int]) -> str:
-    """A sweep's key in the results: its trace, and its seed where the run swept several."""
-    return trace if len(seeds) == 1 else f"{trace} seed {seed}"
-
-
-def pool_seeds(doc: dict[str, Any], traces: dict[str, Any], seeds: list[int]) -> None:
-    """With several seeds, each trace's sweeps pooled (`harness.pooled`) into doc["pooled"]."""
-    if len(seeds) > 1:
-        doc["pooled"] = {
-            t: harness.pooled([doc["workloads"][sweep_name(t, s, seeds)]["runs"] for s in seeds])
-            for t in traces
-        }
 
 
 def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: Any, pool: int) -> None:
@@ -280,37 +255,31 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
 
     def run(reqs: list[ScoreRequest], config: str, arrivals: list[float]) -> dict[str, Any]:
         cache = PrefixLRU(pool, engine.config.max_batch_tokens)
-        trace = list(zip(arrivals, reqs, strict=True))
         sched = SchedulerConfig(*policy_of(config, args.fairness_lambda))
-        out = simulate(sched, model, trace, cache)
+        out = simulate(sched, model, list(zip(arrivals, reqs, strict=True)), cache)
         steps = max(r.step for r in out) + 1
-        hits = sum(r.cached for r in out) / sum(len(r.input_ids) for r in reqs)
         lat = [r.end - r.arrival for r in out]
         return {
             "policy": sched.policy,
             **harness.latency_summary(lat),
             "latencies": lat,
-            "hit_rate": hits,
+            "hit_rate": sum(r.cached for r in out) / sum(len(r.input_ids) for r in reqs),
             "steps": steps,
             "mean_batch": len(out) / steps,
             "other_cores": 0.0,
         }
 
-    doc: dict[str, Any] = {
-        "args": vars(args),
-        "jct_source": source,
-        "coef": model.coef,
-        "pool_tokens": pool,
-        "workloads": {},
-    }
+    doc: dict[str, Any] = {"args": vars(args), "jct_source": source, "coef": model.coef, "pool_tokens": pool}
+    doc["workloads"] = {}
     seeds = harness.seeds(args.seed)
     for (trace, items), seed in itertools.product(traces.items(), seeds):
         name = sweep_name(trace, seed, seeds)
         reqs, unit = harness.requests_and_arrivals(items, label_ids(tok), seed)
         t = time.perf_counter()
         iso = run(reqs, "fcfs", [1e6 * i for i in range(len(reqs))])  # 1e6 s apart: none ever waits
-        mults = [float(x) for x in args.sim_mults.split(",")]
-        w = harness.sweep(functools.partial(run, reqs), policies, reqs, unit, mults, iso, args)
+        w = harness.sweep(
+            functools.partial(run, reqs), policies, reqs, unit, floats(args.sim_mults), iso, args
+        )
         doc["workloads"][name] = w
         ratios = ", ".join(f"{x}x: {a['po_vs_fcfs']}" for x, a in w["at_slo"].items())
         print(
@@ -343,55 +312,46 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
     }
     if importlib.util.find_spec("llama_cpp") is None:
         on = ["ON" if f in cpu_flags() else "OFF" for f in ("avx512f", "avx512_bf16", "avx512_vnni")]
-        wheels = Path("~/.cache/prefillonly/wheels").expanduser()
         doc["status"] = "not run: llama-cpp-python not installed"
-        doc["install"] = INSTALL.format(*on, w=wheels)
+        doc["install"] = INSTALL.format(*on, w=Path("~/.cache/prefillonly/wheels").expanduser())
         print(doc["status"] + "\n  install: " + doc["install"])
         return harness.save(args.out, doc)
     import llama_cpp
 
     from po_backend.engine.models.loader import embedded_model_file
 
-    def p_yes(logp_yes: float, logp_no: float) -> float:
-        return 1.0 / (1.0 + math.exp(min(logp_no - logp_yes, 700.0)))  # no overflow
+    def p_yes(logit_yes: float, logit_no: float) -> float:  # a log-softmax's normaliser cancels here
+        return 1.0 / (1.0 + math.exp(min(logit_no - logit_yes, 700.0)))  # no overflow
 
-    def timed(score: Callable[[int], float]) -> dict[str, Any]:
-        lat, probs, t0 = [], [], time.perf_counter()
-        for i in range(len(items)):
+    def timed(score: Callable[[Any], float]) -> dict[str, Any]:
+        lat, probs = [], []
+        for it in items:
             t = time.perf_counter()
-            probs.append(score(i))
+            probs.append(score(it))
             lat.append(time.perf_counter() - t)
-        return {
-            "items_per_s": len(items) / (time.perf_counter() - t0),
-            "mean_s": float(np.mean(lat)),
-            "p_yes": probs,
-        }
+        return {"items_per_s": len(items) / sum(lat), "mean_s": float(np.mean(lat)), "p_yes": probs}
 
     engine, gguf = harness.load_engine(), embedded_model_file()
 
-    def score_ours(i: int) -> float:
-        return p_yes(
-            *engine.score([list(items[i].ids)], labels, cache_prefix_len=len(items[i].prefix))[0].logprobs
-        )
+    def score_ours(it: Any) -> float:
+        return p_yes(*engine.score([list(it.ids)], labels, cache_prefix_len=len(it.prefix))[0].logprobs)
 
     ours = timed(score_ours)
     n_ctx = max(len(it.ids) for it in items) + 16
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
 
-    def score_llamacpp(i: int) -> float:
-        ids, past, k = items[i].ids, list(llm.input_ids[: llm.n_tokens]), 0
+    def score_llamacpp(it: Any) -> float:
+        ids, past, k = it.ids, list(llm.input_ids[: llm.n_tokens]), 0
         while k < min(len(past), len(ids) - 1) and past[k] == ids[k]:
             k += 1
         llm.n_tokens = k  # keep the shared prefix's KV; eval() drops the rest and computes the suffix
         llm.eval(list(ids[k:]))
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
-        logp = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))
-        return p_yes(float(logp[labels[0]]), float(logp[labels[1]]))
+        return p_yes(float(logits[labels[0]]), float(logits[labels[1]]))
 
     lc = timed(score_llamacpp)
     pairs = list(zip(ours["p_yes"], lc["p_yes"], strict=True))
-    doc = {
-        **doc,
+    doc |= {
         "status": "ok",
         "gguf": gguf.name,
         "items": len(items),
@@ -402,8 +362,7 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
         "ours_vs_llamacpp": ours["items_per_s"] / lc["items_per_s"],
     }
     print(
-        f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} items/s "
-        f"({doc['ours_vs_llamacpp']:.2f}x)"
+        f"ours {ours['items_per_s']:.2f} items/s vs llama.cpp {lc['items_per_s']:.2f} ({doc['ours_vs_llamacpp']:.2f}x)"
     )
     harness.save(args.out, doc)
 
@@ -443,11 +402,21 @@ def jct_accuracy(max_input_len: int, warmup: int, held: int) -> dict[str, Any]:
     from po_backend.serving import jct_profile as jp
 
     engine = Engine.from_pretrained("embedded", max_input_len=max_input_len)
-    t = time.perf_counter()
+    t0 = time.perf_counter()
     grid, _ = jp.measure(engine, jp.DEFAULT_GRID, "grid")
-    grid_s, t = time.perf_counter() - t, time.perf_counter()
+    t1 = time.perf_counter()
     quick, anchors = jp.measure(engine, jp.QUICK_GRID, "quick", retry=False)
-    quick_s = time.perf_counter() - t
+    out: dict[str, Any] = {
+        "max_input_len": max_input_len,
+        "warmup_steps": warmup,
+        "held_out_steps": held,
+        "grid_profile_s": round(t1 - t0, 1),
+        "quick_profile_s": round(time.perf_counter() - t1, 1),
+        "grid_fit_loo": grid.quality.__dict__ if grid.quality else None,
+        "quick_fit_loo": quick.quality.__dict__ if quick.quality else None,
+        "grid_coef": grid.coef,
+        "quick_coef": quick.coef,
+    }
     models = {
         "today_grid_calibrated": CalibratedJCT(grid),
         "today_grid_raw": CalibratedJCT(grid, alpha=1e-9),
@@ -469,28 +438,15 @@ def jct_accuracy(max_input_len: int, warmup: int, held: int) -> dict[str, Any]:
             ids = prefix + tuple(rng.randrange(vocab) for _ in range(total - len(prefix)))
             reqs.append(ScoreRequest(ids, (0,), cache_prefix_len=len(prefix)))
         t = time.perf_counter()
-        results = engine.step(reqs)
-        seconds = time.perf_counter() - t
-        steps = [(r.prompt_tokens, r.cached_tokens) for r in results]
+        steps = [(r.prompt_tokens, r.cached_tokens) for r in engine.step(reqs)]
+        measured.append(time.perf_counter() - t)
         for name, m in models.items():
             preds[name].append(m.predict_items(steps))  # before it sees this step
-            m.observe(steps, seconds)
-        measured.append(seconds)
+            m.observe(steps, measured[-1])
         if (i + 1) % 16 == 0:
             print(f"step {i + 1}/{warmup + held}", flush=True)
-    out: dict[str, Any] = {
-        "max_input_len": max_input_len,
-        "warmup_steps": warmup,
-        "held_out_steps": held,
-        "grid_profile_s": round(grid_s, 1),
-        "quick_profile_s": round(quick_s, 1),
-        "grid_fit_loo": grid.quality.__dict__ if grid.quality else None,
-        "quick_fit_loo": quick.quality.__dict__ if quick.quality else None,
-        "grid_coef": grid.coef,
-        "quick_coef": quick.coef,
-        "refined_coef": models["new_quick_refined"].model.coef,
-        "refits": models["new_quick_refined"].refits,
-    }
+    refined = models["new_quick_refined"]
+    out["refined_coef"], out["refits"] = refined.model.coef, refined.refits
     for name in models:
         q = prediction_quality(preds[name][warmup:], measured[warmup:])
         out[name] = {"pearson_r": round(q.pearson_r, 4), "median_rel_error": round(q.median_rel_error, 4)}
@@ -504,15 +460,10 @@ def startup(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health poll otherwise
     m = harness.machine_info()
-    doc: dict[str, Any] = {
-        "cpu": m["cpu"],
-        "cores": m["cores"],
-        "torch_threads": m["torch_threads"],
-        "load_avg_at_start": os.getloadavg(),  # entries are evaluated in order: before the runs
-        "starts": time_starts(args.workers, args.timeout),
-        "accuracy": jct_accuracy(*((2048, 48, 48) if args.quick else (8192, 96, 96))),
-        "load_avg_at_end": os.getloadavg(),
-    }
+    doc = {k: m[k] for k in ("cpu", "cores", "torch_threads")} | {"load_avg_at_start": os.getloadavg()}
+    doc["starts"] = time_starts(args.workers, args.timeout)
+    doc["accuracy"] = jct_accuracy(*((2048, 48, 48) if args.quick else (8192, 96, 96)))
+    doc["load_avg_at_end"] = os.getloadavg()
     harness.save(args.out, doc)
 
 

@@ -2,7 +2,7 @@
 `/v1/score`, `/v1/rerank` or `/generate`) against our server per `--launch` config or any running
 server (`--url`, e.g. a real SGLang): mean/P50/P99 latency (send -> response) and items/s per offered
 QPS, ratios against the baseline config (`hf` when launched, else the first) of the same run.
-Results: benchmarks/results/<out>.json, .md and .png. bench_cluster builds its traffic here.
+Results: `--out` (results/serving.json), its .md and .png. bench_cluster builds its traffic here.
 
     python -m benchmarks.bench_serving --launch po,fcfs,hf --qps 0.5,1,2
     python -m benchmarks.bench_serving --url http://127.0.0.1:30000 --api score --qps 1,2
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import math
 import random
 import re
 from collections import Counter
@@ -38,13 +37,7 @@ LAUNCH = {
     "base": ["--schedule-policy", "po"],
     "po-nogroup": ["--schedule-policy", "po", "--min-shared-prefix", str(10**9)],
 }
-# Scored and cache-hit tokens; what the pool holds, and how much of it was read back.
-COUNTERS = (
-    "po_prompt_tokens_total",
-    "po_cache_hit_tokens_total",
-    "po_cache_tokens",
-    "po_cache_reused_tokens",
-)
+Headers = dict[str, str] | None  # an API key's Authorization header, or none
 
 
 @dataclass(frozen=True)
@@ -115,11 +108,7 @@ def request_body(call: Call, args: argparse.Namespace, tok: Any) -> tuple[str, d
 
 
 async def send_open_loop(
-    url: str,
-    calls: Sequence[Call],
-    arrivals: Sequence[float],
-    timeout: float,
-    headers: dict[str, str] | None = None,
+    url: str, calls: Sequence[Call], arrivals: Sequence[float], timeout: float, headers: Headers = None
 ) -> tuple[list[Outcome], float]:
     """POST each call at its arrival (seconds from the start) whatever happened to the earlier
     ones, so a server that falls behind shows it as latency. Returns the outcomes and the span
@@ -129,7 +118,8 @@ async def send_open_loop(
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
-        async def one(c: Call) -> Outcome:
+        async def one(c: Call, at: float) -> Outcome:
+            await asyncio.sleep(max(0.0, t0 + at - loop.time()))
             sent = loop.time()
             try:
                 r = await client.post(c.path, json=c.body)
@@ -138,11 +128,7 @@ async def send_open_loop(
                 status, err = 0, f"{type(e).__name__}: {e}"
             return Outcome(sent - t0, loop.time() - sent, status, len(c.suffixes), err)
 
-        tasks = []
-        for c, at in zip(calls, arrivals, strict=True):
-            await asyncio.sleep(max(0.0, t0 + at - loop.time()))
-            tasks.append(asyncio.create_task(one(c)))
-        outcomes = await asyncio.gather(*tasks)
+        outcomes = await asyncio.gather(*(one(c, at) for c, at in zip(calls, arrivals, strict=True)))
     span = max(o.sent + o.latency for o in outcomes) - min(o.sent for o in outcomes)
     return list(outcomes), span
 
@@ -159,22 +145,21 @@ def summarize(outcomes: list[Outcome], span: float, qps: float, items_per_call: 
         "first_error": next((o.error for o in outcomes if o.status != 200), ""),
         "items": items,
         "seconds": span,
-        "items_per_s": items / span if span > 0 else math.nan,
+        "items_per_s": items / span if span > 0 else float("nan"),
         **harness.latency_summary([o.latency for o in good]),
     }
 
 
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """Our server's counters (an SGLang server has other names: then empty)."""
+def scrape(url: str, headers: Headers = None) -> dict[str, float]:
+    """Our server's unlabelled `po_*` metrics (an SGLang server has other names: then empty)."""
     try:
         text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     except httpx.HTTPError:
         return {}
-    found = {name: re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M) for name in COUNTERS}
-    return {name: float(m.group(1)) for name, m in found.items() if m}
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(po_\w+) ([0-9.e+-]+)$", text, re.M)}
 
 
-def warm_up(url: str, call: Call, timeout: float, headers: dict[str, str] | None = None) -> None:
+def warm_up(url: str, call: Call, timeout: float, headers: Headers = None) -> None:
     """One request first: one-off start-up costs (allocator, kernels) stay out of the numbers."""
     r = httpx.post(url + call.path, json=call.body, headers=headers, timeout=timeout)
     if r.status_code != 200:
@@ -182,11 +167,11 @@ def warm_up(url: str, call: Call, timeout: float, headers: dict[str, str] | None
 
 
 def bench_one(
-    name: str, url: str, calls: list[Call], args: argparse.Namespace, pid: int | None = None
-) -> list[dict]:
+    name: str, url: str, calls: list[Call], args: argparse.Namespace, auth: Headers, pid: int | None
+) -> list[dict[str, Any]]:
     """Every `--qps` on one server, each from a flushed cache. Without a pid (a server not
     launched here) the server's own CPU use counts as "other"."""
-    rows, auth = [], _auth(args)
+    rows: list[dict[str, Any]] = []
     per_call = sum(len(c.suffixes) for c in calls) / len(calls)
     for qps in args.qps:
         httpx.post(url + "/flush_cache", headers=auth, timeout=60)
@@ -202,33 +187,28 @@ def bench_one(
             hits = after["po_cache_hit_tokens_total"] - before["po_cache_hit_tokens_total"]
             row["prompt_tokens"] = prompt
             row["cache_hit_rate"] = hits / prompt if prompt else 0.0
-            row["prompt_tokens_per_s"] = prompt / span if span else math.nan
+            row["prompt_tokens_per_s"] = prompt / span if span else float("nan")
             # What the pool holds at the end, and how much of it was read back (not speculation).
             if "po_cache_tokens" in after:
                 row["cache_tokens"] = after["po_cache_tokens"]
-                row["cache_reused_tokens"] = after.get("po_cache_reused_tokens", math.nan)
+                row["cache_reused_tokens"] = after.get("po_cache_reused_tokens", float("nan"))
         rows.append(row)
         print(" | ".join(report.serving_rows([row])[2][0]), row["errors"] or "", row["first_error"][:80])
     return rows
 
 
-def _auth(args: argparse.Namespace) -> dict[str, str]:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    quick = "2 users x 4 posts, 300-token profiles, qps 1"
+    ap = harness.parser(__doc__, harness.RESULTS / "serving.json", quick)
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server")
     where.add_argument("--launch", help=f"launch ours per config, one at a time: any of {','.join(LAUNCH)}")
-    harness.flags(ap, model_path=("embedded", "model to launch; its tokenizer is used"))
+    harness.flags(ap, model_path=("embedded", "model to launch; its tokenizer is used"), api_key=None, seed=0)
     harness.flags(ap, tokenizer=(None, "tokenizer folder (default: --model-path)"))
-    harness.flags(ap, api_key=None, seed=0)
     harness.flags(ap, server_args=("", "more flags for every launched server"))
     harness.flags(ap, base_checkout=(None, "the checkout `--launch base` runs (another commit)"))
-    harness.flags(
-        ap, api=["score", "rerank", "generate"], generate_as=(["ids", "text"], "/generate: ids or text")
-    )
+    harness.flags(ap, api=["score", "rerank", "generate"], timeout=(600.0, "per request, seconds"))
+    harness.flags(ap, generate_as=(["ids", "text"], "/generate: token ids or text"))
     ap.add_argument(
         "--no-prefix-hint", dest="prefix_hint", action="store_false", help="/generate: no cache_prefix_len"
     )
@@ -236,29 +216,26 @@ def main() -> None:
     harness.flags(
         ap, profile_tokens=(1000, "WL1: mean profile length"), item_tokens=(150, "WL1: tokens per post")
     )
-    harness.flags(ap, history_tokens=(3000, "WL2: longest history"))
-    harness.flags(ap, items_per_call=(1, "items of one user per HTTP call"))
-    harness.flags(ap, qps=(None, "offered calls/s, comma list (default 0.5,1,2; --quick: 1)"))
     harness.flags(
-        ap, timeout=(600.0, "per request, seconds"), out=("serving", "results file stem in results/")
+        ap, history_tokens=(3000, "WL2: longest history"), items_per_call=(1, "items per HTTP call")
     )
-    harness.flags(ap, quick=(False, "2 users x 4 items, 300-token profiles, qps 1"))
+    harness.flags(ap, qps=(None, "offered calls/s, comma list (default 0.5,1,2; --quick: 1)"))
     args = ap.parse_args()
     if args.quick:
         args.users, args.items, args.profile_tokens, args.item_tokens = 2, 4, 300, 60
         args.history_tokens, args.qps = 600, args.qps or "1"
     args.qps = [float(x) for x in (args.qps or "0.5,1,2").split(",")]
-    unknown = set(args.launch.split(",")) - set(LAUNCH) if args.launch else set()
-    if unknown:
-        ap.error(f"unknown --launch config {sorted(unknown)}; choose from {sorted(LAUNCH)}")
-    if "base" in (args.launch or "").split(",") and not args.base_checkout:
+    launch = args.launch.split(",") if args.launch else []
+    if unknown := sorted(set(launch) - set(LAUNCH)):
+        ap.error(f"unknown --launch config {unknown}; choose from {sorted(LAUNCH)}")
+    if "base" in launch and not args.base_checkout:
         ap.error("--launch base needs --base-checkout DIR")
+    auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model_path = args.tokenizer or args.model_path
     if args.url and not args.tokenizer:  # same machine: the served model's tokenizer, loaded here
-        info = httpx.get(args.url + "/model_info", headers=_auth(args), timeout=10).json()
+        info = httpx.get(args.url + "/model_info", headers=auth, timeout=10).json()
         model_path = info.get("tokenizer_path") or info["model_path"]
-    tok = harness.tokenizer(model_path)
-    calls = make_calls(args, tok)
+    calls = make_calls(args, harness.tokenizer(model_path))
     n_items = sum(len(c.suffixes) for c in calls)
     tokens = sum(len(c.prefix) + len(s) for c in calls for s in c.suffixes)
     workload = {
@@ -270,24 +247,22 @@ def main() -> None:
     }
     machine = harness.machine_info()
     print(f"{args.workload}: {len(calls)} calls, {n_items} items, {tokens} prompt tokens | {machine['cpu']}")
-    rows: list[dict[str, Any]] = bench_one("server", args.url, calls, args) if args.url else []
-    for name in args.launch.split(",") if args.launch else []:
-        flags = [*LAUNCH[name], *args.server_args.split()]
+    rows = bench_one("server", args.url, calls, args, auth, None) if args.url else []
+    for name in launch:
         # python -m resolves po_backend from the working directory: `base` runs the other checkout's.
         cwd = args.base_checkout if name == "base" else harness.REPO_ROOT
-        srv = harness.our_server(flags, args.model_path, cwd=cwd)
+        srv = harness.our_server([*LAUNCH[name], *args.server_args.split()], args.model_path, cwd=cwd)
         with harness.servers_up([srv]):
-            warm_up(srv.url, calls[0], args.timeout, _auth(args))
-            rows += bench_one(name, srv.url, calls, args, pid=srv.proc.pid if srv.proc else None)
+            warm_up(srv.url, calls[0], args.timeout, auth)
+            rows += bench_one(name, srv.url, calls, args, auth, srv.proc.pid if srv.proc else None)
     doc = {
         "machine": machine,
         "args": {k: v for k, v in vars(args).items() if k != "api_key"},
         "workload": workload,
         "results": rows,
     }
-    harness.save(harness.RESULTS / f"{args.out}.json", doc, report.serving_markdown(doc))
-    plot = {f"{args.workload} via /{args.api}": {"runs": rows}}
-    report.plot_sweeps(plot, harness.RESULTS / f"{args.out}.png")
+    harness.save(args.out, doc, report.serving_markdown(doc))
+    report.plot_sweeps({f"{args.workload} via /{args.api}": {"runs": rows}}, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ be 0, like 5xx), peak RSS against the memory budget, small calls' latency while 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
+import math
 import random
 import signal
 import subprocess
@@ -25,17 +28,19 @@ import psutil
 from benchmarks import harness
 from benchmarks.workloads import WORDS
 
+Request = tuple[str, str, Any, str]  # method, path, body, kind
+
 
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def hostile(rng: random.Random) -> tuple[str, str, Any, str]:
-    """(method, path, body, kind) of one call a hostile client sends: each is over a per-call bound
-    (tests/test_hardening2.py checks each one's status and message), so it must be refused fast with
-    a 4xx while everyone else is served."""
+def hostile(rng: random.Random) -> Request:
+    """One call a hostile client sends: each is over a per-call bound (tests/test_hardening2.py
+    checks each one's status and message), so it must be refused fast with a 4xx while everyone
+    else is served."""
     ids = [rng.randrange(100, 40000) for _ in range(2048)]
-    calls: list[tuple[str, str, Any, str]] = [
+    calls: list[Request] = [
         ("POST", "/generate", {"input_ids": ids[:8],
          "sampling_params": {"logit_bias": {str(i): 1.0 for i in range(49151)}}}, "logit_bias"),
         ("POST", "/v1/score", {"query": ids[:16], "items": [ids[16:24]] * 32,
@@ -57,8 +62,8 @@ def hostile(rng: random.Random) -> tuple[str, str, Any, str]:
     return rng.choice(calls)
 
 
-def call(rng: random.Random, big: bool) -> tuple[str, str, Any, str]:
-    """(method, path, body, kind) of one call; some are hostile."""
+def call(rng: random.Random, big: bool) -> Request:
+    """One call of the soak; some are hostile."""
     if rng.random() < 0.08:
         return hostile(rng)
     if big:
@@ -69,12 +74,12 @@ def call(rng: random.Random, big: bool) -> tuple[str, str, Any, str]:
 
 
 async def soak(
-    url: str, duration: float, seed: int, rate: float, big_share: float
-) -> tuple[list[dict[str, Any]], list[float]]:
-    rng = random.Random(seed)
-    records: list[dict[str, Any]] = []
-    health: list[float] = []
-    end = time.monotonic() + duration
+    url: str, pid: int, args: argparse.Namespace
+) -> tuple[list[tuple[str, str, float]], list[float], int]:
+    """`--duration` seconds of mixed load: per call (kind, status, latency), the /health latencies
+    and the server's peak RSS."""
+    rng, health, peak_rss, server = random.Random(args.seed), [], 0, psutil.Process(pid)
+    end = time.monotonic() + args.duration
     # No client-side connection limit: a pool that is full of slow calls would queue the next
     # ones (and the probes) in the client and charge that wait to the server.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -83,40 +88,43 @@ async def soak(
         httpx.AsyncClient(base_url=url, timeout=10) as prober,
     ):
 
-        async def one(method: str, path: str, body: Any, kind: str, abandon: bool) -> None:
+        async def one(request: Request, abandon: bool) -> tuple[str, str, float]:
+            method, path, body, kind = request
+            content = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+            req = client.request(method, path, content=content, headers={"content-type": "application/json"})
             t0 = time.monotonic()
-            rec: dict[str, Any] = {"kind": kind, "t": t0, "status": None, "abandoned": abandon}
-            records.append(rec)
-            content = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
             try:
-                headers = {"content-type": "application/json"}
-                req = client.request(method, path, content=content, headers=headers)
                 r = await (asyncio.wait_for(req, 0.05) if abandon else req)
-                rec["status"], rec["latency"] = r.status_code, time.monotonic() - t0
+                return kind, str(r.status_code), time.monotonic() - t0
             except TimeoutError:
-                rec["status"] = "abandoned"  # the client hung up: nobody is owed an answer
+                return kind, "abandoned", math.nan  # the client hung up: nobody is owed an answer
             except httpx.HTTPError as e:
-                rec["status"] = f"lost: {type(e).__name__}"
+                return kind, f"lost: {type(e).__name__}", math.nan
 
-        async def probe() -> None:
-            while time.monotonic() < end:
+        async def monitor() -> None:  # until cancelled: RSS while any call is out, /health until `end`
+            nonlocal peak_rss
+            while True:
+                with contextlib.suppress(psutil.NoSuchProcess):  # a server that died shows as lost calls
+                    peak_rss = max(peak_rss, server.memory_info().rss)
                 t0 = time.monotonic()
-                try:
-                    await prober.get("/health")
-                    health.append(time.monotonic() - t0)
-                except httpx.HTTPError:
-                    health.append(float("inf"))
+                if t0 < end:
+                    try:
+                        await prober.get("/health")
+                        health.append(time.monotonic() - t0)
+                    except httpx.HTTPError:
+                        health.append(math.inf)
                 await asyncio.sleep(0.1)
 
-        tasks = [asyncio.ensure_future(probe())]
+        watch, calls = asyncio.ensure_future(monitor()), []
         while time.monotonic() < end:
-            method, path, body, kind = call(rng, big=rng.random() < big_share)
-            tasks.append(asyncio.ensure_future(one(method, path, body, kind, abandon=rng.random() < 0.05)))
+            request = call(rng, big=rng.random() < args.big_share)
+            calls.append(asyncio.ensure_future(one(request, abandon=rng.random() < 0.05)))
             if rng.random() < 0.01:
-                tasks.append(asyncio.ensure_future(one("POST", "/flush_cache", {}, "flush", False)))
-            await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
-        await asyncio.gather(*tasks)
-    return records, health
+                calls.append(asyncio.ensure_future(one(("POST", "/flush_cache", {}, "flush"), False)))
+            await asyncio.sleep(rng.expovariate(args.rate))  # Poisson arrivals
+        records = await asyncio.gather(*calls)
+        watch.cancel()
+    return records, health, peak_rss
 
 
 async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]:
@@ -139,6 +147,10 @@ async def drain(url: str, proc: subprocess.Popen[bytes], n: int) -> Counter[str]
     return Counter(str(r.status_code) if isinstance(r, httpx.Response) else "lost" for r in out)
 
 
+def percentile(xs: list[float], q: float, scale: float = 1.0) -> float | None:
+    return float(np.percentile(xs, q)) * scale if xs else None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__, harness.RESULTS / "soak.json")
     harness.flags(ap, model_path="embedded", duration=300.0, memory_budget="1GiB", seed=0)
@@ -149,27 +161,12 @@ def main(argv: list[str] | None = None) -> None:
         ["--memory-budget", args.memory_budget, "--max-body-bytes", "4MiB"], args.model_path
     )
     with harness.servers_up([server]):  # SIGTERMed by `drain`; stopped (killed if need be) on the way out
-        url, proc, peak = server.url, server.proc, [0]
-        assert proc is not None, "started"
-        watcher = psutil.Process(proc.pid)
-
-        async def run() -> tuple[list[dict[str, Any]], list[float]]:
-            async def sample() -> None:
-                while proc.poll() is None:
-                    peak[0] = max(peak[0], watcher.memory_info().rss)
-                    await asyncio.sleep(0.2)
-
-            sampler = asyncio.ensure_future(sample())
-            try:
-                return await soak(url, args.duration, args.seed, args.rate, args.big_share)
-            finally:
-                sampler.cancel()
-
-        records, health = asyncio.run(run())
-        drained = asyncio.run(drain(url, proc, 200))
-        code = proc.wait(timeout=120)
-    statuses = Counter(str(r["status"]) for r in records)
-    small = [r["latency"] for r in records if r["kind"] == "small" and r["status"] == 200]
+        assert server.proc is not None, "started"
+        records, health, peak_rss = asyncio.run(soak(server.url, server.proc.pid, args))
+        drained = asyncio.run(drain(server.url, server.proc, 200))
+        code = server.proc.wait(timeout=120)
+    statuses = Counter(status for _, status, _ in records)
+    small = [latency for kind, status, latency in records if kind == "small" and status == "200"]
     summary = {
         "machine": harness.machine_info(),
         "duration_s": args.duration,
@@ -182,16 +179,16 @@ def main(argv: list[str] | None = None) -> None:
         "5xx": sum(n for s, n in statuses.items() if s.startswith("5")),
         "lost": sum(n for s, n in statuses.items() if s.startswith("lost")),
         "abandoned_by_client": statuses.get("abandoned", 0),
-        "peak_rss_mib": peak[0] / 2**20,
+        "peak_rss_mib": peak_rss / 2**20,
         "memory_budget": args.memory_budget,
-        "small_p50_s": float(np.percentile(small, 50)) if small else None,
-        "small_p99_s": float(np.percentile(small, 99)) if small else None,
-        "health_p50_ms": float(np.percentile(health, 50)) * 1e3 if health else None,
-        "health_p99_ms": float(np.percentile(health, 99)) * 1e3 if health else None,
+        "small_p50_s": percentile(small, 50),
+        "small_p99_s": percentile(small, 99),
+        "health_p50_ms": percentile(health, 50, 1e3),
+        "health_p99_ms": percentile(health, 99, 1e3),
         "health_max_ms": max(health) * 1e3 if health else None,
         "hostile": {
-            k: dict(Counter(str(r["status"]) for r in records if r["kind"] == k))
-            for k in sorted({r["kind"] for r in records} - {"small", "big", "flush"})
+            k: dict(Counter(status for kind, status, _ in records if kind == k))
+            for k in sorted({kind for kind, _, _ in records} - {"small", "big", "flush"})
         },
         "sigterm_burst": dict(drained),
         "exit_code": code,

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
 import platform
 import random
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -33,21 +35,21 @@ from po_backend.sched.jct import CalibratedJCT, JCTModel, prediction_quality
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.serving.loop import EngineLoop
-from po_backend.sim.cluster import LinearStepModel
+from po_backend.sim.cluster import LinearStepModel, p99
 
 MiB = 1 << 20
 GiB = 1 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = RESULTS.parent.parent
 MAX_INPUT_LEN = 4096
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Setup:
-    """One config of a sweep: a scorer EngineLoop can drive, its scheduling policy and fairness
-    lambda; `keep_suffix`: each request declares all but its last token as its cache prefix, so
-    suffixes enter the pool too (the paper's suffix-discarding ablation)."""
+    """One config of a sweep: a scorer EngineLoop can drive, its policy and fairness lambda.
+    `keep_suffix`: each request declares all but its last token as its cache prefix, so suffixes
+    enter the pool too (the paper's suffix-discarding ablation)."""
 
     scorer: Any
     policy: str
@@ -59,8 +61,7 @@ class Setup:
 
 
 def parser(doc: str | None, out: Path | None = None, quick: str | None = None) -> argparse.ArgumentParser:
-    """A benchmark's parser: its docstring's first line, `--out` (default `out`) and, given its
-    help, `--quick`."""
+    """A benchmark's parser: its docstring's first line, `--out` and, given its help, `--quick`."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
     ap.add_argument("--out", type=Path, default=out, help="result JSON (.md and any plot beside it)")
     if quick:
@@ -109,8 +110,7 @@ def our_server(
 
 @contextlib.contextmanager
 def servers_up(servers: Sequence[ServerProcess], timeout: float = 600.0) -> Iterator[list[float]]:
-    """Start `servers` side by side and wait until each answers; yields each one's seconds from
-    launch to ready (in order); stops them all on exit."""
+    """Start `servers` side by side; yields each one's seconds from launch to ready; stops them all."""
     t0, ready = time.monotonic(), []
     try:
         for s in servers:
@@ -122,9 +122,6 @@ def servers_up(servers: Sequence[ServerProcess], timeout: float = 600.0) -> Iter
     finally:
         for s in servers:
             s.stop()
-
-
-# ---- machine --------------------------------------------------------------------------------------
 
 
 def machine_info() -> dict[str, Any]:
@@ -148,14 +145,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def _busy_seconds() -> float:
-    """CPU seconds all cores spent busy since boot. `nice` time counts as idle: niced background
-    work (tests, builds) yields the cores to a benchmark, so it neither slows it much nor should
-    stall it."""
-    t = psutil.cpu_times()
-    return t.user + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
-
-
 def _process_seconds(pid: int | None) -> float:
     """CPU seconds of this process (None) or of process `pid` (0 once it is gone)."""
     try:
@@ -166,42 +155,45 @@ def _process_seconds(pid: int | None) -> float:
 
 
 class CpuShare:
-    """Cores used during a `with` block by this process (`own_cores`), by process `pid` if given (a
-    server this benchmark launched: `pid_cores`) and by everything else (`other_cores`): on a shared
-    machine a run that had other work beside it is slower than the code is."""
+    """Cores used during a `with` block by process `pid` if given (a server this benchmark launched:
+    `pid_cores`) and by everything but it and this process (`other_cores`): on a shared machine a
+    run that had other work beside it is slower than the code is."""
 
     def __init__(self, pid: int | None = None) -> None:
         self.pid = pid
 
+    def _now(self) -> np.ndarray:
+        """The clock; CPU seconds all cores spent busy since boot, this process's and `pid`'s. `nice`
+        time counts as idle: niced background work (tests, builds) yields the cores to a benchmark,
+        so it neither slows it much nor should stall it."""
+        t = psutil.cpu_times()
+        busy = sum(getattr(t, k, 0.0) for k in ("user", "system", "irq", "softirq", "steal"))
+        pid = _process_seconds(self.pid) if self.pid is not None else 0.0
+        return np.array([time.perf_counter(), busy, _process_seconds(None), pid])
+
     def __enter__(self) -> CpuShare:
-        self._start = (time.perf_counter(), _busy_seconds(), _process_seconds(None))
-        self._pid0 = _process_seconds(self.pid) if self.pid is not None else 0.0
+        self._start = self._now()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        t0, busy0, own0 = self._start
-        wall = max(time.perf_counter() - t0, 1e-9)
-        own = _process_seconds(None) - own0
-        other = _process_seconds(self.pid) - self._pid0 if self.pid is not None else 0.0
-        self.own_cores, self.pid_cores = own / wall, other / wall
-        self.other_cores = max(0.0, _busy_seconds() - busy0 - own - other) / wall
+        wall, busy, own, pid = self._now() - self._start
+        self.pid_cores = pid / max(wall, 1e-9)
+        self.other_cores = max(0.0, busy - own - pid) / max(wall, 1e-9)
 
 
 def quietly(run: Callable[[], T], what: str, quiet_wait: float = 60.0, tries: int = 3) -> tuple[T, CpuShare]:
-    """`run()`, again (at most `tries` times in all) while other processes used more than half a
-    core during it: a measurement that later ones are scaled by (a JCT profile, the isolated
-    latency) must not carry another process's load into a whole run. One under a second is kept:
-    too short to tell."""
-    attempt = 1
-    while True:
+    """`run()`, again (`tries` times at most) while other processes used over half a core during it:
+    a measurement later ones are scaled by (a JCT profile, the isolated latency) must not carry
+    another process's load into a whole run. One under a second is kept: too short to tell."""
+    for attempt in range(1, tries + 1):
         t = time.perf_counter()
         with CpuShare() as cpu:
             out = run()
         if cpu.other_cores < 0.5 or time.perf_counter() - t < 1.0 or attempt == tries:
-            return out, cpu
+            break
         print(f"other processes used {cpu.other_cores:.2f} cores while {what}: waiting, then again")
         wait_for_quiet(quiet_wait)
-        attempt += 1
+    return out, cpu
 
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) -> None:
@@ -212,9 +204,6 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 2.0) 
             time.sleep(probe)
         if cpu.other_cores < threshold or time.perf_counter() >= deadline:
             return
-
-
-# ---- engines and traces ---------------------------------------------------------------------------
 
 
 def tokenizer(path: str = "embedded") -> Any:
@@ -255,11 +244,8 @@ def requests_and_arrivals(
 
 def poisson_arrivals(n: int, rng: random.Random, rate: float = 1.0) -> list[float]:
     """Arrival times (seconds from 0) of `n` events of a Poisson process with `rate` per second."""
-    out, t = [], 0.0
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+    gaps = (rng.expovariate(rate) for _ in range(n - 1))
+    return list(itertools.accumulate(gaps, initial=0.0))[:n]
 
 
 def sim_step_model(
@@ -273,25 +259,20 @@ def sim_step_model(
     return LinearStepModel(model.coef), "this machine's persisted JCT profile"
 
 
-# ---- runs -----------------------------------------------------------------------------------------
-
-
 def latency_summary(lat: Sequence[float]) -> dict[str, float]:
-    a = np.asarray(lat, dtype=float)
-    if a.size == 0:
-        return {"mean_s": math.nan, "p50_s": math.nan, "p99_s": math.nan}
-    return {
-        "mean_s": float(a.mean()),
-        "p50_s": float(np.percentile(a, 50)),
-        "p99_s": float(np.percentile(a, 99)),
-    }
+    a = np.asarray(lat, dtype=float) if len(lat) else np.array([math.nan])
+    median, tail = np.percentile(a, [50, 99])
+    return {"mean_s": float(a.mean()), "p50_s": float(median), "p99_s": float(tail)}
 
 
 def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | None) -> dict[str, Any]:
-    """Submit `reqs` at `arrivals` (seconds from start, ascending; None: all at once, before the
-    worker starts, so the first pick sees the whole burst), wait for every one, drain the loop. Latency
-    = completion - submission, per request. `loop` must be built with start=False."""
+    """Submit `reqs` at `arrivals` (seconds from start, ascending; None: all at t=0), wait for every
+    one, drain the loop. Latency = completion - submission, per request. `loop` must be built with
+    start=False: the requests of the first instant are all queued before the worker starts, so the
+    first pick sees them together (submitted one by one, the first would get the engine alone)."""
     n = len(reqs)
+    at = arrivals if arrivals is not None else [0.0] * n
+    first = next((i for i, a in enumerate(at) if a > at[0]), n)
     submitted, finished = [math.nan] * n, [math.nan] * n
 
     def track(i: int, f: Future) -> Future:
@@ -300,23 +281,13 @@ def replay(loop: EngineLoop, reqs: list[ScoreRequest], arrivals: list[float] | N
 
     with CpuShare() as cpu:
         t0 = time.perf_counter()
-        if arrivals is None:
-            futs = [track(i, f) for i, f in enumerate(loop.submit_many(reqs))]
-            submitted = [t0] * n
-            loop.start()
-        else:
-            # Requests that arrive at the first instant are queued together before the first pick,
-            # as the burst above: submitted one by one, the first of them would get the engine alone.
-            first = next((i for i, a in enumerate(arrivals) if a > arrivals[0]), n)
-            futs = [track(i, f) for i, f in enumerate(loop.submit_many(reqs[:first]))]
-            submitted[:first] = [t0] * first
-            loop.start()
-            for i, (a, r) in enumerate(zip(arrivals, reqs, strict=True)):
-                if i < first:
-                    continue
-                time.sleep(max(0.0, t0 + a - time.perf_counter()))
-                submitted[i] = time.perf_counter()
-                futs.append(track(i, loop.submit(r)))
+        futs = [track(i, f) for i, f in enumerate(loop.submit_many(reqs[:first]))]
+        submitted[:first] = [t0] * first
+        loop.start()
+        for i in range(first, n):
+            time.sleep(max(0.0, t0 + at[i] - time.perf_counter()))
+            submitted[i] = time.perf_counter()
+            futs.append(track(i, loop.submit(reqs[i])))
         for f in futs:
             f.result()  # a failed request fails the benchmark
         loop.shutdown(drain=True)
@@ -415,11 +386,10 @@ def sweep(
     sat: dict[str, Any] | None = None,
     after_run: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
-    """One workload on the engine or the simulator: `run(config, arrivals)` for every config at
-    `mults` x the anchor QPS (1 / the mean isolated latency of `iso`, or with `--anchor saturated`
-    the all-at-t=0 rate of `sat`), interleaved, on the same unit-rate arrival pattern `unit`; then
-    each config's sustained QPS at the P99 SLOs (`--slo-x` and `--slo-extra` x the isolated mean).
-    `args`: the flags of `add_sweep_args`."""
+    """One workload: `run(config, arrivals)` for every config at `mults` x the anchor QPS (1 / the
+    mean isolated latency of `iso`, or the all-at-t=0 rate of `sat` with `--anchor saturated`),
+    interleaved, on the arrival pattern `unit`; then each config's sustained QPS at the P99 SLOs
+    (`--slo-x` and `--slo-extra` x the isolated mean). `args`: the flags of `add_sweep_args`."""
     sat_qps = len(reqs) / sat["makespan_s"] if sat else None
     anchor = args.anchor if sat_qps else "isolated"
     base = sat_qps if sat_qps and anchor == "saturated" else 1.0 / iso["mean_s"]
@@ -449,9 +419,6 @@ def sweep(
     }
 
 
-# ---- analysis -------------------------------------------------------------------------------------
-
-
 def sustained_qps(points: list[tuple[float, float]], slo: float) -> tuple[float, str]:
     """Highest QPS with P99 <= slo from (qps, p99) points: interpolated (log-log) between the last
     passing and the first failing point. The mark is "" (interpolated), ">=" (every point passes:
@@ -463,16 +430,15 @@ def sustained_qps(points: list[tuple[float, float]], slo: float) -> tuple[float,
         if p1 > slo:
             if p1 <= p0:
                 return q0, ""
-            f = (math.log(slo) - math.log(p0)) / (math.log(p1) - math.log(p0))
-            return math.exp(math.log(q0) + f * (math.log(q1) - math.log(q0))), ""
+            return q0 * (q1 / q0) ** (math.log(slo / p0) / math.log(p1 / p0)), ""
     return pts[-1][0], ">="
 
 
 def ratio_cell(a: tuple[float, str], b: tuple[float, str]) -> tuple[str, float | None]:
-    """a / b of two sustained QPS values with their marks. Returns the text and the value (None
-    when both are bounds in the same direction: no ratio can be stated)."""
+    """a / b of two sustained QPS values with their marks: the text and the value (None when both
+    are bounds in the same direction: no ratio can be stated)."""
     (qa, ma), (qb, mb) = a, b
-    if (ma == "<" and mb == "<") or (ma == ">=" and mb == ">="):
+    if ma and ma == mb:
         return "n/a (both bounds)", None
     r = qa / qb
     if ma == "<" or mb == ">=":
@@ -503,16 +469,13 @@ def seeds(arg: str) -> list[int]:
 
 
 def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Several seeds' sweeps of one workload (each its runs): per load multiple and config, the mean
-    and P99 over every seed's requests together, and against fcfs's the pooled ratios and each
-    seed's P99 ratio. With few requests a seed's P99 is its slowest request or two: pooling is what
-    makes a tail comparison mean something."""
-    lat: dict[str, dict[str, list[np.ndarray]]] = {}
-    for runs in sweeps:
-        for r in runs:
-            lat.setdefault(f"{r['mult']:g}", {}).setdefault(r["config"], []).append(
-                np.asarray(r["latencies"])
-            )
+    """Several seeds' sweeps (each its runs) of one workload: per load multiple and config, mean and
+    P99 over every seed's requests together, the pooled ratios to fcfs and each seed's P99 ratio.
+    With few requests a seed's P99 is its slowest request or two: pooling makes a tail comparison
+    mean something."""
+    lat: dict[str, dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
+    for r in itertools.chain.from_iterable(sweeps):
+        lat[f"{r['mult']:g}"][r["config"]].append(list(r["latencies"]))
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mult, by_config in lat.items():
         base = by_config.get("fcfs")
@@ -523,11 +486,8 @@ def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, di
             if base is not None and len(base) == len(per_seed):
                 b = np.concatenate(base)
                 row["mean_vs_fcfs"] = float(a.mean() / b.mean())
-                row["p99_vs_fcfs"] = float(np.percentile(a, 99) / np.percentile(b, 99))
-                row["p99_vs_fcfs_per_seed"] = [
-                    float(np.percentile(x, 99) / np.percentile(y, 99))
-                    for x, y in zip(per_seed, base, strict=True)
-                ]
+                row["p99_vs_fcfs"] = row["p99_s"] / latency_summary(b)["p99_s"]
+                row["p99_vs_fcfs_per_seed"] = [p99(x) / p99(y) for x, y in zip(per_seed, base, strict=True)]
             out[mult][config] = row
     return out
 
@@ -535,13 +495,8 @@ def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, di
 def jct_quality(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Predicted vs measured step time over the step logs of `runs` (none was used to fit)."""
     rows = [s for r in runs for s in r["step_log"]]
-    measured = [s[2] for s in rows]
-    raw = prediction_quality([s[0] for s in rows], measured)
-    calibrated = prediction_quality([s[1] for s in rows], measured)
-    return {
-        "steps": len(rows),
-        "r_raw": raw.pearson_r,
-        "r_calibrated": calibrated.pearson_r,
-        "median_rel_error_raw": raw.median_rel_error,
-        "median_rel_error_calibrated": calibrated.median_rel_error,
-    }
+    out: dict[str, float] = {"steps": len(rows)}
+    for k, name in enumerate(("raw", "calibrated")):  # step_rows' first two columns
+        q = prediction_quality([s[k] for s in rows], [s[2] for s in rows])
+        out |= {f"r_{name}": q.pearson_r, f"median_rel_error_{name}": q.median_rel_error}
+    return out

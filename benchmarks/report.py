@@ -4,14 +4,16 @@ hand from those files."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from matplotlib import ticker
+from matplotlib.figure import Figure  # not pyplot: no display, no global state to close
 
 CONTENDED_CORES = 0.5  # other processes busier than this during a run: its numbers are upper bounds
 QPS_ORDER = ("hf", "fcfs", "chunked", "srjf", "lpm", "po")
@@ -47,23 +49,15 @@ def markdown_table(header: str | Sequence[str], rows: Sequence[Sequence[Any]]) -
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
-def _flag(run: Doc) -> str:
-    oc = run.get("other_cores")
-    return "*" if oc is not None and not math.isnan(oc) and oc > CONTENDED_CORES else ""
-
-
 def cells(r: Doc, spec: str) -> list[str]:
     """A result row's table cells: r[key] formatted for each space-separated `key[:format][*]` of
-    `spec` (`*`: the run's contention flag appended)."""
+    `spec` (`*`: a `*` appended when other processes were busy during the run)."""
     out = []
     for token in spec.split():
         key, _, fmt = token.rstrip("*").partition(":")
-        out.append(format(r[key], fmt) + (_flag(r) if token.endswith("*") else ""))
+        busy = token.endswith("*") and (r.get("other_cores") or 0) > CONTENDED_CORES  # NaN: not busy
+        out.append(format(r[key], fmt) + ("*" if busy else ""))
     return out
-
-
-def _order(r: Doc) -> tuple[float, int]:
-    return r["qps"], QPS_ORDER.index(r["config"]) if r["config"] in QPS_ORDER else len(QPS_ORDER)
 
 
 def doc_md(title: str, *parts: str) -> str:
@@ -75,13 +69,16 @@ def _bullets(lines: Sequence[str]) -> str:
     return "\n".join(f"- {line}" for line in lines)
 
 
-def _ratio(x: float, y: float) -> float:
-    return x / y if y else math.nan
-
-
 def _and(words: Sequence[str]) -> str:
     """ "a", "a and b", "a, b and c"."""
     return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else list(words))
+
+
+def _order(r: Doc) -> tuple[float, int]:
+    return r["qps"], QPS_ORDER.index(r["config"]) if r["config"] in QPS_ORDER else len(QPS_ORDER)
+
+
+# ---- bench_schedule and bench_serving ---------------------------------------------------------------
 
 
 def sweep_rows(workloads: Doc, extra: bool = True) -> list[list[Any]]:
@@ -100,10 +97,7 @@ def sweep_intro(doc: Doc) -> str:
     return prose("sweep_intro", a=a, anchor=anchor, pool=pool, traces=traces)
 
 
-# ---- bench_schedule and bench_serving ---------------------------------------------------------------
-
-
-def slo_rows(doc: Doc, policies: list[str]) -> tuple[list[str], list[list[str]]]:
+def slo_md(doc: Doc, policies: list[str]) -> str:
     """The sustained-QPS table: per workload and policy, the QPS at each P99 SLO, and po / fcfs."""
     first = next(iter(doc["workloads"].values()))
     header = ["workload", "policy"] + [f"QPS at P99 <= {x}x isolated" for x in first["at_slo"]]
@@ -119,32 +113,35 @@ def slo_rows(doc: Doc, policies: list[str]) -> tuple[list[str], list[list[str]]]
         for name, w in doc["workloads"].items()
         for p in [*policies, "po / fcfs"]
     ]
-    return header, rows
+    return markdown_table(header, rows)
+
+
+def pooled_md(doc: Doc) -> list[str]:
+    """The seeds pooled (`harness.pooled`), when a sweep ran several: a table per trace."""
+    header = "x anchor | config | seeds | requests | mean s | P99 s | mean / fcfs | P99 / fcfs | P99 / fcfs per seed"
+    tables = []
+    for trace, by_mult in doc.get("pooled", {}).items():
+        rows = [
+            [f"{m}x", c, r["seeds"], r["requests"], f"{r['mean_s']:.2f}", f"{r['p99_s']:.2f}"]
+            + [f"{r[k]:.2f}x" if k in r else "" for k in ("mean_vs_fcfs", "p99_vs_fcfs")]
+            + [", ".join(f"{x:.2f}" for x in r.get("p99_vs_fcfs_per_seed", []))]
+            for m, by_config in by_mult.items()
+            for c, r in by_config.items()
+        ]
+        tables.append(f"{trace}, every seed's requests pooled:\n\n" + markdown_table(header, rows))
+    return tables
 
 
 def schedule_markdown(doc: Doc, policies: list[str]) -> str:
     """results/schedule.md from bench_schedule's measured run."""
-    f, o, a, m = doc["jct_fit"], doc["jct_online"], doc["args"], doc["machine"]
-    notes = [
-        f"JCT fit at start: {f['profile_seconds']:.1f} s to profile; held-out r = {f.get('pearson_r', math.nan):.3f}, "
-        f"median abs error {1e3 * f.get('median_abs_error_s', math.nan):.0f} ms "
-        f"({100 * f.get('median_rel_error', math.nan):.0f}%)",
-        f"JCT on the {o['steps']} benchmark steps (held out): r = {o['r_raw']:.3f} raw, "
-        f"{o['r_calibrated']:.3f} calibrated; median rel error {100 * o['median_rel_error_raw']:.0f}% raw, "
-        f"{100 * o['median_rel_error_calibrated']:.0f}% calibrated",
-    ]
-    notes += [
-        f"{name}: {w['requests']} requests, saturated (all at t=0, po) {w['saturated_qps']:.3f} req/s, "
-        f"anchor ({w['anchor']}) {w['anchor_qps']:.3f} req/s, isolated mean {w['isolated_mean_s']:.2f} s, "
-        f"P99 SLO {w['slo_p99_s']:.2f} s; po / fcfs QPS at the SLO: {w['po_vs_fcfs']}"
-        for name, w in doc["workloads"].items()
-    ]
+    nan = {"pearson_r": math.nan, "median_abs_error_s": math.nan, "median_rel_error": math.nan}
+    f, o, a, m = nan | doc["jct_fit"], doc["jct_online"], doc["args"], doc["machine"]
+    notes = [prose("jct_fit", f=f, ms=1e3 * f["median_abs_error_s"]), prose("jct_online", o=o)]
+    notes += [prose("schedule_workload", trace=trace, w=w) for trace, w in doc["workloads"].items()]
     intro = prose("schedule", m=m, a=a, sweep=sweep_intro(doc))
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
     title = "bench_schedule: scheduling policies under Poisson load (embedded SmolLM2-135M, CPU)"
-    return doc_md(
-        title, intro, sweep, markdown_table(*slo_rows(doc, policies)), _bullets(notes), *pooled_md(doc)
-    )
+    return doc_md(title, intro, sweep, slo_md(doc, policies), _bullets(notes), *pooled_md(doc))
 
 
 def schedule_sim_markdown(doc: Doc, policies: list[str]) -> str:
@@ -152,53 +149,27 @@ def schedule_sim_markdown(doc: Doc, policies: list[str]) -> str:
     intro = prose("schedule_sim", a=doc["args"], pool=doc["pool_tokens"], jct=doc["jct_source"])
     title = "bench_schedule --simulate: the same policies on the simulator (no machine noise)"
     sweep = markdown_table(SWEEP_HEADER, sweep_rows(doc["workloads"]))
-    return doc_md(title, intro, markdown_table(*slo_rows(doc, policies)), sweep, *pooled_md(doc))
-
-
-def pooled_md(doc: Doc) -> list[str]:
-    """The seeds pooled (`harness.pooled`), when a sweep ran several: a table per trace."""
-    header = "x anchor | config | seeds | requests | mean s | P99 s | mean / fcfs | P99 / fcfs | P99 / fcfs per seed"
-    return [
-        f"{trace}, every seed's requests pooled:\n\n"
-        + markdown_table(
-            header,
-            [
-                [f"{m}x", c, r["seeds"], r["requests"], f"{r['mean_s']:.2f}", f"{r['p99_s']:.2f}"]
-                + [f"{r[k]:.2f}x" if k in r else "" for k in ("mean_vs_fcfs", "p99_vs_fcfs")]
-                + [", ".join(f"{x:.2f}" for x in r.get("p99_vs_fcfs_per_seed", []))]
-                for m, by_config in by_mult.items()
-                for c, r in by_config.items()
-            ],
-        )
-        for trace, by_mult in doc.get("pooled", {}).items()
-    ]
-
-
-SERVING_HEADER = (
-    "config | qps | ok | items/s | mean s | p50 s | p99 s | cache hits | items/s vs {b} | mean lat. {b}/this"
-)
+    return doc_md(title, intro, slo_md(doc, policies), sweep, *pooled_md(doc))
 
 
 def serving_rows(rows: list[Doc]) -> tuple[str, str, list[list[str]]]:
     """Per config and offered rate, with ratios to the baseline (`hf` when it ran, else the first
     config) at the same rate: (the baseline, the header, the rows)."""
-    configs = list(dict.fromkeys(r["config"] for r in rows))
+    configs = [r["config"] for r in rows]
     base = "hf" if "hf" in configs else configs[0]
     by = {(r["config"], r["qps"]): r for r in rows}
     table = []
     for r in rows:
         b = by.get((base, r["qps"]))
-        row = [
-            *cells(r, "config qps:g"),
-            f"{r['ok']}/{r['calls']}",
-            *cells(r, "items_per_s:.2f mean_s:.2f p50_s:.2f p99_s:.2f"),
-        ]
+        row = [*cells(r, "config qps:g"), f"{r['ok']}/{r['calls']}"]
+        row += cells(r, "items_per_s:.2f mean_s:.2f p50_s:.2f p99_s:.2f")
         row.append(f"{r['cache_hit_rate']:.0%}" if "cache_hit_rate" in r else "-")
         row.append(f"{r['items_per_s'] / b['items_per_s']:.2f}x" if b and b["items_per_s"] else "n/a")
         row.append(f"{b['mean_s'] / r['mean_s']:.2f}x" if b and r["mean_s"] else "n/a")
         row.append("-" if r.get("server_cores") is None else f"{r['server_cores']:.1f}")
         table.append([*row, f"{r['other_cores']:.1f}"])
-    return base, SERVING_HEADER.format(b=base) + " | server cores | other cores", table
+    header = f"config | qps | ok | items/s | mean s | p50 s | p99 s | cache hits | items/s vs {base} | "
+    return base, header + f"mean lat. {base}/this | server cores | other cores", table
 
 
 def serving_markdown(doc: Doc) -> str:
@@ -206,26 +177,21 @@ def serving_markdown(doc: Doc) -> str:
     args, m = doc["args"], doc["machine"]
     base, head, table = serving_rows(doc["results"])
     api = "generate" if args["api"] == "generate" else f"v1/{args['api']}"
-    intro = prose(
-        "serving", cpu=m.get("cpu"), cores=m.get("cores"), workload=json.dumps(doc["workload"]), base=base
-    )
+    workload = json.dumps(doc["workload"])
+    intro = prose("serving", cpu=m.get("cpu"), cores=m.get("cores"), workload=workload, base=base)
     return doc_md(f"bench_serving: {args['workload']} over /{api}", intro, markdown_table(head, table))
 
 
 # ---- bench_cluster (measured) -------------------------------------------------------------------------
 
 
-def _affinity(run: Doc) -> tuple[float, int, float]:
-    """(mean, max distinct workers per user, share of users on exactly one worker) of a run."""
-    n = list(run["workers_per_user"].values())
-    if not n:  # no call reached a worker
-        return math.nan, 0, math.nan
-    return sum(n) / len(n), max(n), sum(k == 1 for k in n) / len(n)
-
-
 def _point(run: Doc) -> str:
     """A run's traffic shape and offered load, e.g. "generate @ 4 posts/s"."""
     return f"{run['shape']} @ {run['rate']:g} posts/s"
+
+
+def _ratio(x: float, y: float) -> float:
+    return x / y if y else math.nan
 
 
 def _cpu_per_item(run: Doc) -> float:
@@ -238,28 +204,19 @@ def cluster_ratios(doc: Doc) -> dict[str, dict[str, float]]:
     """Per traffic shape and offered load, cache_aware against round_robin in the same run: items/s
     and hit rate as cache_aware / round_robin; latency, prompt tokens computed (not read from a
     cache) and CPU per item as round_robin / cache_aware (how many times lower)."""
-    by = {(_point(r), r["policy"]): r for r in doc["runs"]}
+    runs = [
+        {**r, "computed_tokens": r["prompt_tokens"] - r["cached_tokens"], "cpu_per_item": _cpu_per_item(r)}
+        for r in doc["runs"]
+    ]
+    by = {(_point(r), r["policy"]): r for r in runs}
     out = {}
-    for point in dict.fromkeys(_point(r) for r in doc["runs"]):
+    for point in dict.fromkeys(_point(r) for r in runs):
         a, b = by.get((point, AFFINITY)), by.get((point, SPREAD))
         if a is not None and b is not None:
-            out[point] = {
-                "items_per_s": _ratio(a["items_per_s"], b["items_per_s"]),
-                "hit_rate": _ratio(a["hit_rate"], b["hit_rate"]),
-                "p50_s": _ratio(b["p50_s"], a["p50_s"]),
-                "p99_s": _ratio(b["p99_s"], a["p99_s"]),
-                "computed_tokens": _ratio(
-                    b["prompt_tokens"] - b["cached_tokens"], a["prompt_tokens"] - a["cached_tokens"]
-                ),
-                "cpu_per_item": _ratio(_cpu_per_item(b), _cpu_per_item(a)),
-            }
+            higher = {k: _ratio(a[k], b[k]) for k in ("items_per_s", "hit_rate")}
+            lower = {k: _ratio(b[k], a[k]) for k in ("p50_s", "p99_s", "computed_tokens", "cpu_per_item")}
+            out[point] = higher | lower
     return out
-
-
-CLUSTER_HEADER = (
-    "shape | posts/s offered | router | calls ok | items/s | P50 s | P99 s | CPU ms / item | hit rate | "
-    "cached share per worker | items per worker | workers per user (mean / max) | users on one worker"
-)
 
 
 def cluster_rows(doc: Doc) -> list[list[str]]:
@@ -267,18 +224,15 @@ def cluster_rows(doc: Doc) -> list[list[str]]:
     worker, the load split and the affinity (`*` = contended run)."""
     rows = []
     for r in doc["runs"]:
-        mean, most, one = _affinity(r)
-        row = [
-            *cells(r, "shape rate:g policy*"),
-            f"{r['ok']}/{r['calls']}",
-            *cells(r, "items_per_s:.2f p50_s:.2f p99_s:.2f"),
-        ]
+        row = [*cells(r, "shape rate:g policy*"), f"{r['ok']}/{r['calls']}"]
+        row += cells(r, "items_per_s:.2f p50_s:.2f p99_s:.2f")
         row += [f"{1e3 * _cpu_per_item(r):.0f}", f"{r['hit_rate']:.0%}"]
-        row += [
-            " / ".join(f"{w['share']:.0%}" for w in r["workers"]),
-            " / ".join(str(w["items"]) for w in r["workers"]),
-        ]
-        rows.append(row + (["-", "-"] if math.isnan(mean) else [f"{mean:.2f} / {most}", f"{one:.0%}"]))
+        row.append(" / ".join(f"{w['share']:.0%}" for w in r["workers"]))
+        row.append(" / ".join(str(w["items"]) for w in r["workers"]))
+        n = list(r["workers_per_user"].values())  # distinct workers each user reached
+        if n:
+            row += [f"{sum(n) / len(n):.2f} / {max(n)}", f"{sum(k == 1 for k in n) / len(n):.0%}"]
+        rows.append(row if n else [*row, "-", "-"])  # no call reached a worker
     return rows
 
 
@@ -289,46 +243,36 @@ def cluster_markdown(doc: Doc) -> str:
     cmd: list[str] = next((r["router_cmd"] for r in doc["runs"] if "router_cmd" in r), [])
     flag = "--balance-abs-threshold"
     balance = cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else "64 (the router's default)"
-    text = prose(
-        "cluster", a=a, w=w, cores=m.get("cores"), threads=doc["threads_per_worker"],
-        dtype=doc.get("worker_settings", {}).get("dtype", "?"), balance=balance,
-        rates=_and([f"{x:g}" for x in a["items_per_s"]]), prompt="input_ids" if a["generate_as"] == "ids" else "text",
+    intro = prose(
+        "cluster", a=a, w=w, m=m, threads=doc["threads_per_worker"], balance=balance, contended=CONTENDED_CORES,
+        dtype=doc.get("worker_settings", {}).get("dtype", "?"), rates=_and([f"{x:g}" for x in a["items_per_s"]]),
+        prompt="input_ids" if a["generate_as"] == "ids" else "text",
     )  # fmt: skip
     ratios = [
-        f"{point}: {AFFINITY} / {SPREAD} items/s **{x['items_per_s']:.2f}x**, hit rate **{x['hit_rate']:.2f}x**; "
-        f"{SPREAD} / {AFFINITY}: tokens computed {x['computed_tokens']:.2f}x, CPU per item "
-        f"{x['cpu_per_item']:.2f}x, P50 latency {x['p50_s']:.2f}x, P99 {x['p99_s']:.2f}x"
+        prose("cluster_ratios", point=point, x=x, affinity=AFFINITY, spread=SPREAD)
         for point, x in cluster_ratios(doc).items()
     ]
-    intro = f"Machine: {m.get('cpu')}, {m.get('cores')} cores. {text} A `*` marks runs during which other "
-    intro += f"processes used more than {CONTENDED_CORES} cores."
+    header = (
+        "shape | posts/s offered | router | calls ok | items/s | P50 s | P99 s | CPU ms / item | hit rate | "
+        "cached share per worker | items per worker | workers per user (mean / max) | users on one worker"
+    )
     title = "bench_cluster: prefix affinity through the SGLang router (measured)"
-    return doc_md(title, intro, markdown_table(CLUSTER_HEADER, cluster_rows(doc)), _bullets(ratios))
+    return doc_md(title, intro, markdown_table(header, cluster_rows(doc)), _bullets(ratios))
 
 
 # ---- bench_cluster --simulate ----------------------------------------------------------------------
 
-CLUSTER_SIM_HEADER = (
-    "router | workers | QPS at P99 bound | per worker | efficiency | vs round robin | hit rate | "
-    "imbalance (max/mean items) | P99 s | mean s | items/step | trace / bound"
-)
-
-
-def _efficiency(doc: Doc, r: Doc) -> float | None:
-    """QPS / (N x the same router's 1-worker QPS); None without a 1-worker row."""
-    one = next((o for o in doc["rows"] if o["router"] == r["router"] and o["workers"] == 1), None)
-    return r["sustained_qps"] / (r["workers"] * one["sustained_qps"]) if one else None
-
 
 def cluster_sim_rows(doc: Doc) -> list[list[str]]:
-    """Per (router, N): sustained QPS, per worker, scaling efficiency, ratio to round robin at the
-    same N, hit rate, imbalance, P99 and mean at that rate."""
+    """Per (router, N): sustained QPS, per worker, scaling efficiency (QPS / (N x the same router's
+    1-worker QPS)), ratio to round robin at the same N, hit rate, imbalance, P99 and mean at that rate."""
     by = {(r["router"], r["workers"]): r for r in doc["rows"]}
     out = []
     for r in doc["rows"]:
-        eff, rr, q = _efficiency(doc, r), by.get((SPREAD, r["workers"])), r["sustained_qps"]
+        one, rr, q = by.get((r["router"], 1)), by.get((SPREAD, r["workers"])), r["sustained_qps"]
         row = [r["router"], str(r["workers"]), f"{q:.3f}", f"{q / r['workers']:.3f}"]
-        row += ["-" if eff is None else f"{eff:.2f}", f"{q / rr['sustained_qps']:.2f}x" if rr else "-"]
+        row.append(f"{q / (r['workers'] * one['sustained_qps']):.2f}" if one else "-")
+        row.append(f"{q / rr['sustained_qps']:.2f}x" if rr else "-")
         row += cells(r, "hit_rate:.1% imbalance:.3f p99_s:.1f mean_s:.2f mean_batch:.2f")
         out.append(row + [f"{r['span_over_bound']:.0f}" + ("" if r["span_over_bound"] >= MIN_SPAN else " †")])
     return out
@@ -337,38 +281,21 @@ def cluster_sim_rows(doc: Doc) -> list[list[str]]:
 def cluster_sim_markdown(doc: Doc) -> str:
     """results/cluster_sim.md from bench_cluster --simulate: what ran, and per (router, N) the table."""
     a, d, profile, pool = doc["args"], doc["router_settings"], doc["mean_profile_tokens"], doc["pool_tokens"]
-    warmup = (
-        f"The P99 leaves out the requests of the first {a['warmup']:.0%} of the trace (warm-up)."
-        if a.get("warmup")
-        else "The P99 is over the whole trace, every user's first (cold) request included."
-    )
+    warmup = prose("warmup_dropped", a=a) if a.get("warmup") else prose("warmup_kept")
     intro = prose(
         "cluster_sim", a=a, d=d, requests=doc["requests"], profile=profile, pool=pool, profiles=pool / profile,
         kv=doc["kv_bytes_per_token"], dtype=doc["dtype"], jct=doc["jct_source"], slo=doc["slo_p99_s"],
         iso=doc["isolated_mean_s"], min_span=MIN_SPAN, warmup=warmup,
     )  # fmt: skip
-    table = markdown_table(CLUSTER_SIM_HEADER, cluster_sim_rows(doc))
+    header = (
+        "router | workers | QPS at P99 bound | per worker | efficiency | vs round robin | hit rate | "
+        "imbalance (max/mean items) | P99 s | mean s | items/step | trace / bound"
+    )
+    table = markdown_table(header, cluster_sim_rows(doc))
     return doc_md("bench_cluster --simulate: N workers behind the router, simulated", intro, table)
 
 
 # ---- plots ----------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _figure(path: Path, *args: Any, **kwargs: Any) -> Iterator[Any]:
-    """A figure's axes (matplotlib's Agg backend: no display needed), saved to `path` on exit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(*args, **kwargs)
-    try:
-        yield axes
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
 
 
 def _lines(
@@ -382,8 +309,6 @@ def _lines(
 
 def _axes(ax: Any, xlabel: str, ylabel: str, title: str, base: int = 10, logy: bool = True) -> None:
     """Labels, grid, legend, and log axes with plain numbers (1, 2, 5, 10 ... not 2^0 or 3x10^-1)."""
-    from matplotlib import ticker
-
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if logy else "linear")
     ax.set_xscale("log", base=base)
     for axis in [ax.xaxis, ax.yaxis] if logy else [ax.xaxis]:
@@ -398,32 +323,35 @@ def _axes(ax: Any, xlabel: str, ylabel: str, title: str, base: int = 10, logy: b
 def plot_sweeps(workloads: Doc, path: Path, names: dict[str, str] | None = None) -> None:
     """Mean and P99 latency against offered QPS (log-log), one row per workload, one line per
     config; the P99 SLO as a dashed line where the workload has one."""
-    with _figure(path, len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False) as axes:
-        for row, (name, w) in zip(axes, workloads.items(), strict=True):
-            anchor = f" (anchor {w['anchor_qps']:.2f} req/s)" if "anchor_qps" in w else ""
-            for ax, key in zip(row, ("mean_s", "p99_s"), strict=True):
-                label = f"{'mean' if key == 'mean_s' else 'P99'} latency (s)"
-                _lines(
-                    ax, sorted(w["runs"], key=_order), "config", "qps", key, lambda c: (names or {}).get(c, c)
-                )
-                if key == "p99_s" and "slo_p99_s" in w:
-                    ax.axhline(w["slo_p99_s"], color="grey", linestyle="--", label="P99 SLO")
-                _axes(ax, "offered QPS (Poisson)", label, f"{name}: {label}{anchor}")
+    fig = Figure(figsize=(11, 4 * len(workloads)), layout="tight")
+    axes = fig.subplots(len(workloads), 2, squeeze=False)
+    for row, (name, w) in zip(axes, workloads.items(), strict=True):
+        anchor = f" (anchor {w['anchor_qps']:.2f} req/s)" if "anchor_qps" in w else ""
+        for ax, key in zip(row, ("mean_s", "p99_s"), strict=True):
+            label = "mean latency (s)" if key == "mean_s" else "P99 latency (s)"
+            _lines(ax, sorted(w["runs"], key=_order), "config", "qps", key, lambda c: (names or {}).get(c, c))
+            if key == "p99_s" and "slo_p99_s" in w:
+                ax.axhline(w["slo_p99_s"], color="grey", linestyle="--", label="P99 SLO")
+            _axes(ax, "offered QPS (Poisson)", label, f"{name}: {label}{anchor}")
+    fig.savefig(path, dpi=100)
 
 
 def plot_cluster_sim(doc: Doc, path: Path) -> None:
     """Sustained QPS vs workers (log-log, with linear scaling from one worker), and hit rate and
     imbalance vs workers, one line per router (the same colour in both plots)."""
     rows = [{**r, "imbalance_1": r["imbalance"] - 1} for r in doc["rows"]]
-    with _figure(path, 1, 2, figsize=(11, 4.2)) as (ax, ax2):
-        _lines(ax, rows, "router", "workers", "sustained_qps")
-        one, ns = min(rows, key=lambda r: r["workers"]), sorted({r["workers"] for r in rows})
-        if one["workers"] == 1:  # one worker is the same run for every router
-            linear = [one["sustained_qps"] * n for n in ns]
-            ax.plot(ns, linear, ls=":", color="grey", label="linear: N x 1 worker")
-        _lines(ax2, rows, "router", "workers", "hit_rate", lambda g: f"{g} hit rate")
-        ax2.set_prop_cycle(None)  # each router's colour again
-        _lines(ax2, rows, "router", "workers", "imbalance_1", lambda g: f"{g} imbalance - 1", ls="--")
-        slo = f"QPS at P99 <= {doc['slo_p99_s']:.1f} s"
-        _axes(ax, "workers", slo, "sustained QPS vs workers (simulated)", base=2)
-        _axes(ax2, "workers", "fraction", "hit rate; imbalance (max/mean items) - 1", base=2, logy=False)
+    fig = Figure(figsize=(11, 4.2), layout="tight")
+    ax, ax2 = fig.subplots(1, 2)
+    _lines(ax, rows, "router", "workers", "sustained_qps")
+    one, ns = min(rows, key=lambda r: r["workers"]), sorted({r["workers"] for r in rows})
+    if one["workers"] == 1:  # one worker is the same run for every router
+        ax.plot(
+            ns, [one["sustained_qps"] * n for n in ns], ls=":", color="grey", label="linear: N x 1 worker"
+        )
+    _lines(ax2, rows, "router", "workers", "hit_rate", lambda g: f"{g} hit rate")
+    ax2.set_prop_cycle(None)  # each router's colour again
+    _lines(ax2, rows, "router", "workers", "imbalance_1", lambda g: f"{g} imbalance - 1", ls="--")
+    slo = f"QPS at P99 <= {doc['slo_p99_s']:.1f} s"
+    _axes(ax, "workers", slo, "sustained QPS vs workers (simulated)", base=2)
+    _axes(ax2, "workers", "fraction", "hit rate; imbalance (max/mean items) - 1", base=2, logy=False)
+    fig.savefig(path, dpi=100)

@@ -1,9 +1,8 @@
 """Every benchmark of the evaluation report, end to end on the embedded model, in one command
-(`--quick`: a smoke run of a few minutes; `--llamacpp`: also llama.cpp, whose step says how to
-install llama-cpp-python when it is missing). Each step of STEPS is a subprocess writing its JSON
-(and, where the benchmark renders them, its markdown table and plot) into
-benchmarks/results/report/, its log next to it; at the end it prints where each result went.
-REPORT.md is curated by hand from those files. On a shared machine run it under the benchmark lock:
+(`--quick`: a smoke run of a few minutes; `--llamacpp`: also llama.cpp). Each step of STEPS is a
+subprocess writing its JSON (and any markdown table and plot) and its log into
+benchmarks/results/report/, from which REPORT.md is curated by hand; at the end it prints where each
+result went. On a shared machine run it under the benchmark lock:
 
     flock /tmp/po-bench.lock .venv/bin/python -m benchmarks.run_all    # ~50 min on 2 cores
 """
@@ -13,10 +12,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import PIPE, STDOUT, Popen
 
 import torch
 
@@ -43,17 +42,14 @@ STEPS = {
 
 
 def run_step(name: str, extra: list[str], folder: Path) -> tuple[bool, float]:
-    """Run step `name`'s benchmark, its output shown and kept in <folder>/<name>.log. True if it
-    wrote its JSON."""
+    """Run step `name`'s benchmark, its output shown and kept in <folder>/<name>.log: (wrote its JSON, seconds)."""
     out = folder / f"{name}.json"
     module, *flags = STEPS[name].split()
     cmd = [sys.executable, "-m", f"benchmarks.{module}", *flags, "--out", str(out), *extra]
     print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
     t = time.perf_counter()
     with (folder / f"{name}.log").open("w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        proc = Popen(cmd, cwd=REPO_ROOT, stdout=PIPE, stderr=STDOUT, text=True)
         for line in proc.stdout:
             print("  " + line, end="", flush=True)
             log.write(line)
@@ -99,9 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n=== summary")
     for name, st in meta["steps"].items():
         wrote = ", ".join(str(p) for p in sorted(folder.glob(f"{name}.*")) if p.suffix != ".log")
-        print(
-            f"  {name}: {'ok' if st['ok'] else 'FAILED'} in {st['seconds'] / 60:.1f} min: {wrote or 'nothing'}"
-        )
+        status = "ok" if st["ok"] else "FAILED"
+        print(f"  {name}: {status} in {st['seconds'] / 60:.1f} min: {wrote or 'nothing'}")
     print(f"  total {meta['total_s'] / 60:.1f} min; logs and meta.json in {folder}")
     return 1 if meta["failed"] else 0
 

@@ -52,11 +52,8 @@ def server(model_dir: Path) -> Iterator[str]:
     proc = ServerProcess(
         ["--model-path", str(model_dir), "--dtype", "fp32", "--max-input-len", str(MAX_INPUT_LEN)]
     )
-    proc.start()
-    try:
-        yield proc.wait_ready().url
-    finally:
-        proc.stop()
+    with proc:
+        yield proc.url
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import random
 
+import httpx
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from po_backend import Engine, ScoreRequest
 from po_backend.engine.config import default_dtype
 from po_backend.engine.memory import PeakMemory
 from tests.conftest import MID_LLAMA, TINY_CONFIGS, save_llama
+from tests.server_utils import ServerProcess
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOL = 1e-4  # fp32 against transformers
@@ -145,3 +147,38 @@ def test_memory_budget_holds_when_measured(mid_model: str, device: str) -> None:
     assert pm.peak <= eng.activation_budget + written, (pm.peak, eng.activation_budget)
     if device == "cuda":  # the allocator saw the forward's buffers (RSS on a CPU may not)
         assert pm.method == "cuda-allocator" and pm.peak > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_server_matches_transformers(tokenized_llama, tiny_model, hf_on, device: str) -> None:
+    """The HTTP server on the device, as launch_server starts it there: /generate's label
+    log-probs, cold and then read from the prefix cache, equal transformers' on that device, and
+    /server_info reports the device it resolved."""
+    hf = hf_on(tiny_model("llama")[1], "llama", device)
+    server = ServerProcess(["--model-path", str(tokenized_llama), "--device", device, "--dtype", "fp32"])
+    prefix = _rand(120, 21)
+    prompts = [prefix + _rand(25, s) for s in (22, 23, 24)]
+    with server:
+        info = httpx.get(server.url + "/server_info", timeout=30.0).json()
+        assert str(info["device"]).startswith(device)
+        cached = []
+        for ids in prompts:
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": True,
+                "top_logprobs_num": 3,
+                "token_ids_logprob": list(LABELS),
+            }
+            resp = httpx.post(server.url + "/generate", json=body, timeout=120.0)
+            assert resp.status_code == 200, resp.text
+            meta = resp.json()["meta_info"]
+            cached.append(meta["cached_tokens"])
+            ref = _hf_logprobs(hf, ids)
+            (row,) = meta["output_token_ids_logprobs"]
+            assert [e[1] for e in row] == list(LABELS)
+            assert [e[0] for e in row] == pytest.approx(ref[list(LABELS)].tolist(), abs=TOL)
+            (top,) = meta["output_top_logprobs"]
+            assert [e[1] for e in top] == ref.topk(3).indices.tolist()
+    assert cached[0] == 0 and min(cached[1:]) >= len(prefix) - 1, cached

@@ -134,11 +134,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, torc
     path, hf = build_embedder("qwen3", root, "lasttoken", True)
     tok_dir = tokenized_copy(path, root / "tok")
     flags = ["--model-path", str(tok_dir), "--dtype", "fp32", "--max-input-len", "256"]
-    proc = ServerProcess([*flags, "--served-model-name", "tiny"]).start()
-    try:
-        yield proc.wait_ready().url, hf, transformers.AutoTokenizer.from_pretrained(tok_dir)
-    finally:
-        proc.stop()
+    with ServerProcess([*flags, "--served-model-name", "tiny"]) as proc:
+        yield proc.url, hf, transformers.AutoTokenizer.from_pretrained(tok_dir)
 
 
 def _check_openai(base: str, hf: torch.nn.Module, tok: Any) -> None:

@@ -42,12 +42,8 @@ def server(tokenized_llama: Path) -> Iterator[ServerProcess]:
             "--log-level", "warning",
         ]
     )  # fmt: skip
-    proc.start()
-    try:
-        proc.wait_ready()
+    with proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def answer(url: str) -> Any:

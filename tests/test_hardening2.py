@@ -156,12 +156,8 @@ def server(tokenized_llama: Path) -> Iterator[ServerProcess]:
             "--max-label-tokens", "16", "--log-level", "warning",
         ]
     )  # fmt: skip
-    proc.start()
-    try:
-        proc.wait_ready()
+    with proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def while_health_probed(url: str, call: Callable[[], T]) -> tuple[T, float]:

@@ -66,7 +66,7 @@ RESIDUAL_DTYPES = ("fp32", "model")
 DEFAULT_CHUNK_SIZE = 512
 # On a GPU a small model is bound by kernel launches, one set per chunk: longer chunks cost a
 # little activation memory, which a GPU has, and save most of the launches.
-CUDA_CHUNK_SIZE = 2048
+CUDA_CHUNK_SIZE = 8192
 DEFAULT_MAX_QUEUE = 4096
 
 # vLLM's task names (--task, --runner, --convert) onto ours: its score and reward tasks are a

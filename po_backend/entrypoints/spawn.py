@@ -121,3 +121,10 @@ class ServerProcess:
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is not None:
             stop([self.proc], timeout)
+
+    def __enter__(self) -> ServerProcess:
+        """Started and ready for the `with` block, stopped after it."""
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
