@@ -1,12 +1,11 @@
 """One forward, ours against a reference, on the embedded model. Three modes:
 
-- default: maximum input length in a fixed activation budget (paper Table 2) and memory and speed
-  of one long prefill per configuration (paper Fig. 10, hybrid prefilling on/off); each
-  (config, n) runs one cold forward in a fresh subprocess (allocator state and the RSS high-water
-  mark never leak between them). Peak = RSS high-water mark (CUDA: the allocator's peak) above
-  its level before the forward; TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the
-  GEMM peak measured at start; MIL = where a line through the measured peaks reaches
-  `--budget-mib` ("measured" when measured lengths bracket it, else "extrapolated").
+- default: maximum input length in a fixed activation budget (paper Table 2), and memory and speed
+  of one long prefill per configuration (Fig. 10, hybrid prefilling on/off). Each (config, n) is one
+  cold forward in a fresh subprocess, so allocator state and the RSS high-water mark never leak.
+  Peak = RSS high-water mark (CUDA: the allocator's peak) above its level before the forward;
+  TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the GEMM peak measured at start; MIL
+  = where a line through the peaks reaches `--budget-mib` ("measured" if measured lengths bracket it).
 - `--compare-dtypes`: bf16 (`--residual-dtype fp32`, and `model`: everything bf16) against fp32:
   Kendall tau of P(Yes) rankings on held-out item lists, `examples/recommend.py`'s AUC, cache hit
   vs cold, and one cold `--speed-tokens` forward of the two residual modes.
@@ -85,10 +84,9 @@ def gemm_peak_gflops(dtype: torch.dtype, device: torch.device) -> float:
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
-    """Useful FLOPs of one causal prefill of `n` tokens, the same for every configuration (work a
-    configuration wastes, like hf-default's LM head over all n rows, is not credited):
-    2 per matmul weight per token (q, k, v, o, gate, up, down of every layer), QK^T and PV on half
-    the n x n square (causal), and a 1-row LM head. Elementwise ops (<1% here) are not counted."""
+    """Useful FLOPs of one causal prefill of `n` tokens, the same for every configuration (waste such
+    as hf-default's LM head over all n rows is not credited): 2 per matmul weight per token, QK^T and
+    PV on the causal half of the n x n square, a 1-row LM head; elementwise ops (<1%) are not counted."""
     per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
     per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
     attention = 2.0 * 2.0 * (n * n / 2.0) * cfg.num_heads * cfg.head_dim * cfg.num_layers
@@ -408,9 +406,8 @@ ST_MODULES = [  # sentence-transformers' modules.json of a last-token, normalise
 
 
 def heads(args: argparse.Namespace) -> dict[str, Any]:
-    """--heads: items/s of transformers (one forward per prompt), ours without the prefix cache
-    (prompts packed into forwards) and ours with the instruction as the cache prefix, and the
-    largest |difference| of ours' outputs from transformers'."""
+    """--heads: items/s of transformers (one forward per prompt) and ours (prompts packed into forwards),
+    without and with the instruction reused from the cache; max |difference| from transformers'."""
     import random
     import tempfile
 
