@@ -1,42 +1,39 @@
 """One forward, ours against a reference, on the embedded model. Three modes:
 
-- default: maximum input length in a fixed activation budget (paper Table 2) and memory and speed
-  of one long prefill per configuration (paper Fig. 10, hybrid prefilling on/off); each
-  (config, n) runs one cold forward in a fresh subprocess (allocator state and the RSS high-water
-  mark never leak between them). Peak = RSS high-water mark (CUDA: the allocator's peak) above
-  its level before the forward; TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the
-  GEMM peak measured at start; MIL = where a line through the measured peaks reaches
-  `--budget-mib` ("measured" when measured lengths bracket it, else "extrapolated").
+- default: maximum input length in a fixed activation budget (paper Table 2), and memory and speed
+  of one long prefill per configuration (Fig. 10, hybrid prefilling on/off). Each (config, n) is one
+  cold forward in a fresh subprocess, so allocator state and the RSS high-water mark never leak.
+  Peak = RSS high-water mark (CUDA: the allocator's peak) above its level before the forward;
+  TFLOP/s = useful FLOPs (`prefill_flops`) per second, against the GEMM peak measured at start; MIL
+  = where a line through the peaks reaches `--budget-mib` ("measured" if measured lengths bracket it).
 - `--compare-dtypes`: bf16 (`--residual-dtype fp32`, and `model`: everything bf16) against fp32:
   Kendall tau of P(Yes) rankings on held-out item lists, `examples/recommend.py`'s AUC, cache hit
   vs cold, and one cold `--speed-tokens` forward of the two residual modes.
 - `--heads`: classifier heads and embeddings (random weights on SmolLM2-135M's shape, cut to
-  `--layers`) against transformers (batch 1), our engine with and without the shared instruction
-  reused from the prefix cache; `--items` prompts of a `--prefix`-token instruction + a
-  `--suffix`-token tail.
+  `--layers`) against transformers (batch 1) and our engine with and without the shared
+  instruction (`--prefix` tokens, then `--suffix` per item) reused from the prefix cache.
 
-    python -m benchmarks.bench_mil --out benchmarks/results/report/mil.json            # ~10 min
-    python -m benchmarks.bench_mil --quick --out /tmp/mil.json                         # ~1 min
-    python -m benchmarks.bench_mil --compare-dtypes --out benchmarks/results/report/bf16.json
-    python -m benchmarks.bench_mil --heads --out benchmarks/results/heads.json         # ~2 min
+    python -m benchmarks.bench_mil --quick --out /tmp/mil.json   # ~1 min (~10 min without --quick)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from benchmarks import harness
-from benchmarks.harness import REPO_ROOT, CpuShare, GiB, MiB, machine_info, parser, save, wait_for_quiet
+from benchmarks.harness import REPO_ROOT, GiB, MiB, flags
 from benchmarks.workloads import label_ids
 from po_backend.core.cpu import cpu_class
 from po_backend.engine import attention_cpu
@@ -58,82 +55,76 @@ WARMUP_TOKENS = 128
 # kernel selection, so there the full prompt is run once untimed and the median of these is kept.
 CUDA_TIMED_RUNS = 5
 RESULT_MARKER = "@@RESULT "  # a child prints exactly one line starting with this, then JSON
+T = TypeVar("T")
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA runs asynchronously; a CPU op is done on return)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def timed(fn: Callable[[], T], device: torch.device | None = None) -> tuple[float, T]:
+    """`fn()`'s wall seconds and result. On a CUDA `device` (asynchronous) its queued work is waited
+    for before and after, so the time is of fn's kernels, not of their queueing."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else lambda _: None
+    sync(device)
+    t = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - t, result
 
 
-def gemm_peak_gflops(
-    dtype: torch.dtype, size: int = 2048, min_seconds: float = 1.0, device: torch.device | None = None
-) -> float:
-    """Best achieved GFLOP/s of a square GEMM on this machine: the roof the model's GEMMs can reach.
-    The layout is nn.Linear's, x @ W.t(): on CPUs without native bf16 a plain `a @ b` in bf16
-    takes a ~10x slower path, so the layout matters for the roof. On a GPU 2048^3 is too small to
-    fill it, so the size is 8192 there."""
-    dev = device or torch.device("cpu")
-    size = 8192 if dev.type == "cuda" else size
+def gemm_peak_gflops(dtype: torch.dtype, device: torch.device) -> float:
+    """Best achieved GFLOP/s of a square GEMM: the roof the model's GEMMs can reach. The layout is
+    nn.Linear's, x @ W.t(): on CPUs without native bf16 a plain `a @ b` in bf16 takes a ~10x slower
+    path. 2048^3 is too small to fill a GPU, so the size is 8192 there."""
+    size = 8192 if device.type == "cuda" else 2048
     gen = torch.Generator().manual_seed(0)
-    x, w = (torch.randn(size, size, generator=gen).to(dev, dtype) for _ in range(2))
-    out = torch.empty(size, size, dtype=dtype, device=dev)
+    x, w = (torch.randn(size, size, generator=gen).to(device, dtype) for _ in range(2))
+    out = torch.empty(size, size, dtype=dtype, device=device)
     times: list[float] = []
-    while len(times) < 3 or (sum(times[1:]) < min_seconds and len(times) < 51):  # the first: warm-up
-        t = time.perf_counter()
-        torch.matmul(x, w.t(), out=out)
-        sync(dev)
-        times.append(time.perf_counter() - t)
+    while len(times) < 3 or (sum(times[1:]) < 1.0 and len(times) < 51):  # the first: warm-up
+        times.append(timed(lambda: torch.matmul(x, w.t(), out=out), device)[0])
     return 2.0 * size**3 / min(times[1:]) / 1e9
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
-    """Useful FLOPs of one causal prefill of `n` tokens, the same for every configuration (work a
-    configuration wastes, like hf-default's LM head over all n rows, is not credited):
-    2 per matmul weight per token (q, k, v, o, gate, up, down of every layer), QK^T and PV on half
-    the n x n square (causal), and a 1-row LM head. Elementwise ops (<1% here) are not counted."""
+    """Useful FLOPs of one causal prefill of `n` tokens, the same for every configuration (waste such
+    as hf-default's LM head over all n rows is not credited): 2 per matmul weight per token, QK^T and
+    PV on the causal half of the n x n square, a 1-row LM head; elementwise ops (<1%) are not counted."""
     per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
     per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
     attention = 2.0 * 2.0 * (n * n / 2.0) * cfg.num_heads * cfg.head_dim * cfg.num_layers
     return 2.0 * cfg.num_layers * per_layer * n + attention + 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
-_ATTENTION_SECONDS = [0.0]
-_TIME_ATTENTION = [True]  # off for a GPU's timed runs: the syncs the timing needs would slow them
+class AttentionClock:
+    """Seconds spent in the runner's attention entry points while `on` (a child measures one
+    configuration, so patching the module is harmless; transformers never calls them)."""
+
+    def __init__(self) -> None:
+        from po_backend.engine import runner
+
+        self.seconds, self.on = 0.0, False
+        for name in ("attend", "attend_items"):
+            setattr(runner, name, self.wrap(getattr(runner, name)))
+
+    def wrap(self, fn: Callable[..., None]) -> Callable[..., None]:
+        def clocked(q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            if not self.on:
+                return fn(q, *args, **kwargs)
+            self.seconds += timed(lambda: fn(q, *args, **kwargs), q.device)[0]
+
+        return clocked
 
 
-def _time_attention() -> None:
-    """Wrap the runner's attention entry points to add their wall time to _ATTENTION_SECONDS
-    (a child process measures one configuration, so patching the module is harmless)."""
-    from po_backend.engine import runner
-
-    def timed(fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> None:
-            if not _TIME_ATTENTION[0]:
-                return fn(*args, **kwargs)
-            dev = args[0].device  # q: on a GPU, time the kernels, not their queueing
-            sync(dev)
-            t = time.perf_counter()
-            fn(*args, **kwargs)
-            sync(dev)
-            _ATTENTION_SECONDS[0] += time.perf_counter() - t
-
-        return wrapper
-
-    runner.attend = timed(runner.attend)  # type: ignore[assignment]
-    runner.attend_items = timed(runner.attend_items)  # type: ignore[assignment]
-
-
-def child(config: str, n: int, chunk_size: int, dtype: str, device: str = "cpu") -> dict[str, Any]:
+def child(config: str, n: int, chunk_size: int, dtype: str, device: str) -> dict[str, Any]:
+    """One cold forward of `n` tokens in `config`, in this (fresh) process."""
     model_dir = resolve_model_dir("embedded")
     cfg = read_config(model_dir)
     dev = resolve_device(device)
     ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-    if config.startswith("hf"):
+    hf = config.startswith("hf")
+    clock = AttentionClock()
+    if hf:
         import transformers
 
-        transformers.utils.logging.disable_progress_bar()
-        dt = parse_dtype(None if dtype == "auto" else dtype, dev)  # the engine's choice
+        dt = parse_dtype(dtype, dev)  # the engine's choice for "auto"
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(dev).eval()
         kwargs = {} if config == "hf-default" else {"logits_to_keep": 1, "use_cache": False}
 
@@ -148,7 +139,7 @@ def child(config: str, n: int, chunk_size: int, dtype: str, device: str = "cpu")
         engine = Engine.from_pretrained(
             "embedded",
             device=dev,
-            dtype=None if dtype == "auto" else dtype,
+            dtype=dtype,
             chunk_size=max(n, WARMUP_TOKENS) if config == "nochunk" else chunk_size,
             prefill_mode="chunked" if config == "chunked" else "hybrid",
             max_input_len=max(n, cfg.max_position_embeddings),
@@ -159,29 +150,18 @@ def child(config: str, n: int, chunk_size: int, dtype: str, device: str = "cpu")
         def forward(x: Any) -> float:
             return engine.score([x], [LABEL_ID])[0].logprobs[0]
 
-        _time_attention()
-
         prompt = ids.tolist()  # built outside the timed region
     forward(prompt if dev.type == "cuda" else prompt[:WARMUP_TOKENS])  # pools, kernels, weights
     runs = CUDA_TIMED_RUNS if dev.type == "cuda" else 1
-    _TIME_ATTENTION[0] = runs == 1
-    times = []
-    with PeakMemory(dev) as p, CpuShare() as cpu:
-        for _ in range(runs):
-            _ATTENTION_SECONDS[0] = 0.0
-            t = time.perf_counter()
-            logprob = forward(prompt)
-            times.append(time.perf_counter() - t)
-    seconds = sorted(times)[runs // 2]  # the median run
-    attention_share = _ATTENTION_SECONDS[0] / seconds
-    if runs > 1 and not config.startswith("hf"):  # one more run, timed per attention call
-        _TIME_ATTENTION[0], _ATTENTION_SECONDS[0] = True, 0.0
-        t = time.perf_counter()
-        forward(prompt)
-        attention_share = _ATTENTION_SECONDS[0] / (time.perf_counter() - t)
-    return {
-        "config": config,
-        "n": n,
+    clock.on = runs == 1  # on a GPU the syncs per attention call would slow the timed runs
+    with PeakMemory(dev) as p, harness.CpuShare() as cpu:
+        by_time = sorted(timed(lambda: forward(prompt)) for _ in range(runs))
+    seconds, logprob = by_time[runs // 2]  # the median run
+    clocked_s = seconds  # the run whose attention calls were timed
+    if not clock.on and not hf:  # one more run, timed per attention call
+        clock.on = True
+        clocked_s = timed(lambda: forward(prompt))[0]
+    return {  # the parent's row adds config, n and dtype
         "device": str(dev),
         "peak_bytes": p.peak_bytes,
         "peak_method": p.method,
@@ -190,17 +170,17 @@ def child(config: str, n: int, chunk_size: int, dtype: str, device: str = "cpu")
         "tok_per_s": n / seconds,
         "tflops": prefill_flops(cfg, n) / seconds / 1e12,
         # Share of the forward spent in attention calls (ours only; None for transformers).
-        "attention_share": None if config.startswith("hf") else attention_share,
+        "attention_share": None if hf else clock.seconds / clocked_s,
         "logprob": logprob,
         "other_cores": cpu.other_cores,
     }
 
 
-def run_child(args: list[str], timeout: float) -> dict[str, Any]:
-    """`python -m benchmarks.bench_mil --child ...` in a fresh interpreter: its result, or a row
-    saying why there is none (a SIGKILL with no traceback is what the OOM killer leaves)."""
+def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """`child(**spec)` in a fresh interpreter: its result, or a row saying why there is none (a
+    SIGKILL with no traceback is what the OOM killer leaves)."""
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.bench_mil", *args]
+    cmd = [sys.executable, "-m", "benchmarks.bench_mil", "--child", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
     except subprocess.TimeoutExpired:
@@ -229,25 +209,85 @@ def fit_mil(points: list[tuple[int, int]], budget: float) -> dict[str, Any]:
     }
 
 
-def speed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (dtype, n) where both ran: ours (hybrid) vs transformers logits_to_keep=1, tok/s, the
-    ratio, ours' achieved GFLOP/s and its share of the GEMM peak, attention's share of ours."""
-    by = {(r["dtype"], r["config"], r["n"]): r for r in rows if r.get("status") == "ok"}
-    pairs = [(dt, n, o, by.get((dt, "hf-ltk1", n))) for (dt, c, n), o in by.items() if c == "hybrid"]
+def speed_summary(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (dtype, n) where both ran: ours (hybrid) against transformers logits_to_keep=1."""
+    hf = {(r["dtype"], r["n"]): r for r in ok if r["config"] == "hf-ltk1"}
+    pairs = [(o, hf.get((o["dtype"], o["n"]))) for o in ok if o["config"] == "hybrid"]
     return [
         {
-            "dtype": dt,
-            "n": n,
+            "dtype": o["dtype"],
+            "n": o["n"],
             "ours_tok_per_s": o["tok_per_s"],
-            "hf_tok_per_s": hf["tok_per_s"],
-            "ratio": o["tok_per_s"] / hf["tok_per_s"],
+            "hf_tok_per_s": h["tok_per_s"],
+            "ratio": o["tok_per_s"] / h["tok_per_s"],
             "ours_gflops": o["tflops"] * 1e3,
             "ours_gemm_peak_frac": o["gemm_peak_frac"],
             "attention_share": o["attention_share"],
         }
-        for dt, n, o, hf in pairs
-        if hf is not None
+        for o, h in pairs
+        if h is not None
     ]
+
+
+def mil(args: argparse.Namespace) -> dict[str, Any]:
+    """The default mode: each config at each length per dtype in a fresh child, then the speed
+    summary and the MIL fit of the first dtype's peaks."""
+    if args.quick:
+        args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    configs = [c for c in CONFIGS if c in args.configs.split(",")]
+    dev = resolve_device(args.device)
+    dtypes = {name: parse_dtype(name, dev) for name in args.dtype.split(",")}
+    model_cfg = read_config(resolve_model_dir("embedded"))
+    print(f"device: {describe(dev)}")
+    if dev.type == "cpu":  # what --dtype auto and the attention choice are on this CPU class
+        for name, dt in dtypes.items():
+            c = attention_cpu.decide(dt, dev, model_cfg.head_dim)
+            print(f"CPU class {cpu_class()}: --dtype {name} -> {dt}; attention {c.attention} ({c.reason})")
+    # fp32 and bf16 whatever runs: the CPU decides which one the engine uses (bf16 only where it
+    # is native); a GPU's fp16 default (compute capability < 8) is added when it runs.
+    roofs = {str(dt): gemm_peak_gflops(dt, dev) for dt in {torch.float32, torch.bfloat16, *dtypes.values()}}
+    print("GEMM peak (x @ W.t()): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roofs.items()))
+    rows: list[dict[str, Any]] = []
+    lengths = [int(x) for x in args.lengths.split(",")]
+    for (name, dt), n, c in itertools.product(dtypes.items(), lengths, configs):
+        harness.wait_for_quiet(args.quiet_wait)
+        spec = {"config": c, "n": n, "chunk_size": args.chunk_size, "dtype": name, "device": str(dev)}
+        row = {"config": c, "n": n, "dtype": str(dt), **run_child(spec, args.timeout)}
+        rows.append(row)
+        if row["status"] != "ok":
+            print(f"  {c:10s} n={n:6d} {dt}: {row['status']} {row['detail']}")
+            continue
+        row["gemm_peak_frac"] = row["tflops"] * 1e3 / roofs[str(dt)]
+        share = "" if row["attention_share"] is None else f", attention {row['attention_share']:.0%}"
+        print(
+            f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, "
+            f"{row['tok_per_s']:6.0f} tok/s, {row['tflops']:.3f} TFLOP/s "
+            f"({row['gemm_peak_frac']:.0%} of GEMM peak){share}  (other cores {row['other_cores']:.2f})"
+        )
+    ok = [r for r in rows if r["status"] == "ok"]
+    speed = speed_summary(ok)
+    for s in speed:
+        print(f"  {s['dtype']:>14s} n={s['n']:5d}: ours {s['ratio']:.2f}x transformers logits_to_keep=1")
+    dtype = str(next(iter(dtypes.values())))  # the MIL fit's
+    fits = {}
+    for c in configs:
+        points = [(r["n"], r["peak_bytes"]) for r in ok if (r["config"], r["dtype"]) == (c, dtype)]
+        if len({n for n, _ in points}) >= 2:
+            m = fits[c] = fit_mil(points, args.budget_mib * MiB)
+            print(f"  MIL {c:10s}: {m['mil']} tokens ({m['kind']}), {m['kib_per_token']:.1f} KiB/token")
+    return {
+        "device": describe(dev),
+        "args": vars(args),
+        "dtype": dtype,
+        "gemm_peak_gflops": roofs,
+        "configs": {c: CONFIGS[c] for c in configs},
+        "budget_mib": args.budget_mib,
+        "model_context": model_cfg.max_position_embeddings,
+        "rows": rows,
+        "speed": speed,
+        "mil": fits,
+    }
 
 
 # ---- --compare-dtypes: bf16 against fp32 ------------------------------------------------------------
@@ -281,35 +321,27 @@ ITEMS = (
     "Adopting a rescue dog: what to know first.",
 )
 QUESTION = "\nWould this person be interested in this item? Answer Yes or No.\nAnswer:"
-Scores = list[list[list[float]]]  # label log-probs per list, per item
 
 
-def _scores(engine: Any, lists: Any, labels: tuple[int, int], cached: bool) -> Scores:
-    """Label log-probs per list and item; `cached`: the prefix is computed once and read from the
-    cache by the items over it, else every prompt is computed from scratch (the same requests,
-    their prefix declared as a user's would be, on an empty cache)."""
-    from po_backend import ScoreRequest
-
+def _scores(engine: Any, lists: Any, labels: tuple[int, int], cached: bool) -> np.ndarray:
+    """Label log-probs per list and item, each prompt's prefix declared as a user's would be;
+    `cached`: the prefix is computed once and read from the cache by the items over it, else each
+    prompt runs on an empty cache."""
     out = []
     for prefix, items in lists:
+        prompts = [prefix + s for s in items]
         engine.flush_cache()
         if cached:
-            engine.run([ScoreRequest(tuple(prefix), labels, cache_prefix_len=len(prefix))])
-            res = engine.run(
-                [ScoreRequest(tuple(prefix + s), labels, cache_prefix_len=len(prefix)) for s in items]
-            )
+            engine.score(prefix, labels, cache_prefix_len=len(prefix))
+            res = engine.score(prompts, labels, cache_prefix_len=len(prefix))
             assert all(r.cached_tokens == len(prefix) for r in res), "the prefix was not read from the cache"
         else:
             res = []
-            for s in items:
+            for p in prompts:
                 engine.flush_cache()
-                res += engine.run([ScoreRequest(tuple(prefix + s), labels, cache_prefix_len=len(prefix))])
-        out.append([list(r.logprobs) for r in res])
-    return out
-
-
-def _max_diff(a: Scores, b: Scores) -> float:
-    return float(max(np.abs(np.array(x) - np.array(y)).max() for x, y in zip(a, b, strict=True)))
+                res += engine.score([p], labels, cache_prefix_len=len(prefix))
+        out.append([r.logprobs for r in res])
+    return np.array(out)
 
 
 def _auc(**options: Any) -> float:
@@ -322,9 +354,8 @@ def _auc(**options: Any) -> float:
 
 
 def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
-    """bf16 with an fp32 (`--residual-dtype fp32`) or bf16 (`model`) residual stream against fp32:
-    Kendall tau per item list of the Yes-No log-odds (the ranking `po.rank` makes), max |log-prob|
-    differences (vs fp32; cache hit vs cold), AUC, and one cold forward's seconds (best of repeats)."""
+    """--compare-dtypes; Kendall tau is per item list, of the Yes-No log-odds (the ranking `po.rank`
+    makes); the forward's seconds are the best of --repeats."""
     from scipy.stats import kendalltau
 
     from po_backend import Engine
@@ -343,7 +374,7 @@ def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
     for mode in ("fp32", "model"):
         eng = Engine.from_pretrained("embedded", dtype="bf16", residual_dtype=mode, **kw)
         cold, hit = _scores(eng, lists, labels, cached=False), _scores(eng, lists, labels, cached=True)
-        odds = [[x[0] - x[1] for x in lst] for lst in cold], [[x[0] - x[1] for x in lst] for lst in ref]
+        odds = cold[..., 0] - cold[..., 1], ref[..., 0] - ref[..., 1]  # [list, item]
         taus = [float(kendalltau(a, b).statistic) for a, b in zip(*odds, strict=True)]
         times = []
         for _ in range(args.repeats):
@@ -354,8 +385,8 @@ def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
         doc[f"bf16-residual-{mode}"] = {
             "kendall_tau_mean": sum(taus) / len(taus),
             "kendall_tau_min": min(taus),
-            "max_abs_dlogprob_vs_fp32": _max_diff(cold, ref),
-            "max_abs_dlogprob_hit_vs_cold": _max_diff(hit, cold),
+            "max_abs_dlogprob_vs_fp32": float(np.abs(cold - ref).max()),
+            "max_abs_dlogprob_hit_vs_cold": float(np.abs(hit - cold).max()),
             "auc": _auc(dtype="bf16", residual_dtype=mode),
             f"forward_s_{n}": min(times),
         }
@@ -367,11 +398,16 @@ def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- --heads: classifier heads and embeddings against transformers ----------------------------------
 
+ST_MODULES = [  # sentence-transformers' modules.json of a last-token, normalised embedder
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
+
 
 def heads(args: argparse.Namespace) -> dict[str, Any]:
-    """Items/s of transformers (one forward per prompt), ours without the prefix cache (prompts
-    packed into forwards) and ours with the instruction declared as the cache prefix (computed once,
-    items over it), and the largest |difference| of ours' outputs from transformers'."""
+    """--heads: items/s of transformers (one forward per prompt) and ours (prompts packed into forwards),
+    without and with the instruction reused from the cache; max |difference| from transformers'."""
     import random
     import tempfile
 
@@ -390,17 +426,10 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
     def ours(path: Path, reuse: bool) -> tuple[float, list[torch.Tensor], int]:
         engine = Engine.from_pretrained(path, dtype="fp32", enable_cache=reuse, max_input_len=1024)
         engine.run([ScoreRequest(tuple(prompts[0][args.prefix :]), pool=True)])  # first-call allocations
-        reqs = [
-            ScoreRequest(tuple(p), pool=True, cache_prefix_len=args.prefix if reuse else None)
-            for p in prompts
-        ]
-        t = time.perf_counter()
-        res = engine.run(reqs)
-        return (
-            time.perf_counter() - t,
-            [torch.tensor(r.outputs) for r in res],
-            sum(r.cached_tokens for r in res),
-        )
+        prefix = args.prefix if reuse else None
+        reqs = [ScoreRequest(tuple(p), pool=True, cache_prefix_len=prefix) for p in prompts]
+        seconds, res = timed(lambda: engine.run(reqs))
+        return seconds, [torch.tensor(r.outputs) for r in res], sum(r.cached_tokens for r in res)
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-heads-") as tmp:
@@ -409,13 +438,8 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
         cls = transformers.LlamaForSequenceClassification(cfg).eval()
         emb = transformers.LlamaModel(cfg).eval()
         cls.save_pretrained(root / "classifier")
-        emb.save_pretrained(root / "embedder")  # as a sentence-transformers last-token embedder
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-        ]
-        (root / "embedder" / "modules.json").write_text(json.dumps(modules))
+        emb.save_pretrained(root / "embedder")
+        (root / "embedder" / "modules.json").write_text(json.dumps(ST_MODULES))
         (root / "embedder" / "1_Pooling").mkdir()
         (root / "embedder" / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
         for kind, model in (("classifier", cls), ("embedder", emb)):
@@ -432,14 +456,11 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             delta = max(
                 float((a - b).abs().max()) for a, b in zip([*out_no, *out_re], ref + ref, strict=True)
             )
+            seconds = {"transformers": t_hf, "ours-noreuse": t_no, "ours": t_re}
             rows.append(
                 {
                     "model": kind,
-                    "items_per_s": {
-                        "transformers": args.items / t_hf,
-                        "ours-noreuse": args.items / t_no,
-                        "ours": args.items / t_re,
-                    },
+                    "items_per_s": {k: args.items / v for k, v in seconds.items()},
                     "ours_vs_transformers": t_hf / t_re,
                     "noreuse_vs_transformers": t_hf / t_no,
                     "reuse_vs_noreuse": t_no / t_re,
@@ -449,109 +470,32 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             )
             print(json.dumps(rows[-1]), flush=True)
     keys = ("items", "prefix", "suffix", "layers", "out")
-    return {
-        "args": {k: str(getattr(args, k)) if k == "out" else getattr(args, k) for k in keys},
-        "dtype": "fp32",
-        "rows": rows,
-    }
+    return {"args": {k: getattr(args, k) for k in keys}, "dtype": "fp32", "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, None, "lengths 256,512")
-    harness.flags(ap, lengths="1024,2048,4096,8192", configs=",".join(CONFIGS), chunk_size=512)
+    ap = harness.parser(__doc__, None, "lengths 256,512")
+    flags(ap, lengths="1024,2048,4096,8192", configs=",".join(CONFIGS), chunk_size=512)
     # A comma list (e.g. bf16,fp32) runs every config at every length per dtype; the MIL fit uses the first.
-    harness.flags(ap, dtype=("auto", "auto (the engine's default here) | fp32 | bf16, or a list"))
-    harness.flags(ap, device=("cpu", "cpu | cuda | cuda:N (the same for ours and transformers)"))
-    harness.flags(ap, budget_mib=256.0, timeout=900.0, quiet_wait=30.0)
-    ap.add_argument("--child", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
-    harness.flags(ap, compare_dtypes=(False, "bf16 vs fp32: rankings, AUC, hit vs cold"))
-    harness.flags(ap, speed_tokens=(2048, "--compare-dtypes: forward length"))
-    harness.flags(ap, repeats=(3, "--compare-dtypes: best of this many"))
-    harness.flags(ap, heads=(False, "classifier / embedding heads vs transformers"))
-    harness.flags(ap, items=(16, "--heads: prompts"), prefix=(256, "--heads: shared instruction tokens"))
-    harness.flags(ap, suffix=(32, "--heads: unique tail tokens"))
-    harness.flags(ap, layers=(30, "--heads: decoder layers (SmolLM2-135M has 30)"))
+    flags(ap, dtype=("auto", "auto (the engine's default here) | fp32 | bf16, or a list"))
+    flags(ap, device=("cpu", "cpu | cuda | cuda:N (the same for ours and transformers)"))
+    flags(ap, budget_mib=256.0, timeout=900.0, quiet_wait=30.0)
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # run_child's: child()'s arguments as JSON
+    flags(ap, compare_dtypes=(False, "bf16 vs fp32: rankings, AUC, hit vs cold"))
+    flags(ap, speed_tokens=(2048, "--compare-dtypes: forward length"))
+    flags(ap, repeats=(3, "--compare-dtypes: best of this many"))
+    flags(ap, heads=(False, "classifier / embedding heads vs transformers"))
+    flags(ap, items=(16, "--heads: prompts"), prefix=(256, "--heads: shared instruction tokens"))
+    flags(ap, suffix=(32, "--heads: unique tail tokens"))
+    flags(ap, layers=(30, "--heads: decoder layers (SmolLM2-135M has 30)"))
     args = ap.parse_args(argv)
     if args.child:
-        result = child(args.child[0], int(args.child[1]), args.chunk_size, args.dtype, args.device)
-        print(RESULT_MARKER + json.dumps(result), flush=True)
+        print(RESULT_MARKER + json.dumps(child(**json.loads(args.child))), flush=True)
         return 0
     if args.out is None:
         ap.error("--out is required")
-    if args.compare_dtypes or args.heads:
-        result = compare_dtypes(args) if args.compare_dtypes else heads(args)
-        save(args.out, {"machine": machine_info(), **result})
-        return 0
-    if args.quick:
-        args.lengths, args.quiet_wait = "256,512", min(args.quiet_wait, 5.0)
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    configs = [c for c in CONFIGS if c in args.configs.split(",")]
-    names = args.dtype.split(",")
-    dev = resolve_device(args.device)
-    dtypes = {name: parse_dtype(None if name == "auto" else name, dev) for name in names}
-    dtype = dtypes[names[0]]
-    print(f"device: {describe(dev)}")
-    if dev.type == "cpu":  # what --dtype auto and the attention choice are on this CPU class
-        head_dim = read_config(resolve_model_dir("embedded")).head_dim
-        for name, dt in dtypes.items():
-            c = attention_cpu.decide(dt, dev, head_dim)
-            print(f"CPU class {cpu_class()}: --dtype {name} -> {dt}; attention {c.attention} ({c.reason})")
-    # fp32 and bf16 whatever runs: the CPU decides which one the engine uses (bf16 only where it
-    # is native); a GPU's fp16 default (compute capability < 8) is added when it runs.
-    roofs = {
-        str(dt): gemm_peak_gflops(dt, device=dev) for dt in {torch.float32, torch.bfloat16, *dtypes.values()}
-    }
-    print("GEMM peak (x @ W.t()): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roofs.items()))
-    rows: list[dict[str, Any]] = []
-    for name, dt in dtypes.items():
-        for n in [int(x) for x in args.lengths.split(",")]:
-            for c in configs:
-                wait_for_quiet(args.quiet_wait)
-                cmd = ["--child", c, str(n), "--chunk-size", str(args.chunk_size), "--dtype", name]
-                cmd += ["--device", str(dev)]
-                row = {"config": c, "n": n, "dtype": str(dt), **run_child(cmd, args.timeout)}
-                rows.append(row)
-                if row["status"] != "ok":
-                    print(f"  {c:10s} n={n:6d} {dt}: {row['status']} {row['detail']}")
-                    continue
-                row["gemm_peak_frac"] = row["tflops"] * 1e3 / roofs[str(dt)]
-                share = "" if row["attention_share"] is None else f", attention {row['attention_share']:.0%}"
-                print(
-                    f"  {c:10s} n={n:6d} {dt}: peak {row['peak_bytes'] / MiB:7.1f} MiB, "
-                    f"{row['tok_per_s']:6.0f} tok/s, {row['tflops']:.3f} TFLOP/s "
-                    f"({row['gemm_peak_frac']:.0%} of GEMM peak){share}  (other cores {row['other_cores']:.2f})"
-                )
-    speed = speed_summary(rows)
-    for r in speed:
-        print(
-            f"  {r['dtype']:>14s} n={r['n']:5d}: ours {r['ours_tok_per_s']:6.0f} tok/s vs transformers "
-            f"logits_to_keep=1 {r['hf_tok_per_s']:6.0f}: {r['ratio']:.2f}x, {r['ours_gflops']:.0f} GFLOP/s "
-            f"({r['ours_gemm_peak_frac']:.0%} of GEMM peak), attention {r['attention_share']:.0%}"
-        )
-    mil = {}
-    for c in configs:
-        pts = [
-            (r["n"], r["peak_bytes"])
-            for r in rows
-            if (r["config"], r["status"], r["dtype"]) == (c, "ok", str(dtype))
-        ]
-        if len({n for n, _ in pts}) >= 2:
-            m = mil[c] = fit_mil(pts, args.budget_mib * MiB)
-            print(f"  MIL {c:10s}: {m['mil']} tokens ({m['kind']}), {m['kib_per_token']:.1f} KiB/token")
-    doc = {
-        "machine": machine_info(),
-        "device": describe(dev),
-        "args": vars(args),
-        "dtype": str(dtype),
-        "gemm_peak_gflops": roofs,
-        "configs": {c: CONFIGS[c] for c in configs},
-        "budget_mib": args.budget_mib,
-        "model_context": read_config(resolve_model_dir("embedded")).max_position_embeddings,
-        "rows": rows,
-        "speed": speed,
-        "mil": mil,
-    }
-    save(args.out, doc)
+    mode = compare_dtypes if args.compare_dtypes else heads if args.heads else mil
+    harness.save(args.out, {"machine": harness.machine_info(), **mode(args)})
     return 0
 
 
