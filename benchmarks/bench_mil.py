@@ -113,7 +113,7 @@ class AttentionClock:
         return clocked
 
 
-def child(config: str, n: int, chunk_size: int, dtype: str, device: str) -> dict[str, Any]:
+def child(config: str, n: int, chunk_size: int | None, dtype: str, device: str) -> dict[str, Any]:
     """One cold forward of `n` tokens in `config`, in this (fresh) process."""
     model_dir = resolve_model_dir("embedded")
     cfg = read_config(model_dir)
@@ -163,6 +163,7 @@ def child(config: str, n: int, chunk_size: int, dtype: str, device: str) -> dict
         clocked_s = timed(lambda: forward(prompt))[0]
     return {  # the parent's row adds config, n and dtype
         "device": str(dev),
+        "chunk_size": None if hf else engine.config.chunk_size,
         "peak_bytes": p.peak_bytes,
         "peak_method": p.method,
         "time_s": seconds,
@@ -475,7 +476,10 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, None, "lengths 256,512")
-    flags(ap, lengths="1024,2048,4096,8192", configs=",".join(CONFIGS), chunk_size=512)
+    flags(ap, lengths="1024,2048,4096,8192", configs=",".join(CONFIGS))
+    ap.add_argument(
+        "--chunk-size", type=int, help="hybrid / chunked chunk (default: the engine's on the device)"
+    )
     # A comma list (e.g. bf16,fp32) runs every config at every length per dtype; the MIL fit uses the first.
     flags(ap, dtype=("auto", "auto (the engine's default here) | fp32 | bf16, or a list"))
     flags(ap, device=("cpu", "cpu | cuda | cuda:N (the same for ours and transformers)"))
