@@ -35,7 +35,7 @@ from po_backend.sched.jct import CalibratedJCT, JCTModel, prediction_quality
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.serving.loop import EngineLoop
-from po_backend.sim.cluster import LinearStepModel, p99
+from po_backend.sim.cluster import LinearStepModel, p99, poisson_arrivals
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -240,12 +240,6 @@ def requests_and_arrivals(
     rng.shuffle(items)
     reqs = [ScoreRequest(it.ids, labels, cache_prefix_len=len(it.prefix)) for it in items]
     return reqs, poisson_arrivals(len(reqs), rng)
-
-
-def poisson_arrivals(n: int, rng: random.Random, rate: float = 1.0) -> list[float]:
-    """Arrival times (seconds from 0) of `n` events of a Poisson process with `rate` per second."""
-    gaps = (rng.expovariate(rate) for _ in range(n - 1))
-    return list(itertools.accumulate(gaps, initial=0.0))[:n]
 
 
 def sim_step_model(

@@ -25,6 +25,7 @@ Torch-free, like the simulator. `benchmarks/bench_cluster.py --simulate` replays
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from array import array
@@ -434,11 +435,13 @@ def paper_trace(
             post = ids(rng.randint(*shape.post_tokens) - len(answer)) + answer
             reqs.append(ScoreRequest(prefix + post, labels, cache_prefix_len=len(prefix)))
     rng.shuffle(reqs)
-    arrivals, t = [], 0.0
-    for _ in reqs:
-        arrivals.append(t)
-        t += rng.expovariate(1.0)
-    return reqs, arrivals
+    return reqs, poisson_arrivals(len(reqs), rng)
+
+
+def poisson_arrivals(n: int, rng: random.Random, rate: float = 1.0) -> list[float]:
+    """Arrival times (seconds from 0) of `n` events of a Poisson process with `rate` per second."""
+    gaps = (rng.expovariate(rate) for _ in range(n - 1))
+    return list(itertools.accumulate(gaps, initial=0.0))[:n]
 
 
 # ---- sustained QPS ---------------------------------------------------------------------------------
