@@ -92,7 +92,10 @@ case "$cmd" in
     lint) lint ;;
     test)
         workers=${PO_TEST_WORKERS:-$(($(nproc) + 1))}
-        lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec "$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+        # A crashed worker fails the run naming its test (no restarts re-running the file), and
+        # the whole run has a wall-clock bound well inside CI's 90 minutes.
+        lint && PO_REQUIRE_DEPS=${PO_REQUIRE_DEPS:-1} exec timeout -k 30 "${PO_TEST_WALL_S:-2700}" \
+            "$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --max-worker-restart 0 "$@"
         ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
     *) echo "unknown command: $cmd (demo|test|lint|bench|setup|gpu-check)" >&2; exit 2 ;;

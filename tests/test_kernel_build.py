@@ -10,6 +10,8 @@ import fcntl
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +33,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("PREFILLONLY_CACHE", str(root))
     monkeypatch.delenv("PO_CPU_ATTENTION", raising=False)
     monkeypatch.setattr(attention_cpu.shutil, "which", lambda _: "/usr/bin/c++")
+    # The fake builds register nothing, whatever an earlier test of this process loaded for real.
+    monkeypatch.setattr(attention_cpu, "_registered", lambda: False)
     attention_cpu.load_kernel.cache_clear()
     yield root
     attention_cpu.load_kernel.cache_clear()
@@ -178,17 +182,40 @@ def test_kv_in_another_dtype_falls_back(monkeypatch) -> None:
     assert torch.equal(out, ref)
 
 
-def test_the_real_build(cache: Path, monkeypatch) -> None:
+_REAL_BUILD = """
+import os, sys
+from pathlib import Path
+import torch
+from po_backend.engine import attention_cpu
+assert attention_cpu.load_kernel(), "the kernel failed to build (see the logged warning)"
+assert hasattr(torch.ops.po_attn, "fwd")
+assert (attention_cpu._build_dir() / "po_attention_bf16.so").is_file()
+# A second build folder in the same process: its copy must not be loaded (the interpreter would
+# abort on the second registration of the same operators); the loaded one serves.
+os.environ["PREFILLONLY_CACHE"] = sys.argv[1]
+attention_cpu.load_kernel.cache_clear()
+assert attention_cpu.load_kernel()
+assert not Path(sys.argv[1], "ext").exists(), "nothing built for a kernel already loaded"
+print("loaded once")
+"""
+
+
+def test_the_real_build(tmp_path: Path) -> None:
     """Compiles and loads the kernel for real (no instruction of it runs: loading registers the
-    op). Skips only without a compiler; a build error fails."""
-    monkeypatch.undo()  # the real `which`
-    monkeypatch.setenv("PREFILLONLY_CACHE", str(cache))
-    attention_cpu.load_kernel.cache_clear()
+    op), in a child process: a crash there fails this test, not the test run. Skips only without
+    a compiler; a build error fails."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler on this machine")
-    assert attention_cpu.load_kernel(), "the kernel failed to build (see the logged warning)"
-    assert hasattr(torch.ops.po_attn, "fwd")
-    assert (attention_cpu._build_dir() / "po_attention_bf16.so").is_file()
+    env = {**os.environ, "PREFILLONLY_CACHE": str(tmp_path / "cache")}
+    env.pop("PO_CPU_ATTENTION", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _REAL_BUILD, str(tmp_path / "second")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0 and "loaded once" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 def test_cpu_classes_decide_dtype_and_attention(monkeypatch) -> None:

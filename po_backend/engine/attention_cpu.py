@@ -196,9 +196,18 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _registered() -> bool:
+    """Whether this process already has the kernel's operators."""
+    return hasattr(torch.ops.po_attn, "fwd")
+
+
 @functools.cache
 def load_kernel() -> bool:
-    """Build (first time) and load the kernel; False, with one warning, if that fails."""
+    """Build (first time) and load the kernel; False, with one warning, if that fails. A process
+    loads it at most once: a second copy (another build folder) registering the same operators
+    aborts the interpreter."""
+    if _registered():
+        return True
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.warning("no C++ compiler: bf16 CPU attention stays on torch SDPA (slower)")
         return False
@@ -227,7 +236,7 @@ def load_kernel() -> bool:
     except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
         log.warning("the bf16 CPU attention kernel is unavailable; attention stays on SDPA: %s", e)
         return False
-    return hasattr(torch.ops.po_attn, "fwd")
+    return _registered()
 
 
 @functools.cache
