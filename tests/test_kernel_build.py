@@ -233,3 +233,38 @@ def test_cpu_classes_decide_dtype_and_attention(monkeypatch) -> None:
         monkeypatch.setattr(cpu, "cpu_flags", lambda f=flags: f)
         assert config.parse_dtype("auto", CPU) == auto
         assert attention_cpu.choose(torch.bfloat16, CPU, flags) == attn
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_kernel_logic_runs_emulated_where_the_cpu_cannot_run_it() -> None:
+    """On a CPU without avx512_bf16 the real kernel never runs, so tests/test_attention_cpu.py runs
+    in a child process against the same source built with portable stand-ins for its intrinsics
+    (PO_KERNEL_EMULATE=1): tiling, masking, items, the online softmax and the log-sum-exp are
+    checked against SDPA and transformers on every CPU class. Every kernel test must run."""
+    if "avx512_bf16" in attention_cpu.cpu_flags():
+        pytest.skip("the real kernel runs here: tests/test_attention_cpu.py checks it directly")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on this machine")
+    env = {**os.environ, "PO_KERNEL_EMULATE": "1"}
+    env.pop("PO_CPU_ATTENTION", None)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/test_attention_cpu.py",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=Path(__file__).parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0 and "skipped" not in summary, done.stdout[-3000:] + done.stderr[-2000:]

@@ -55,8 +55,12 @@ log = logging.getLogger(__name__)
 CpuAttention = Literal["kernel", "sdpa"]
 _ENV = "PO_CPU_ATTENTION"
 _SOURCE = Path(__file__).parent / "csrc" / "attention_bf16.cpp"
+_EMULATION = _SOURCE.with_name("avx512_emulation.h")
 _NAME = "po_attention_bf16"
 _CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
+# For the test suite only: the same kernel built with portable stand-ins for its AVX512 intrinsics,
+# so its logic runs (slowly) on CPUs that cannot run the real one.
+_EMULATE_ENV = "PO_KERNEL_EMULATE"
 _LDFLAGS = ("-fopenmp",)
 # A build takes ~10 s on one core; a wait this long means a stuck build, not a slow one.
 _LOCK_TIMEOUT_S = 300.0
@@ -127,17 +131,24 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "prefillonly"
 
 
+def _flavour() -> tuple[str, tuple[str, ...]]:
+    """The library's name and compiler flags: the real kernel, or its emulated build."""
+    if os.environ.get(_EMULATE_ENV) == "1":
+        return f"{_NAME}_emulated", (*_CFLAGS, "-DPO_EMULATE_AVX512")
+    return _NAME, _CFLAGS
+
+
 def build_key() -> str:
-    """What the library depends on: the source, the compiler and its flags, torch's version.
+    """What the library depends on: the sources, the compiler and its flags, torch's version.
     Two checkouts with different kernel sources (or torch versions) never share a library."""
-    h = hashlib.sha256(_SOURCE.read_bytes())
-    for part in (*_CFLAGS, *_LDFLAGS, os.environ.get("CXX", "c++"), torch.__version__):
+    h = hashlib.sha256(_SOURCE.read_bytes() + _EMULATION.read_bytes())
+    for part in (*_flavour()[1], *_LDFLAGS, os.environ.get("CXX", "c++"), torch.__version__):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 
 
 def _build_dir() -> Path:
-    return cache_root() / "ext" / f"{_NAME}-{build_key()}"
+    return cache_root() / "ext" / f"{_flavour()[0]}-{build_key()}"
 
 
 class UnsafeCacheError(RuntimeError):
@@ -222,12 +233,13 @@ def load_kernel() -> bool:
             # torch's own lock file, left by a build killed midway, makes torch wait without a
             # timeout; under our lock no other build of this folder runs, so it is stale.
             (build / "lock").unlink(missing_ok=True)
-            if not (build / f"{_NAME}.so").is_file():
+            name, cflags = _flavour()
+            if not (build / f"{name}.so").is_file():
                 log.info("building the bf16 CPU attention kernel once into %s (about 10 s)", build)
             cpp_extension.load(
-                name=_NAME,
+                name=name,
                 sources=[str(_SOURCE)],
-                extra_cflags=list(_CFLAGS),
+                extra_cflags=list(cflags),
                 extra_ldflags=list(_LDFLAGS),
                 build_directory=str(build),
                 is_python_module=False,

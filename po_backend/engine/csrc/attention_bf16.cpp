@@ -40,7 +40,11 @@
 #include <numeric>
 #include <vector>
 
+#ifdef PO_EMULATE_AVX512
+#include "avx512_emulation.h"  // the test suite's build for CPUs without avx512_bf16
+#else
 #include <immintrin.h>
+#endif
 
 namespace {
 
@@ -54,8 +58,10 @@ struct Job {
   int64_t cost;
 };
 
+#ifndef PO_EMULATE_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+#endif
 
 // 2^x for finite x <= 0 (softmax arguments; -inf gives NaN, which callers mask to 0). n = round(x),
 // f = x - n in [-0.5, 0.5], 2^f by a degree-4 minimax polynomial (relative error 2.6e-6 over the
@@ -356,7 +362,9 @@ static void run(const at::Tensor& q, int64_t kv_heads, const uint16_t* kp, const
   });
 }
 
+#ifndef PO_EMULATE_AVX512
 #pragma GCC pop_options
+#endif
 
 void check_kv(const at::Tensor& k, const at::Tensor& v, int64_t d, const char* what) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), what, ": K and V must be [keys, kv_heads, d] alike");
