@@ -256,3 +256,32 @@ def test_kill_and_resume_answers_every_custom_id_once(tmp_path: Path) -> None:
     # The server answered each request once: none of the journaled ones was sent again.
     assert set(gate.answered) == {f"req-{i}" for i in range(n)} and max(gate.answered.values()) == 1
     assert not journal.exists()
+
+
+def test_embeddings_lines_in_process(tokenized_llama: Path, tmp_path: Path) -> None:
+    """/v1/embeddings lines on an embedder (vLLM's --convert embed): the vectors the engine gives."""
+    from transformers import AutoTokenizer
+
+    from po_backend import Engine
+
+    texts = ["a cat video", "tax news for the year"]
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "tiny", "input": t},
+        }
+        for i, t in enumerate(texts)
+    ]
+    batch = write_batch(tmp_path / "in.jsonl", lines)
+    args = ServerArgs(engine=Settings(model_path=str(tokenized_llama), dtype="fp32", task="embed"))
+    summary = rb.run(rb.Job(batch, tmp_path / "out.jsonl", server_args=args, progress=False))
+    assert summary.complete and not summary.errors
+    engine = Engine.from_pretrained(tokenized_llama, dtype="fp32", task="embed")
+    tok = AutoTokenizer.from_pretrained(tokenized_llama)
+    for text, result in zip(texts, read(tmp_path / "out.jsonl"), strict=True):
+        assert result["response"]["status_code"] == 200
+        (item,) = result["response"]["body"]["data"]
+        want = engine.embed([tok.encode(text)])[0]
+        assert item["embedding"] == pytest.approx(want, abs=1e-5)

@@ -68,8 +68,6 @@ class StepInfo:
 @dataclass(frozen=True)
 class ScoreResult:
     logprobs: list[float]  # full-vocabulary log P(label | prompt), aligned with label_token_ids
-    # The same labels' raw logits (a reranker scored by one token's logit, bge-reranker-v2-gemma).
-    label_logits: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, log-prob)
     input_token_logprobs: list[float] = field(default_factory=list)  # see logprob_start_len
     # One row per prompt-token log-prob above: (token id, log-prob) of the top `input_top_k`, and
@@ -81,6 +79,8 @@ class ScoreResult:
     outputs: list[float] = field(default_factory=list)  # pooled requests: head logits or embedding
     queue_seconds: float = 0.0  # from submission to the start of its step (the serving loop's)
     step: StepInfo | None = None  # the serving loop's step it ran in
+    # The same labels' raw logits (a reranker scored by one token's logit, bge-reranker-v2-gemma).
+    label_logits: list[float] = field(default_factory=list)
 
 
 def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> None:
