@@ -285,3 +285,17 @@ def test_embeddings_lines_in_process(tokenized_llama: Path, tmp_path: Path) -> N
         (item,) = result["response"]["body"]["data"]
         want = engine.embed([tok.encode(text)])[0]
         assert item["embedding"] == pytest.approx(want, abs=1e-5)
+
+
+def test_cli_in_process_with_vllms_flags(tokenized_llama: Path, tmp_path: Path, capsys: Any) -> None:
+    batch = write_batch(tmp_path / "in.jsonl", good_lines()[:1], BAD_LINES[:1])
+    out = tmp_path / "out.jsonl"
+    argv = ["-i", str(batch), "-o", str(out), "--model", str(tokenized_llama), "--dtype", "fp32"]
+    assert rb.main([*argv, "--no-progress", "--output-tmp-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr()
+    assert "2 of 2 requests answered (2 now, 0 by an earlier run), 1 with an error" in printed.out
+    assert "error at line 2 (custom_id None): line 2: not JSON" in printed.err
+    assert [r["custom_id"] for r in read(out)] == ["cmpl", None]
+    with pytest.raises(SystemExit) as exit_:  # argparse: no model to run in process
+        rb.main(["-i", str(batch), "-o", str(out), "--dtype", "fp32"])
+    assert exit_.value.code == 2
