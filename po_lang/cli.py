@@ -2,6 +2,7 @@
 
 prefillonly serve MODEL [server flags]     # = python -m po_backend.entrypoints.launch_server --model-path MODEL ...
 prefillonly label INPUT --labels A,B ...   # label a JSONL / CSV / Parquet file (prefillonly label --help)
+prefillonly run-batch -i IN -o OUT [...]   # an OpenAI / vLLM batch file (prefillonly run-batch --help)
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-USAGE = "usage: prefillonly {serve MODEL | label INPUT} [flags]   (prefillonly serve|label --help lists the flags)"
+USAGE = (
+    "usage: prefillonly {serve MODEL | label INPUT | run-batch -i IN -o OUT} [flags]   "
+    "(prefillonly serve|label|run-batch --help lists the flags)"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -29,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from po_lang.label import main as label
 
         sys.exit(label(rest))
+    elif command == "run-batch":
+        from po_lang.run_batch import main as run_batch
+
+        sys.exit(run_batch(rest))
     else:
         raise SystemExit(f"prefillonly: unknown command {command!r}\n{USAGE}")
 

@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 and Phi-3 / Phi-4-mini against transformers' own classes on the same tiny random
+"""Gemma, Gemma 2, Gemma 3 and Phi-3 / Phi-4-mini against transformers' own classes on the same tiny random
 weights (fp32, max |d| <= 1e-4 on label log-probs), through every path a prompt can take: cold,
 a cached prefix (a later request reads it from the cache), items over a shared prefix in one
 forward, small chunks, and the chunked-prefill baseline. Sliding windows are smaller than the
@@ -37,6 +37,17 @@ BASE = dict(
 SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
 
 ARCHS: dict[str, tuple[type, dict]] = {
+    # Gemma (1), bge-reranker-v2-gemma's base: Llama's layer order, Gemma's norms and MLP.
+    "gemma": (
+        transformers.GemmaConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
     "gemma2": (
         transformers.Gemma2Config,
         dict(
@@ -176,8 +187,11 @@ def test_config_reads_the_architecture(arch, kind: str) -> None:
     path, _ = arch(kind)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     if kind.startswith("gemma"):
-        assert cfg.sliding_layers == (True, False, True) and cfg.sliding_window == WINDOW
         assert cfg.hidden_act == "gelu_pytorch_tanh"
+    if kind == "gemma":
+        assert cfg.sliding_layers == () and cfg.scale == 16**-0.5 and cfg.final_softcap is None
+    elif kind.startswith("gemma"):
+        assert cfg.sliding_layers == (True, False, True) and cfg.sliding_window == WINDOW
     if kind == "gemma2":
         assert (cfg.attn_softcap, cfg.final_softcap, cfg.scale) == (3.0, 5.0, 24**-0.5)
     if kind == "gemma3":
@@ -284,7 +298,7 @@ def test_unsupported_gemma_features_are_refused(arch) -> None:
     with pytest.raises(UnsupportedModelError, match="hidden_act 'relu'"):
         ModelConfig.from_hf({**base, "hidden_activation": "relu"})
     with pytest.raises(UnsupportedModelError, match="supported model types.*gemma2.*phi3"):
-        ModelConfig.from_hf({**base, "model_type": "gemma"})
+        ModelConfig.from_hf({**base, "model_type": "recurrent_gemma"})
 
 
 def _build_head(kind: str, root: Path, auto: type, **extra: object) -> tuple[Path, torch.nn.Module]:

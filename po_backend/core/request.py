@@ -55,6 +55,17 @@ class ScoreRequest:
 
 
 @dataclass(frozen=True)
+class StepInfo:
+    """The engine step a request ran in, as the serving loop saw it (what traces report)."""
+
+    index: int  # the loop's step counter
+    requests: int  # requests in the step (its batch size)
+    seconds: float  # the step's measured time
+    predicted_seconds: float  # the scheduler's JCT prediction of the step (nan: no JCT model)
+    priority_class: str  # the request's class in the scheduler
+
+
+@dataclass(frozen=True)
 class ScoreResult:
     logprobs: list[float]  # full-vocabulary log P(label | prompt), aligned with label_token_ids
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, log-prob)
@@ -67,6 +78,9 @@ class ScoreResult:
     cached_tokens: int = 0
     outputs: list[float] = field(default_factory=list)  # pooled requests: head logits or embedding
     queue_seconds: float = 0.0  # from submission to the start of its step (the serving loop's)
+    step: StepInfo | None = None  # the serving loop's step it ran in
+    # The same labels' raw logits (a reranker scored by one token's logit, bge-reranker-v2-gemma).
+    label_logits: list[float] = field(default_factory=list)
 
 
 def validate_request(req: ScoreRequest, vocab_size: int, max_input_len: int) -> None:

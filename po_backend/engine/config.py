@@ -23,7 +23,7 @@ _FAMILIES: dict[str, tuple[bool, bool]] = {
 }
 # Decoders with their own model code (engine/models/gemma.py, phi.py). "gemma3" is the multimodal
 # checkpoint: its text model is served, the vision tower ignored.
-_OTHER_TYPES = ("gemma2", "gemma3", "gemma3_text", "phi3")
+_OTHER_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text", "phi3")
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted((*_FAMILIES, *_OTHER_TYPES)))
 _ROPE_KINDS = ("default", "linear", "llama3", "longrope")
 
@@ -275,9 +275,13 @@ def _phi3(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _gemma(cfg: dict[str, Any], model_type: str) -> ModelConfig:
-    """Gemma 2 and Gemma 3 text: (1 + w) norms, scaled embeddings, gelu-tanh MLP, sliding-window
-    layers, soft-capping (Gemma 2), q/k norms and local/global RoPE bases (Gemma 3)."""
+    """Gemma 1, 2 and 3 text: (1 + w) norms, scaled embeddings, gelu-tanh MLP, sliding-window
+    layers, soft-capping (Gemma 2), q/k norms and local/global RoPE bases (Gemma 3). Gemma 1 has
+    no sliding layers and scales scores by head_dim ** -0.5."""
     gemma3 = model_type == "gemma3_text"
+    if model_type == "gemma":
+        cfg = {**cfg, "layer_types": ["full_attention"] * int(cfg["num_hidden_layers"])}
+        cfg["query_pre_attn_scalar"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     _check_act(act, ("gelu_pytorch_tanh",))
     if cfg.get("use_bidirectional_attention"):

@@ -487,4 +487,4 @@ class Engine:
             logits = self.model.final_logits(hidden[a : a + LOGIT_ROWS])
             logp = torch.log_softmax(logits, dim=-1)
             span.add(logp, targets[a : a + LOGIT_ROWS])
-        return outputs.score_result(req, logp[-1], span, cached)
+        return outputs.score_result(req, logp[-1], span, cached, logits[-1])

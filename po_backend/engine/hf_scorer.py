@@ -103,4 +103,4 @@ class HFScorer:
         c["forwards"] += 1
         c["prompt"] += n
         c["computed"] += n  # no cache: every prompt token is computed
-        return score_result(req, logp[-1], span, cached=0)
+        return score_result(req, logp[-1], span, cached=0, last_logits=logits[-1])

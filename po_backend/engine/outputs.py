@@ -51,9 +51,12 @@ class PromptSpan:
             self.ids += rows[:, cols].tolist()
 
 
-def score_result(req: ScoreRequest, last: torch.Tensor, span: PromptSpan, cached: int) -> ScoreResult:
-    """The result of one request from the log-softmax of its last position (labels, top-k) and its
-    prompt positions; the engine and the transformers baseline both answer through it."""
+def score_result(
+    req: ScoreRequest, last: torch.Tensor, span: PromptSpan, cached: int, last_logits: torch.Tensor
+) -> ScoreResult:
+    """The result of one request from the log-softmax of its last position (labels, top-k), the
+    same position's raw logits (labels) and its prompt positions; the engine and the transformers
+    baseline both answer through it."""
     labels = torch.tensor(req.label_token_ids, dtype=torch.int64, device=last.device)
     top: list[tuple[int, float]] = []
     if req.top_k:
@@ -61,6 +64,7 @@ def score_result(req: ScoreRequest, last: torch.Tensor, span: PromptSpan, cached
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return ScoreResult(
         logprobs=last[labels].tolist(),
+        label_logits=last_logits[labels].float().tolist(),
         top_logprobs=top,
         input_token_logprobs=span.logprobs,
         input_top_logprobs=span.top,

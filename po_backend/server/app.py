@@ -35,6 +35,8 @@ def create_app(service: ScoringService, args: ServerArgs) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(service.shutdown)
+        if runtime.tracing is not None:
+            await asyncio.to_thread(runtime.tracing.shutdown)
 
     app = FastAPI(title="PrefillOnly", version=VERSION, lifespan=lifespan)
     runtime = app.state.runtime = Runtime(service, args)
@@ -54,4 +56,10 @@ def create_app(service: ScoringService, args: ServerArgs) -> FastAPI:
     if args.allowed_hosts:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(args.allowed_hosts), www_redirect=False)
     app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, paths=paths)
+    endpoint = args.traces_endpoint
+    if endpoint:  # outermost: a call's span covers everything the server does for it
+        from po_backend.server.tracing import Tracing
+
+        runtime.tracing = Tracing(endpoint, args.model_name)
+        app.add_middleware(runtime.tracing.middleware)
     return app

@@ -14,6 +14,8 @@ from typing import Any
 
 from po_backend.core.settings import Settings, arg_bytes, flag
 from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.server.rerank_presets import CHOICES as RERANK_PRESETS
+from po_backend.server.tracing import endpoint_url
 
 
 def _labels(text: str) -> tuple[str, ...]:
@@ -99,6 +101,28 @@ class ServerArgs:
             type=_text_or_file,
         ),
     )
+    rerank_preset: str = field(
+        default="auto",
+        metadata=flag(
+            "a reranker's built-in prompt and answer tokens: auto (read from the model folder's "
+            "name) | none | " + " | ".join(RERANK_PRESETS[2:]),
+            choices=RERANK_PRESETS,
+        ),
+    )
+    # OpenTelemetry traces (po_backend/server/tracing.py, the [otel] extra).
+    otlp_traces_endpoint: str = field(
+        default="",
+        metadata=flag(
+            "export a trace span per call (tokenize, queue, forward, response) to this OTLP/HTTP "
+            "receiver, e.g. http://localhost:4318/v1/traces (vLLM's flag; needs the [otel] extra)"
+        ),
+    )
+    enable_trace: bool = field(
+        default=False,
+        metadata=flag(
+            f"SGLang's switch for traces: to --otlp-traces-endpoint, else {endpoint_url('', True)}"
+        ),
+    )
     # Per-call limits, checked before any tokenizing. Top log-probs per position are capped like
     # vLLM's max_logprobs (a full-vocabulary list per item would be a response of gigabytes).
     max_top_logprobs: int = field(
@@ -147,6 +171,11 @@ class ServerArgs:
             and self.rerank_template.index("{query}") < self.rerank_template.index("{doc}")
         ):
             raise ValueError("rerank_template needs {query} once, then {doc} once")
+        if self.rerank_preset not in RERANK_PRESETS:
+            raise ValueError(f"rerank_preset must be one of {RERANK_PRESETS}, got {self.rerank_preset!r}")
+        if self.rerank_template and self.rerank_preset not in ("auto", "none"):
+            raise ValueError("give rerank_template or a rerank_preset, not both")
+        endpoint_url(self.otlp_traces_endpoint, self.enable_trace)  # raises on a bad URL
         labels = self.classify_labels
         if labels and (
             len(labels) < 2 or len(set(labels)) != len(labels) or not all(x.strip() for x in labels)
@@ -179,6 +208,11 @@ class ServerArgs:
             raise ValueError(
                 f"timeout_keep_alive must be a positive number of seconds, got {self.timeout_keep_alive}"
             )
+
+    @property
+    def traces_endpoint(self) -> str:
+        """Where trace spans go ("" = no tracing)."""
+        return endpoint_url(self.otlp_traces_endpoint, self.enable_trace)
 
     @property
     def scheduler(self) -> SchedulerConfig:

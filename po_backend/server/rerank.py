@@ -9,7 +9,9 @@ declared as the cache prefix, and the scheduler runs the documents as one multi-
 it (the first document computes and caches it when it is new). The same text prefix is what the
 SGLang router's cache_aware policy sees, so one query's calls stay on one worker.
 
-`--rerank-template` replaces the template: any text with `{query}` before `{doc}` (and optionally
+`--rerank-preset` (po_backend/server/rerank_presets.py) lays prompts out and scores them as
+Qwen3-Reranker's, bge-reranker-v2-gemma's or mxbai-rerank-v2's reference code does; by default the
+preset the model folder names, if any. `--rerank-template` replaces the template: any text with `{query}` before `{doc}` (and optionally
 `{instruct}` before `{query}`); other braces are literal. By default the user turn is wrapped in
 the model's chat template (with the judge line as the system turn), or left plain when the model
 has none.
@@ -18,6 +20,7 @@ has none.
 from __future__ import annotations
 
 import heapq
+import math
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -38,10 +41,11 @@ from po_backend.core.labels import (
     single_tokens,
 )
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
-from po_backend.server import heads
+from po_backend.server import heads, rerank_presets
 from po_backend.server.body import BodyRoute
 from po_backend.server.errors import bad
 from po_backend.server.protocol import TolerantBody
+from po_backend.server.rerank_presets import RerankPreset
 from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import softmax
 
@@ -174,6 +178,27 @@ def template_for(rt: Runtime) -> RerankTemplate:
     return tpl
 
 
+_PRESETS: weakref.WeakKeyDictionary[Runtime, tuple[RerankPreset, tuple[int, ...]] | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def preset_for(rt: Runtime) -> tuple[RerankPreset, tuple[int, ...]] | None:
+    """The server's preset and its answer token ids (None: a template), found once."""
+    if rt in _PRESETS:
+        return _PRESETS[rt]
+    found = None
+    if not getattr(rt.args, "rerank_template", ""):
+        preset = rerank_presets.choose(getattr(rt.args, "rerank_preset", "auto"), rt.args.model_path)
+        if preset is not None:
+            try:
+                found = (preset, rerank_presets.answer_ids(preset, rt.tokenizer))
+            except ValueError as e:
+                raise bad(str(e)) from e
+    _PRESETS[rt] = found
+    return found
+
+
 # ---- parse --------------------------------------------------------------------------------------
 
 
@@ -184,6 +209,7 @@ class RerankCall:
     label_ids: LabelIds
     multi_token: bool
     requests: tuple[tuple[ScoreRequest, ...], ...]  # one group per document
+    score: rerank_presets.Score = "pair"  # "logit": the first answer's raw logit, sigmoid-normalised
 
 
 def document_text(doc: Document) -> str:
@@ -207,6 +233,9 @@ def build_call(rt: Runtime, query: str, docs: Sequence[str], instruct: str | Non
     rt.check_items(len(docs), "documents")
     if any(not d.strip() for d in docs):
         raise bad("each document must be a non-empty string")
+    preset = preset_for(rt)
+    if preset is not None:
+        return preset_call(rt, *preset, query, docs, instruct)
     tpl = template_for(rt)
     before, after = tpl.prompt_parts(DEFAULT_INSTRUCT if instruct is None else instruct, query)
     head = before.rstrip()
@@ -227,9 +256,34 @@ def build_call(rt: Runtime, query: str, docs: Sequence[str], instruct: str | Non
     return RerankCall(label_ids, multi, tuple(groups))
 
 
+def preset_call(
+    rt: Runtime,
+    preset: RerankPreset,
+    answers: tuple[int, ...],
+    query: str,
+    docs: Sequence[str],
+    instruct: str | None,
+) -> RerankCall:
+    """Each document's prompt as the preset's reference code builds it, one request reading the
+    answers' next-token log-probs and logits; the call's common head declared as the cache prefix."""
+
+    def encode(s: str) -> tuple[int, ...]:
+        return rt.encode(s, add_special_tokens=False)
+
+    bos = getattr(rt.tokenizer, "bos_token_id", None)
+    shared = rerank_presets.head_ids(preset, encode, bos, instruct, query)
+    groups = []
+    for doc in docs:
+        ids = rerank_presets.prompt_ids(preset, encode, bos, instruct, query, doc)
+        groups.append(label_requests(ids, tuple((a,) for a in answers), common_prefix(shared, ids), False))
+    return RerankCall(tuple((a,) for a in answers), False, tuple(groups), preset.score)
+
+
 def relevance(call: RerankCall, group: Sequence[ScoreResult]) -> float:
     """P(yes) / (P(yes) + P(no)) (Qwen3-Reranker's score), from log-probs so it never divides
-    by an underflowed zero."""
+    by an underflowed zero. A "logit" preset: the sigmoid of its one answer's raw logit."""
+    if call.score == "logit":
+        return sigmoid(group[0].label_logits[0])
     if not call.multi_token:
         scores = list(group[0].logprobs)
     else:
@@ -322,6 +376,10 @@ async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": results,
     }
+
+
+def sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
 def _truncate(rt: Runtime, doc: str, max_tokens: int) -> str:

@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -23,6 +23,9 @@ from po_backend.server.errors import ClientGone, HTTPError, bad
 from po_backend.server.metrics import Metrics
 from po_backend.server.service import ScoringService
 from po_backend.server.translate import json_logprob
+
+if TYPE_CHECKING:
+    from po_backend.server.tracing import Tracing
 
 VERSION = "prefillonly-0.1.0"
 
@@ -47,6 +50,8 @@ class Runtime:
         self._parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="po-parse")
         # Set on SIGTERM (launch_server): new calls get 503 + Retry-After, queued ones still run.
         self.draining = False
+        # Set by create_app when traces are exported (--otlp-traces-endpoint); None costs nothing.
+        self.tracing: Tracing | None = None
 
     @property
     def task(self) -> ModelTask:
@@ -59,6 +64,9 @@ class Runtime:
 
     async def parse(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` (a handler's parse step) on the parse pool."""
+        if self.tracing is not None:
+            with self.tracing.tokenize():
+                return await asyncio.get_running_loop().run_in_executor(self._parse_pool, fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._parse_pool, fn, *args)
 
     def check_items(self, n: int, what: str) -> None:
@@ -156,6 +164,7 @@ class Runtime:
                 f"several tokens), more than the queue holds (--max-queue {self.args.max_queue}): split the call",
                 "PayloadTooLargeError",
             )
+        submitted_ns = time.time_ns() if self.tracing is not None else 0
         try:
             # Validation and a queue push: fast and thread-safe, fine on the event loop.
             futs = self.service.submit_many(reqs)
@@ -172,6 +181,8 @@ class Runtime:
                 results = waiters.result()
                 self.metrics.observe(results, time.perf_counter() - t0, output_tokens, priority)
                 self._check_finite(results)
+                if self.tracing is not None:
+                    self.tracing.record_run(submitted_ns, results)
                 return results
             raise ClientGone()
         finally:

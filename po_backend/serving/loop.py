@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError
-from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.request import ScoreRequest, ScoreResult, StepInfo
 from po_backend.core.settings import DEFAULT_MAX_QUEUE
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
@@ -421,8 +421,12 @@ class EngineLoop:
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
             self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs], predicted)
+            index = self._n_steps
         for j, r in zip(jobs, results, strict=True):
-            j.future.set_result(dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted)))
+            step = StepInfo(index, len(jobs), seconds, predicted, self.config.priority_class(j.req))
+            j.future.set_result(
+                dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted), step=step)
+            )
 
     def _record(self, rec: StepRecord) -> None:
         self._steps.append(rec)

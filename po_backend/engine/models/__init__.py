@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from po_backend.core.errors import UnsupportedModelError
 from po_backend.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from po_backend.engine.models.gemma import GemmaForCausalLM
+from po_backend.engine.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.phi import Phi3ForCausalLM
 
@@ -13,6 +13,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma": Gemma1ForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,  # "gemma3" (multimodal) configs are read as their text model
     "phi3": Phi3ForCausalLM,

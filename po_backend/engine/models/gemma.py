@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 text decoders on the Llama layer's buffers and chunking.
+"""Gemma (1), Gemma 2 and Gemma 3 text decoders on the Llama layer's buffers and chunking.
 
 What differs from Llama, each as transformers computes it: every RMSNorm scales by (1 + w) in
 fp32; embeddings are multiplied by sqrt(hidden); the attention output is normed before the
@@ -7,7 +7,10 @@ are scaled by query_pre_attn_scalar ** -0.5. Gemma 2 soft-caps attention scores 
 logits; Gemma 3 norms q and k per head. Which layers slide, their window and RoPE base come from
 the config (`ModelConfig.layer_window`, `layer_rope`); the runner applies them.
 
-Checkpoints: Gemma2ForCausalLM / Gemma3ForCausalLM name tensors as Llama does (`model.layers...`);
+Gemma (1) has Llama's layer layout (no post-attention or feed-forward sandwich norms, no soft-caps,
+no sliding layers) with the (1 + w) norms, scaled embeddings and GeGLU MLP.
+
+Checkpoints: GemmaForCausalLM, Gemma2ForCausalLM / Gemma3ForCausalLM name tensors as Llama does (`model.layers...`);
 the multimodal Gemma3ForConditionalGeneration nests the text model under `language_model`
 (`model.language_model.*` in transformers 5, `language_model.model.*` before), and its vision
 tower's tensors are ignored.
@@ -67,8 +70,27 @@ class GemmaDecoderLayer(DecoderLayer):
         h.add_(x)
 
 
+class Gemma1DecoderLayer(GemmaDecoderLayer):
+    """Gemma (1): h += o_proj(attn); h += mlp(norm(h)), Llama's order with Gemma's norm and MLP."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        DecoderLayer.__init__(self, cfg, dtype)
+
+    def out_mlp_chunk(
+        self, h: torch.Tensor, attn: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor
+    ) -> None:
+        cfg = self.cfg
+        torch.matmul(attn, self.o_proj.t(), out=x)
+        h.add_(x)
+        gemma_rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps, out=x)
+        torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        gelu_tanh_mul(gate_up, out=act)
+        torch.matmul(act, self.down_proj.t(), out=x)
+        h.add_(x)
+
+
 class GemmaForCausalLM(LlamaForCausalLM):
-    layer_class = GemmaDecoderLayer
+    layer_class: type[DecoderLayer] = GemmaDecoderLayer
     renamed = {
         **LlamaForCausalLM.renamed,
         "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm",
@@ -89,3 +111,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         x = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         return gemma_rms_norm(h.float(), self.norm, self.cfg.rms_norm_eps, out=x)
+
+
+class Gemma1ForCausalLM(GemmaForCausalLM):
+    layer_class = Gemma1DecoderLayer
+    renamed = LlamaForCausalLM.renamed
