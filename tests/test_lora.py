@@ -265,3 +265,80 @@ def test_adapter_memory_is_set_aside_from_the_budget(causal) -> None:
     assert b.nbytes * 3 <= want
     with pytest.raises(CapacityError):
         _engine(causal["base"], memory_budget=budget, max_loras=10_000, max_lora_rank=64)
+
+
+# ---- over HTTP: start-up adapters, load / unload routes, the adapter chosen per request ---------
+
+
+@pytest.mark.slow
+def test_server_routes_and_per_request_adapter(causal, tokenized_llama, tmp_path) -> None:
+    import httpx
+
+    from tests.server_utils import ServerProcess, error_message
+
+    flags = ["--model-path", str(tokenized_llama), "--dtype", "fp32", "--max-input-len", "256"]
+    flags += ["--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    flags += ["--lora-modules", f"a={causal['a']}"]  # vLLM's name of --lora-paths
+    ids = _prompts(1, 40, seed=14)[0]
+
+    def generate(url: str, **extra: object) -> dict:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+        body |= {"token_ids_logprob": list(LABELS), "cache_prefix_len": 30, **extra}
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]
+
+    def labels(meta: dict) -> list[float]:
+        return [e[0] for e in meta["output_token_ids_logprobs"][0]]
+
+    def completion(url: str, model: str) -> list[float]:
+        body = {"model": model, "prompt": ids, "max_tokens": 1, "logprobs": 3, "echo": False}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["token_logprobs"]  # the greedy token's
+
+    def top1(model: torch.nn.Module) -> list[float]:
+        return [float(hf_next_logprobs(model, ids).max())]
+
+    with ServerProcess(flags) as proc:
+        url = proc.url
+        cards = {c["id"]: c for c in httpx.get(url + "/v1/models", timeout=10).json()["data"]}
+        assert cards["a"]["parent"] == "tiny" and cards["a"]["root"] == str(causal["a"])
+        assert httpx.get(url + "/v1/models/a", timeout=10).json()["parent"] == "tiny"
+
+        # SGLang's lora_path (by name or by path) and the base model; a cache hit only under a.
+        cold = generate(url, lora_path="a")
+        assert cold["cached_tokens"] == 0
+        assert _delta(labels(cold), _label_lp(causal["pa"], ids)) <= 1e-4
+        hit = generate(url, lora_path=str(causal["a"]))
+        assert hit["cached_tokens"] == 30 and _delta(labels(hit), labels(cold)) <= 1e-5
+        base = generate(url)
+        assert base["cached_tokens"] == 0
+        assert _delta(labels(base), _label_lp(causal["hf"], ids)) <= 1e-4
+
+        # vLLM's load route, then the adapter's name as `model` (OpenAI's client shape).
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(causal["b"])})
+        assert r.status_code == 200 and "b" in r.text
+        b_meta = generate(url, lora_path="b")
+        assert b_meta["cached_tokens"] == 0  # what a cached is not b's
+        assert _delta(labels(b_meta), _label_lp(causal["pb"], ids)) <= 1e-4
+        assert _delta(completion(url, "b"), top1(causal["pb"])) <= 1e-4
+        assert _delta(completion(url, "a"), top1(causal["pa"])) <= 1e-4
+        assert _delta(completion(url, "tiny"), top1(causal["hf"])) <= 1e-4
+
+        # Refusals: the limit, a bad folder, an unknown adapter, several adapters in one call.
+        bad_dir = _copy(causal["a"], tmp_path / "bad", lambda c: c.update(use_dora=True))
+        for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+            r = httpx.post(url + route, json={"lora_name": "c", "lora_path": str(bad_dir)})
+            assert r.status_code == 400 and "max-loras" in error_message(r)
+        assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+        r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "c", "lora_path": str(bad_dir)})
+        assert r.status_code == 400 and "DoRA" in error_message(r)
+        r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"})
+        assert r.status_code == 400 and "not loaded" in error_message(r)
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "lora_path": "b"}
+        r = httpx.post(url + "/generate", json=body)
+        assert r.status_code == 400 and "'b' is not loaded" in error_message(r)
+        r = httpx.post(url + "/generate", json={**body, "input_ids": [ids, ids], "lora_path": ["a", None]})
+        assert r.status_code == 400 and "one adapter per call" in error_message(r)
+        assert [c["id"] for c in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == ["tiny", "a"]
