@@ -267,6 +267,41 @@ def test_adapter_memory_is_set_aside_from_the_budget(causal) -> None:
         _engine(causal["base"], memory_budget=budget, max_loras=10_000, max_lora_rank=64)
 
 
+def _engage(**kw: object):  # noqa: ANN202
+    import po_lang as po
+
+    @po.classify(labels=["Yes", "No"], **kw)
+    def engage(profile: str, post: str) -> po.Prompt:
+        return po.shared(f"User profile:\n{profile}\n") + f"Post: {post}\nWill the user engage? Answer:"
+
+    return engage
+
+
+def _dsl_reference(causal, tokenized_llama: Path, engage) -> dict[str | None, list[float]]:  # noqa: ANN001
+    """PEFT's (and transformers') label log-probs of the compiled program, per adapter."""
+    program = engage.compile("likes cats", "a cat video")
+    (req,) = program.requests
+    refs = {"a": causal["pa"], "b": causal["pb"], None: causal["hf"]}
+    lp = {name: hf_next_logprobs(m, list(req.input_ids)) for name, m in refs.items()}
+    return {name: [float(v[t]) for t in req.label_token_ids] for name, v in lp.items()}
+
+
+def test_dsl_local_and_classify_choose_the_adapter(causal, tokenized_llama) -> None:
+    import po_lang as po
+    from po_lang.errors import BackendError
+
+    loras = {"a": str(causal["a"]), "b": str(causal["b"])}
+    with po.Local(tokenized_llama, dtype="fp32", lora_paths=loras, max_lora_rank=8, lora="a") as local:
+        want = _dsl_reference(causal, tokenized_llama, _engage(backend=local))
+        for kw, name in (({}, "a"), ({"lora": "b"}, "b")):
+            got = _engage(backend=local, **kw)("likes cats", "a cat video")
+            assert _delta(list(got.logprobs.values()), want[name]) <= 1e-4, name
+        assert _delta(want["a"], want[None]) > 1e-2
+        bad = _engage(backend=local, lora="nope")
+        with pytest.raises(BackendError, match="'nope' is not loaded"):
+            bad("likes cats", "a cat video")
+
+
 # ---- over HTTP: start-up adapters, load / unload routes, the adapter chosen per request ---------
 
 
@@ -342,3 +377,13 @@ def test_server_routes_and_per_request_adapter(causal, tokenized_llama, tmp_path
         r = httpx.post(url + "/generate", json={**body, "input_ids": [ids, ids], "lora_path": ["a", None]})
         assert r.status_code == 400 and "one adapter per call" in error_message(r)
         assert [c["id"] for c in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == ["tiny", "a"]
+
+        # po.Remote passes the adapter as lora_path: its own default, or the classifier's.
+        import po_lang as po
+
+        remote = po.Remote(url, lora="a")
+        want = _dsl_reference(causal, tokenized_llama, _engage(backend=remote))
+        got = _engage(backend=remote)("likes cats", "a cat video")
+        assert _delta(list(got.logprobs.values()), want["a"]) <= 1e-4
+        base = _engage(backend=po.Remote(url))("likes cats", "a cat video")
+        assert _delta(list(base.logprobs.values()), want[None]) <= 1e-4

@@ -367,10 +367,9 @@ class Settings:
             "prefix_pool_tokens": self.prefix_pool_tokens,
             "task": None if self.task == "auto" else self.task,
             "pooling": self.pooling,
-            "enable_lora": self.enable_lora or bool(self.lora_paths),
-            "max_loras": self.max_loras,
-            "max_lora_rank": self.max_lora_rank,
         }
+        if self.enable_lora or self.lora_paths:  # --lora-paths turns LoRA on, as SGLang's does
+            out.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
         return {k: v for k, v in out.items() if v is not None}
 
     def loras(self) -> list[tuple[str, str]]:
