@@ -33,11 +33,13 @@ def make_adapter(
     name: str,
     seed: int,
     task_type: str = "CAUSAL_LM",
+    attn: str | None = None,
     **config: object,
 ) -> tuple[Path, torch.nn.Module]:
     """A PEFT LoRA on a fresh copy of `base`, every weight random (B too, so it changes answers),
     saved as PEFT saves it; and the PEFT model, the reference."""
-    model = auto.from_pretrained(base, dtype=torch.float32)
+    extra = {"attn_implementation": attn} if attn else {}
+    model = auto.from_pretrained(base, dtype=torch.float32, **extra)
     torch.manual_seed(seed)
     opts = {"r": 4, "lora_alpha": 8, "target_modules": ALL, **config}
     pm = peft.get_peft_model(model, peft.LoraConfig(task_type=task_type, init_lora_weights=False, **opts))
@@ -141,6 +143,32 @@ def test_a_step_of_several_adapters_runs_one_forward_each(causal) -> None:
     refs = {"a": causal["pa"], "b": causal["pb"], None: causal["hf"]}
     for x, n, r in zip(ids, names, res, strict=True):
         assert _delta(r.logprobs, _label_lp(refs[n], x)) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "chunked"])
+def test_other_architectures_and_the_chunked_runner(kind: str, causal, tmp_path) -> None:
+    """Gemma's own layer code (norms after the projections) and Phi-3's fused qkv_proj /
+    gate_up_proj targets; the chunked baseline runner applies adapters too."""
+    from tests.test_architectures import build
+
+    if kind == "chunked":
+        base, path, ref, mode = causal["base"], causal["a"], causal["pa"], "chunked"
+    else:
+        base, _ = build(kind, tmp_path)
+        targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if kind == "phi3" else ALL
+        auto = transformers.AutoModelForCausalLM
+        path, ref = make_adapter(base, auto, tmp_path, "ad", seed=6, attn="eager", target_modules=targets)
+        mode = "hybrid"
+    engine = _engine(base, prefill_mode=mode)
+    assert engine.loras is not None
+    engine.loras.load("x", path)
+    prefix = _prompts(1, 30, seed=15)[0]
+    items = [prefix + t for t in _prompts(2, 6, seed=16)]
+    reqs = [ScoreRequest(tuple(x), LABELS, cache_prefix_len=len(prefix), lora="x") for x in items]
+    res = engine.run(reqs) + engine.run(reqs[:1])
+    assert res[-1].cached_tokens == len(prefix)
+    for x, r in zip([*items, items[0]], res, strict=True):
+        assert _delta(r.logprobs, _label_lp(ref, x)) <= 1e-4
 
 
 def test_unloaded_adapter_is_refused_and_its_name_reloads_without_its_cache(causal) -> None:
