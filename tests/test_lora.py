@@ -276,6 +276,10 @@ def test_bad_adapters_are_refused_at_load_naming_the_problem(causal, tmp_path, t
     plain = Engine.from_pretrained(causal["base"], dtype="fp32")
     with pytest.raises(LoRAError, match="--enable-lora"):
         plain.validate(ScoreRequest((1, 2, 3), lora="a"))
+    from po_backend.engine.hf_scorer import HFScorer
+
+    with pytest.raises(LoRAError, match="backend hf"):  # never the base model in its place
+        HFScorer.from_pretrained(causal["base"], dtype="fp32").validate(ScoreRequest((1, 2, 3), lora="a"))
 
 
 def test_adapter_memory_is_set_aside_from_the_budget(causal) -> None:
