@@ -419,3 +419,24 @@ def test_server_routes_and_per_request_adapter(causal, tokenized_llama, tmp_path
         assert _delta(list(got.logprobs.values()), want["a"]) <= 1e-4
         base = _engage(backend=po.Remote(url))("likes cats", "a cat video")
         assert _delta(list(base.logprobs.values()), want[None]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_server_refuses_to_start_with_a_bad_adapter(causal, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.server_utils import REPO_ROOT
+
+    bad_dir = _copy(causal["a"], tmp_path / "bad", lambda c: c.update(r=6))
+    command = [
+        sys.executable,
+        "-m",
+        "po_backend.entrypoints.launch_server",
+        "--model-path",
+        str(causal["base"]),
+    ]
+    command += ["--dtype", "fp32", "--max-input-len", "128", "--lora-paths", f"bad={bad_dir}", "--port", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "config's rank r is 6" in done.stderr and "Traceback" not in done.stderr
