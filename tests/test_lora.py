@@ -6,6 +6,7 @@ bad adapters are refused at load with the reason."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from collections.abc import Callable
@@ -332,6 +333,23 @@ def test_dsl_local_and_classify_choose_the_adapter(causal, tokenized_llama) -> N
         bad = _engage(backend=local, lora="nope")
         with pytest.raises(BackendError, match="'nope' is not loaded"):
             bad("likes cats", "a cat video")
+
+
+def test_sglang_engine_in_process(causal, tokenized_llama) -> None:
+    """SGLang's Python Engine: lora_paths at creation, lora_path per score call, load / unload."""
+    from po_backend.compat.sglang import Engine as SGLangEngine
+
+    query, item = _prompts(1, 30, seed=17)[0], _prompts(1, 6, seed=18)[0]
+    with SGLangEngine(model_path=str(tokenized_llama), dtype="fp32", lora_paths=[f"a={causal['a']}"]) as eng:
+        for name, ref in (("a", causal["pa"]), (None, causal["hf"])):
+            out = eng.score(query=query, items=[item], label_token_ids=list(LABELS), lora_path=name)
+            assert _delta([math.log(p) for p in out[0]], _label_lp(ref, query + item)) <= 1e-4
+        eng.load_lora_adapter("b", str(causal["b"]))
+        out = eng.score(query=query, items=[item], label_token_ids=list(LABELS), lora_path="b")
+        assert _delta([math.log(p) for p in out[0]], _label_lp(causal["pb"], query + item)) <= 1e-4
+        eng.unload_lora_adapter("b")
+        with pytest.raises(LoRAError, match="'b' is not loaded"):
+            eng.score(query=query, items=[item], label_token_ids=list(LABELS), lora_path="b")
 
 
 # ---- over HTTP: start-up adapters, load / unload routes, the adapter chosen per request ---------
