@@ -172,6 +172,21 @@ def test_other_architectures_and_the_chunked_runner(kind: str, causal, tmp_path)
         assert _delta(r.logprobs, _label_lp(ref, x)) <= 1e-4
 
 
+def test_bf16_cache_hit_under_an_adapter_equals_its_cold_run(causal) -> None:
+    """In bf16 the adapter's updates round like the base projections: a multi-item hit over a
+    cached prefix gives each item the bits of its cold run."""
+    engine = _engine(causal["base"], dtype="bf16")
+    assert engine.loras is not None
+    engine.loras.load("a", causal["a"])
+    prefix = _prompts(1, 40, seed=19)[0]
+    items = [prefix + t for t in _prompts(3, 8, seed=20)]
+    reqs = [ScoreRequest(tuple(x), LABELS, cache_prefix_len=len(prefix), lora="a") for x in items]
+    cold, hit = engine.run(reqs), engine.run(reqs)
+    assert [h.cached_tokens for h in hit] == [len(prefix)] * 3
+    assert [c.logprobs for c in cold] == [h.logprobs for h in hit]
+    assert _delta(cold[0].logprobs, _label_lp(causal["pa"], items[0])) <= 0.5  # bf16 of the same answer
+
+
 def test_unloaded_adapter_is_refused_and_its_name_reloads_without_its_cache(causal) -> None:
     engine = _engine(causal["base"])
     assert engine.loras is not None
