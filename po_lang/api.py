@@ -7,6 +7,7 @@ one cached prefix are scheduled together; an item that fails becomes a `Failed` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -89,8 +90,10 @@ class Classifier:
         content_free_args: Sequence[str] | None = None,
         backend: Backend | None = None,
         batch_size: int = 64,
+        lora: str | None = None,
     ) -> None:
         functools.update_wrapper(self, fn)
+        self.lora = lora
         self.spec = spec
         self.signature = inspect.signature(fn)
         if calibrate not in (None, "content-free"):
@@ -302,6 +305,8 @@ class Classifier:
 
     def _run_batch(self, backend: Backend, batch: list[_Unit], bar: Any) -> None:
         requests: list[LabelRequest] = [r for u in batch for r in u.program.requests]
+        if self.lora is not None:
+            requests = [dataclasses.replace(r, lora=self.lora) for r in requests]
         outcomes = backend.score(requests)
         if len(outcomes) != len(requests):
             raise BackendError(f"the backend returned {len(outcomes)} outcomes for {len(requests)} requests")
@@ -376,6 +381,7 @@ def classify(
     content_free_args: Sequence[str] | None = None,
     backend: Backend | None = None,
     batch_size: int = 64,
+    lora: str | None = None,
 ) -> Callable[[Callable[..., str | Prompt]], Classifier]:
     """Turn a prompt-building function into a classifier over `labels`.
 
@@ -388,6 +394,8 @@ def classify(
       arguments replaced by "N/A" (`content_free_args`, default: those outside the shared part).
     - `backend`: pin one backend; default is the current one (`po.set_backend`).
     - `batch_size`: requests per backend call in `.map` / `rank`.
+    - `lora`: the LoRA adapter (its name as the backend loaded it) every call runs with; None: the
+      backend's default (`po.Local(lora=...)`, `po.Remote(lora=...)`), else the base model.
     """
     spec = ClassifySpec(
         labels=tuple(labels),
@@ -406,6 +414,7 @@ def classify(
             content_free_args=content_free_args,
             backend=backend,
             batch_size=batch_size,
+            lora=lora,
         )
 
     return decorate

@@ -27,6 +27,8 @@ class LabelRequest:
     # A classifier-head model (`Backend.head_labels`): score the prompt through its head and return
     # the log-probabilities of these head label indices, in this order (no label tokens).
     head_labels: tuple[int, ...] = ()
+    # The LoRA adapter to score it with (its name as the backend loaded it); None: the base model.
+    lora: str | None = None
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class Local:
 
     priority: the request priority of everything this Local scores (SGLang's; ordered by it with
     `enable_priority_scheduling=True`, as on the server).
+
+    lora: the LoRA adapter everything this Local scores runs with (a name from the `lora_paths`
+    option, loaded at start), unless a classifier names its own (`@po.classify(lora=...)`).
     """
 
     def __init__(
@@ -56,9 +59,11 @@ class Local:
         policy: str | None = None,
         jct: JCTModel | CalibratedJCT | None = None,
         priority: int | None = None,
+        lora: str | None = None,
         **options: Any,
     ) -> None:
         self.priority = priority
+        self.lora = lora
         if policy is not None:
             options["schedule_policy"] = policy
         self.settings: Settings = resolve(model, **options)
@@ -186,6 +191,7 @@ class Local:
                 cache_prefix_len=r.cache_prefix_len,
                 priority=self.priority,
                 pool=bool(r.head_labels),
+                lora=r.lora if r.lora is not None else self.lora,
             )
             try:
                 engine.validate(req)

@@ -43,18 +43,21 @@ class Remote:
         max_retry_wait: float = 60.0,
         transport: Any = None,
         priority: int | Literal["low"] | None = None,
+        lora: str | None = None,
     ) -> None:
         """`retries`: extra attempts of a request refused with HTTP 503 / 429 or a failed
         connection; `max_retry_wait`: the most seconds one request spends waiting between them (a
         Retry-After beyond it fails at once rather than sleep past the budget). `priority`: of
         every request sent (SGLang's); "low": just below the server's default priority in its
         order (-1, or 1 under --schedule-low-priority-values-first; read from /server_info once),
-        batch work that yields to the server's online calls."""
+        batch work that yields to the server's online calls. `lora`: the server's LoRA adapter
+        (its name) every request runs with unless a classifier names its own."""
         import httpx  # lazy: only the HTTP backend needs it
 
         if retries < 0 or max_retry_wait < 0:
             raise ValueError("retries and max_retry_wait must be >= 0")
         self.url = url.rstrip("/")
+        self.lora = lora
         self.max_batch = max_batch
         self.retries = retries
         self.max_retry_wait = max_retry_wait
@@ -103,8 +106,20 @@ class Remote:
         out: list[ScoreOutcome | Exception] = []
         for a in range(0, len(requests), self.max_batch):
             batch = list(requests[a : a + self.max_batch])
+            if len({r.lora for r in batch}) > 1:  # a call runs one adapter: one call per adapter
+                results: dict[int, ScoreOutcome | Exception] = {}
+                for name in dict.fromkeys(r.lora for r in batch):
+                    idx = [i for i, r in enumerate(batch) if r.lora == name]
+                    results.update(zip(idx, self.score([batch[i] for i in idx]), strict=True))
+                out.extend(results[i] for i in range(len(batch)))
+                continue
             out.extend(self._score_heads(batch) if batch[0].head_labels else self._score_batch(batch))
         return out
+
+    def _adapter(self, batch: list[LabelRequest]) -> dict[str, Any]:
+        """The body's `lora_path` (SGLang's; our server reads it on every route), if any."""
+        name = batch[0].lora if batch[0].lora is not None else self.lora
+        return {} if name is None else {"lora_path": name}
 
     def _score_heads(self, batch: list[LabelRequest]) -> list[ScoreOutcome | Exception]:
         """Classifier-head requests through vLLM's /pooling (the raw logits), then the head's
@@ -112,7 +127,9 @@ class Remote:
         from po_backend.core.task import ModelTask, log_probabilities
 
         try:
-            resp = self._send("/pooling", {"input": [list(r.input_ids) for r in batch]})
+            resp = self._send(
+                "/pooling", {"input": [list(r.input_ids) for r in batch], **self._adapter(batch)}
+            )
         except BackendError as e:
             return [_error(str(e), e) for _ in batch]
         if resp.status_code != 200:
@@ -129,7 +146,9 @@ class Remote:
 
     def _score_batch(self, batch: list[LabelRequest]) -> list[ScoreOutcome | Exception]:
         try:
-            resp = self._send("/generate", _generate_body(batch, self._priority()))
+            resp = self._send(
+                "/generate", {**_generate_body(batch, self._priority()), **self._adapter(batch)}
+            )
         except BackendError as e:
             return [_error(str(e), e) for _ in batch]
         if resp.status_code == 400 and len(batch) > 1:

@@ -99,6 +99,22 @@ CASES: list[tuple[list[str], dict[str, Any], dict[str, Any]]] = [
     (["--min-shared-prefix", "64"], {"min_shared_prefix": 64}, {"min_shared_prefix": 64}),
     (["--max-queue", "7"], {"max_queue": 7}, {"max_queue": 7}),
     (
+        ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"],
+        {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
+        {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
+    ),
+    (["--max-loras-per-batch", "3"], {"max_loras_per_batch": 3}, {"max_loras": 3}),
+    (
+        ["--lora-paths", "a=/x", "/y"],
+        {"lora_paths": {"a": "/x", "/y": "/y"}},
+        {"lora_paths": ("a=/x", "/y=/y")},
+    ),
+    (
+        ["--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'],
+        {"lora_modules": ["a=/x", {"name": "b", "path": "/y"}]},
+        {"lora_paths": ("a=/x", "b=/y")},
+    ),
+    (
         ["--enable-priority-scheduling", "--schedule-low-priority-values-first", "--online-slo-ms", "500"],
         {
             "enable_priority_scheduling": True,
@@ -168,6 +184,9 @@ BAD: list[tuple[list[str], dict[str, Any], str]] = [
         "not both",
     ),  # fmt: skip
     (["--tokenizer-path", "/elsewhere"], {"tokenizer_path": "/elsewhere"}, "tokenizer_path must be"),
+    (["--lora-paths", "a=/x", "a=/y"], {"lora_paths": ["a=/x", "a=/y"]}, "given twice"),
+    (["--lora-modules", '{"path": "/y"}'], {"lora_modules": ['{"path": "/y"}']}, "needs 'name' and 'path'"),
+    (["--max-loras", "0"], {"max_loras": 0}, "max_loras must be >= 1"),
     (["--backend", "hf", "--schedule-policy", "po"], {"backend": "hf", "schedule_policy": "po"}, "FCFS only"),
     (
         ["--context-length", "100", "--max-input-len", "200"],

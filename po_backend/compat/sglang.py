@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from po_backend.compat.runtime import LocalRuntime
-from po_backend.core.errors import EmptyPromptError, InvalidRequestError
+from po_backend.core.errors import EmptyPromptError, InvalidRequestError, LoRAError
 from po_backend.core.request import ScoreRequest, common_prefix, pooled_requests
 from po_backend.core.task import ModelTask, probabilities
 
@@ -87,6 +87,7 @@ class SGLangEngine:
         return_token_logprobs: bool = False,
         stacked_query_item_embed_overrides: Any = None,
         priority: int | None = None,
+        lora_path: str | None = None,
     ) -> ScoreOutput:
         """P(label | query + item) per item and label; see the module docstring."""
         for name, value in (
@@ -116,6 +117,8 @@ class SGLangEngine:
             [()] * len(item_list) if head else self._labels(label_token_ids or [], len(item_list))
         )
         reqs = self._requests(query, item_list, item_first, labels)
+        if lora_path is not None:  # a loaded adapter's name (SGLang's lora_path)
+            reqs = [replace(r, lora=lora_path) for r in reqs]
         if head:
             reqs = [replace(r, pool=True) for r in reqs]
             results = self.runtime.run(reqs, priority)
@@ -200,7 +203,10 @@ class SGLangEngine:
         return getattr(self.runtime.scorer, "task", None) or ModelTask()
 
     def encode(
-        self, prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], **ignored: Any
+        self,
+        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        lora_path: str | None = None,
+        **ignored: Any,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang's `Engine.encode` on an embedding or classifier model: per prompt
         `{"embedding": the pooled output (a classifier: its logits), "meta_info": {...}}`, one
@@ -210,7 +216,7 @@ class SGLangEngine:
         single = isinstance(prompt, str) or bool(prompt and isinstance(prompt[0], int))
         rows: list[Any] = [prompt] if single else list(prompt)
         ids = [self.runtime.encode(p) if isinstance(p, str) else tuple(int(t) for t in p) for p in rows]
-        results = self.runtime.run(pooled_requests(ids))
+        results = self.runtime.run([replace(r, lora=lora_path) for r in pooled_requests(ids)])
         out = [
             {
                 "embedding": r.outputs,
@@ -224,6 +230,19 @@ class SGLangEngine:
 
     def flush_cache(self) -> None:
         self.runtime.flush_cache()
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """SGLang's: load a PEFT adapter folder under `lora_name` (LoRAError naming what is wrong)."""
+        self._loras().load(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._loras().unload(lora_name)
+
+    def _loras(self) -> Any:
+        loras = getattr(self.runtime.scorer, "loras", None)
+        if loras is None:
+            raise LoRAError("LoRA is off: create the Engine with enable_lora=True (or lora_paths)")
+        return loras
 
     def get_server_info(self) -> dict[str, Any]:
         """The resolved settings (the same keys and values as the server's /server_info for the

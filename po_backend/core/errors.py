@@ -69,3 +69,9 @@ class CacheInUseError(PrefillOnlyError):
 class TaskMismatchError(InvalidRequestError):
     """A request or route the loaded model's task cannot answer (label tokens from a classifier,
     an embedding from a causal LM); the text names the routes the model serves (HTTP 400)."""
+
+
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter that cannot be served (a missing file, an option we do not implement, a
+    rank or shape that does not fit the base model, the adapter limit), or a request naming an
+    adapter that is not loaded (HTTP 400); the text names what is wrong."""

@@ -34,6 +34,8 @@ def add_fields(parser: argparse._ActionsContainer, cls: type, skip: tuple[str, .
                 kw["type"] = meta["type"]
             if meta["choices"]:
                 kw["choices"] = meta["choices"]
+            if meta.get("nargs"):
+                kw["nargs"] = meta["nargs"]
         if f.default is MISSING and f.default_factory is MISSING:
             kw["required"] = True
         parser.add_argument(_flag(f.name), **kw)
@@ -57,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kw["action"] = "store_true"
         else:
             kw["type"] = alias.type
+        if alias.nargs:
+            kw["nargs"] = alias.nargs
         names.add_argument(_flag(name), **kw)
 
 

@@ -44,6 +44,9 @@ class ScoreRequest:
     # SGLang's / vLLM's request priority (None: the default, 0). Which values run first, and
     # whether it counts at all, is the server's setting (`enable_priority_scheduling`).
     priority: int | None = None
+    # The LoRA adapter to run it with, by its loaded name (SGLang's `lora_path`, vLLM's `model`);
+    # None: the base model.
+    lora: str | None = None
 
     @property
     def reusable_len(self) -> int:

@@ -18,6 +18,7 @@ and None against the model and the machine (`serving.runtime.EngineRuntime.resol
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -94,11 +95,60 @@ def arg_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def flag(help: str, *, type: Callable[[str], Any] | None = None, choices: tuple[str, ...] = ()) -> Any:
+def flag(
+    help: str,
+    *,
+    type: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] = (),
+    nargs: str | None = None,
+) -> Any:
     """A dataclass field's command-line declaration (its `metadata`): help text, the type that
-    parses the flag's text, the choices. `add_fields` generates the flag from it and the field's
-    default."""
-    return {"help": help, "type": type, "choices": choices}
+    parses the flag's text, the choices, how many values it takes (argparse's nargs; None: one).
+    `add_fields` generates the flag from it and the field's default."""
+    return {"help": help, "type": type, "choices": choices, "nargs": nargs}
+
+
+def lora_entries(value: Any) -> tuple[str, ...]:
+    """LoRA adapters to load at start, as SGLang's `--lora-paths` (`name=path`, or a bare path
+    named by itself), vLLM's `--lora-modules` (`name=path`, or JSON `{"name", "path"}`), or in
+    process a {name: path} mapping or a list of those -> ("name=path", ...); ValueError naming a
+    malformed entry or a name given twice."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items: list[Any] = [f"{k}={v}" for k, v in value.items()]
+    elif isinstance(value, str):
+        items = [value]
+    else:
+        items = list(value)
+    out: dict[str, str] = {}
+    for item in items:
+        name, path = _lora_entry(item)
+        if name in out and out[name] != path:
+            raise ValueError(f"LoRA adapter {name!r} given twice ({out[name]} and {path})")
+        out[name] = path
+    return tuple(f"{k}={v}" for k, v in out.items())
+
+
+def _lora_entry(item: Any) -> tuple[str, str]:
+    if isinstance(item, Mapping):
+        data: Any = item
+    elif isinstance(item, str) and item.lstrip().startswith("{"):
+        try:
+            data = json.loads(item)
+        except ValueError:
+            raise ValueError(f"LoRA module {item!r} is not valid JSON") from None
+    elif isinstance(item, str) and item:
+        name, sep, path = item.partition("=")
+        name, path = (name, path) if sep else (item, item)
+        if not name or not path:
+            raise ValueError(f"LoRA adapter {item!r}: give name=path")
+        return name, path
+    else:
+        raise ValueError(f"LoRA adapter {item!r}: give name=path")
+    if not isinstance(data, Mapping) or not data.get("name") or not data.get("path"):
+        raise ValueError(f"LoRA module {item!r}: a JSON object needs 'name' and 'path'")
+    return str(data["name"]), str(data["path"])
 
 
 @dataclass(frozen=True)
@@ -239,6 +289,25 @@ class Settings:
             "an embedder's pooling (default: its sentence-transformers config, else last)", choices=POOLINGS
         ),
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata=flag("serve LoRA adapters (on with --lora-paths; adapters load at run time too)"),
+    )
+    lora_paths: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "PEFT LoRA adapter folders to load at start: name=path ... (a bare path is named by itself)",
+            nargs="+",
+        ),
+    )
+    max_loras: int = field(
+        default=4,
+        metadata=flag("LoRA adapters loaded at once (their memory is set aside at start)", type=int),
+    )
+    max_lora_rank: int = field(
+        default=16,
+        metadata=flag("the largest LoRA rank an adapter may have (sizes what is set aside)", type=int),
+    )
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -272,6 +341,11 @@ class Settings:
         if self.backend == "hf" and self.task not in ("auto", "generate"):
             raise ValueError(f"backend hf scores label tokens only (task generate), got task {self.task!r}")
         check_priority(self.online_slo_ms, self.batch_min_share)
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.backend == "hf" and (self.enable_lora or self.lora_paths):
+            raise ValueError("backend hf serves no LoRA adapters (use the prefillonly backend)")
         if self.backend == "hf" and self.schedule_policy != "fcfs":
             raise ValueError(f"backend hf runs FCFS only, got schedule_policy {self.schedule_policy!r}")
 
@@ -294,11 +368,17 @@ class Settings:
             "task": None if self.task == "auto" else self.task,
             "pooling": self.pooling,
         }
+        if self.enable_lora or self.lora_paths:  # --lora-paths turns LoRA on, as SGLang's does
+            out.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
         return {k: v for k, v in out.items() if v is not None}
 
+    def loras(self) -> list[tuple[str, str]]:
+        """The adapters to load at start, (name, path) each."""
+        return [_lora_entry(e) for e in self.lora_paths]
+
     def public(self) -> dict[str, Any]:
-        """The settings as asked for, as one flat JSON object."""
-        return asdict(self)
+        """The settings as asked for, as one flat JSON object (lists for tuples, as JSON reads back)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 FIELDS: Mapping[str, Any] = {f.name: f for f in fields(Settings)}
@@ -314,6 +394,7 @@ class Alias:
     convert: Callable[[Any], Any] | None = None
     type: Callable[[str], Any] | None = None  # command-line type; None and no fixed value: a switch
     fixed: Any = None  # the one value accepted (see FIXED)
+    nargs: str | None = None  # argparse's nargs (None: one value)
 
 
 def _no_chunking(value: int) -> int:
@@ -366,6 +447,14 @@ ALIASES: Mapping[str, Alias] = {
     "tensor_parallel_size": Alias(None, "vLLM's --tp-size: 1 only", type=int, fixed=1),
     "data_parallel_size": Alias(None, "vLLM's --dp-size: 1 only", type=int, fixed=1),
     "pipeline_parallel_size": Alias(None, "vLLM's --pp-size: 1 only", type=int, fixed=1),
+    "lora_modules": Alias(
+        "lora_paths",
+        "vLLM's name of --lora-paths (name=path, or JSON {name, path})",
+        lora_entries,
+        str,
+        nargs="+",
+    ),
+    "max_loras_per_batch": Alias("max_loras", "SGLang's name of --max-loras", type=int),
 }
 # SGLang ServerArgs that change nothing about the answers of a one-device, prefill-only engine
 # (logging, GPU memory and kernel knobs), accepted in process so SGLang code runs. On the command
@@ -448,6 +537,8 @@ def resolve(model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> 
         raise ValueError("tokenizer_path must be the model's own folder: the tokenizer is read from there")
     if "task" in values:
         values["task"] = _vllm_task(values["task"])
+    if "lora_paths" in values:
+        values["lora_paths"] = lora_entries(values["lora_paths"])
     if "schedule_policy" in values:
         values["schedule_policy"] = _policy(values["schedule_policy"])
     elif values.get("backend") == "hf":

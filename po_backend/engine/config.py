@@ -410,6 +410,11 @@ class EngineConfig:
     pooling: str | None = None
     # The residual stream's dtype under bf16/fp16 weights (see `resolve_residual`).
     residual_dtype: ResidualDtype = "fp32"
+    # LoRA adapters (`models/lora.py`): served at all, how many at once and their largest rank,
+    # which together set aside their memory from the budget at start.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")
@@ -424,6 +429,8 @@ class EngineConfig:
             ("chunk_size", 0),  # 0 = no chunking
             ("max_input_len", 1),
             ("max_batch_tokens", 1),
+            ("max_loras", 1),
+            ("max_lora_rank", 1),
         ):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -11,7 +12,7 @@ from typing import Any, cast
 
 import torch
 
-from po_backend.core.errors import CapacityError, InvalidRequestError
+from po_backend.core.errors import CapacityError, InvalidRequestError, LoRAError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
@@ -20,6 +21,7 @@ from po_backend.engine.cache import KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory, available_bytes, profiled_peaks
+from po_backend.engine.models import lora
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
     load_model,
@@ -44,6 +46,7 @@ class _Work:
     index: int
     req: ScoreRequest
     store_len: int  # leading tokens to keep in the prefix cache once computed
+    key: tuple[int, ...]  # its ids as the prefix cache keys them (`Engine.cache_key`)
     rank: int = 0  # its priority class (scheduler rank): what the cache keeps first
     plan: SeqPlan | None = None
     node: Any = None  # locked radix node of the matched prefix
@@ -79,6 +82,13 @@ class Engine:
             model, config.device, config.chunk_size, config.prefill_mode, config.residual_dtype
         )
         self.cache: RadixCache | None = None
+        self.loras = (
+            lora.LoRARegistry(
+                model, self.task, config.dtype, config.device, config.max_loras, config.max_lora_rank
+            )
+            if config.enable_lora
+            else None
+        )
         self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
         self.activation_budget = 0
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
@@ -163,6 +173,12 @@ class Engine:
         slope = max(0.0, (m2 - m1) / max(1, n2 - n1))
         peak = max(bound, int(m2 + slope * (longest - n2)))
         self.activation_budget = int(peak * 1.1)
+        if self.loras is not None:
+            # Adapters loaded later fit in what is set aside here (--max-loras x --max-lora-rank).
+            chunk = cfg.chunk_size or longest
+            self.activation_budget += lora.reserve_bytes(
+                mcfg, self.task, cfg.dtype, cfg.max_loras, cfg.max_lora_rank, chunk
+            )
         if self.activation_budget > budget:
             raise CapacityError(
                 f"max_input_len={cfg.max_input_len} (max_batch_tokens={cfg.max_batch_tokens}) needs about "
@@ -231,6 +247,27 @@ class Engine:
     def validate(self, req: ScoreRequest) -> None:
         validate_request(req, self.vocab_size, self.config.max_input_len)
         outputs.check_task(req, self.task)
+        self.adapter(req.lora)
+
+    def adapter(self, name: str | None) -> lora.LoRAAdapter | None:
+        """The loaded LoRA adapter `name` (None: the base model); LoRAError when it is not loaded."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise LoRAError(f"LoRA adapter {name!r} asked for, but LoRA is off (start with --enable-lora)")
+        return self.loras.get(name)
+
+    def cache_key(self, req: ScoreRequest) -> tuple[int, ...]:
+        """`req`'s ids as the prefix cache keys them: an adapter's K/V differ from the base model's
+        for the same tokens, so under adapter uid u each id t is keyed as t + u * vocab_size, which
+        no other adapter's (or the base's plain) ids can equal: one adapter's prefixes never
+        answer another's request. A name unloaded and loaded again gets a new uid."""
+        if req.lora is None:
+            return req.input_ids
+        found = self.loras.find(req.lora) if self.loras is not None else None
+        # An adapter unloaded while its request waited: a key no cache entry has (it fails at its step).
+        shift = (found.uid if found is not None else -1) * self.vocab_size
+        return tuple(t + shift for t in req.input_ids)
 
     def store_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` worth keeping in the prefix cache once computed (suffix
@@ -322,7 +359,10 @@ class Engine:
         memo = self._probes.get(id(req))  # the entry holds the request, so its id is not reused
         if self.cache is not None and (memo is None or memo[0] is not req):
             ran = outputs.prepare(req, self.task)  # what the engine computes of it (a head's pads dropped)
-            memo = self._probes[id(req)] = (req, self.cache.match_len(ran.input_ids[: ran.reusable_len]))
+            memo = self._probes[id(req)] = (
+                req,
+                self.cache.match_len(self.cache_key(ran)[: ran.reusable_len]),
+            )
         return memo[1] if memo is not None else 0
 
     @property
@@ -335,14 +375,17 @@ class Engine:
     def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
         """The candidates (in order, the first always included) that can share one forward, with
         the tokens each reads instead of computing: `scheduler.fit_batch` on this engine's cache,
-        token budget and runner."""
-        return fit_batch(
-            [outputs.prepare(c, self.task) for c in candidates],
+        token budget and runner. One forward runs one LoRA adapter: only the candidates with the
+        first one's join."""
+        same = [i for i, c in enumerate(candidates) if c.lora == candidates[0].lora] if candidates else []
+        chosen = fit_batch(
+            [outputs.prepare(candidates[i], self.task) for i in same],
             self.cached_len,
             self.store_len,
             self.config.max_batch_tokens,
             self.shares_in_batch,
         )
+        return [(same[j], n) for j, n in chosen]
 
     def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
         """One forward over validated requests: match and lock cached prefixes, run, insert the
@@ -354,9 +397,23 @@ class Engine:
         ranks = [0] * len(asked) if ranks is None else list(ranks)
         if len(ranks) != len(asked):
             raise ValueError(f"{len(asked)} requests but {len(ranks)} ranks")
+        if len({r.lora for r in asked}) > 1:
+            # One adapter per forward: a step given several runs one forward per adapter.
+            by: dict[str | None, list[int]] = {}
+            for i, r in enumerate(asked):
+                by.setdefault(r.lora, []).append(i)
+            done: dict[int, ScoreResult] = {}
+            for idx in by.values():
+                for i, res in zip(
+                    idx, self.step([asked[i] for i in idx], [ranks[i] for i in idx]), strict=True
+                ):
+                    done[i] = res
+            return [done[i] for i in range(len(asked))]
+        adapter = self.adapter(asked[0].lora) if asked else None
         requests = [outputs.prepare(r, self.task) for r in asked]
         batch = [
-            _Work(i, r, self.store_len(r), k) for i, (r, k) in enumerate(zip(requests, ranks, strict=True))
+            _Work(i, r, self.store_len(r), self.cache_key(r), k)
+            for i, (r, k) in enumerate(zip(requests, ranks, strict=True))
         ]
         groups: dict[tuple[int, ...], int] = {}  # what a prefix is read from -> runner group
         stores = BatchStores()
@@ -377,13 +434,14 @@ class Engine:
             )
             pool = self.cache.pool if self.cache else None
             t0 = time.perf_counter()
-            hidden = self.runner.forward([w.planned for w in ordered], pool)
             out: dict[int, ScoreResult] = {}
-            row = 0
-            for w in ordered:
-                m = w.planned.logit_offsets.numel()
-                out[w.index] = self._extract(w.req, hidden[row : row + m], cached=w.planned.start_pos)
-                row += m
+            with self._applied(adapter):
+                hidden = self.runner.forward([w.planned for w in ordered], pool)
+                row = 0
+                for w in ordered:
+                    m = w.planned.logit_offsets.numel()
+                    out[w.index] = self._extract(w.req, hidden[row : row + m], cached=w.planned.start_pos)
+                    row += m
             self.last_step_seconds = time.perf_counter() - t0
             for w in batch:  # in batch order: a batch-mate's prefix is in the tree before its readers
                 self._insert(w)
@@ -392,7 +450,7 @@ class Engine:
                 # classes read or stored keeps the most urgent one's, whichever came last.
                 for w in batch:
                     if w.rank == min(ranks):
-                        self.cache.set_rank(w.req.input_ids[: w.cached_path], w.rank)
+                        self.cache.set_rank(w.key[: w.cached_path], w.rank)
             c = self._counts
             c["forwards"] += 1
             c["requests"] += len(batch)
@@ -412,18 +470,18 @@ class Engine:
         """Where `w` reads its prefix from (the cache, or a batch-mate that computes a longer
         shared prefix in this forward: the same `BatchStores` rule `batchable` priced), what it
         computes, and the pool slots that receive what it stores."""
-        ids = w.req.input_ids
+        ids, key = w.req.input_ids, w.key
         n, limit = len(ids), w.req.reusable_len
         start, prefix = 0, None
         source: tuple[int, ...] | None = None
         if self.cache is not None:
-            m = self.cache.match_prefix(ids[:limit], w.rank)
+            m = self.cache.match_prefix(key[:limit], w.rank)
             if m.length:
                 self.cache.lock(m.node)
                 w.node = m.node
                 start, prefix, source = m.length, m.slots, (m.node.uid,)
             if self.shares_in_batch:
-                shared, owner = stores.shared(ids, limit)
+                shared, owner = stores.shared(key, limit)
                 if shared > start:
                     mate = batch[owner]
                     assert mate.match_slots is not None and mate.store_slots is not None
@@ -432,7 +490,7 @@ class Engine:
             if w.store_len > start:
                 w.store_slots = self.cache.alloc(w.store_len - start)  # None: pool full, skip caching
                 if w.store_slots is not None:
-                    stores.add(ids, w.store_len, w.index)
+                    stores.add(key, w.store_len, w.index)
         w.match_slots = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
         first = w.req.logprob_start_len if w.req.logprob_start_len >= 0 else n - 1
         declared = w.req.cache_prefix_len or 0
@@ -457,12 +515,17 @@ class Engine:
             assert w.match_slots is not None, "set by _plan"
             slots = torch.cat([w.match_slots, w.store_slots])
             w.cached_path = slots.numel()
-            self.cache.insert(w.req.input_ids[: slots.numel()], slots, w.rank)
+            self.cache.insert(w.key[: slots.numel()], slots, w.rank)
             w.store_slots = None  # owned by the tree now
         if w.from_mate:
             # The prefix it read from a batch-mate is in the tree now (the mate inserted it
             # first): mark it reused, so eviction keeps it before never-read tails.
-            self.cache.match_prefix(w.req.input_ids[: w.planned.start_pos], w.rank)
+            self.cache.match_prefix(w.key[: w.planned.start_pos], w.rank)
+
+    def _applied(self, adapter: lora.LoRAAdapter | None) -> Any:
+        if self.loras is None:
+            return contextlib.nullcontext()
+        return self.loras.applied(adapter)
 
     def _release(self, w: _Work) -> None:
         """Unlock and return uninserted slots, also when the forward failed."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from po_backend.core.errors import UnsupportedModelError
+from po_backend.core.errors import LoRAError, UnsupportedModelError
 from po_backend.core.request import ScoreRequest, ScoreResult, validate_request
 from po_backend.engine.config import parse_dtype
 from po_backend.engine.device import resolve_device
@@ -64,6 +64,8 @@ class HFScorer:
     def validate(self, req: ScoreRequest) -> None:
         """The engine's checks, so both backends reject the same requests with the same errors."""
         validate_request(req, self.vocab_size, self.max_input_len)
+        if req.lora is not None:  # never run the base model silently in an adapter's place
+            raise LoRAError(f"LoRA adapter {req.lora!r} asked for, but backend hf serves no adapters")
 
     def cached_len(self, req: ScoreRequest) -> int:
         return 0  # no prefix cache

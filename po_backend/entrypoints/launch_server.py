@@ -27,7 +27,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from po_backend.core.errors import DeviceUnavailableError, DrainingError
+from po_backend.core.errors import DeviceUnavailableError, DrainingError, LoRAError
 from po_backend.core.flags import add_arguments, add_fields, given, settings_kwargs
 from po_backend.core.settings import parse_bytes, resolve
 from po_backend.server import LoopService, ServerArgs, create_app
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         service = build_service(args)
-    except DeviceUnavailableError as e:  # --device names hardware this machine lacks
+    except (DeviceUnavailableError, LoRAError) as e:  # hardware this machine lacks; a bad adapter
         parser.error(str(e))
     app = create_app(service, args)
     log.info(

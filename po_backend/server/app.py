@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from po_backend.server import admin, embeddings, openai, rerank, scoring, sglang_native, tokenizer
+from po_backend.server import admin, embeddings, lora, openai, rerank, scoring, sglang_native, tokenizer
 from po_backend.server.args import ServerArgs
 from po_backend.server.errors import add_exception_handlers
 from po_backend.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -25,6 +25,7 @@ ROUTERS = (
     scoring.router,
     rerank.router,
     embeddings.router,
+    lora.router,
 )
 
 

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.server.adapters import adapters
 from po_backend.server.body import BodyRoute
 from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import CompletionRequest
@@ -43,14 +44,26 @@ def _model_card(rt: Runtime) -> dict[str, Any]:
     }
 
 
+def _adapter_cards(rt: Runtime) -> dict[str, dict[str, Any]]:
+    """vLLM's cards of the loaded LoRA adapters: the adapter's name as id, the base as parent."""
+    base = _model_card(rt)
+    return {
+        name: {**base, "id": name, "root": path, "parent": rt.args.model_name}
+        for name, path in adapters(rt.service).items()
+    }
+
+
 @router.get("/v1/models")
 async def models(rt: RuntimeDep) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(rt)]}
+    return {"object": "list", "data": [_model_card(rt), *_adapter_cards(rt).values()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, rt: RuntimeDep) -> dict[str, Any]:
     # {model_id:path}: served names may hold slashes ("org/name"), as OpenAI's ids do.
+    cards = _adapter_cards(rt)
+    if model_id in cards:
+        return cards[model_id]
     if model_id not in (rt.args.model_name, rt.args.model_path):
         raise HTTPError(404, f"The model '{model_id}' does not exist", "NotFoundError")
     return _model_card(rt)

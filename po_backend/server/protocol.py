@@ -211,3 +211,14 @@ class DetokenizeRequest(TolerantBody):
 class ChatTemplateRequest(TolerantBody):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+
+
+class LoadLoRARequest(TolerantBody):
+    """SGLang's `/load_lora_adapter` and vLLM's `/v1/load_lora_adapter`: a PEFT folder, by name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(TolerantBody):
+    lora_name: str = Field(min_length=1)

@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from po_backend.core.errors import DrainingError, EmptyPromptError, OverloadedError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.task import ModelTask
+from po_backend.server.adapters import adapter_of
 from po_backend.server.args import ServerArgs
 from po_backend.server.errors import ClientGone, HTTPError, bad
 from po_backend.server.metrics import Metrics
@@ -154,6 +155,9 @@ class Runtime:
             return []
         if priority is not None:
             reqs = [dataclasses.replace(r, priority=priority) for r in reqs]
+        lora = adapter_of(self.service, await _body(request))
+        if lora is not None:
+            reqs = [dataclasses.replace(r, lora=lora) for r in reqs]
         if self.draining:
             raise DrainingError("the server is shutting down")
         if len(reqs) > self.args.max_queue:
@@ -209,6 +213,16 @@ class Runtime:
                     "serve it with --dtype fp32 (or bf16 where it runs fp16)",
                     "NumericalError",
                 )
+
+
+async def _body(request: Request) -> Any:
+    """The call's JSON body (parsed once already: the request caches it), or None."""
+    if request.method != "POST":
+        return None
+    try:
+        return await request.json()
+    except ValueError:
+        return None
 
 
 def _has_nan(r: ScoreResult) -> bool:

@@ -78,6 +78,8 @@ class LoopService:
         self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
         self.task: ModelTask = getattr(scorer, "task", None) or ModelTask()
         self.hidden_size = int(getattr(model_cfg, "hidden_size", 0) or 0)  # an embedding's width
+        # The engine's LoRA adapters (server/adapters.py), None when it serves none.
+        self.loras: Any = getattr(scorer, "loras", None)
 
     @classmethod
     def from_runtime(cls, rt: Any) -> LoopService:

@@ -27,8 +27,9 @@ router = APIRouter(route_class=BodyRoute)
 
 MAX_INPUT_ID_CELLS = 1 << 20  # token_ids_logprob values at prompt positions, per prompt
 
-# Fields of SGLang's GenerateReqInput a prefill-only text server cannot honour: 400 when set.
-_UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+# Fields of SGLang's GenerateReqInput a prefill-only text server cannot honour: 400 when set
+# (`lora_path` is honoured: `Runtime.run` reads it, see server/adapters.py).
+_UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds", "lora_id",
                 "custom_logit_processor", "session_params")  # fmt: skip
 
 

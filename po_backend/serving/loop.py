@@ -283,8 +283,8 @@ class EngineLoop:
         give what its prefix steps cached its own class (caller holds the lock)."""
         prefix = self._prefixed.pop(rid, None)
         if prefix is not None and self._pool is not None:
-            ids, rank = prefix.input_ids, self.config.rank(prefix)
-            self._calls.append((lambda e: e.cache.set_rank(ids, rank), Future()))
+            rank = self.config.rank(prefix)
+            self._calls.append((lambda e: e.cache.set_rank(e.cache_key(prefix), rank), Future()))
             self._cond.notify_all()
 
     def call(self, fn: Callable[[Any], T]) -> Future[T]:

@@ -144,6 +144,9 @@ class EngineRuntime:
                 cache_policy=cfg.cache_policy,
                 # The pool as sized at load (what the memory budget left), not the cap asked for.
                 prefix_pool_tokens=cache.pool.num_total if cache is not None else cfg.prefix_pool_tokens,
+                enable_lora=cfg.enable_lora,
+                max_loras=cfg.max_loras,
+                max_lora_rank=cfg.max_lora_rank,
                 **task_of(self.scorer).describe(),
             )
         sched = self.loop.config
@@ -229,7 +232,11 @@ def load_scorer(settings: Settings) -> Any:
 
         device = resolve_device(settings.device)
         overrides["memory_budget"] = int(settings.mem_fraction_static * available_bytes(device))
-    return Engine.from_pretrained(settings.model_path, **overrides)
+    engine = Engine.from_pretrained(settings.model_path, **overrides)
+    for name, path in settings.loras():  # a bad adapter stops the start with its reason
+        assert engine.loras is not None, "lora_paths turn LoRA on"
+        engine.loras.load(name, path)
+    return engine
 
 
 def build_runtime(

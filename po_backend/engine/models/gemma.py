@@ -44,6 +44,8 @@ class GemmaDecoderLayer(DecoderLayer):
         cfg = self.cfg
         gemma_rms_norm(h, self.input_layernorm, cfg.rms_norm_eps, out=x)
         torch.matmul(x, self.qkv_proj.t(), out=qkv)
+        if self.lora is not None:
+            self.lora.add("qkv", x, qkv)
         c = qkv.shape[0]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(c, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -59,13 +61,20 @@ class GemmaDecoderLayer(DecoderLayer):
         """h += norm(o_proj(attn)); h += norm(mlp(norm(h))), in place on the chunk view `h`."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
+        lora = self.lora
         torch.matmul(attn, self.o_proj.t(), out=x)
+        if lora is not None:
+            lora.add("o", attn, x)
         gemma_rms_norm(x, self.post_attention_layernorm, eps, out=x)
         h.add_(x)
         gemma_rms_norm(h, self.pre_feedforward_layernorm, eps, out=x)
         torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        if lora is not None:
+            lora.add("gate_up", x, gate_up)
         gelu_tanh_mul(gate_up, out=act)
         torch.matmul(act, self.down_proj.t(), out=x)
+        if lora is not None:
+            lora.add("down", act, x)
         gemma_rms_norm(x, self.post_feedforward_layernorm, eps, out=x)
         h.add_(x)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models.layers import Rotary, rms_norm, silu_mul
+from po_backend.engine.models.lora import LayerLoRA
 
 WeightLoader = Callable[[torch.Tensor, torch.Tensor, "str | int | None"], None]
 
@@ -55,6 +56,9 @@ def _set_loader(param: nn.Parameter, loader: FusedParam) -> None:
 
 
 class DecoderLayer(nn.Module):
+    # The LoRA adapter of the running forward (`LoRARegistry.applied`); None: the base weights.
+    lora: LayerLoRA | None = None
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
@@ -83,6 +87,8 @@ class DecoderLayer(nn.Module):
             torch.addmm(self.qkv_bias, x, self.qkv_proj.t(), out=qkv)
         else:
             torch.matmul(x, self.qkv_proj.t(), out=qkv)
+        if self.lora is not None:
+            self.lora.add("qkv", x, qkv)
         c = qkv.shape[0]
         # q and k are adjacent in the fused buffer: one view rotates both heads' sets at once
         # (half the op calls of rotating them apart, on a memory-bound step).
@@ -103,12 +109,19 @@ class DecoderLayer(nn.Module):
         chunk and layer: the MLP intermediate, the largest activation, never exceeds one chunk.
         """
         cfg = self.cfg
+        lora = self.lora
         torch.matmul(attn, self.o_proj.t(), out=x)
+        if lora is not None:
+            lora.add("o", attn, x)
         h.add_(x)
         rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps, out=x)
         torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        if lora is not None:
+            lora.add("gate_up", x, gate_up)
         silu_mul(gate_up, out=act)
         torch.matmul(act, self.down_proj.t(), out=x)
+        if lora is not None:
+            lora.add("down", act, x)
         h.add_(x)
 
 
