@@ -291,7 +291,7 @@ def _wait_registered(status_url: str, worker_url: str, timeout: float, headers: 
         time.sleep(0.5)
 
 
-def add_worker_main(argv: Sequence[str]) -> int:
+def add_worker_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=f"po-launch-cluster {ADD_WORKER}",
         description="Add a running worker (`launch_server` on any machine the router can reach) to a running "
@@ -300,6 +300,11 @@ def add_worker_main(argv: Sequence[str]) -> int:
     ap.add_argument("--router", required=True, help="the router's URL, e.g. http://127.0.0.1:30000")
     ap.add_argument("--worker-url", required=True, help="the worker's URL as the router reaches it")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the router to take it")
+    return ap
+
+
+def add_worker_main(argv: Sequence[str]) -> int:
+    ap = add_worker_parser()
     args = ap.parse_args(argv)
     try:
         worker_id = add_worker(args.router, args.worker_url, timeout=args.timeout)
