@@ -26,11 +26,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from po_backend.core.choices import (
+    BACKENDS,
+    CACHE_POLICIES,
+    PREFILL_MODES,
+    RESIDUAL_DTYPES,
+    check_choice,
+)
+from po_backend.core.choices import SCHEDULE_POLICIES as POLICIES
 from po_backend.core.task import POOLINGS, TASKS
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("po", "fcfs", "srjf", "lpm")
 # score = jct seconds - lambda * queueing seconds: lambda = 0.5 lets a request run before one whose
 # predicted JCT is 1 s shorter once it has waited 2 s longer. Chosen on the simulator over many
 # arrival seeds (bench_schedule --simulate --seed 0,1,...): 0 starves long prompts; at 0.1-0.2 a
@@ -59,10 +66,6 @@ BACKFILL_WINDOW = 64
 # A request that names no priority has this one (SGLang's default).
 DEFAULT_PRIORITY = 0
 
-BACKENDS = ("prefillonly", "hf")
-PREFILL_MODES = ("hybrid", "chunked")
-CACHE_POLICIES = ("all-but-last-k", "declared", "none")
-RESIDUAL_DTYPES = ("fp32", "model")
 DEFAULT_CHUNK_SIZE = 512
 # On a GPU a small model is bound by kernel launches, one set per chunk: longer chunks cost a
 # little activation memory, which a GPU has, and save most of the launches.
@@ -243,20 +246,17 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is required (a HF folder, a .gguf file, or 'embedded')")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_choice("backend", self.backend, BACKENDS)
         for name in ("max_input_len", "max_batch_tokens", "memory_budget", "prefix_pool_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.chunk_size is not None and self.chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}")
-        if self.prefill_mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
-        if self.cache_policy is not None and self.cache_policy not in CACHE_POLICIES:
-            raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        if self.cache_policy is not None:
+            check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         if self.mem_fraction_static is not None:
             if self.memory_budget is not None:
                 raise ValueError("give memory_budget or mem_fraction_static, not both")

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from po_backend.core.choices import (
+    CACHE_POLICIES,
+    PREFILL_MODES,
+    RESIDUAL_DTYPES,
+    CachePolicy,
+    PrefillMode,
+    ResidualDtype,
+    check_choice,
+)
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
-from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, RESIDUAL_DTYPES
+from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from po_backend.engine.device import cuda_dtype, resolve_device
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k) for the Llama family
@@ -354,10 +363,7 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     return table[dtype]
 
 
-PrefillMode = Literal["hybrid", "chunked"]
-PREFILL_MODES: tuple[PrefillMode, ...] = ("hybrid", "chunked")
-
-ResidualDtype = Literal["fp32", "model"]  # the values of core.settings.RESIDUAL_DTYPES
+__all__ = ["PREFILL_MODES", "PrefillMode", "ResidualDtype"]  # re-exported for the runner
 
 
 def resolve_residual(dtype: torch.dtype, residual: ResidualDtype) -> torch.dtype:
@@ -366,8 +372,7 @@ def resolve_residual(dtype: torch.dtype, residual: ResidualDtype) -> torch.dtype
     adds a rounded sublayer output to an unrounded sum, so the rounding error does not compound
     over the layers into reordered rankings. "model" rounds the stream to `dtype` after every add
     (what transformers does in bf16)."""
-    if residual not in RESIDUAL_DTYPES:
-        raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {residual!r}")
+    check_choice("residual_dtype", residual, RESIDUAL_DTYPES)
     if residual == "fp32" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return dtype
@@ -390,7 +395,7 @@ class EngineConfig:
     # RAM on CPU, 85% of the free GPU memory on CUDA.
     memory_budget: int | None = None
     # Which leading tokens of a request that declares nothing enter the prefix cache.
-    cache_policy: str = "all-but-last-k"  # | "declared" | "none"
+    cache_policy: CachePolicy = "all-but-last-k"
     cache_last_k: int = 1
     profile_full: bool = False  # profile at the full length (default on CUDA; slow on CPU)
     # "hybrid": the paper's hybrid prefilling (attention unchunked, last-layer-only KV).
@@ -408,13 +413,9 @@ class EngineConfig:
     residual_dtype: ResidualDtype = "fp32"
 
     def __post_init__(self) -> None:
-        policies = ("all-but-last-k", "declared", "none")
-        if self.cache_policy not in policies:
-            raise ValueError(f"cache_policy must be one of {policies}, got {self.cache_policy!r}")
-        if self.prefill_mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+        check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         for name, low in (
             ("cache_last_k", 0),
             ("chunk_size", 0),  # 0 = no chunking

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import httpx
 
+from po_backend.core.choices import ROUTER_POLICIES
 from po_backend.entrypoints.spawn import NotReadyError, free_port, stop, wait_until
 
 log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 
-POLICIES = ("cache_aware", "round_robin", "power_of_two")
 # cache_aware sends a request to the least-loaded worker instead of its cache match only when the
 # busiest worker has more than this many outstanding requests above the idlest (and 1.5x as many).
 # The router's default, 64, suits decode traffic (long-lived requests pile up); a prefill-only call
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--host", default="127.0.0.1", help="the router's address (workers stay on loopback)")
     ap.add_argument("--port", type=int, default=30000, help="the router's port")
-    ap.add_argument("--router-policy", choices=POLICIES, default="cache_aware")
+    ap.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware")
     ap.add_argument(
         "--balance-abs-threshold",
         type=int,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from po_backend.core.choices import LOG_LEVELS
 from po_backend.core.settings import Settings, arg_bytes, flag
 from po_backend.sched.scheduler import SchedulerConfig
 
@@ -24,9 +25,6 @@ def _labels(text: str) -> tuple[str, ...]:
 def _text_or_file(value: str) -> str:
     """A template flag: the text itself, or the contents of the file it names."""
     return Path(value).read_text() if value and os.path.isfile(value) else value
-
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(frozen=True)
