@@ -5,6 +5,7 @@ the same arguments report the same resolved settings in process and over HTTP.""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -286,8 +287,20 @@ def test_server_info_equals_get_server_info(tokenized_llama: Path) -> None:
         local = engine.get_server_info()
     with po.Local(tokenized_llama, **KWARGS) as lang:
         from_local = lang.runtime.resolved()
-    names = set(FIELDS) - {"model_path"}  # /server_info's model_path is the router's folder
+    # Every key of get_server_info() has /server_info's value, as JSON; /server_info adds the HTTP
+    # edge's settings, and its model_path is the router's folder.
+    assert local == json.loads(json.dumps(local))
+    states, http_states = local.pop("internal_states"), info.pop("internal_states")
+    assert states[0].keys() == http_states[0].keys()
+    names = set(local) - {"model_path"}
+    assert names >= set(FIELDS) - {"model_path"}
     assert {k: info[k] for k in names} == {k: local[k] for k in names} == {k: from_local[k] for k in names}
+    http_only = set(info) - set(local)
+    assert http_only <= {f.name for f in fields(ServerArgs)} | {"version", "tokenizer_path"}, http_only
+    # SGLang's names, with SGLang's values
+    assert info["context_length"] == 128 and info["chunked_prefill_size"] == -1
+    assert info["max_queued_requests"] == 9 and info["disable_radix_cache"] is False
+    assert info["max_prefill_tokens"] == info["max_batch_tokens"] and info["tp_size"] == 1
     assert info["schedule_policy"] == "fcfs" and info["chunk_size"] == 0 and info["max_queue"] == 9
     assert info["dtype"] == "torch.float32" and info["max_input_len"] == 128
     assert info["cache_policy"] == "all-but-last-k" and info["prefix_pool_tokens"] >= 1

@@ -207,7 +207,7 @@ class PrefillOnlyBackend(_BaseBackend):
         self.runtime.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
-        return {**self.runtime.resolved(), "internal_states": [self.runtime.loop.stats()]}
+        return self.runtime.server_info()
 
     def shutdown(self) -> None:
         if self._owned:

@@ -226,9 +226,9 @@ class SGLangEngine:
         self.runtime.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
-        """The resolved settings (the same keys and values as the server's /server_info for the
-        same arguments) and the loop's counters."""
-        return {**self.runtime.resolved(), "internal_states": [self.runtime.loop.stats()]}
+        """The resolved settings and the counters, as JSON: the same keys and values as the
+        server's /server_info for the same arguments (which adds the HTTP edge's settings)."""
+        return self.runtime.server_info()
 
     def shutdown(self) -> None:
         """Finish what is queued and stop the engine loop (idempotent)."""

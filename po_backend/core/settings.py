@@ -457,6 +457,45 @@ def resolve(model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> 
     return Settings(**values)
 
 
+# What SGLang's /server_info calls our resolved settings (its ServerArgs names), and how its values
+# read ours: SGLang's "no chunking" is -1 where ours is 0.
+SGLANG_REPORTED: Mapping[str, tuple[str, Callable[[Any], Any]]] = {
+    "context_length": ("max_input_len", lambda v: v),
+    "chunked_prefill_size": ("chunk_size", lambda v: -1 if v == 0 else v),
+    "max_prefill_tokens": ("max_batch_tokens", lambda v: v),
+    "max_queued_requests": ("max_queue", lambda v: v),
+    "disable_radix_cache": ("enable_cache", lambda v: not v),
+    "is_embedding": ("task", lambda v: v != "generate"),
+}
+
+
+def sglang_names(resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """`resolved` (settings by our field names) also under SGLang's names, as SGLang reports them;
+    a setting the scorer does not have (None) stays None."""
+    out = dict(resolved)
+    for name, (ours, convert) in SGLANG_REPORTED.items():
+        value = resolved.get(ours)
+        out[name] = None if value is None else convert(value)
+    out.update(tp_size=1, dp_size=1, pp_size=1)
+    return out
+
+
+def jsonable(value: Any) -> Any:
+    """Settings and stats (dicts, dataclasses, non-finite floats) as plain JSON values: what
+    /server_info sends and `get_server_info()` returns, the same for both."""
+    if hasattr(value, "__dataclass_fields__"):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, int | float | str | bool) or value is None:
+        return value
+    return str(value)
+
+
 def check_scheduler(policy: str, fairness_lambda: float, min_shared_prefix: int) -> None:
     """The scheduler settings' checks (SchedulerConfig runs them too: one text everywhere)."""
     if policy not in POLICIES:

@@ -391,8 +391,7 @@ class EngineConfig:
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
     max_batch_tokens: int = 8192
     enable_cache: bool = True
-    # Bytes beyond the weights (activations + prefix-KV pool); None = a quarter of the available
-    # RAM on CPU, 85% of the free GPU memory on CUDA.
+    # Bytes beyond the weights (activations + prefix-KV pool); None = `memory.default_budget`.
     memory_budget: int | None = None
     # Which leading tokens of a request that declares nothing enter the prefix cache.
     cache_policy: CachePolicy = "all-but-last-k"

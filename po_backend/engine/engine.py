@@ -13,13 +13,14 @@ import torch
 
 from po_backend.core.errors import CapacityError, InvalidRequestError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
+from po_backend.core.settings import FIELDS
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
 from po_backend.engine.activations import LOGIT_ROWS
 from po_backend.engine.cache import KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
 from po_backend.engine.device import describe, resolve_device
-from po_backend.engine.memory import PeakMemory, available_bytes, profiled_peaks
+from po_backend.engine.memory import PeakMemory, default_budget, profiled_peaks
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
     load_model,
@@ -30,6 +31,7 @@ from po_backend.engine.models.loader import (
 )
 from po_backend.engine.runner import SeqPlan, make_runner
 from po_backend.engine.stats import EngineStats
+from po_backend.sched.reuse import CachePool
 from po_backend.sched.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class Engine:
         self.cache: RadixCache | None = None
         self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
         self.activation_budget = 0
+        self.memory_budget = 0  # bytes for activations + the prefix pool, as resolved at load
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
         self._counts = {"requests": 0, "forwards": 0, "prompt": 0, "computed": 0, "cached": 0}
         self._size_memory()
@@ -145,10 +148,8 @@ class Engine:
         """Profile run: the activation peak of the largest forward we will ever run decides what
         is left of the budget for the prefix-KV pool, so nothing can run out of memory later."""
         cfg, mcfg = self.config, self.model_config
-        budget = cfg.memory_budget
-        if budget is None:
-            avail = available_bytes(cfg.device)
-            budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
+        budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget(cfg.device)
+        self.memory_budget = budget
         longest = max(cfg.max_input_len, cfg.max_batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
         bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
@@ -208,6 +209,34 @@ class Engine:
             pool_bytes=self.cache.pool.nbytes if self.cache else 0,
             budget=self.activation_budget,
         )
+
+    # ---- what it can do (the serving loop and the runtime ask instead of checking its type) ---
+
+    can_profile_jct = True  # its steps can be timed into a JCT model (serving.jct_profile)
+
+    def cache_pool(self) -> CachePool | None:
+        """The prefix cache as the scheduler sees it (eviction order); None without a cache."""
+        return None if self.cache is None else CachePool(self.cache, self.store_len)
+
+    @property
+    def max_input_len(self) -> int:
+        return self.config.max_input_len
+
+    def resolved_settings(self) -> dict[str, Any]:
+        """What it runs with, by `core.settings.Settings` field name, every "auto" and None
+        resolved: the dtype and device chosen, the memory budget measured, the pool as sized."""
+        cfg = self.config
+        out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in FIELDS}
+        out.update(
+            dtype=str(cfg.dtype),
+            device=str(cfg.device),
+            memory_budget=self.memory_budget,
+            prefix_pool_tokens=self.cache.pool.num_total
+            if self.cache is not None
+            else cfg.prefix_pool_tokens,
+            **self.task.describe(),
+        )
+        return out
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (raises CacheInUseError while requests hold prefixes)."""

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict
 from typing import Any, Protocol
 
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.core.task import ModelTask
+from po_backend.core.settings import jsonable
+from po_backend.core.task import ModelTask, model_identity
 
 
 class ScoringService(Protocol):
@@ -69,15 +68,13 @@ class LoopService:
         self.max_input_len = int(max_input_len)
         self.settings: Mapping[str, Any] = dict(settings or {})
 
-        # Our engine has its own model config; the transformers baseline has the HF one.
-        model_cfg = getattr(scorer, "model_config", None)
-        hf_cfg = getattr(getattr(scorer, "model", None), "config", None)
-        self.model_type = str(
-            getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
-        )
-        self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
+        identity = model_identity(scorer)
+        self.model_type: str = identity["model_type"]
+        self.architectures = tuple(identity["architectures"])
         self.task: ModelTask = getattr(scorer, "task", None) or ModelTask()
-        self.hidden_size = int(getattr(model_cfg, "hidden_size", 0) or 0)  # an embedding's width
+        self.hidden_size = int(
+            getattr(getattr(scorer, "model_config", None), "hidden_size", 0) or 0
+        )  # an embedding's width
 
     @classmethod
     def from_runtime(cls, rt: Any) -> LoopService:
@@ -93,7 +90,7 @@ class LoopService:
     def stats(self) -> dict[str, Any]:
         # The scorer's lifetime counters (requests, tokens, cache) beside the loop's queue figures;
         # plain counters, so reading them off the loop's thread is safe enough for a report.
-        return {**_jsonable(self.scorer.stats()), **_jsonable(self.loop.stats())}
+        return {**jsonable(self.scorer.stats()), **jsonable(self.loop.stats())}
 
     def flush_cache(self) -> None:
         # The loop owns the engine: the flush must happen between its steps, on its thread.
@@ -108,18 +105,3 @@ class LoopService:
 
     def shutdown(self) -> None:
         self.loop.shutdown(drain=True)
-
-
-def _jsonable(stats: Any) -> Any:
-    """Scorer and loop stats (dicts, dataclasses) as plain JSON values."""
-    if hasattr(stats, "__dataclass_fields__"):
-        stats = asdict(stats)
-    if isinstance(stats, dict):
-        return {str(k): _jsonable(v) for k, v in stats.items()}
-    if isinstance(stats, list | tuple):
-        return [_jsonable(v) for v in stats]
-    if isinstance(stats, float) and not math.isfinite(stats):
-        return None
-    if isinstance(stats, int | float | str | bool) or stats is None:
-        return stats
-    return str(stats)
