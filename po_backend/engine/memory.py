@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from po_backend.core.cpu import cpu_flags, cpu_model
-from po_backend.engine.models.loader import cache_root, file_lock, write_atomic
+from po_backend.core.fs import cache_root, file_lock, write_atomic
 
 log = logging.getLogger(__name__)
 

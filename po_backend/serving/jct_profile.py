@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from po_backend.core.cpu import cpu_model
+from po_backend.core.fs import cache_root, file_lock, write_atomic
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
-from po_backend.engine.models.loader import cache_root, file_lock, write_atomic
 from po_backend.sched.jct import FEATURES, PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample, features
 from po_backend.sched.scheduler import SchedulerConfig
 
