@@ -39,7 +39,7 @@ check. The command-line flags are generated from those declarations, and so is t
 
 **One set of settings, every entry point.** The server's flags and the in-process APIs take the same
 names with the same defaults and the same errors: each goes through `core.settings.resolve` and is built into a runtime by one
-factory (`po_backend/serving/runtime.py`: engine or baseline, scheduling loop, JCT model,
+factory (`po_backend/serving/engine_runtime.py`: engine or baseline, scheduling loop, JCT model,
 tokenizer). An unknown keyword is a `TypeError` (as SGLang's `ServerArgs`); an impossible value a
 `ValueError` with the same text everywhere (`tests/test_settings.py` walks every setting through
 every entry point). `prefillonly label` takes the engine flags it documents (`--dtype`, ...; see

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-import po_backend.serving.runtime as runtime_mod
+import po_backend.serving.engine_runtime as runtime_mod
 import po_lang as po
 from po_backend.compat.sglang import Engine, SGLangEngine
 from po_backend.core.settings import FIELDS, Settings, resolve
 from po_backend.entrypoints.launch_cluster import check_worker_flags
 from po_backend.entrypoints.launch_server import build_parser, build_service, server_args
 from po_backend.server import ServerArgs, create_app
-from po_backend.serving.runtime import LockedTokenizer
+from po_backend.serving.engine_runtime import LockedTokenizer
 
 
 class Loaded(Exception):

@@ -12,7 +12,7 @@ nothing on a one-device prefill-only engine are accepted and ignored, and what i
 SGLang's `ServerArgs(**kwargs)` raises.
 
 Torch-free: the settings stay the strings and numbers a user typed; the engine resolves "auto"
-and None against the model and the machine (`serving.runtime.EngineRuntime.resolved` reports those).
+and None against the model and the machine (`serving.engine_runtime.EngineRuntime.resolved` reports those).
 """
 
 from __future__ import annotations

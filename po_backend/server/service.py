@@ -1,5 +1,5 @@
 """What the server needs from a model: the `ScoringService` protocol and `LoopService` (a
-`serving.runtime.EngineRuntime`: a scorer, the scheduling loop that owns it, its locked tokenizer)."""
+`serving.engine_runtime.EngineRuntime`: a scorer, the scheduling loop that owns it, its locked tokenizer)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class LoopService:
     ) -> None:
         self.scorer = scorer
         self.loop = loop
-        # The runtime's locked tokenizer when there is one (serving.runtime: every call holds its lock).
+        # The runtime's locked tokenizer when there is one (serving.engine_runtime: every call holds its lock).
         self.tokenizer = tokenizer if tokenizer is not None else scorer.tokenizer
         self.vocab_size = int(scorer.vocab_size)
         self.max_input_len = int(max_input_len)
@@ -78,7 +78,7 @@ class LoopService:
 
     @classmethod
     def from_runtime(cls, rt: Any) -> LoopService:
-        """Serve a `serving.runtime.EngineRuntime`; /server_info reports its resolved settings."""
+        """Serve a `serving.engine_runtime.EngineRuntime`; /server_info reports its resolved settings."""
         return cls(rt.scorer, rt.loop, rt.max_input_len, rt.resolved(), rt.tokenizer)
 
     def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
