@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from po_backend.compat.runtime import LocalRuntime
+from po_backend.compat.local_runtime import LocalRuntime
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
 from po_backend.core.request import ScoreRequest, common_prefix, pooled_requests
 from po_backend.core.task import ModelTask, probabilities
