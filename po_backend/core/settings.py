@@ -38,12 +38,8 @@ from po_backend.core.task import POOLINGS, TASKS
 
 log = logging.getLogger(__name__)
 
-# score = jct seconds - lambda * queueing seconds: lambda = 0.5 lets a request run before one whose
-# predicted JCT is 1 s shorter once it has waited 2 s longer. Chosen on the simulator over many
-# arrival seeds (bench_schedule --simulate --seed 0,1,...): 0 starves long prompts; at 0.1-0.2 a
-# cache hit that arrives later overtakes a cold request that waits with it so readily that, at low
-# load, po's P99 ends above fcfs's; from 0.5 up that tail is gone, and past 1 po gives up the
-# cache hits its mean latency under load comes from.
+# score = jct seconds - lambda * queueing seconds: 0 starves long prompts, much more than 1 gives up
+# the cache hits po's latency comes from (the sweep is in REPORT, bench_schedule --simulate).
 DEFAULT_FAIRNESS_LAMBDA = 0.5
 # Waiting requests join the head's step when they share at least this many leading tokens with
 # it (declared or not): enough to be a profile or a document, more than a chat template's few

@@ -38,14 +38,9 @@ from po_backend.entrypoints.spawn import NotReadyError, free_port, stop, wait_un
 
 log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 
-# cache_aware sends a request to the least-loaded worker instead of its cache match only when the
-# busiest worker has more than this many outstanding requests above the idlest (and 1.5x as many).
-# The router's default, 64, suits decode traffic (long-lived requests pile up); a prefill-only call
-# finishes in one forward, so a worker rarely holds more than a few and 64 never fires: a hot
-# user's burst queues on one worker while the others idle (tests/test_cluster.py). Too low a value
-# fires on ordinary Poisson bursts instead, sends users to workers without their profile and
-# costs the cache: in bench_cluster --simulate (many workers, many users) low values lose QPS to cache
-# misses, while 32 sustains what 64 does and still splits a hot user's burst (REPORT).
+# cache_aware leaves a request's cache match for the least-loaded worker only past this imbalance of
+# outstanding requests. The router's 64 suits long decode requests and never fires for one-forward
+# calls; far lower fires on ordinary bursts and costs the cache (docs/scaling-out.md).
 BALANCE_ABS_THRESHOLD = 32
 # The /dev entries of the drivers torch.cuda reaches GPUs through: NVIDIA's, ROCm's, WSL 2's.
 GPU_DEVICE_NODES = ("nvidia*", "kfd", "dxg")
