@@ -304,3 +304,16 @@ def test_server_info_equals_get_server_info(tokenized_llama: Path) -> None:
     assert info["schedule_policy"] == "fcfs" and info["chunk_size"] == 0 and info["max_queue"] == 9
     assert info["dtype"] == "torch.float32" and info["max_input_len"] == 128
     assert info["cache_policy"] == "all-but-last-k" and info["prefix_pool_tokens"] >= 1
+
+
+def test_engine_settings_are_the_engine_config_fields_of_the_same_name() -> None:
+    """Settings.overrides() hands the engine the fields marked `engine`, by name: exactly the
+    EngineConfig fields a setting shares a name with, so neither side can drift."""
+    from po_backend.engine.config import EngineConfig
+
+    marked = {name for name, f in FIELDS.items() if f.metadata.get("engine")}
+    assert marked == {f.name for f in fields(EngineConfig)} & set(FIELDS)
+    s = resolve("m", dtype="auto", task="auto", max_input_len=64, chunked_prefill_size=-1)
+    assert s.overrides() == {
+        "max_input_len": 64, "chunk_size": 0, "prefill_mode": "hybrid", "residual_dtype": "fp32", "enable_cache": True
+    }  # fmt: skip

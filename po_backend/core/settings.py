@@ -93,11 +93,17 @@ def arg_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def flag(help: str, *, type: Callable[[str], Any] | None = None, choices: tuple[str, ...] = ()) -> Any:
+def flag(
+    help: str,
+    *,
+    type: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] = (),
+    engine: bool = False,
+) -> Any:
     """A dataclass field's command-line declaration (its `metadata`): help text, the type that
     parses the flag's text, the choices. `add_fields` generates the flag from it and the field's
-    default."""
-    return {"help": help, "type": type, "choices": choices}
+    default. engine: the engine's `EngineConfig` has a field of the same name that it sets."""
+    return {"help": help, "type": type, "choices": choices, "engine": engine}
 
 
 @dataclass(frozen=True)
@@ -112,17 +118,23 @@ class Settings:
             "prefillonly (ours) | hf (the transformers baseline: FCFS, no prefix cache)", choices=BACKENDS
         ),
     )
-    dtype: str = field(default="auto", metadata=flag("auto | bf16 | fp16 | fp32"))
-    device: str | None = field(default=None, metadata=flag("cpu | cuda (default: cuda when available)"))
+    dtype: str = field(default="auto", metadata=flag("auto | bf16 | fp16 | fp32", engine=True))
+    device: str | None = field(
+        default=None, metadata=flag("cpu | cuda (default: cuda when available)", engine=True)
+    )
     max_input_len: int | None = field(
-        default=None, metadata=flag("longest prompt in tokens (default: the model's context)", type=int)
+        default=None,
+        metadata=flag("longest prompt in tokens (default: the model's context)", type=int, engine=True),
     )
     max_batch_tokens: int | None = field(
-        default=None, metadata=flag("new tokens per forward (default: max(max-input-len, 2048))", type=int)
+        default=None,
+        metadata=flag("new tokens per forward (default: max(max-input-len, 2048))", type=int, engine=True),
     )
     memory_budget: int | None = field(
         default=None,
-        metadata=flag("bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes),
+        metadata=flag(
+            "bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes, engine=True
+        ),
     )
     mem_fraction_static: float | None = field(
         default=None,
@@ -137,6 +149,7 @@ class Settings:
             f"tokens per chunk of the non-attention work (hybrid prefilling); 0 = no chunking "
             f"(default: {DEFAULT_CHUNK_SIZE} on a CPU, {CUDA_CHUNK_SIZE} on CUDA)",
             type=int,
+            engine=True,
         ),
     )
     prefill_mode: str = field(
@@ -144,6 +157,7 @@ class Settings:
         metadata=flag(
             "hybrid: the paper's hybrid prefilling; chunked: Sarathi-style chunked prefill (baseline)",
             choices=PREFILL_MODES,
+            engine=True,
         ),
     )
     residual_dtype: str = field(
@@ -152,20 +166,24 @@ class Settings:
             "with bf16/fp16 weights: fp32 keeps the residual stream and norms in fp32 (rankings as "
             "fp32's; matmuls stay bf16); model rounds them to the weights' dtype (transformers' way)",
             choices=RESIDUAL_DTYPES,
+            engine=True,
         ),
     )
-    enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache"))
+    enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache", engine=True))
     cache_policy: str | None = field(
         default=None,
         metadata=flag(
             "which leading tokens of a request that declares none are cached (default: all-but-last-k)",
             choices=CACHE_POLICIES,
+            engine=True,
         ),
     )
     prefix_pool_tokens: int | None = field(
         default=None,
         metadata=flag(
-            "tokens the prefix-KV pool holds at most (default: what the memory budget leaves)", type=int
+            "tokens the prefix-KV pool holds at most (default: what the memory budget leaves)",
+            type=int,
+            engine=True,
         ),
     )
     schedule_policy: str = field(
@@ -230,12 +248,15 @@ class Settings:
             "(a *ForSequenceClassification head), embed (pooled hidden states), pooling (classify when "
             "the checkpoint has a score head, else embed); auto reads it from config.json / modules.json",
             choices=(*TASKS, *_VLLM_TASKS),
+            engine=True,
         ),
     )
     pooling: str | None = field(
         default=None,
         metadata=flag(
-            "an embedder's pooling (default: its sentence-transformers config, else last)", choices=POOLINGS
+            "an embedder's pooling (default: its sentence-transformers config, else last)",
+            choices=POOLINGS,
+            engine=True,
         ),
     )
 
@@ -275,22 +296,8 @@ class Settings:
         """`Engine.from_pretrained` keyword arguments (EngineConfig field names); unset ones are
         left out so the engine picks its defaults. mem_fraction_static becomes a memory budget
         when the engine loads (it needs the device)."""
-        out = {
-            "dtype": None if self.dtype == "auto" else self.dtype,
-            "device": self.device,
-            "max_input_len": self.max_input_len,
-            "max_batch_tokens": self.max_batch_tokens,
-            "memory_budget": self.memory_budget,
-            "chunk_size": self.chunk_size,
-            "prefill_mode": self.prefill_mode,
-            "residual_dtype": self.residual_dtype,
-            "enable_cache": self.enable_cache,
-            "cache_policy": self.cache_policy,
-            "prefix_pool_tokens": self.prefix_pool_tokens,
-            "task": None if self.task == "auto" else self.task,
-            "pooling": self.pooling,
-        }
-        return {k: v for k, v in out.items() if v is not None}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine")}
+        return {k: v for k, v in out.items() if v not in (None, "auto")}
 
     def public(self) -> dict[str, Any]:
         """The settings as asked for, as one flat JSON object."""

@@ -180,8 +180,7 @@ class ServerArgs:
 
     @property
     def scheduler(self) -> SchedulerConfig:
-        e = self.engine
-        return SchedulerConfig(e.schedule_policy, e.fairness_lambda, e.min_shared_prefix)
+        return SchedulerConfig.from_settings(self.engine)
 
     @property
     def max_queue(self) -> int:
