@@ -4,7 +4,7 @@ what the CPU can do comes from `po_backend.core.cpu`."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -380,16 +380,17 @@ def resolve_residual(dtype: torch.dtype, residual: ResidualDtype) -> torch.dtype
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model (not what the model is)."""
+    """How the engine runs a model (not what the model is). None: the default, resolved by
+    `Engine.from_pretrained` against the model and the device (`resolved`), the same defaults as
+    `core.settings.Settings` documents."""
 
     dtype: torch.dtype
     device: torch.device
-    chunk_size: int = (
-        DEFAULT_CHUNK_SIZE  # tokens per chunk of the token-wise work (hybrid prefilling); 0 = off
-    )
-    max_input_len: int = 8192
+    # Tokens per chunk of the token-wise work (hybrid prefilling); 0 = off; None: the device's.
+    chunk_size: int | None = None
+    max_input_len: int | None = None  # None: the model's context
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int | None = None  # None: max(max_input_len, 2048)
     enable_cache: bool = True
     # Bytes beyond the weights (activations + prefix-KV pool); None = `memory.default_budget`.
     memory_budget: int | None = None
@@ -421,9 +422,43 @@ class EngineConfig:
             ("max_input_len", 1),
             ("max_batch_tokens", 1),
         ):
-            if getattr(self, name) < low:
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.memory_budget is not None and self.memory_budget < 1:
             raise ValueError(f"memory_budget must be >= 1 byte, got {self.memory_budget}")
         if self.prefix_pool_tokens is not None and self.prefix_pool_tokens < 1:
             raise ValueError(f"prefix_pool_tokens must be >= 1, got {self.prefix_pool_tokens}")
+
+    def resolved(self, context: int) -> EngineConfig:
+        """Every None replaced by its default, for a model of `context` tokens: dtype and device
+        as `parse_dtype` / `resolve_device` choose, the device's chunk, the model's context."""
+        dev = resolve_device(self.device)
+        max_input_len = self.max_input_len if self.max_input_len is not None else context
+        return replace(
+            self,
+            device=dev,
+            dtype=parse_dtype(self.dtype, dev),
+            chunk_size=default_chunk_size(dev) if self.chunk_size is None else self.chunk_size,
+            max_input_len=max_input_len,
+            max_batch_tokens=self.max_batch_tokens
+            if self.max_batch_tokens is not None
+            else max(max_input_len, 2048),
+        )
+
+    @property
+    def input_len(self) -> int:
+        """max_input_len, resolved (`resolved`)."""
+        assert self.max_input_len is not None, "EngineConfig.resolved() first"
+        return self.max_input_len
+
+    @property
+    def chunk_tokens(self) -> int:
+        """chunk_size, resolved (`resolved`)."""
+        assert self.chunk_size is not None, "EngineConfig.resolved() first"
+        return self.chunk_size
+
+    @property
+    def batch_tokens(self) -> int:
+        """max_batch_tokens, resolved (`resolved`)."""
+        assert self.max_batch_tokens is not None, "EngineConfig.resolved() first"
+        return self.max_batch_tokens

@@ -18,7 +18,7 @@ from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
 from po_backend.engine.activations import LOGIT_ROWS
 from po_backend.engine.cache import KVPool, RadixCache
-from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
+from po_backend.engine.config import EngineConfig, ModelConfig
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory, default_budget, profiled_peaks
 from po_backend.engine.models.llama import LlamaForCausalLM
@@ -78,7 +78,7 @@ class Engine:
         self.config = config
         self.model_path = model_path
         self.runner = make_runner(
-            model, config.device, config.chunk_size, config.prefill_mode, config.residual_dtype
+            model, config.device, config.chunk_tokens, config.prefill_mode, config.residual_dtype
         )
         self.cache: RadixCache | None = None
         self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
@@ -116,21 +116,12 @@ class Engine:
             config = replace(config, **given)
         else:
             dev = resolve_device(given.get("device"))
-            max_input_len = given.get("max_input_len", mcfg.max_position_embeddings)
-            given = {
-                **given,
-                "device": dev,
-                "dtype": parse_dtype(given.get("dtype"), dev),
-                "chunk_size": given.get("chunk_size", default_chunk_size(dev)),
-                "max_input_len": max_input_len,
-                "max_batch_tokens": given.get("max_batch_tokens", max(max_input_len, 2048)),
-                "profile_full": given.get("profile_full", dev.type == "cuda"),
-            }
-            config = EngineConfig(**given)
-        # Strings (a CLI's or a server's) become torch objects here, "auto"/None the default dtype.
-        dev = resolve_device(config.device)
-        config = replace(config, device=dev, dtype=parse_dtype(config.dtype, dev))
-        if config.max_input_len > mcfg.max_position_embeddings:
+            config = EngineConfig(
+                **{"dtype": None, "profile_full": dev.type == "cuda", **given, "device": dev}
+            )
+        # Strings (a CLI's or a server's) become torch objects here, every None its default.
+        config = config.resolved(mcfg.max_position_embeddings)
+        if config.input_len > mcfg.max_position_embeddings:
             log.warning(
                 "max_input_len=%d exceeds the model's context of %d tokens; quality beyond it is "
                 "untested (allowed because it was asked for explicitly)",
@@ -150,7 +141,7 @@ class Engine:
         cfg, mcfg = self.config, self.model_config
         budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget(cfg.device)
         self.memory_budget = budget
-        longest = max(cfg.max_input_len, cfg.max_batch_tokens)
+        longest = max(cfg.input_len, cfg.batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
         bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
         # Profiling the full length on a CPU takes minutes, so there two short synthetic requests
@@ -220,7 +211,7 @@ class Engine:
 
     @property
     def max_input_len(self) -> int:
-        return self.config.max_input_len
+        return self.config.input_len
 
     def resolved_settings(self) -> dict[str, Any]:
         """What it runs with, by `core.settings.Settings` field name, every "auto" and None
@@ -258,7 +249,7 @@ class Engine:
         return tuple(int(t) for t in prompt)
 
     def validate(self, req: ScoreRequest) -> None:
-        validate_request(req, self.vocab_size, self.config.max_input_len)
+        validate_request(req, self.vocab_size, self.config.input_len)
         outputs.check_task(req, self.task)
 
     def store_len(self, req: ScoreRequest) -> int:
@@ -369,7 +360,7 @@ class Engine:
             [outputs.prepare(c, self.task) for c in candidates],
             self.cached_len,
             self.store_len,
-            self.config.max_batch_tokens,
+            self.config.batch_tokens,
             self.shares_in_batch,
         )
 
@@ -393,7 +384,7 @@ class Engine:
             for w in batch:
                 self._plan(w, batch, groups, stores)
             computed = sum(w.planned.token_ids.numel() for w in batch)
-            if len(batch) > 1 and computed > self.config.max_batch_tokens:
+            if len(batch) > 1 and computed > self.config.batch_tokens:
                 # A batch-mate could not get pool slots for the prefix the others were to read
                 # from it (the pool is full of locked prefixes): one forward per request keeps
                 # the activation bound.
