@@ -133,7 +133,10 @@ class Settings:
     memory_budget: int | None = field(
         default=None,
         metadata=flag(
-            "bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes, engine=True
+            "bytes beyond the weights for activations + prefix cache (e.g. 4GiB; default: a quarter of the "
+            "RAM on a CPU, or what is free if less; 85% of the free memory on CUDA)",
+            type=arg_bytes,
+            engine=True,
         ),
     )
     mem_fraction_static: float | None = field(
