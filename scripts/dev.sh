@@ -54,10 +54,12 @@ lint() {
 # The documentation site, strict: a broken link or anchor, or a page missing from the nav, fails.
 # Built into a temporary folder (the site is never committed).
 docs_build() {
+    # Not --quiet: it hides the warnings --strict counts, and the build passes whatever is broken.
     local site rc=0
     site=$(mktemp -d) || return 1
-    NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$site" || rc=$?
-    rm -rf "$site"
+    NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --site-dir "$site" >"$site.log" 2>&1 || rc=$?
+    [ $rc -eq 0 ] || grep -v '^INFO' "$site.log" >&2
+    rm -rf "$site" "$site.log"
     return $rc
 }
 
