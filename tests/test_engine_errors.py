@@ -112,10 +112,11 @@ def test_config_and_overrides(tiny_model) -> None:
     assert again.config == EngineConfig(
         dtype=torch.float32,
         device=torch.device("cpu"),
-        chunk_size=512,  # the CPU's default chunk
+        chunk_size=512,  # the CPU's defaults
         max_input_len=200,
         max_batch_tokens=400,
         cache_policy="declared",
+        profile_full=False,
     )
     # One default per setting: a config that leaves max_input_len unset gets the model's context,
     # as the settings and the overrides do, and max_batch_tokens follows it.

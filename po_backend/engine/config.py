@@ -397,7 +397,7 @@ class EngineConfig:
     # Which leading tokens of a request that declares nothing enter the prefix cache.
     cache_policy: CachePolicy = "all-but-last-k"
     cache_last_k: int = 1
-    profile_full: bool = False  # profile at the full length (default on CUDA; slow on CPU)
+    profile_full: bool | None = None  # profile at the full length (None: on CUDA only; slow on CPU)
     # "hybrid": the paper's hybrid prefilling (attention unchunked, last-layer-only KV).
     # "chunked": Sarathi-style chunked prefill, kept as the baseline the paper compares against:
     # every op, attention included, runs chunk by chunk, so every layer's K/V must stay resident.
@@ -443,6 +443,7 @@ class EngineConfig:
             max_batch_tokens=self.max_batch_tokens
             if self.max_batch_tokens is not None
             else max(max_input_len, 2048),
+            profile_full=dev.type == "cuda" if self.profile_full is None else self.profile_full,
         )
 
     @property

@@ -19,7 +19,7 @@ from po_backend.engine import outputs
 from po_backend.engine.activations import LOGIT_ROWS
 from po_backend.engine.cache import KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig
-from po_backend.engine.device import describe, resolve_device
+from po_backend.engine.device import describe
 from po_backend.engine.memory import PeakMemory, default_budget, profiled_peaks
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
@@ -115,10 +115,7 @@ class Engine:
         if config is not None:
             config = replace(config, **given)
         else:
-            dev = resolve_device(given.get("device"))
-            config = EngineConfig(
-                **{"dtype": None, "profile_full": dev.type == "cuda", **given, "device": dev}
-            )
+            config = EngineConfig(**{"dtype": None, "device": None, **given})
         # Strings (a CLI's or a server's) become torch objects here, every None its default.
         config = config.resolved(mcfg.max_position_embeddings)
         if config.input_len > mcfg.max_position_embeddings:
