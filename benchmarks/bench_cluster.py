@@ -38,6 +38,7 @@ import httpx
 from benchmarks import harness, report
 from benchmarks.bench_serving import Call, make_calls, scrape, send_open_loop, summarize, warm_up
 from benchmarks.harness import RESULTS, GiB
+from po_backend.core.choices import ROUTER_POLICIES
 from po_backend.entrypoints import launch_cluster as lc
 from po_backend.entrypoints.spawn import ServerProcess, free_port
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
@@ -45,7 +46,7 @@ from po_backend.sim import cluster as sim
 from po_backend.sim.simulator import PrefixLRU
 
 SHAPES = ("generate", "rerank")
-POLICIES = (report.AFFINITY, report.SPREAD)  # the default pair of launch_cluster's lc.POLICIES
+POLICIES = (report.AFFINITY, report.SPREAD)  # the default pair of launch_cluster's ROUTER_POLICIES
 KEY_TOKENS = 24  # a profile's first ids: "User 12 profile. Interests: ..." differ between users
 KEY_CHARS = 120  # the same for text
 Seen = list[tuple[int, str | tuple[int, ...], int]]  # (worker, call key, items) per forwarded call
@@ -272,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sim_workers = sorted({int(n) for n in args.sim_workers.split(",")})
     except ValueError:
         ap.error("--items-per-s and --sim-workers take comma lists of numbers")
-    allowed = sim.ROUTER_POLICIES if args.simulate else lc.POLICIES
+    allowed = ROUTER_POLICIES
     sizes = (args.workers, args.users, args.posts, args.docs_per_call, *args.items_per_s, *args.sim_workers)
     checks = {
         f"--policies of {allowed}": set(args.policies) <= set(allowed),

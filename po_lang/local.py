@@ -20,12 +20,12 @@ from po_lang.errors import BackendError
 if TYPE_CHECKING:  # annotations only: these import torch, which po_lang must not at import time
     from po_backend.engine.engine import Engine
     from po_backend.sched.jct import CalibratedJCT, JCTModel
+    from po_backend.serving.engine_runtime import EngineRuntime, LockedTokenizer
     from po_backend.serving.loop import EngineLoop
-    from po_backend.serving.runtime import EngineRuntime, LockedTokenizer
 
 
 class Local:
-    """Scores in this process with the runtime `po_backend.serving.runtime.build_runtime` builds
+    """Scores in this process with the runtime `po_backend.serving.engine_runtime.build_runtime` builds
     (the server's factory) from `resolve(model, **options)`: the options are the server's
     settings under the same names (ours, SGLang's or vLLM's: `max_input_len`, `dtype`,
     `chunked_prefill_size`, `schedule_policy`, ...), with the same defaults and the same errors,
@@ -82,7 +82,7 @@ class Local:
     ) -> Local:
         """Wrap an engine that is already loaded (tests, or sharing one engine). The engine is
         not thread-safe: use it directly only while this Local is not scoring."""
-        from po_backend.serving.runtime import settings_of
+        from po_backend.serving.engine_runtime import settings_of
 
         backend = cls(getattr(engine, "model_path", "") or "<engine>", policy=policy, jct=jct)
         backend.settings = settings_of(engine, schedule_policy=backend.policy)
@@ -97,7 +97,7 @@ class Local:
         with self._lock:
             if self._engine is None:
                 # lazy: torch is imported here, not by po_lang
-                from po_backend.serving.runtime import load_scorer
+                from po_backend.serving.engine_runtime import load_scorer
 
                 self._engine = load_scorer(self.settings)
             return self._engine
@@ -113,7 +113,7 @@ class Local:
         engine = self.engine
         with self._lock:
             if self._runtime is None:
-                from po_backend.serving.runtime import build_runtime
+                from po_backend.serving.engine_runtime import build_runtime
 
                 self._runtime = build_runtime(self.settings, scorer=engine, jct=self.jct)
                 # Bound to the loop, not to self: the finalizer must not keep this Local alive.
@@ -136,7 +136,7 @@ class Local:
 
     @property
     def tokenizer(self) -> Any:
-        """The engine's tokenizer behind its one lock (serving.runtime's rule: `.map` threads and
+        """The engine's tokenizer behind its one lock (serving.engine_runtime's rule: `.map` threads and
         the loop's callers never call it concurrently)."""
         if self._tokenizer is None:
             tok = self.engine.tokenizer
@@ -144,7 +144,7 @@ class Local:
                 raise BackendError(
                     f"the model {str(self.model)!r} has no tokenizer; po_lang needs one for text"
                 )
-            from po_backend.serving.runtime import LockedTokenizer
+            from po_backend.serving.engine_runtime import LockedTokenizer
 
             self._tokenizer = LockedTokenizer(tok)
         return self._tokenizer

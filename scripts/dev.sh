@@ -3,6 +3,7 @@
 #   scripts/dev.sh demo     classify and rank with po_lang on the embedded SmolLM2-135M model
 #   scripts/dev.sh test     run the test suite (what .ci/run calls; -m "not slow": the fast tier)
 #   scripts/dev.sh bench X  run python -m benchmarks.X with the remaining arguments
+#   scripts/dev.sh docs     build the documentation site (docs/, mkdocs.yml) and serve it on 127.0.0.1:8000
 #   scripts/dev.sh setup    only install
 #   scripts/dev.sh gpu-check  verify the CUDA path on a GPU machine that has only torch, transformers,
 #                           safetensors and numpy: its own venv, the wheels of requirements-gpu-check.txt
@@ -46,7 +47,20 @@ lint() {
     "$venv/bin/ruff" check . &&
         "$venv/bin/ruff" format --check . &&
         "$venv/bin/lint-imports" &&
-        MYPY_CACHE_DIR=$mypy_cache "$venv/bin/mypy"
+        MYPY_CACHE_DIR=$mypy_cache "$venv/bin/mypy" &&
+        docs_build
+}
+
+# The documentation site, strict: a broken link or anchor, or a page missing from the nav, fails.
+# Built into a temporary folder (the site is never committed).
+docs_build() {
+    # Not --quiet: it hides the warnings --strict counts, and the build passes whatever is broken.
+    local site rc=0
+    site=$(mktemp -d) || return 1
+    NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --site-dir "$site" >"$site.log" 2>&1 || rc=$?
+    [ $rc -eq 0 ] || grep -v '^INFO' "$site.log" >&2
+    rm -rf "$site" "$site.log"
+    return $rc
 }
 
 # The GPU machine has no dev extras and may have no package index: a venv that sees the packages of
@@ -90,6 +104,7 @@ case "$cmd" in
     # it started), each file on one worker so its module fixtures start once, the longest files
     # first (tests/durations.json; see tests/conftest.py); `-n 0` runs serially.
     lint) lint ;;
+    docs) NO_MKDOCS_2_WARNING=1 exec "$venv/bin/mkdocs" serve --strict "$@" ;;
     test)
         workers=${PO_TEST_WORKERS:-$(($(nproc) + 1))}
         # A crashed worker fails the run naming its test (no restarts re-running the file), and
@@ -98,5 +113,5 @@ case "$cmd" in
             "$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --max-worker-restart 0 "$@"
         ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
-    *) echo "unknown command: $cmd (demo|test|lint|bench|setup|gpu-check)" >&2; exit 2 ;;
+    *) echo "unknown command: $cmd (demo|test|lint|docs|bench|setup|gpu-check)" >&2; exit 2 ;;
 esac

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from po_backend import Engine as PoEngine
-from po_backend.compat.runtime import LocalRuntime
+from po_backend.compat.local_runtime import LocalRuntime
 from po_backend.compat.sglang import Engine
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
 from po_backend.core.settings import resolve

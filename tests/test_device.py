@@ -168,7 +168,9 @@ def test_engine_budget_on_cuda(tiny_model, monkeypatch, tmp_path) -> None:
     cuda = torch.device("cuda", 0)
     avail = 512 << 20
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(engine, "available_bytes", lambda d: seen.setdefault("avail", d) and avail)
+    monkeypatch.setattr(
+        "po_backend.engine.memory.available_bytes", lambda d: seen.setdefault("avail", d) and avail
+    )
     monkeypatch.setattr(Engine, "_profile", lambda self, n: seen.setdefault("profiled", n) and 3 << 20)
 
     class MetaPool(KVPool):

@@ -112,10 +112,17 @@ def test_config_and_overrides(tiny_model) -> None:
     assert again.config == EngineConfig(
         dtype=torch.float32,
         device=torch.device("cpu"),
+        chunk_size=512,  # the CPU's defaults
         max_input_len=200,
         max_batch_tokens=400,
         cache_policy="declared",
+        profile_full=False,
     )
+    # One default per setting: a config that leaves max_input_len unset gets the model's context,
+    # as the settings and the overrides do, and max_batch_tokens follows it.
+    bare = Engine.from_pretrained(path, EngineConfig(dtype=torch.float32, device=torch.device("cpu")))
+    assert bare.config.max_input_len == bare.model_config.max_position_embeddings == eng_context(path)
+    assert bare.config.max_batch_tokens == max(bare.config.max_input_len, 2048)
     with pytest.raises(TypeError, match="max_input_length"):
         Engine.from_pretrained(path, dtype="fp32", max_input_length=10)
     for bad in (
@@ -137,3 +144,9 @@ def test_prefix_pool_tokens_caps_the_pool(tiny_model) -> None:
     assert eng.stats().cached_tokens == 80  # the capped pool still serves a prefix that fits
     free = Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
     assert free.cache is not None and free.cache.pool.num_total > 100
+
+
+def eng_context(path) -> int:
+    import json
+
+    return int(json.loads((path / "config.json").read_text())["max_position_embeddings"])

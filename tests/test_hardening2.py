@@ -100,6 +100,9 @@ class _FlakyScorer:
 
     def flush_cache(self) -> None: ...
 
+    def cache_pool(self) -> None:
+        return None
+
 
 def test_health_fails_while_every_recent_step_fails() -> None:
     from po_backend.server import ServerArgs, Settings, create_app

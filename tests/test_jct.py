@@ -306,7 +306,7 @@ def test_concurrent_starts_measure_once(tiny_engine: Engine, tmp_path, monkeypat
                 waiting.set()
 
     handler = Waiting()
-    logger = logging.getLogger("po_backend.engine.models.loader")
+    logger = logging.getLogger("po_backend.core.fs")
     logger.addHandler(handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)

@@ -317,13 +317,27 @@ def test_default_jct_is_profiled_once_and_persisted(eng: Engine, tmp_path, monke
         return [JCTSample(s.items, 1e-3 + 1e-4 * sum(n - c for n, c in s.items)) for s in samples]
 
     monkeypatch.setattr(jct_mod, "profile", profile)
-    loop = EngineLoop(eng, start=False)
+    loop = EngineLoop(eng, jct=jct_mod.startup_jct(eng, "po"), start=False)
     q = loop.stats()
     assert q.jct_fit_r == q.jct_fit_r and len(list((tmp_path / "jct").glob("*.json"))) == 1
     loop.shutdown()
-    again = EngineLoop(eng, start=False)
+    again = EngineLoop(eng, jct=jct_mod.startup_jct(eng, "po"), start=False)
     assert again.jct.model == loop.jct.model
     again.shutdown()
+
+
+def test_constructing_a_loop_measures_nothing(eng: Engine, monkeypatch) -> None:
+    """The JCT model is built before the loop (the runtime factory does it): a policy that needs
+    one and gets none is a ValueError, not a profile run behind the constructor's back."""
+
+    def no_profile(*a, **k):
+        raise AssertionError("a loop's constructor may not time anything")
+
+    monkeypatch.setattr(jct_mod, "profile", no_profile)
+    monkeypatch.setattr(jct_mod, "startup_jct", no_profile)
+    for policy in ("po", "srjf"):
+        with pytest.raises(ValueError, match="needs a JCT model"):
+            EngineLoop(eng, policy=policy, start=False)
 
 
 def test_cancelled_future_is_not_an_error(eng: Engine) -> None:

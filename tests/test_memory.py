@@ -73,3 +73,19 @@ def test_profile_run_is_measured_once_and_reused(tiny_model, monkeypatch, tmp_pa
     calls.clear()
     Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
     assert calls == [128, 512]
+
+
+def test_default_cpu_budget_does_not_follow_free_memory(monkeypatch) -> None:
+    """Two processes given the same arguments on one machine size the same prefix pool: the CPU
+    default is a quarter of the RAM, not of what happens to be free at start (unless less is)."""
+    import torch
+
+    import po_backend.engine.memory as memory
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(memory, "total_bytes", lambda: 16 << 30)
+    for free in (5 << 30, 9 << 30, 15 << 30):
+        monkeypatch.setattr(memory, "available_bytes", lambda d, free=free: free)
+        assert memory.default_budget(cpu) == 4 << 30
+    monkeypatch.setattr(memory, "available_bytes", lambda d: 1 << 30)
+    assert memory.default_budget(cpu) == 1 << 30

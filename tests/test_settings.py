@@ -5,6 +5,7 @@ the same arguments report the same resolved settings in process and over HTTP.""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -15,14 +16,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-import po_backend.serving.runtime as runtime_mod
+import po_backend.serving.engine_runtime as runtime_mod
 import po_lang as po
 from po_backend.compat.sglang import Engine, SGLangEngine
 from po_backend.core.settings import FIELDS, Settings, resolve
 from po_backend.entrypoints.launch_cluster import check_worker_flags
 from po_backend.entrypoints.launch_server import build_parser, build_service, server_args
 from po_backend.server import ServerArgs, create_app
-from po_backend.serving.runtime import LockedTokenizer
+from po_backend.serving.engine_runtime import LockedTokenizer
 
 
 class Loaded(Exception):
@@ -305,8 +306,33 @@ def test_server_info_equals_get_server_info(tokenized_llama: Path) -> None:
         local = engine.get_server_info()
     with po.Local(tokenized_llama, **KWARGS) as lang:
         from_local = lang.runtime.resolved()
-    names = set(FIELDS) - {"model_path"}  # /server_info's model_path is the router's folder
+    # Every key of get_server_info() has /server_info's value, as JSON; /server_info adds the HTTP
+    # edge's settings, and its model_path is the router's folder.
+    assert local == json.loads(json.dumps(local))
+    states, http_states = local.pop("internal_states"), info.pop("internal_states")
+    assert states[0].keys() == http_states[0].keys()
+    names = set(local) - {"model_path"}
+    assert names >= set(FIELDS) - {"model_path"}
     assert {k: info[k] for k in names} == {k: local[k] for k in names} == {k: from_local[k] for k in names}
+    http_only = set(info) - set(local)
+    assert http_only <= {f.name for f in fields(ServerArgs)} | {"version", "tokenizer_path"}, http_only
+    # SGLang's names, with SGLang's values
+    assert info["context_length"] == 128 and info["chunked_prefill_size"] == -1
+    assert info["max_queued_requests"] == 9 and info["disable_radix_cache"] is False
+    assert info["max_prefill_tokens"] == info["max_batch_tokens"] and info["tp_size"] == 1
     assert info["schedule_policy"] == "fcfs" and info["chunk_size"] == 0 and info["max_queue"] == 9
     assert info["dtype"] == "torch.float32" and info["max_input_len"] == 128
     assert info["cache_policy"] == "all-but-last-k" and info["prefix_pool_tokens"] >= 1
+
+
+def test_engine_settings_are_the_engine_config_fields_of_the_same_name() -> None:
+    """Settings.overrides() hands the engine the fields marked `engine`, by name: exactly the
+    EngineConfig fields a setting shares a name with, so neither side can drift."""
+    from po_backend.engine.config import EngineConfig
+
+    marked = {name for name, f in FIELDS.items() if f.metadata.get("engine")}
+    assert marked == {f.name for f in fields(EngineConfig)} & set(FIELDS)
+    s = resolve("m", dtype="auto", task="auto", max_input_len=64, chunked_prefill_size=-1)
+    assert s.overrides() == {
+        "max_input_len": 64, "chunk_size": 0, "prefill_mode": "hybrid", "residual_dtype": "fp32", "enable_cache": True
+    }  # fmt: skip

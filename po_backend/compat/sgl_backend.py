@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from po_backend.compat.frontend import import_sglang_frontend
-from po_backend.compat.runtime import LocalRuntime
+from po_backend.compat.local_runtime import LocalRuntime
 from po_backend.compat.sglang import SGLangEngine
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
@@ -207,7 +207,7 @@ class PrefillOnlyBackend(_BaseBackend):
         self.runtime.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
-        return {**self.runtime.resolved(), "internal_states": [self.runtime.loop.stats()]}
+        return self.runtime.server_info()
 
     def shutdown(self) -> None:
         if self._owned:

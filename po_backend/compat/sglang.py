@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from po_backend.compat.runtime import LocalRuntime
+from po_backend.compat.local_runtime import LocalRuntime
 from po_backend.core.errors import EmptyPromptError, InvalidRequestError, LoRAError
 from po_backend.core.request import ScoreRequest, common_prefix, pooled_requests
 from po_backend.core.task import ModelTask, probabilities
@@ -245,9 +245,9 @@ class SGLangEngine:
         return loras
 
     def get_server_info(self) -> dict[str, Any]:
-        """The resolved settings (the same keys and values as the server's /server_info for the
-        same arguments) and the loop's counters."""
-        return {**self.runtime.resolved(), "internal_states": [self.runtime.loop.stats()]}
+        """The resolved settings and the counters, as JSON: the same keys and values as the
+        server's /server_info for the same arguments (which adds the HTTP edge's settings)."""
+        return self.runtime.server_info()
 
     def shutdown(self) -> None:
         """Finish what is queued and stop the engine loop (idempotent)."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from po_backend.compat.runtime import LocalRuntime
+from po_backend.compat.local_runtime import LocalRuntime
 from po_backend.core.errors import InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult, pooled_requests
 from po_backend.core.task import ModelTask, probabilities

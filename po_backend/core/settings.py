@@ -12,7 +12,7 @@ nothing on a one-device prefill-only engine are accepted and ignored, and what i
 SGLang's `ServerArgs(**kwargs)` raises.
 
 Torch-free: the settings stay the strings and numbers a user typed; the engine resolves "auto"
-and None against the model and the machine (`serving.runtime.EngineRuntime.resolved` reports those).
+and None against the model and the machine (`serving.engine_runtime.EngineRuntime.resolved` reports those).
 """
 
 from __future__ import annotations
@@ -27,17 +27,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from po_backend.core.choices import (
+    BACKENDS,
+    CACHE_POLICIES,
+    PREFILL_MODES,
+    RESIDUAL_DTYPES,
+    check_choice,
+)
+from po_backend.core.choices import SCHEDULE_POLICIES as POLICIES
 from po_backend.core.task import POOLINGS, TASKS
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("po", "fcfs", "srjf", "lpm")
-# score = jct seconds - lambda * queueing seconds: lambda = 0.5 lets a request run before one whose
-# predicted JCT is 1 s shorter once it has waited 2 s longer. Chosen on the simulator over many
-# arrival seeds (bench_schedule --simulate --seed 0,1,...): 0 starves long prompts; at 0.1-0.2 a
-# cache hit that arrives later overtakes a cold request that waits with it so readily that, at low
-# load, po's P99 ends above fcfs's; from 0.5 up that tail is gone, and past 1 po gives up the
-# cache hits its mean latency under load comes from.
+# score = jct seconds - lambda * queueing seconds: 0 starves long prompts, much more than 1 gives up
+# the cache hits po's latency comes from (the sweep is in REPORT, bench_schedule --simulate).
 DEFAULT_FAIRNESS_LAMBDA = 0.5
 # Waiting requests join the head's step when they share at least this many leading tokens with
 # it (declared or not): enough to be a profile or a document, more than a chat template's few
@@ -60,10 +63,6 @@ BACKFILL_WINDOW = 64
 # A request that names no priority has this one (SGLang's default).
 DEFAULT_PRIORITY = 0
 
-BACKENDS = ("prefillonly", "hf")
-PREFILL_MODES = ("hybrid", "chunked")
-CACHE_POLICIES = ("all-but-last-k", "declared", "none")
-RESIDUAL_DTYPES = ("fp32", "model")
 DEFAULT_CHUNK_SIZE = 512
 # On a GPU a small model is bound by kernel launches, one set per chunk: longer chunks cost a
 # little activation memory, which a GPU has, and save most of the launches.
@@ -101,11 +100,13 @@ def flag(
     type: Callable[[str], Any] | None = None,
     choices: tuple[str, ...] = (),
     nargs: str | None = None,
+    engine: bool = False,
 ) -> Any:
     """A dataclass field's command-line declaration (its `metadata`): help text, the type that
     parses the flag's text, the choices, how many values it takes (argparse's nargs; None: one).
-    `add_fields` generates the flag from it and the field's default."""
-    return {"help": help, "type": type, "choices": choices, "nargs": nargs}
+    `add_fields` generates the flag from it and the field's default. engine: the engine's
+    `EngineConfig` has a field of the same name that it sets."""
+    return {"help": help, "type": type, "choices": choices, "nargs": nargs, "engine": engine}
 
 
 def lora_entries(value: Any) -> tuple[str, ...]:
@@ -163,17 +164,26 @@ class Settings:
             "prefillonly (ours) | hf (the transformers baseline: FCFS, no prefix cache)", choices=BACKENDS
         ),
     )
-    dtype: str = field(default="auto", metadata=flag("auto | bf16 | fp16 | fp32"))
-    device: str | None = field(default=None, metadata=flag("cpu | cuda (default: cuda when available)"))
+    dtype: str = field(default="auto", metadata=flag("auto | bf16 | fp16 | fp32", engine=True))
+    device: str | None = field(
+        default=None, metadata=flag("cpu | cuda (default: cuda when available)", engine=True)
+    )
     max_input_len: int | None = field(
-        default=None, metadata=flag("longest prompt in tokens (default: the model's context)", type=int)
+        default=None,
+        metadata=flag("longest prompt in tokens (default: the model's context)", type=int, engine=True),
     )
     max_batch_tokens: int | None = field(
-        default=None, metadata=flag("new tokens per forward (default: max(max-input-len, 2048))", type=int)
+        default=None,
+        metadata=flag("new tokens per forward (default: max(max-input-len, 2048))", type=int, engine=True),
     )
     memory_budget: int | None = field(
         default=None,
-        metadata=flag("bytes beyond the weights for activations + prefix cache (e.g. 4GiB)", type=arg_bytes),
+        metadata=flag(
+            "bytes beyond the weights for activations + prefix cache (e.g. 4GiB; default: a quarter of the "
+            "RAM on a CPU, or what is free if less; 85% of the free memory on CUDA)",
+            type=arg_bytes,
+            engine=True,
+        ),
     )
     mem_fraction_static: float | None = field(
         default=None,
@@ -188,6 +198,7 @@ class Settings:
             f"tokens per chunk of the non-attention work (hybrid prefilling); 0 = no chunking "
             f"(default: {DEFAULT_CHUNK_SIZE} on a CPU, {CUDA_CHUNK_SIZE} on CUDA)",
             type=int,
+            engine=True,
         ),
     )
     prefill_mode: str = field(
@@ -195,6 +206,7 @@ class Settings:
         metadata=flag(
             "hybrid: the paper's hybrid prefilling; chunked: Sarathi-style chunked prefill (baseline)",
             choices=PREFILL_MODES,
+            engine=True,
         ),
     )
     residual_dtype: str = field(
@@ -203,20 +215,24 @@ class Settings:
             "with bf16/fp16 weights: fp32 keeps the residual stream and norms in fp32 (rankings as "
             "fp32's; matmuls stay bf16); model rounds them to the weights' dtype (transformers' way)",
             choices=RESIDUAL_DTYPES,
+            engine=True,
         ),
     )
-    enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache"))
+    enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache", engine=True))
     cache_policy: str | None = field(
         default=None,
         metadata=flag(
             "which leading tokens of a request that declares none are cached (default: all-but-last-k)",
             choices=CACHE_POLICIES,
+            engine=True,
         ),
     )
     prefix_pool_tokens: int | None = field(
         default=None,
         metadata=flag(
-            "tokens the prefix-KV pool holds at most (default: what the memory budget leaves)", type=int
+            "tokens the prefix-KV pool holds at most (default: what the memory budget leaves)",
+            type=int,
+            engine=True,
         ),
     )
     schedule_policy: str = field(
@@ -281,12 +297,15 @@ class Settings:
             "(a *ForSequenceClassification head), embed (pooled hidden states), pooling (classify when "
             "the checkpoint has a score head, else embed); auto reads it from config.json / modules.json",
             choices=(*TASKS, *_VLLM_TASKS),
+            engine=True,
         ),
     )
     pooling: str | None = field(
         default=None,
         metadata=flag(
-            "an embedder's pooling (default: its sentence-transformers config, else last)", choices=POOLINGS
+            "an embedder's pooling (default: its sentence-transformers config, else last)",
+            choices=POOLINGS,
+            engine=True,
         ),
     )
     enable_lora: bool = field(
@@ -312,20 +331,17 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is required (a HF folder, a .gguf file, or 'embedded')")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_choice("backend", self.backend, BACKENDS)
         for name in ("max_input_len", "max_batch_tokens", "memory_budget", "prefix_pool_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.chunk_size is not None and self.chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 0 (0 = no chunking), got {self.chunk_size}")
-        if self.prefill_mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
-        if self.cache_policy is not None and self.cache_policy not in CACHE_POLICIES:
-            raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        if self.cache_policy is not None:
+            check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         if self.mem_fraction_static is not None:
             if self.memory_budget is not None:
                 raise ValueError("give memory_budget or mem_fraction_static, not both")
@@ -353,24 +369,10 @@ class Settings:
         """`Engine.from_pretrained` keyword arguments (EngineConfig field names); unset ones are
         left out so the engine picks its defaults. mem_fraction_static becomes a memory budget
         when the engine loads (it needs the device)."""
-        out = {
-            "dtype": None if self.dtype == "auto" else self.dtype,
-            "device": self.device,
-            "max_input_len": self.max_input_len,
-            "max_batch_tokens": self.max_batch_tokens,
-            "memory_budget": self.memory_budget,
-            "chunk_size": self.chunk_size,
-            "prefill_mode": self.prefill_mode,
-            "residual_dtype": self.residual_dtype,
-            "enable_cache": self.enable_cache,
-            "cache_policy": self.cache_policy,
-            "prefix_pool_tokens": self.prefix_pool_tokens,
-            "task": None if self.task == "auto" else self.task,
-            "pooling": self.pooling,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine")}
         if self.enable_lora or self.lora_paths:  # --lora-paths turns LoRA on, as SGLang's does
             out.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
-        return {k: v for k, v in out.items() if v is not None}
+        return {k: v for k, v in out.items() if v not in (None, "auto")}
 
     def loras(self) -> list[tuple[str, str]]:
         """The adapters to load at start, (name, path) each."""
@@ -546,6 +548,45 @@ def resolve(model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> 
     if "model_path" not in values:
         raise ValueError("model_path is required (a HF folder, a .gguf file, or 'embedded')")
     return Settings(**values)
+
+
+# What SGLang's /server_info calls our resolved settings (its ServerArgs names), and how its values
+# read ours: SGLang's "no chunking" is -1 where ours is 0.
+SGLANG_REPORTED: Mapping[str, tuple[str, Callable[[Any], Any]]] = {
+    "context_length": ("max_input_len", lambda v: v),
+    "chunked_prefill_size": ("chunk_size", lambda v: -1 if v == 0 else v),
+    "max_prefill_tokens": ("max_batch_tokens", lambda v: v),
+    "max_queued_requests": ("max_queue", lambda v: v),
+    "disable_radix_cache": ("enable_cache", lambda v: not v),
+    "is_embedding": ("task", lambda v: v != "generate"),
+}
+
+
+def sglang_names(resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """`resolved` (settings by our field names) also under SGLang's names, as SGLang reports them;
+    a setting the scorer does not have (None) stays None."""
+    out = dict(resolved)
+    for name, (ours, convert) in SGLANG_REPORTED.items():
+        value = resolved.get(ours)
+        out[name] = None if value is None else convert(value)
+    out.update(tp_size=1, dp_size=1, pp_size=1)
+    return out
+
+
+def jsonable(value: Any) -> Any:
+    """Settings and stats (dicts, dataclasses, non-finite floats) as plain JSON values: what
+    /server_info sends and `get_server_info()` returns, the same for both."""
+    if hasattr(value, "__dataclass_fields__"):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, int | float | str | bool) or value is None:
+        return value
+    return str(value)
 
 
 def check_scheduler(policy: str, fairness_lambda: float, min_shared_prefix: int) -> None:

@@ -225,3 +225,15 @@ def probabilities(task: ModelTask, logits: list[float]) -> list[float]:
     exps = [math.exp(x - top) for x in logits]
     total = sum(exps)
     return [e / total for e in exps]
+
+
+def model_identity(scorer: Any) -> dict[str, Any]:
+    """SGLang's `model_type` and `architectures` of a scorer: our engine has its own model
+    config, the transformers baseline the HF one."""
+    model_cfg = getattr(scorer, "model_config", None)
+    hf_cfg = getattr(getattr(scorer, "model", None), "config", None)
+    model_type = getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
+    return {
+        "model_type": str(model_type),
+        "architectures": list(getattr(hf_cfg, "architectures", None) or ()),
+    }

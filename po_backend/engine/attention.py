@@ -1,37 +1,9 @@
 """Attention over whole sequences (never chunked: the fused kernels stay fast and their memory is
-O(n)), optionally after a cached prefix whose K/V come from the prefix cache.
-
-Which kernel: bf16 on a CPU with AVX512-BF16 and no AMX runs `po_backend.engine.attention_cpu` (a C++
-kernel on the bf16 dot-product units, built at start-up; several times SDPA's speed there), for head
-dims that are multiples of 64. Everything else, and any CPU where that kernel cannot be built,
-runs torch's `scaled_dot_product_attention` as below.
-
-Grouped-query attention runs one SDPA call per KV head with that head broadcast (`expand`, no
-copy) over its query heads: materialising repeated K/V would cost memory on the scale of the
-attention output, and SDPA's `enable_gqa` measured slower on CPU (REPORT).
-
-A cached prefix shared by several items (multi-item scoring) is never copied per item. The bf16
-CPU kernel takes prefix and items in one call (each query's online softmax runs on from the
-prefix into its own item). Elsewhere the prefix is attended ONCE for all the items'
-queries together (or, `per_item`, one item at a time: its last bits as when it runs alone), and
-each item attends causally to itself; the two partial results are merged
-with their log-sum-exps (the split-KV trick of flash-decoding). So on every device the prefix
-K/V are never copied per item and no [queries, keys] mask is built. What returns a partial
-attention with its log-sum-exp depends on the device (`lse_attention`):
-- CPU (fp32/bf16): torch's CPU flash kernel, or the bf16 kernel where it runs (`cpu_lse`).
-- CUDA: the memory-efficient SDPA kernel, which returns the log-sum-exp for any dtype.
-- Anything else (fp16 on CPU, MPS, a torch without those ops, a shape the CUDA kernel rejects):
-  plain torch ops over blocks of query rows, at most `FALLBACK_BLOCK_ELEMS` scores at a time, so
-  its memory is a constant the activation bound counts (`fallback_scratch_bytes`).
-
-Sliding windows and soft-capping (Gemma 2/3, Phi-3, Mistral v0.1): a layer whose keys may lie
-outside its window, or that soft-caps its scores (`cap * tanh(s / cap)`, which no fused kernel
-here applies), runs `windowed_attend` over blocks of query rows, each reading only the keys its
-window reaches (copied only for a block whose window crosses from the cached prefix into the
-item, so at most rows + window keys): SDPA with the block's mask for a window alone, plain torch
-with fp32 scores and softmax in transformers' order for soft-capping. A sliding layer whose
-sequences all fit in the window is plain causal attention and keeps the fast paths above. The
-dispatch rule is `needs_masking`.
+O(n)), optionally after a cached prefix shared by several items, which is attended once for all
+of them and merged with each item's own part by log-sum-exp (never copied per item, no
+[queries, keys] mask). The kernels per device, GQA, sliding windows and soft-capping: the
+"Attention" section of docs/how-it-works.md; the dispatch rules are `lse_attention` and
+`needs_masking`.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from po_backend.core.cpu import cpu_flags  # a module global: tests patch it here
+from po_backend.core.fs import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,6 @@ def decide(
         return Choice("sdpa", "the kernel could not be built or loaded (see the warning above)")
     why = f"{_ENV}=kernel" if os.environ.get(_ENV, "auto") == "kernel" else "AVX512-BF16 without AMX"
     return Choice("kernel", why)
-
-
-def cache_root() -> Path:
-    env = os.environ.get("PREFILLONLY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "prefillonly"
 
 
 def _flavour() -> tuple[str, tuple[str, ...]]:

@@ -4,14 +4,23 @@ what the CPU can do comes from `po_backend.core.cpu`."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from po_backend.core.choices import (
+    CACHE_POLICIES,
+    PREFILL_MODES,
+    RESIDUAL_DTYPES,
+    CachePolicy,
+    PrefillMode,
+    ResidualDtype,
+    check_choice,
+)
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
-from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, RESIDUAL_DTYPES
+from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from po_backend.engine.device import cuda_dtype, resolve_device
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k) for the Llama family
@@ -358,10 +367,7 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     return table[dtype]
 
 
-PrefillMode = Literal["hybrid", "chunked"]
-PREFILL_MODES: tuple[PrefillMode, ...] = ("hybrid", "chunked")
-
-ResidualDtype = Literal["fp32", "model"]  # the values of core.settings.RESIDUAL_DTYPES
+__all__ = ["PREFILL_MODES", "PrefillMode", "ResidualDtype"]  # re-exported for the runner
 
 
 def resolve_residual(dtype: torch.dtype, residual: ResidualDtype) -> torch.dtype:
@@ -370,8 +376,7 @@ def resolve_residual(dtype: torch.dtype, residual: ResidualDtype) -> torch.dtype
     adds a rounded sublayer output to an unrounded sum, so the rounding error does not compound
     over the layers into reordered rankings. "model" rounds the stream to `dtype` after every add
     (what transformers does in bf16)."""
-    if residual not in RESIDUAL_DTYPES:
-        raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {residual!r}")
+    check_choice("residual_dtype", residual, RESIDUAL_DTYPES)
     if residual == "fp32" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return dtype
@@ -379,24 +384,24 @@ def resolve_residual(dtype: torch.dtype, residual: ResidualDtype) -> torch.dtype
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model (not what the model is)."""
+    """How the engine runs a model (not what the model is). None: the default, resolved by
+    `Engine.from_pretrained` against the model and the device (`resolved`), the same defaults as
+    `core.settings.Settings` documents."""
 
     dtype: torch.dtype
     device: torch.device
-    chunk_size: int = (
-        DEFAULT_CHUNK_SIZE  # tokens per chunk of the token-wise work (hybrid prefilling); 0 = off
-    )
-    max_input_len: int = 8192
+    # Tokens per chunk of the token-wise work (hybrid prefilling); 0 = off; None: the device's.
+    chunk_size: int | None = None
+    max_input_len: int | None = None  # None: the model's context
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int | None = None  # None: max(max_input_len, 2048)
     enable_cache: bool = True
-    # Bytes beyond the weights (activations + prefix-KV pool); None = a quarter of the available
-    # RAM on CPU, 85% of the free GPU memory on CUDA.
+    # Bytes beyond the weights (activations + prefix-KV pool); None = `memory.default_budget`.
     memory_budget: int | None = None
     # Which leading tokens of a request that declares nothing enter the prefix cache.
-    cache_policy: str = "all-but-last-k"  # | "declared" | "none"
+    cache_policy: CachePolicy = "all-but-last-k"
     cache_last_k: int = 1
-    profile_full: bool = False  # profile at the full length (default on CUDA; slow on CPU)
+    profile_full: bool | None = None  # profile at the full length (None: on CUDA only; slow on CPU)
     # "hybrid": the paper's hybrid prefilling (attention unchunked, last-layer-only KV).
     # "chunked": Sarathi-style chunked prefill, kept as the baseline the paper compares against:
     # every op, attention included, runs chunk by chunk, so every layer's K/V must stay resident.
@@ -417,13 +422,9 @@ class EngineConfig:
     max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
-        policies = ("all-but-last-k", "declared", "none")
-        if self.cache_policy not in policies:
-            raise ValueError(f"cache_policy must be one of {policies}, got {self.cache_policy!r}")
-        if self.prefill_mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+        check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         for name, low in (
             ("cache_last_k", 0),
             ("chunk_size", 0),  # 0 = no chunking
@@ -432,9 +433,44 @@ class EngineConfig:
             ("max_loras", 1),
             ("max_lora_rank", 1),
         ):
-            if getattr(self, name) < low:
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.memory_budget is not None and self.memory_budget < 1:
             raise ValueError(f"memory_budget must be >= 1 byte, got {self.memory_budget}")
         if self.prefix_pool_tokens is not None and self.prefix_pool_tokens < 1:
             raise ValueError(f"prefix_pool_tokens must be >= 1, got {self.prefix_pool_tokens}")
+
+    def resolved(self, context: int) -> EngineConfig:
+        """Every None replaced by its default, for a model of `context` tokens: dtype and device
+        as `parse_dtype` / `resolve_device` choose, the device's chunk, the model's context."""
+        dev = resolve_device(self.device)
+        max_input_len = self.max_input_len if self.max_input_len is not None else context
+        return replace(
+            self,
+            device=dev,
+            dtype=parse_dtype(self.dtype, dev),
+            chunk_size=default_chunk_size(dev) if self.chunk_size is None else self.chunk_size,
+            max_input_len=max_input_len,
+            max_batch_tokens=self.max_batch_tokens
+            if self.max_batch_tokens is not None
+            else max(max_input_len, 2048),
+            profile_full=dev.type == "cuda" if self.profile_full is None else self.profile_full,
+        )
+
+    @property
+    def input_len(self) -> int:
+        """max_input_len, resolved (`resolved`)."""
+        assert self.max_input_len is not None, "EngineConfig.resolved() first"
+        return self.max_input_len
+
+    @property
+    def chunk_tokens(self) -> int:
+        """chunk_size, resolved (`resolved`)."""
+        assert self.chunk_size is not None, "EngineConfig.resolved() first"
+        return self.chunk_size
+
+    @property
+    def batch_tokens(self) -> int:
+        """max_batch_tokens, resolved (`resolved`)."""
+        assert self.max_batch_tokens is not None, "EngineConfig.resolved() first"
+        return self.max_batch_tokens

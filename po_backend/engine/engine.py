@@ -14,13 +14,14 @@ import torch
 
 from po_backend.core.errors import CapacityError, InvalidRequestError, LoRAError
 from po_backend.core.request import Prompt, ScoreRequest, ScoreResult, validate_request
+from po_backend.core.settings import FIELDS
 from po_backend.core.task import ModelTask, probabilities
 from po_backend.engine import outputs
 from po_backend.engine.activations import LOGIT_ROWS
 from po_backend.engine.cache import KVPool, RadixCache
-from po_backend.engine.config import EngineConfig, ModelConfig, default_chunk_size, parse_dtype
-from po_backend.engine.device import describe, resolve_device
-from po_backend.engine.memory import PeakMemory, available_bytes, profiled_peaks
+from po_backend.engine.config import EngineConfig, ModelConfig
+from po_backend.engine.device import describe
+from po_backend.engine.memory import PeakMemory, default_budget, profiled_peaks
 from po_backend.engine.models import lora
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
@@ -32,6 +33,7 @@ from po_backend.engine.models.loader import (
 )
 from po_backend.engine.runner import SeqPlan, make_runner
 from po_backend.engine.stats import EngineStats
+from po_backend.sched.reuse import CachePool
 from po_backend.sched.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ class Engine:
         self.config = config
         self.model_path = model_path
         self.runner = make_runner(
-            model, config.device, config.chunk_size, config.prefill_mode, config.residual_dtype
+            model, config.device, config.chunk_tokens, config.prefill_mode, config.residual_dtype
         )
         self.cache: RadixCache | None = None
         self.loras = (
@@ -91,6 +93,7 @@ class Engine:
         )
         self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
         self.activation_budget = 0
+        self.memory_budget = 0  # bytes for activations + the prefix pool, as resolved at load
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
         self._counts = {"requests": 0, "forwards": 0, "prompt": 0, "computed": 0, "cached": 0}
         self._size_memory()
@@ -122,22 +125,10 @@ class Engine:
         if config is not None:
             config = replace(config, **given)
         else:
-            dev = resolve_device(given.get("device"))
-            max_input_len = given.get("max_input_len", mcfg.max_position_embeddings)
-            given = {
-                **given,
-                "device": dev,
-                "dtype": parse_dtype(given.get("dtype"), dev),
-                "chunk_size": given.get("chunk_size", default_chunk_size(dev)),
-                "max_input_len": max_input_len,
-                "max_batch_tokens": given.get("max_batch_tokens", max(max_input_len, 2048)),
-                "profile_full": given.get("profile_full", dev.type == "cuda"),
-            }
-            config = EngineConfig(**given)
-        # Strings (a CLI's or a server's) become torch objects here, "auto"/None the default dtype.
-        dev = resolve_device(config.device)
-        config = replace(config, device=dev, dtype=parse_dtype(config.dtype, dev))
-        if config.max_input_len > mcfg.max_position_embeddings:
+            config = EngineConfig(**{"dtype": None, "device": None, **given})
+        # Strings (a CLI's or a server's) become torch objects here, every None its default.
+        config = config.resolved(mcfg.max_position_embeddings)
+        if config.input_len > mcfg.max_position_embeddings:
             log.warning(
                 "max_input_len=%d exceeds the model's context of %d tokens; quality beyond it is "
                 "untested (allowed because it was asked for explicitly)",
@@ -155,11 +146,9 @@ class Engine:
         """Profile run: the activation peak of the largest forward we will ever run decides what
         is left of the budget for the prefix-KV pool, so nothing can run out of memory later."""
         cfg, mcfg = self.config, self.model_config
-        budget = cfg.memory_budget
-        if budget is None:
-            avail = available_bytes(cfg.device)
-            budget = int(avail * (0.85 if cfg.device.type == "cuda" else 0.25))
-        longest = max(cfg.max_input_len, cfg.max_batch_tokens)
+        budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget(cfg.device)
+        self.memory_budget = budget
+        longest = max(cfg.input_len, cfg.batch_tokens)
         bound = self.runner.activation_bound(longest, prefix_tokens=longest)
         bound += outputs.pool_bytes(mcfg, self.task, cfg.dtype, longest)
         # Profiling the full length on a CPU takes minutes, so there two short synthetic requests
@@ -225,6 +214,37 @@ class Engine:
             budget=self.activation_budget,
         )
 
+    # ---- what it can do (the serving loop and the runtime ask instead of checking its type) ---
+
+    can_profile_jct = True  # its steps can be timed into a JCT model (serving.jct_profile)
+
+    def cache_pool(self) -> CachePool | None:
+        """The prefix cache as the scheduler sees it (eviction order); None without a cache."""
+        return None if self.cache is None else CachePool(self.cache, self.store_len)
+
+    @property
+    def max_input_len(self) -> int:
+        return self.config.input_len
+
+    def resolved_settings(self) -> dict[str, Any]:
+        """What it runs with, by `core.settings.Settings` field name, every "auto" and None
+        resolved: the dtype and device chosen, the memory budget measured, the pool as sized."""
+        cfg = self.config
+        out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in FIELDS}
+        out.update(
+            dtype=str(cfg.dtype),
+            device=str(cfg.device),
+            memory_budget=self.memory_budget,
+            prefix_pool_tokens=self.cache.pool.num_total
+            if self.cache is not None
+            else cfg.prefix_pool_tokens,
+            enable_lora=cfg.enable_lora,
+            max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank,
+            **self.task.describe(),
+        )
+        return out
+
     def flush_cache(self) -> None:
         """Drop every cached prefix (raises CacheInUseError while requests hold prefixes)."""
         self._probes.clear()
@@ -245,7 +265,7 @@ class Engine:
         return tuple(int(t) for t in prompt)
 
     def validate(self, req: ScoreRequest) -> None:
-        validate_request(req, self.vocab_size, self.config.max_input_len)
+        validate_request(req, self.vocab_size, self.config.input_len)
         outputs.check_task(req, self.task)
         self.adapter(req.lora)
 
@@ -382,7 +402,7 @@ class Engine:
             [outputs.prepare(candidates[i], self.task) for i in same],
             self.cached_len,
             self.store_len,
-            self.config.max_batch_tokens,
+            self.config.batch_tokens,
             self.shares_in_batch,
         )
         return [(same[j], n) for j, n in chosen]
@@ -421,7 +441,7 @@ class Engine:
             for w in batch:
                 self._plan(w, batch, groups, stores)
             computed = sum(w.planned.token_ids.numel() for w in batch)
-            if len(batch) > 1 and computed > self.config.max_batch_tokens:
+            if len(batch) > 1 and computed > self.config.batch_tokens:
                 # A batch-mate could not get pool slots for the prefix the others were to read
                 # from it (the pool is full of locked prefixes): one forward per request keeps
                 # the activation bound.

@@ -61,6 +61,21 @@ class HFScorer:
 
     # ---- the loop's Scorer protocol -------------------------------------------------------------
 
+    can_profile_jct = False  # the baseline runs FCFS, which ranks without step times
+
+    def cache_pool(self) -> None:
+        return None  # no prefix cache
+
+    def resolved_settings(self) -> dict[str, Any]:
+        """What it runs with, by `core.settings.Settings` field name."""
+        return {
+            "task": "generate",
+            "dtype": str(next(self.model.parameters()).dtype),
+            "device": str(self.device),
+            "max_input_len": int(self.max_input_len),
+            "enable_cache": False,
+        }
+
     def validate(self, req: ScoreRequest) -> None:
         """The engine's checks, so both backends reject the same requests with the same errors."""
         validate_request(req, self.vocab_size, self.max_input_len)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from po_backend.core.cpu import cpu_flags, cpu_model
-from po_backend.engine.models.loader import cache_root, file_lock, write_atomic
+from po_backend.core.fs import cache_root, file_lock, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,26 @@ def available_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def total_bytes() -> int:
+    """The machine's RAM (MemTotal)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budget(device: torch.device) -> int:
+    """The memory budget when none is given: 85% of what is available on CUDA; on a CPU a quarter
+    of the machine's RAM, or what is available if less. RAM rather than what happens to be free
+    at start, so two processes given the same arguments on one machine size the same pool."""
+    if device.type == "cuda":
+        return int(available_bytes(device) * 0.85)
+    return min(total_bytes() // 4, available_bytes(device))
 
 
 def release_free_memory() -> None:

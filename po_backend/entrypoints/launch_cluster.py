@@ -33,19 +33,14 @@ from pathlib import Path
 
 import httpx
 
+from po_backend.core.choices import ROUTER_POLICIES
 from po_backend.entrypoints.spawn import NotReadyError, free_port, stop, wait_until
 
 log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 
-POLICIES = ("cache_aware", "round_robin", "power_of_two")
-# cache_aware sends a request to the least-loaded worker instead of its cache match only when the
-# busiest worker has more than this many outstanding requests above the idlest (and 1.5x as many).
-# The router's default, 64, suits decode traffic (long-lived requests pile up); a prefill-only call
-# finishes in one forward, so a worker rarely holds more than a few and 64 never fires: a hot
-# user's burst queues on one worker while the others idle (tests/test_cluster.py). Too low a value
-# fires on ordinary Poisson bursts instead, sends users to workers without their profile and
-# costs the cache: in bench_cluster --simulate (many workers, many users) low values lose QPS to cache
-# misses, while 32 sustains what 64 does and still splits a hot user's burst (REPORT).
+# cache_aware leaves a request's cache match for the least-loaded worker only past this imbalance of
+# outstanding requests. The router's 64 suits long decode requests and never fires for one-forward
+# calls; far lower fires on ordinary bursts and costs the cache (docs/scaling-out.md).
 BALANCE_ABS_THRESHOLD = 32
 # The /dev entries of the drivers torch.cuda reaches GPUs through: NVIDIA's, ROCm's, WSL 2's.
 GPU_DEVICE_NODES = ("nvidia*", "kfd", "dxg")
@@ -68,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--host", default="127.0.0.1", help="the router's address (workers stay on loopback)")
     ap.add_argument("--port", type=int, default=30000, help="the router's port")
-    ap.add_argument("--router-policy", choices=POLICIES, default="cache_aware")
+    ap.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware")
     ap.add_argument(
         "--balance-abs-threshold",
         type=int,
@@ -291,7 +286,7 @@ def _wait_registered(status_url: str, worker_url: str, timeout: float, headers: 
         time.sleep(0.5)
 
 
-def add_worker_main(argv: Sequence[str]) -> int:
+def add_worker_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=f"po-launch-cluster {ADD_WORKER}",
         description="Add a running worker (`launch_server` on any machine the router can reach) to a running "
@@ -300,6 +295,11 @@ def add_worker_main(argv: Sequence[str]) -> int:
     ap.add_argument("--router", required=True, help="the router's URL, e.g. http://127.0.0.1:30000")
     ap.add_argument("--worker-url", required=True, help="the worker's URL as the router reaches it")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the router to take it")
+    return ap
+
+
+def add_worker_main(argv: Sequence[str]) -> int:
+    ap = add_worker_parser()
     args = ap.parse_args(argv)
     try:
         worker_id = add_worker(args.router, args.worker_url, timeout=args.timeout)

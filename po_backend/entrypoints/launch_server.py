@@ -62,9 +62,9 @@ def server_args(a: argparse.Namespace) -> ServerArgs:
 
 
 def build_service(args: ServerArgs) -> LoopService:
-    """The runtime `args.engine` describes (`serving.runtime.build_runtime`, the one factory) as
+    """The runtime `args.engine` describes (`serving.engine_runtime.build_runtime`, the one factory) as
     the server's scoring service."""
-    from po_backend.serving.runtime import build_runtime
+    from po_backend.serving.engine_runtime import build_runtime
 
     return LoopService.from_runtime(build_runtime(args.engine))
 

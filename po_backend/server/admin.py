@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from po_backend.core.request import ScoreRequest
 from po_backend.server.body import BodyRoute
-from po_backend.server.runtime import RuntimeDep
+from po_backend.server.context import RuntimeDep
 
 router = APIRouter(route_class=BodyRoute)
 

@@ -12,9 +12,9 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from po_backend.server import admin, embeddings, lora, openai, rerank, scoring, sglang_native, tokenizer
 from po_backend.server.args import ServerArgs
+from po_backend.server.context import VERSION, Runtime
 from po_backend.server.errors import add_exception_handlers
 from po_backend.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from po_backend.server.runtime import VERSION, Runtime
 from po_backend.server.service import ScoringService
 
 ROUTERS = (

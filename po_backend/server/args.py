@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from po_backend.core.choices import LOG_LEVELS
 from po_backend.core.settings import Settings, arg_bytes, flag
 from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.server.rerank_presets import CHOICES as RERANK_PRESETS
@@ -26,9 +27,6 @@ def _labels(text: str) -> tuple[str, ...]:
 def _text_or_file(value: str) -> str:
     """A template flag: the text itself, or the contents of the file it names."""
     return Path(value).read_text() if value and os.path.isfile(value) else value
-
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(frozen=True)
@@ -216,8 +214,7 @@ class ServerArgs:
 
     @property
     def scheduler(self) -> SchedulerConfig:
-        e = self.engine
-        return SchedulerConfig(e.schedule_policy, e.fairness_lambda, e.min_shared_prefix)
+        return SchedulerConfig.from_settings(self.engine)
 
     @property
     def max_queue(self) -> int:

@@ -24,9 +24,9 @@ from pydantic import Field, StrictInt
 from po_backend.core.request import ScoreResult, pooled_requests
 from po_backend.core.task import ModelTask, mismatch_text
 from po_backend.server.body import BodyRoute
+from po_backend.server.context import Runtime, RuntimeDep
 from po_backend.server.errors import bad
 from po_backend.server.protocol import IntList, TolerantBody
-from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import envelope
 
 router = APIRouter(route_class=BodyRoute)

@@ -23,9 +23,9 @@ from fastapi import Request
 
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix, pooled_requests
 from po_backend.core.task import mismatch_text, probabilities
+from po_backend.server.context import Runtime
 from po_backend.server.embeddings import Inputs, prompts
 from po_backend.server.errors import bad
-from po_backend.server.runtime import Runtime
 from po_backend.server.translate import envelope
 
 

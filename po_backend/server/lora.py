@@ -16,7 +16,7 @@ from po_backend.server.adapters import adapters, registry
 from po_backend.server.body import BodyRoute
 from po_backend.server.errors import bad
 from po_backend.server.protocol import LoadLoRARequest, UnloadLoRARequest
-from po_backend.server.runtime import Runtime, RuntimeDep
+from po_backend.server.context import Runtime, RuntimeDep
 
 router = APIRouter(route_class=BodyRoute)
 

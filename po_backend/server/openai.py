@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.adapters import adapters
 from po_backend.server.body import BodyRoute
+from po_backend.server.context import Runtime, RuntimeDep, sse
 from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import CompletionRequest
-from po_backend.server.runtime import Runtime, RuntimeDep, sse
 from po_backend.server.translate import biased_top, envelope, json_logprob, parse_bias
 
 router = APIRouter(route_class=BodyRoute)

@@ -43,10 +43,10 @@ from po_backend.core.labels import (
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server import heads, rerank_presets
 from po_backend.server.body import BodyRoute
+from po_backend.server.context import Runtime, RuntimeDep
 from po_backend.server.errors import bad
 from po_backend.server.protocol import TolerantBody
 from po_backend.server.rerank_presets import RerankPreset
-from po_backend.server.runtime import Runtime, RuntimeDep
 from po_backend.server.translate import softmax
 
 router = APIRouter(route_class=BodyRoute)

@@ -30,9 +30,9 @@ from po_backend.core.labels import (
 from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server import heads
 from po_backend.server.body import BodyRoute
+from po_backend.server.context import MAX_CHARS_PER_TOKEN, Runtime, RuntimeDep
 from po_backend.server.errors import bad
 from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
-from po_backend.server.runtime import MAX_CHARS_PER_TOKEN, Runtime, RuntimeDep
 from po_backend.server.translate import envelope, json_logprob, softmax
 
 router = APIRouter(route_class=BodyRoute)

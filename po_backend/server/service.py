@@ -1,16 +1,15 @@
 """What the server needs from a model: the `ScoringService` protocol and `LoopService` (a
-`serving.runtime.EngineRuntime`: a scorer, the scheduling loop that owns it, its locked tokenizer)."""
+`serving.engine_runtime.EngineRuntime`: a scorer, the scheduling loop that owns it, its locked tokenizer)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict
 from typing import Any, Protocol
 
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.core.task import ModelTask
+from po_backend.core.settings import jsonable
+from po_backend.core.task import ModelTask, model_identity
 
 
 class ScoringService(Protocol):
@@ -63,27 +62,25 @@ class LoopService:
     ) -> None:
         self.scorer = scorer
         self.loop = loop
-        # The runtime's locked tokenizer when there is one (serving.runtime: every call holds its lock).
+        # The runtime's locked tokenizer when there is one (serving.engine_runtime: every call holds its lock).
         self.tokenizer = tokenizer if tokenizer is not None else scorer.tokenizer
         self.vocab_size = int(scorer.vocab_size)
         self.max_input_len = int(max_input_len)
         self.settings: Mapping[str, Any] = dict(settings or {})
 
-        # Our engine has its own model config; the transformers baseline has the HF one.
-        model_cfg = getattr(scorer, "model_config", None)
-        hf_cfg = getattr(getattr(scorer, "model", None), "config", None)
-        self.model_type = str(
-            getattr(model_cfg, "model_type", None) or getattr(hf_cfg, "model_type", "") or ""
-        )
-        self.architectures = tuple(getattr(hf_cfg, "architectures", None) or ())
+        identity = model_identity(scorer)
+        self.model_type: str = identity["model_type"]
+        self.architectures = tuple(identity["architectures"])
         self.task: ModelTask = getattr(scorer, "task", None) or ModelTask()
-        self.hidden_size = int(getattr(model_cfg, "hidden_size", 0) or 0)  # an embedding's width
+        self.hidden_size = int(
+            getattr(getattr(scorer, "model_config", None), "hidden_size", 0) or 0
+        )  # an embedding's width
         # The engine's LoRA adapters (server/adapters.py), None when it serves none.
         self.loras: Any = getattr(scorer, "loras", None)
 
     @classmethod
     def from_runtime(cls, rt: Any) -> LoopService:
-        """Serve a `serving.runtime.EngineRuntime`; /server_info reports its resolved settings."""
+        """Serve a `serving.engine_runtime.EngineRuntime`; /server_info reports its resolved settings."""
         return cls(rt.scorer, rt.loop, rt.max_input_len, rt.resolved(), rt.tokenizer)
 
     def submit_many(self, reqs: Sequence[ScoreRequest]) -> list[Future[ScoreResult]]:
@@ -95,7 +92,7 @@ class LoopService:
     def stats(self) -> dict[str, Any]:
         # The scorer's lifetime counters (requests, tokens, cache) beside the loop's queue figures;
         # plain counters, so reading them off the loop's thread is safe enough for a report.
-        return {**_jsonable(self.scorer.stats()), **_jsonable(self.loop.stats())}
+        return {**jsonable(self.scorer.stats()), **jsonable(self.loop.stats())}
 
     def flush_cache(self) -> None:
         # The loop owns the engine: the flush must happen between its steps, on its thread.
@@ -110,18 +107,3 @@ class LoopService:
 
     def shutdown(self) -> None:
         self.loop.shutdown(drain=True)
-
-
-def _jsonable(stats: Any) -> Any:
-    """Scorer and loop stats (dicts, dataclasses) as plain JSON values."""
-    if hasattr(stats, "__dataclass_fields__"):
-        stats = asdict(stats)
-    if isinstance(stats, dict):
-        return {str(k): _jsonable(v) for k, v in stats.items()}
-    if isinstance(stats, list | tuple):
-        return [_jsonable(v) for v in stats]
-    if isinstance(stats, float) and not math.isfinite(stats):
-        return None
-    if isinstance(stats, int | float | str | bool) or stats is None:
-        return stats
-    return str(stats)

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from po_backend.core.errors import PrefillOnlyError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.body import BodyRoute
+from po_backend.server.context import VERSION, Runtime, RuntimeDep, sse
 from po_backend.server.errors import bad
 from po_backend.server.protocol import GenerateRequest, SamplingParams
-from po_backend.server.runtime import VERSION, Runtime, RuntimeDep, sse
 from po_backend.server.translate import biased_top, parse_bias, per_item, unique
 
 router = APIRouter(route_class=BodyRoute)

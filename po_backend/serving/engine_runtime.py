@@ -22,21 +22,32 @@ import dataclasses
 import math
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any, TypeVar, cast
 
 from po_backend.core.errors import InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.core.settings import Settings, resolve
-from po_backend.core.task import ModelTask
+from po_backend.core.settings import FIELDS, Settings, jsonable, resolve, sglang_names
+from po_backend.core.task import ModelTask, model_identity
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel
 from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.serving.jct_profile import startup_jct
 from po_backend.serving.loop import EngineLoop
 
 R = TypeVar("R", bound="EngineRuntime")
 
 LOGPROB_FLOOR = -9999.0  # what the server puts in JSON for -inf (as SGLang does)
+# The settings' scheduler fields by their SchedulerConfig names (online_slo_ms is in seconds there).
+SCHEDULER_NAMES = {
+    "schedule_policy": "policy",
+    "fairness_lambda": "fairness_lambda",
+    "min_shared_prefix": "min_shared_prefix",
+    "enable_priority_scheduling": "enable_priority",
+    "schedule_low_priority_values_first": "low_priority_first",
+    "batch_min_share": "batch_min_share",
+}
 
 
 _LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
@@ -109,58 +120,31 @@ class EngineRuntime:
 
     @property
     def max_input_len(self) -> int:
-        return (
-            int(self.scorer.max_input_len)
-            if self.settings.backend == "hf"
-            else int(self.scorer.config.max_input_len)
-        )
+        return int(self.scorer.max_input_len)
 
     def resolved(self) -> dict[str, Any]:
-        """The settings as they run: what was asked for, with "auto" and None replaced by what
-        the engine chose (dtype, device, lengths, memory). /server_info and
-        `sglang.Engine.get_server_info()` report this."""
-        out = self.settings.public()
-        if self.settings.backend == "hf":
-            out.update(
-                task="generate",
-                dtype=str(next(self.scorer.model.parameters()).dtype),
-                device=str(next(self.scorer.model.parameters()).device),
-                max_input_len=int(self.scorer.max_input_len),
-                enable_cache=False,
-            )
-        else:
-            cfg = self.scorer.config
-            cache = getattr(self.scorer, "cache", None)
-            out.update(
-                dtype=str(cfg.dtype),
-                device=str(cfg.device),
-                max_input_len=cfg.max_input_len,
-                max_batch_tokens=cfg.max_batch_tokens,
-                memory_budget=cfg.memory_budget,
-                chunk_size=cfg.chunk_size,
-                prefill_mode=cfg.prefill_mode,
-                residual_dtype=cfg.residual_dtype,
-                enable_cache=cfg.enable_cache,
-                cache_policy=cfg.cache_policy,
-                # The pool as sized at load (what the memory budget left), not the cap asked for.
-                prefix_pool_tokens=cache.pool.num_total if cache is not None else cfg.prefix_pool_tokens,
-                enable_lora=cfg.enable_lora,
-                max_loras=cfg.max_loras,
-                max_lora_rank=cfg.max_lora_rank,
-                **task_of(self.scorer).describe(),
-            )
+        """The settings as they run, as JSON: what was asked for, with "auto" and None replaced by
+        what the scorer chose (dtype, device, lengths, memory, the pool as sized) and the loop
+        runs, also under SGLang's names. /server_info and `get_server_info()` report this."""
         sched = self.loop.config
-        out.update(
-            schedule_policy=sched.policy,
-            fairness_lambda=sched.fairness_lambda,
-            min_shared_prefix=sched.min_shared_prefix,
-            enable_priority_scheduling=sched.enable_priority,
-            schedule_low_priority_values_first=sched.low_priority_first,
-            online_slo_ms=None if sched.online_slo_s is None else sched.online_slo_s * 1e3,
-            batch_min_share=sched.batch_min_share,
-            max_queue=self.loop.max_queue,
-        )
-        return out
+        out = {
+            **self.settings.public(),
+            **self.scorer.resolved_settings(),
+            **{ours: getattr(sched, theirs) for ours, theirs in SCHEDULER_NAMES.items()},
+            "online_slo_ms": None if sched.online_slo_s is None else sched.online_slo_s * 1e3,
+            "max_queue": self.loop.max_queue,
+            **model_identity(self.scorer),
+        }
+        return jsonable(sglang_names(out))
+
+    def state(self) -> dict[str, Any]:
+        """The scorer's and the loop's counters, as JSON (SGLang's `internal_states`)."""
+        return {**jsonable(self.scorer.stats()), **jsonable(self.loop.stats())}
+
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's `get_server_info()`: the resolved settings and the counters; over HTTP,
+        /server_info adds the HTTP edge's own settings."""
+        return {**self.resolved(), "internal_states": [self.state()]}
 
     # ---- tokens -------------------------------------------------------------------------------
 
@@ -214,17 +198,7 @@ def task_of(scorer: Any) -> ModelTask:
     return getattr(scorer, "task", None) or ModelTask()
 
 
-def load_scorer(settings: Settings) -> Any:
-    """The scorer `settings.backend` names, loaded with `settings`."""
-    if settings.backend == "hf":
-        from po_backend.engine.hf_scorer import HFScorer
-
-        return HFScorer.from_pretrained(
-            settings.model_path,
-            dtype=settings.overrides().get("dtype"),
-            device=settings.device,
-            max_input_len=settings.max_input_len,
-        )
+def _load_engine(settings: Settings) -> Engine:
     overrides = settings.overrides()
     if settings.mem_fraction_static is not None:  # a share of what is available now
         from po_backend.engine.device import resolve_device
@@ -239,6 +213,27 @@ def load_scorer(settings: Settings) -> Any:
     return engine
 
 
+def _load_hf(settings: Settings) -> Any:
+    from po_backend.engine.hf_scorer import HFScorer
+
+    o = settings.overrides()
+    return HFScorer.from_pretrained(
+        settings.model_path,
+        dtype=o.get("dtype"),
+        device=o.get("device"),
+        max_input_len=o.get("max_input_len"),
+    )
+
+
+# The scorer each `backend` names (core.choices.BACKENDS).
+LOADERS: dict[str, Callable[[Settings], Any]] = {"prefillonly": _load_engine, "hf": _load_hf}
+
+
+def load_scorer(settings: Settings) -> Any:
+    """The scorer `settings.backend` names, loaded with `settings`."""
+    return LOADERS[settings.backend](settings)
+
+
 def build_runtime(
     settings: Settings,
     *,
@@ -247,34 +242,24 @@ def build_runtime(
     start: bool = True,
     runtime_class: type[R] | None = None,
 ) -> R:
-    """The scorer (`scorer`, or loaded from `settings`) and its loop. jct: None follows the
-    start-up rule of the module docstring; a model given is used as is."""
+    """The scorer (`scorer`, or loaded from `settings`), its JCT model and its loop. jct: None
+    follows the start-up rule of the module docstring; a model given is used as is."""
     if scorer is None:
         scorer = load_scorer(settings)
-    loop = EngineLoop(
-        scorer,
-        scheduler=SchedulerConfig.from_settings(settings),
-        max_queue=settings.max_queue,
-        jct=jct,
-        start=start,
-    )
+    sched = SchedulerConfig.from_settings(settings)
+    if jct is None and sched.needs_jct:
+        if not scorer.can_profile_jct:
+            raise ValueError(f"policy {sched.policy!r} needs a JCT model: pass jct= for this scorer")
+        jct = startup_jct(scorer, sched.policy)
+    loop = EngineLoop(scorer, scheduler=sched, max_queue=settings.max_queue, jct=jct, start=start)
     cls: Any = runtime_class or EngineRuntime
     return cast(R, cls(scorer, loop, settings))
 
 
 def settings_of(engine: Engine, **kwargs: Any) -> Settings:
-    """The settings of an Engine loaded elsewhere (its config), plus `kwargs` for the loop,
-    through `resolve` like every other entry point's."""
+    """The settings of an Engine loaded elsewhere (its config, by field name), plus `kwargs` for
+    the loop, through `resolve` like every other entry point's."""
     cfg = engine.config
-    given = {
-        "max_input_len": cfg.max_input_len,
-        "max_batch_tokens": cfg.max_batch_tokens,
-        "memory_budget": cfg.memory_budget,
-        "chunk_size": cfg.chunk_size,
-        "prefill_mode": cfg.prefill_mode,
-        "enable_cache": cfg.enable_cache,
-        "cache_policy": cfg.cache_policy,
-        "prefix_pool_tokens": cfg.prefix_pool_tokens,
-        "task": task_of(engine).kind,
-    }
+    given = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in FIELDS}
+    given.update(task=task_of(engine).kind, dtype=None, device=None)  # torch objects; the engine reports them
     return resolve(str(engine.model_path or "<engine>"), **{**given, **kwargs})
