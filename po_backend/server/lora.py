@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from po_backend.core.errors import LoRAError
 from po_backend.server.adapters import adapters, registry
 from po_backend.server.body import BodyRoute
+from po_backend.server.context import Runtime, RuntimeDep
 from po_backend.server.errors import bad
 from po_backend.server.protocol import LoadLoRARequest, UnloadLoRARequest
-from po_backend.server.context import Runtime, RuntimeDep
 
 router = APIRouter(route_class=BodyRoute)
 
