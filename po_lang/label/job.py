@@ -193,6 +193,7 @@ def run(job: Job) -> Summary:
     for item in read_rows(job.input, task.required, text=task.text_fields):
         (rows if isinstance(item, Row) else bad).append(item)  # type: ignore[arg-type]
     with store.exclusive(paths):
+        store.check_ours(paths)
         store.remove_stale_temporaries(paths)
         done, dropped = store.load_records(paths.records)
         journaled, torn = store.load_records(paths.journal)
