@@ -378,10 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"${ADMIN_KEY_ENV} must differ from the API key: the data key may not reconfigure the router"
         )
     check_worker_flags(args.model_path, extra)
+    made: Path | None = None
     if not admin_key:
-        admin_key, path = make_admin_key(args.port)
+        admin_key, made = make_admin_key(args.port)
         log.info("the router's control plane (/workers, /flush_cache) takes the admin key kept in %s "
-                 "(mode 0600; set $%s to choose one)", path, ADMIN_KEY_ENV)  # fmt: skip
+                 "(mode 0600; set $%s to choose one)", made, ADMIN_KEY_ENV)  # fmt: skip
     gpus = visible_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPUs (round robin)", args.workers, len(gpus))
@@ -423,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         stop_all(router, workers)
+        if made is not None:  # the key of a router that is gone opens nothing: not left lying around
+            made.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,12 @@ class Runtime:
                 raise ClientGone()
             call.chars_left -= len(text)
             if call.chars_left < 0:
-                self.check_tokenize(self.args.max_tokenize_chars + 1, "its texts so far")
+                raise HTTPError(
+                    413,
+                    f"this call's texts are more than {self.args.max_tokenize_chars} characters of "
+                    "tokenizer input (--max-tokenize-chars): send fewer or shorter texts, or split the call",
+                    "PayloadTooLargeError",
+                )
         self.metrics.tokenized_chars.inc(len(text))
         return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -197,8 +202,9 @@ class Runtime:
         return self.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        if self._decoder is None:
+        if self._decoder is None or _CALL.get() is not None:  # a parse step: the shared tokenizer
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        # An answer: the private copy, whose lock only other answers' decodes (a few tokens) take.
         with self._decode_lock:
             return str(self._decoder.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
