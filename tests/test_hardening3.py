@@ -327,6 +327,8 @@ def test_flush_cache_takes_the_admin_key_only() -> None:
         assert r.status_code == 403 and "--admin-api-key" in error_message(r)
         assert client.post("/flush_cache", headers=admin).status_code == 200
         assert client.post("/generate", json=SMALL, headers=data).status_code == 200
+        info = client.get("/server_info", headers=data)
+        assert info.status_code == 200 and "admin-key" not in info.text and "data-key" not in info.text
 
 
 # ---- decoding never waits for the shared tokenizer ------------------------------------------------
