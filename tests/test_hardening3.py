@@ -436,6 +436,7 @@ def test_label_refuses_an_output_it_did_not_write(
             "not a records file of prefillonly label" in err or "not written by prefillonly label" in err
         ), err
         assert foreign.read_bytes() == before
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(foreign.name)) == [foreign.name]
     # Its own records file is resumed as before.
     own = tmp_path / "own.jsonl"
     assert label_main([str(data), "-o", str(own), *args]) == 0

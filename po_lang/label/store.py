@@ -74,7 +74,8 @@ def load_records(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
 def check_ours(paths: Paths) -> None:
     """Refuse (UsageError, nothing changed) an output this tool did not write: a records file
     with a complete line that is not a label record (a torn last line is a killed run's), or a
-    CSV / Parquet output with no records file beside it. Runs with the lock held."""
+    CSV / Parquet output with no records file beside it. Only reads: the records file is replaced
+    whole, so a run holding the lock never shows it half written."""
     if paths.output != paths.records and paths.output.exists() and not paths.records.exists():
         raise UsageError(
             f"{paths.output} exists and was not written by prefillonly label (there is no "
