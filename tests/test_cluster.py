@@ -129,8 +129,10 @@ def rerank_calls(worker_url: str) -> int:
 
 
 def worker_urls(router_url: str) -> list[str]:
-    """The workers the router routes to, from its worker API."""
-    return sorted(w["url"] for w in httpx.get(router_url + "/workers", timeout=10).json()["workers"])
+    """The workers the router routes to, from its worker API (with the admin key the launcher made)."""
+    key = launch_cluster.admin_key_path(httpx.URL(router_url).port or 0).read_text().strip()
+    r = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return sorted(w["url"] for w in r.json()["workers"])
 
 
 @pytest.mark.slow

@@ -322,6 +322,7 @@ def test_nan_scores_are_a_clear_error_on_every_route(tokenized_llama: Path, path
 
     tok = AutoTokenizer.from_pretrained(tokenized_llama)
     service = FakeService(answer=_nan, tokenizer=tok, vocab_size=len(tok), dtype="fp16")
+    service.max_input_len = 512  # the rerank template alone is longer than the fake's default
     app = create_app(service, ServerArgs(engine=Settings(model_path="m")))
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post(path, json=body)

@@ -38,7 +38,6 @@ import hashlib
 import logging
 import os
 import shutil
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ import torch
 from torch import Tensor
 
 from po_backend.core.cpu import cpu_flags  # a module global: tests patch it here
-from po_backend.core.fs import cache_root
+from po_backend.core.fs import cache_root, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -147,27 +146,6 @@ def _build_dir() -> Path:
     return cache_root() / "ext" / f"{_flavour()[0]}-{build_key()}"
 
 
-class UnsafeCacheError(RuntimeError):
-    """A folder the library would be loaded from that another user could write to."""
-
-
-def _private_dir(path: Path) -> None:
-    """Create `path` (mode 0700) or check it: a library loaded from a folder that someone else
-    owns or may write to could be theirs, so such a folder is refused, never used."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise UnsafeCacheError(
-            f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): refusing to "
-            "build or load the attention kernel there; set PREFILLONLY_CACHE to a folder of your own"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeCacheError(
-            f"{path} is writable by other users (mode {stat.filemode(st.st_mode)}): refusing to build "
-            f"or load the attention kernel there; chmod go-w {path} or set PREFILLONLY_CACHE"
-        )
-
-
 @contextlib.contextmanager
 def _build_lock(folder: Path, timeout: float) -> Iterator[None]:
     """An exclusive OS lock on the build folder (released by the OS when its holder dies, so a
@@ -224,7 +202,7 @@ def load_kernel() -> bool:
         _ninja_on_path()
         build = _build_dir()
         for folder in (cache_root(), build.parent, build):
-            _private_dir(folder)
+            private_dir(folder, "the attention kernel build")
         with _build_lock(build, float(os.environ.get(_LOCK_TIMEOUT_ENV, _LOCK_TIMEOUT_S))):
             # torch's own lock file, left by a build killed midway, makes torch wait without a
             # timeout; under our lock no other build of this folder runs, so it is stale.

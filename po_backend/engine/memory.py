@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from po_backend.core.cpu import cpu_flags, cpu_model
-from po_backend.core.fs import cache_root, file_lock, write_atomic
+from po_backend.core.fs import file_lock, private_cache_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def profiled_peaks(key: dict[str, Any], measure: Callable[[], list[int]]) -> lis
     full = {**key, "source": _engine_source_digest(), "torch": torch.__version__}
     full |= {"cpu": cpu_model(), "flags": sorted(cpu_flags()), "threads": torch.get_num_threads()}
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = Path(os.environ.get(MEMORY_CACHE_ENV) or cache_root() / "memory") / f"{digest}.json"
+    path = private_cache_dir("memory", what="memory profiles", env=MEMORY_CACHE_ENV) / f"{digest}.json"
 
     def stored() -> list[int] | None:
         try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -34,7 +35,15 @@ from pathlib import Path
 import httpx
 
 from po_backend.core.choices import ROUTER_POLICIES
-from po_backend.entrypoints.spawn import NotReadyError, free_port, stop, wait_until
+from po_backend.core.fs import private_cache_dir
+from po_backend.entrypoints.spawn import (
+    NotReadyError,
+    child_env,
+    die_with_parent,
+    free_port,
+    stop,
+    wait_until,
+)
 
 log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 
@@ -48,7 +57,8 @@ ADD_WORKER = "add-worker"  # the subcommand
 RUN_ROUTER = "run-router"  # internal: the router with its keys read from the environment
 API_KEY_ENV = "PREFILLONLY_API_KEY"  # the data plane's key: clients -> router -> workers
 # The router's control plane (adding / removing workers, flushing caches) has a key of its own, so a
-# client that may score cannot reconfigure the cluster.
+# client that may score cannot reconfigure the cluster: given, or made at start and kept in a file
+# only this user can read.
 ADMIN_KEY_ENV = "PREFILLONLY_ROUTER_ADMIN_KEY"
 
 
@@ -80,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"the key every call to the router (and from it to the workers) needs; ${API_KEY_ENV} "
         "keeps it out of `ps`. It reaches the router and the workers through their environment, never "
-        f"their command lines. The router's control plane (/workers, /flush_cache) takes ${ADMIN_KEY_ENV}",
+        f"their command lines. The router's control plane (/workers, /flush_cache) takes ${ADMIN_KEY_ENV}, "
+        "a different key; without it one is made and kept in a file of mode 0600 (its path is printed)",
     )
     return ap
 
@@ -141,7 +152,8 @@ def worker_env(
     """Worker `index`'s environment: its share of the CPU threads and, where there are GPUs, one
     GPU of its own (round robin when there are more workers than GPUs), as `--dp-size` gives
     each SGLang replica one. The worker then sees a single device and runs on cuda:0."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))}
+    # They die with the launcher: a worker left behind would keep serving with the key.
+    env = child_env({**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))})
     env.pop(ADMIN_KEY_ENV, None)  # the control plane's key is the router's alone
     if api_key:
         env[API_KEY_ENV] = api_key
@@ -179,7 +191,24 @@ def router_env(api_key: str | None, admin_key: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
     env.update({API_KEY_ENV: api_key} if api_key else {})
     env.update({ADMIN_KEY_ENV: admin_key} if admin_key else {})
-    return env
+    return child_env(env)
+
+
+def admin_key_path(port: int) -> Path:
+    """Where the admin key made for the router on `port` is kept (a folder only this user may
+    write, the file only this user may read)."""
+    return private_cache_dir("router", what="the router's admin keys") / f"admin-key-{port}"
+
+
+def make_admin_key(port: int) -> tuple[str, Path]:
+    """A fresh admin key for the router on `port`, written to `admin_key_path(port)` (mode 0600)."""
+    key = secrets.token_urlsafe(32)
+    path = admin_key_path(port)
+    path.unlink(missing_ok=True)  # O_EXCL below: never through a link someone left here
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key, path
 
 
 def run_router(argv: Sequence[str]) -> int:
@@ -189,11 +218,14 @@ def run_router(argv: Sequence[str]) -> int:
     $PREFILLONLY_ROUTER_ADMIN_KEY: the control plane's (admin role)."""
     from sglang_router.launch_router import launch_router, parse_router_args
 
+    die_with_parent()
     args = parse_router_args(list(argv))
     args.api_key = os.environ.get(API_KEY_ENV) or None
     admin = os.environ.get(ADMIN_KEY_ENV)
-    if admin:
-        args.control_plane_api_keys = [("admin", "launch_cluster", admin, "admin")]
+    if not admin or admin == args.api_key:
+        # Without control-plane keys the router's /workers and /flush_cache take the data key.
+        raise SystemExit(f"run-router: ${ADMIN_KEY_ENV} must be set, and differ from ${API_KEY_ENV}")
+    args.control_plane_api_keys = [("admin", "launch_cluster", admin, "admin")]
     launch_router(args)
     return 0
 
@@ -246,7 +278,7 @@ def add_worker(router_url: str, worker_url: str, *, timeout: float = 600.0) -> s
     _check_url(worker_url, "worker")
     _check_url(router_url, "router")
     base = router_url.rstrip("/")
-    admin = os.environ.get(ADMIN_KEY_ENV)
+    admin = os.environ.get(ADMIN_KEY_ENV) or _stored_admin_key(base)
     headers = {"Authorization": f"Bearer {admin}"} if admin else {}
     resp = httpx.post(base + "/workers", json={"url": worker_url}, headers=headers, timeout=30)
     if resp.status_code != 202:
@@ -254,6 +286,17 @@ def add_worker(router_url: str, worker_url: str, *, timeout: float = 600.0) -> s
     worker_id = str(resp.json()["worker_id"])
     _wait_registered(f"{base}/workers/{worker_id}", worker_url, timeout, headers)
     return worker_id
+
+
+def _stored_admin_key(router_url: str) -> str | None:
+    """The key `launch_cluster` made for a router on this machine (`admin_key_path`), if any."""
+    url = httpx.URL(router_url)
+    if url.host not in ("127.0.0.1", "localhost", "::1") or url.port is None:
+        return None
+    try:
+        return admin_key_path(url.port).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _check_url(url: str, what: str) -> None:
@@ -321,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return add_worker_main(argv[1:])
     if argv[:1] == [RUN_ROUTER]:
         return run_router(argv[1:])
+    die_with_parent()
     args, extra = build_parser().parse_known_args(argv)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_key = os.environ.get(ADMIN_KEY_ENV) or None
@@ -329,10 +373,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--workers must be >= 1")
     if args.balance_abs_threshold < 0:
         raise SystemExit("--balance-abs-threshold must be >= 0")
-    if not admin_key and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("the router's control plane (/workers, /flush_cache) is open to anyone who reaches %s: "
-                    "set $%s", args.host, ADMIN_KEY_ENV)  # fmt: skip
+    if admin_key and admin_key == api_key:
+        raise SystemExit(
+            f"${ADMIN_KEY_ENV} must differ from the API key: the data key may not reconfigure the router"
+        )
     check_worker_flags(args.model_path, extra)
+    made: Path | None = None
+    if not admin_key:
+        admin_key, made = make_admin_key(args.port)
+        log.info("the router's control plane (/workers, /flush_cache) takes the admin key kept in %s "
+                 "(mode 0600; set $%s to choose one)", made, ADMIN_KEY_ENV)  # fmt: skip
     gpus = visible_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPUs (round robin)", args.workers, len(gpus))
@@ -374,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         stop_all(router, workers)
+        if made is not None:  # the key of a router that is gone opens nothing: not left lying around
+            made.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -29,7 +30,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from po_backend.core.errors import DeviceUnavailableError, DrainingError, LoRAError
 from po_backend.core.flags import add_arguments, add_fields, given, settings_kwargs
+from po_backend.core.fs import UnsafeCacheError
 from po_backend.core.settings import parse_bytes, resolve
+from po_backend.entrypoints.spawn import die_with_parent
 from po_backend.server import LoopService, ServerArgs, create_app
 
 log = logging.getLogger("po_backend.entrypoints.launch_server")
@@ -37,6 +40,7 @@ log = logging.getLogger("po_backend.entrypoints.launch_server")
 __all__ = ["build_parser", "build_service", "main", "parse_bytes", "prefer_passive_openmp", "server_args"]
 
 API_KEY_ENV = "PREFILLONLY_API_KEY"
+ADMIN_KEY_ENV = "PREFILLONLY_ADMIN_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +62,7 @@ def server_args(a: argparse.Namespace) -> ServerArgs:
     engine = resolve(**settings_kwargs(a))
     http = given(a, ServerArgs)
     http["api_key"] = http.get("api_key") or os.environ.get(API_KEY_ENV) or None
+    http["admin_api_key"] = http.get("admin_api_key") or os.environ.get(ADMIN_KEY_ENV) or None
     return ServerArgs(engine=engine, **http)
 
 
@@ -122,8 +127,8 @@ def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
         timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # seconds; a float works
         # Above the default so a burst of ~1000 connects is queued by the kernel, not refused.
         backlog=4096,
-        # Connections and requests at once: past it uvicorn answers 503 at once instead of
-        # holding one more request's buffers.
+        # Connections at once: off by default (idle sockets must not lock clients out); the
+        # calls in flight are limited by ConcurrencyLimitMiddleware.
         limit_concurrency=args.limit_concurrency,
         # Past our own deadline (DrainingServer answers what is still queued with 503s): only
         # then would uvicorn cut connections.
@@ -171,8 +176,22 @@ def prefer_passive_openmp() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def raise_open_files_limit() -> None:
+    """The soft limit on open files up to the hard one (as SGLang's set_ulimit): every idle
+    connection holds a descriptor, and at a soft limit of 1,024 accept() fails for everyone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass  # a container that refuses: the soft limit stays
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.monotonic()
+    die_with_parent()
+    raise_open_files_limit()
     prefer_passive_openmp()
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -187,7 +206,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         service = build_service(args)
-    except (DeviceUnavailableError, LoRAError) as e:  # hardware this machine lacks; a bad adapter
+    except (
+        DeviceUnavailableError,
+        LoRAError,
+        UnsafeCacheError,
+    ) as e:  # missing hardware, a bad adapter, a foreign cache
         parser.error(str(e))
     app = create_app(service, args)
     log.info(

@@ -4,17 +4,63 @@ tests, so they all wait the same way (poll the URL, fail at once when the child 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 import httpx
+
+log = logging.getLogger(__name__)
+
+# Set by whoever starts a server (this module, launch_cluster) to "PID" or "PID:main" (started
+# from the parent's main thread): the server then dies with that parent (`die_with_parent`).
+PARENT_PID_ENV = "PREFILLONLY_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def child_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a child that must not outlive this process (see `die_with_parent`)."""
+    main = threading.current_thread() is threading.main_thread()
+    return {**env, PARENT_PID_ENV: f"{os.getpid()}{':main' if main else ''}"}
+
+
+def die_with_parent() -> None:
+    """Exit (SIGKILL) when the process that started this one dies, as SGLang's servers do: a
+    worker whose launcher was killed must not keep serving, re-parented to init, with the API key
+    in its environment. Linux's PR_SET_PDEATHSIG fires when the parent *thread* that started us
+    exits, so it is used only when that was the parent's main thread; a watchdog thread also
+    polls getppid(), which changes once the parent is gone. No-op without $PREFILLONLY_PARENT_PID;
+    the variable is removed, so our own children never read their grandparent's pid."""
+    raw = os.environ.pop(PARENT_PID_ENV, "")
+    pid, _, how = raw.partition(":")
+    if not pid.isdigit():
+        return
+    parent = int(pid)
+    if how == "main" and sys.platform == "linux":
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the watchdog below still works
+    if os.getppid() != parent:  # it died before we could ask to follow it
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        log.error("the process that started this server (pid %d) is gone: exiting", parent)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="po-parent-watch", daemon=True).start()
 
 
 class ChildExitedError(RuntimeError):
@@ -99,8 +145,9 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
+        # A test worker or benchmark that crashes takes its servers with it.
         self.proc = subprocess.Popen(
-            self.command, cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+            self.command, cwd=self.cwd, env=child_env(self.env), stdout=self._log, stderr=subprocess.STDOUT
         )
         return self
 

@@ -14,7 +14,12 @@ from po_backend.server import admin, embeddings, lora, openai, rerank, scoring, 
 from po_backend.server.args import ServerArgs
 from po_backend.server.context import VERSION, Runtime
 from po_backend.server.errors import add_exception_handlers
-from po_backend.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from po_backend.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    ConcurrencyLimitMiddleware,
+    MetricsMiddleware,
+)
 from po_backend.server.service import ScoringService
 
 ROUTERS = (
@@ -49,11 +54,12 @@ def create_app(service: ScoringService, args: ServerArgs) -> FastAPI:
     paths = {getattr(r, "path") for r in routes if hasattr(r, "path")}  # noqa: B009 (Starlette BaseRoute has no `path`)
     posts = frozenset(getattr(r, "path") for r in routes if "POST" in (getattr(r, "methods", None) or ()))  # noqa: B009
     # Each add wraps the previous: metrics end up outermost (401s and 413s are counted too), then
-    # the Host check and auth (400 / 401 before a body is read), then the body limit around the
-    # endpoints.
+    # the Host check and auth (400 / 401 before a body is read), the limit of calls in flight
+    # (counting authorized calls only), then the body limit around the endpoints.
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes, posts=posts)
+    app.add_middleware(ConcurrencyLimitMiddleware, max_requests=args.max_concurrent_requests)
     if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_key=args.admin_api_key)
     if args.allowed_hosts:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(args.allowed_hosts), www_redirect=False)
     app.add_middleware(MetricsMiddleware, metrics=runtime.metrics, paths=paths)

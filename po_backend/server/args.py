@@ -56,11 +56,28 @@ class ServerArgs:
             type=arg_bytes,
         ),
     )
-    # Above the ~1,000-connection bursts the server is tested with (its kernel backlog is 4096).
-    limit_concurrency: int = field(
+    admin_api_key: str | None = field(
+        default=None,
+        metadata=flag(
+            "the key /flush_cache needs (or set $PREFILLONLY_ADMIN_KEY); without it /flush_cache takes "
+            "the API key, and on a keyless server only same-origin calls"
+        ),
+    )
+    # Requests, not connections: an idle keep-alive socket costs a file descriptor, never a slot.
+    # Above the ~1,000-call bursts the server is tested with (its kernel backlog is 4096).
+    max_concurrent_requests: int = field(
         default=2048,
         metadata=flag(
-            "open connections and requests served at once (uvicorn's limit_concurrency); beyond it 503",
+            "calls served at once (TEI's --max-concurrent-requests); beyond it 503 + Retry-After. "
+            "GET /health, /ready and /metrics never count",
+            type=int,
+        ),
+    )
+    limit_concurrency: int | None = field(
+        default=None,
+        metadata=flag(
+            "open connections at once (uvicorn's limit_concurrency; default: no limit, see "
+            "--max-concurrent-requests); beyond it 503 for every call, /health included",
             type=int,
         ),
     )
@@ -73,7 +90,8 @@ class ServerArgs:
         ),
     )
     timeout_keep_alive: float = field(
-        default=65.0, metadata=flag("seconds an idle keep-alive connection stays open", type=float)
+        default=5.0,
+        metadata=flag("seconds an idle keep-alive connection stays open (uvicorn's default)", type=float),
     )
     shutdown_timeout: float = field(
         default=30.0,
@@ -132,6 +150,16 @@ class ServerArgs:
     max_items_per_request: int = field(
         default=1024, metadata=flag("prompts or documents in one call", type=int)
     )
+    # A shared query is tokenized with each of a call's items: 1,024 items over a 8,000-character
+    # query is 8 M characters, a few seconds of tokenizer CPU.
+    max_tokenize_chars: int = field(
+        default=8 << 20,
+        metadata=flag(
+            "characters of text one call may give the tokenizer in all (a shared query counts once per "
+            "item); larger calls get 413 before any tokenizing",
+            type=int,
+        ),
+    )
     max_labels: int = field(default=64, metadata=flag("labels in one classify call", type=int))
     max_label_tokens: int = field(
         default=32, metadata=flag("tokens of one classify label (longer labels get 400)", type=int)
@@ -185,10 +213,12 @@ class ServerArgs:
             raise ValueError("classify_template needs {input} exactly once")
         for name in (
             "max_top_logprobs", "max_items_per_request", "max_labels", "max_label_tokens",
-            "max_logit_bias", "max_logprobs_per_request", "limit_concurrency",
+            "max_logit_bias", "max_logprobs_per_request", "max_concurrent_requests", "max_tokenize_chars",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
         for host in self.allowed_hosts:
             if not host or "*" in host[1:] or (host.startswith("*") and not host.startswith("*.")):
                 raise ValueError(f"allowed_hosts: {host!r} is not a host name or '*.domain'")
@@ -237,6 +267,8 @@ class ServerArgs:
         without the API key."""
         out: dict[str, Any] = self.engine.public()
         out.update(
-            (f.name, getattr(self, f.name)) for f in fields(self) if f.name not in ("engine", "api_key")
+            (f.name, getattr(self, f.name))
+            for f in fields(self)
+            if f.name not in ("engine", "api_key", "admin_api_key")
         )
         return out

@@ -5,8 +5,11 @@ the `RuntimeDep` that hands it to a handler, and the SSE response."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import copy
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +41,21 @@ MAX_CHARS_PER_TOKEN = 32
 T = TypeVar("T")
 
 
+@dataclasses.dataclass
+class _ParseCall:
+    """One call's parse step as its thread sees it: `gone` is set once its client disconnected,
+    `chars_left` is the tokenizer input it may still use (--max-tokenize-chars)."""
+
+    gone: threading.Event
+    chars_left: int
+
+
+# The call a parse-pool thread works for (set in that thread's copy of the handler's context),
+# and the request a handler serves (set by `get_runtime`, the dependency every handler has).
+_CALL: contextvars.ContextVar[_ParseCall | None] = contextvars.ContextVar("po_parse_call", default=None)
+_REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("po_request", default=None)
+
+
 class Runtime:
     """One app's scoring service, settings and metrics, and the steps its handlers share."""
 
@@ -46,6 +64,10 @@ class Runtime:
         self.args = args
         self.metrics = Metrics(service, args.model_name)
         self._token_text: dict[int, str] = {}
+        # Answers decode with a tokenizer of their own: the shared one is locked for as long as
+        # a long text tokenizes on the parse pool, and a one-token answer would wait for it.
+        self._decoder = _own_copy(service.tokenizer)
+        self._decode_lock = threading.Lock()
         # Parsing a call tokenizes: CPU work of up to a few hundred ms for a large batch. It runs
         # here, off the event loop, which keeps answering /health and other clients meanwhile.
         self._parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="po-parse")
@@ -64,11 +86,47 @@ class Runtime:
         return self.service.alive() and not self.draining
 
     async def parse(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` (a handler's parse step) on the parse pool."""
+        """`fn(*args)` (a handler's parse step) on the parse pool, traced as tokenizing when tracing
+        is on."""
         if self.tracing is not None:
             with self.tracing.tokenize():
-                return await asyncio.get_running_loop().run_in_executor(self._parse_pool, fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, fn, *args)
+                return await self._parse(fn, *args)
+        return await self._parse(fn, *args)
+
+    async def _parse(self, fn: Callable[..., T], *args: Any) -> T:
+        """`parse`'s work. When the handler's client
+        disconnects meanwhile, the call is answered at once and its parse stops at its next
+        `encode`; `encode` also holds the call to --max-tokenize-chars."""
+        call = _ParseCall(threading.Event(), self.args.max_tokenize_chars)
+        ctx = contextvars.copy_context()
+        ctx.run(_CALL.set, call)
+        fut = asyncio.get_running_loop().run_in_executor(self._parse_pool, ctx.run, fn, *args)
+        request = _REQUEST.get()
+        if request is None:
+            return await fut
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            both: set[asyncio.Future[Any]] = {fut, watcher}
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+            if fut.done():
+                return fut.result()
+            call.gone.set()
+            fut.add_done_callback(_discard_outcome)
+            raise ClientGone()
+        finally:
+            watcher.cancel()
+
+    def check_tokenize(self, chars: int, what: str) -> None:
+        """Refuse, before any tokenizing, a call whose texts would give the tokenizer more than
+        --max-tokenize-chars characters in all (a shared query is tokenized once per item)."""
+        cap = self.args.max_tokenize_chars
+        if chars > cap:
+            raise HTTPError(
+                413,
+                f"this call would tokenize {chars} characters ({what}), more than the limit of {cap} "
+                "(--max-tokenize-chars): send fewer or shorter texts, or split the call",
+                "PayloadTooLargeError",
+            )
 
     def check_items(self, n: int, what: str) -> None:
         """The per-call item limit, checked on the parsed body before anything is tokenized (a
@@ -80,6 +138,28 @@ class Runtime:
                 "(--max-items-per-request): split the call",
                 "PayloadTooLargeError",
             )
+
+    def check_queue(self, prefills: int) -> None:
+        """A call that could never be queued however long its client waits: 413, not a 503 to
+        retry; checked again before tokenizing wherever the count is known by then."""
+        if prefills > self.args.max_queue:
+            raise HTTPError(
+                413,
+                f"this call needs {prefills} prefills (prompts, times the labels where a label has "
+                f"several tokens), more than the queue holds (--max-queue {self.args.max_queue}): split the call",
+                "PayloadTooLargeError",
+            )
+
+    def check_prompt_ids(self, ids: Sequence[int], what: str) -> None:
+        """A prompt part every prompt of the call holds (a shared query), checked once before the
+        call's prompts are built from it: too long, or a token outside the vocabulary."""
+        limit = self.service.max_input_len
+        if len(ids) > limit:
+            raise bad(f"the {what} has {len(ids)} tokens, more than max_input_len={limit}")
+        vocab = self.service.vocab_size
+        if ids and not (0 <= min(ids) and max(ids) < vocab):
+            wrong = [t for t in ids if not 0 <= t < vocab]
+            raise bad(f"{what} token ids outside the vocabulary [0, {vocab}): {wrong[:5]}")
 
     def check_logprobs(self, n: int) -> None:
         """The per-call cap on returned log-prob values (the answer's size and the memory that
@@ -113,6 +193,19 @@ class Runtime:
                 f"the text has {len(text)} characters: it cannot fit max_input_len="
                 f"{self.service.max_input_len} tokens (refused before tokenizing above {limit} characters)"
             )
+        call = _CALL.get()
+        if call is not None:
+            if call.gone.is_set():
+                raise ClientGone()
+            call.chars_left -= len(text)
+            if call.chars_left < 0:
+                raise HTTPError(
+                    413,
+                    f"this call's texts are more than {self.args.max_tokenize_chars} characters of "
+                    "tokenizer input (--max-tokenize-chars): send fewer or shorter texts, or split the call",
+                    "PayloadTooLargeError",
+                )
+        self.metrics.tokenized_chars.inc(len(text))
         return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
@@ -123,7 +216,11 @@ class Runtime:
         return self.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        if self._decoder is None or _CALL.get() is not None:  # a parse step: the shared tokenizer
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        # An answer: the private copy, whose lock only other answers' decodes (a few tokens) take.
+        with self._decode_lock:
+            return str(self._decoder.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token: int) -> str | None:
         """One token decoded on its own (SGLang's `return_text_in_logprobs`), memoised."""
@@ -131,7 +228,7 @@ class Runtime:
             return None
         text = self._token_text.get(token)
         if text is None:
-            text = self._token_text[token] = self.service.tokenizer.decode([token])
+            text = self._token_text[token] = self.decode([token])
         return text
 
     def entry(self, logprob: float | None, token: int, with_text: bool) -> list[Any]:
@@ -160,18 +257,12 @@ class Runtime:
             reqs = [dataclasses.replace(r, lora=lora) for r in reqs]
         if self.draining:
             raise DrainingError("the server is shutting down")
-        if len(reqs) > self.args.max_queue:
-            # Could never be queued however long the client waits: not a 503 to retry.
-            raise HTTPError(
-                413,
-                f"this call needs {len(reqs)} prefills (prompts, times the labels where a label has "
-                f"several tokens), more than the queue holds (--max-queue {self.args.max_queue}): split the call",
-                "PayloadTooLargeError",
-            )
+        self.check_queue(len(reqs))
         submitted_ns = time.time_ns() if self.tracing is not None else 0
         try:
-            # Validation and a queue push: fast and thread-safe, fine on the event loop.
-            futs = self.service.submit_many(reqs)
+            # Off the event loop: validation reads every token id of every request (a shared
+            # query of thousands of ids times a thousand items is a second of CPU).
+            futs = await asyncio.to_thread(self.service.submit_many, reqs)
         except OverloadedError:
             self.metrics.rejected.inc(len(reqs))
             raise
@@ -237,7 +328,9 @@ def _has_nan(r: ScoreResult) -> bool:
 
 
 async def get_runtime(request: Request) -> Runtime:
-    # async: FastAPI would run a plain function in its thread pool for every request.
+    # async: FastAPI would run a plain function in its thread pool for every request, and this
+    # one runs in the handler's own context, where `Runtime.parse` finds the request.
+    _REQUEST.set(request)
     runtime: Runtime = request.app.state.runtime
     return runtime
 
@@ -254,6 +347,17 @@ def sse(events: Sequence[dict[str, Any]]) -> StreamingResponse:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def _own_copy(tokenizer: Any) -> Any:
+    """A private copy of the service's tokenizer (unwrapped from its lock), or None when it has
+    none or cannot be copied (then decoding shares the service's)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(getattr(tokenizer, "unwrapped", tokenizer))
+    except Exception:  # a tokenizer class that cannot be copied
+        return None
 
 
 def _discard_outcome(fut: asyncio.Future[Any]) -> None:

@@ -78,6 +78,9 @@ class Metrics:
         self.rejected = Counter(
             "po_overloaded_rejections", "Prompts refused with 503 (queue full)", registry=r
         )
+        self.tokenized_chars = Counter(
+            "po_tokenized_chars", "Characters of text given to the tokenizer by the HTTP calls", registry=r
+        )
         Gauge("po_queue_length", "Prompts waiting in the scheduler queue", registry=r).set_function(
             lambda: float(self._stat("queued"))
         )

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from po_backend.server.errors import error_body
+from po_backend.server.errors import RETRY_AFTER_S, error_body
 from po_backend.server.metrics import Metrics
 
 ASGIApp = Callable[
@@ -17,9 +17,15 @@ ASGIApp = Callable[
 ]
 
 
-async def _send_json(send: Callable[..., Awaitable[None]], status: int, body: dict[str, Any]) -> None:
+async def _send_json(
+    send: Callable[..., Awaitable[None]],
+    status: int,
+    body: dict[str, Any],
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     data = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    headers += extra or []
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
@@ -33,13 +39,16 @@ class ApiKeyMiddleware:
 
     OPEN = frozenset({"/health", "/ready", "/metrics"})
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, admin_key: str | None = None) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        # The admin key (--admin-api-key) may do whatever the data key may, and /flush_cache.
+        self.expected = [k.encode() for k in (api_key, admin_key) if k]
 
     def _authorized(self, header: bytes) -> bool:
         scheme, _, token = header.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+        # Every key compared, so the time taken does not say which one nearly matched.
+        ok = [hmac.compare_digest(token.strip(), k) for k in self.expected]
+        return scheme.lower() == b"bearer" and any(ok)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or (scope["path"] in self.OPEN and scope["method"] in ("GET", "HEAD")):
@@ -56,6 +65,39 @@ class ApiKeyMiddleware:
             await _send_json(send, 401, body)
             return
         await self.app(scope, receive, send)
+
+
+class ConcurrencyLimitMiddleware:
+    """503 + Retry-After for a call beyond `max_requests` calls in flight (TEI's
+    --max-concurrent-requests). It counts requests, not connections: a client holding idle
+    keep-alive sockets takes no slot, and GET /health, /ready and /metrics are never refused, so
+    probes see the truth while the server is busy."""
+
+    OPEN = ApiKeyMiddleware.OPEN
+
+    def __init__(self, app: ASGIApp, max_requests: int) -> None:
+        self.app = app
+        self.max_requests = max_requests
+        self.in_flight = 0  # only the event loop's thread touches it
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or (scope["path"] in self.OPEN and scope["method"] in ("GET", "HEAD")):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_requests:
+            body = error_body(
+                503,
+                f"{self.in_flight} calls in flight, the limit (--max-concurrent-requests): retry later",
+                "ServiceUnavailableError",
+                scope["path"],
+            )
+            await _send_json(send, 503, body, [(b"retry-after", str(RETRY_AFTER_S).encode())])
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 class BodyLimitMiddleware:

@@ -17,6 +17,7 @@ from po_backend.server.body import BodyRoute
 from po_backend.server.context import Runtime, RuntimeDep, sse
 from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import CompletionRequest
+from po_backend.server.sglang_native import CACHE_NAMESPACE
 from po_backend.server.translate import biased_top, envelope, json_logprob, parse_bias
 
 router = APIRouter(route_class=BodyRoute)
@@ -98,6 +99,8 @@ def parse_completion(rt: Runtime, body: CompletionRequest) -> Completion:
         )
     if body.n not in (None, 1) or body.best_of not in (None, 1):
         raise bad("n and best_of must be 1 on the prefill-only server")
+    if body.cache_salt is not None:
+        raise bad(CACHE_NAMESPACE.format(field="cache_salt"))
     if body.suffix is not None:
         raise bad("suffix is not supported")
     if body.return_hidden_states:

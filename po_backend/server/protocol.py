@@ -12,14 +12,26 @@ handlers reject them with a 400 when set.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
 log = logging.getLogger(__name__)
 
 # Token ids are strict integers: "5" or true is a client bug, never token 5 or 1.
 IntList = list[StrictInt]
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
+# A count or a bias: what pydantic takes for one (1.0 for 1, as SGLang's and vLLM's models do),
+# but not true or false, which no client means as 1 or 0.
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class _Strict(BaseModel):
@@ -47,20 +59,20 @@ class SamplingParams(_Strict):
     answer; the one output token is always the most likely one (greedy), since sampling a
     classification answer would make it random. The rest are accepted so SGLang programs run."""
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    n: int | None = None
+    max_new_tokens: Int | None = None
+    min_new_tokens: Int | None = None
+    n: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     stop_regex: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    beam_width: int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    beam_width: Int | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -69,9 +81,9 @@ class SamplingParams(_Strict):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    stream_interval: int | None = None
-    logit_bias: dict[str, float] | None = None
-    sampling_seed: int | None = None
+    stream_interval: Int | None = None
+    logit_bias: dict[str, Float] | None = None
+    sampling_seed: Int | None = None
     custom_params: dict[str, Any] | None = None
 
 
@@ -85,14 +97,14 @@ class GenerateRequest(TolerantBody):
     input_ids: IntList | list[IntList] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
+    logprob_start_len: Int | list[Int] | None = None
+    top_logprobs_num: Int | list[Int] | None = None
     token_ids_logprob: IntList | list[IntList] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
     # Our extension: leading tokens worth keeping in the prefix cache (the shared part).
-    cache_prefix_len: int | list[int | None] | None = None
+    cache_prefix_len: Int | list[Int | None] | None = None
     # SGLang fields accepted at their defaults only (the server rejects other values).
     image_data: Any = None
     video_data: Any = None
@@ -106,8 +118,8 @@ class GenerateRequest(TolerantBody):
     log_metrics: bool = True
     modalities: Any = None
     priority: StrictInt | None = None  # scheduled by it with --enable-priority-scheduling
-    data_parallel_rank: int | None = None
-    extra_key: Any = None
+    data_parallel_rank: Int | None = None
+    extra_key: Any = None  # SGLang's cache namespace: refused when set (see sglang_native)
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
@@ -146,22 +158,23 @@ class CompletionRequest(TolerantBody):
 
     model: str | None = None
     prompt: str | list[str] | IntList | list[IntList]
-    max_tokens: int | None = None
-    logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
+    max_tokens: Int | None = None
+    logprobs: Int | None = None
+    logit_bias: dict[str, Float] | None = None
     echo: bool = False
-    n: int | None = None
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: int | None = None
+    n: Int | None = None
+    best_of: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     suffix: str | None = None
     user: str | None = None
+    cache_salt: Any = None  # vLLM's cache namespace: refused when set (see openai)
     # SGLang's completion extensions (the router sends them with these defaults).
     no_stop_trim: bool = False
     ignore_eos: bool = False

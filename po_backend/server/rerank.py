@@ -238,8 +238,15 @@ def build_call(rt: Runtime, query: str, docs: Sequence[str], instruct: str | Non
         return preset_call(rt, *preset, query, docs, instruct)
     tpl = template_for(rt)
     before, after = tpl.prompt_parts(DEFAULT_INSTRUCT if instruct is None else instruct, query)
+    # Each document's prompt is tokenized whole, the query within it: bounded before any of it,
+    # and the shared part alone tokenized and checked first.
+    rt.check_tokenize(
+        (len(docs) + 1) * (len(before) + len(after)) + sum(len(d) for d in docs),
+        f"a query of {len(query)} characters in the prompt of each of {len(docs)} documents",
+    )
     head = before.rstrip()
     shared = rt.encode(head, add_special_tokens=tpl.add_special_tokens)
+    rt.check_prompt_ids(shared, "query (in the rerank template)")
     texts = [before + d + after for d in docs]
     try:
         label_ids = label_continuations(
@@ -341,6 +348,7 @@ def top(ranked: Sequence[Ranked], n: int | None) -> list[Ranked]:
 async def sglang_rerank(body: SGLangRerankBody, request: Request, rt: RuntimeDep) -> JSONResponse:
     """SGLang's shape: a JSON list of `{score, document?, index, meta_info}`, best first (the
     SGLang router builds its own reply from exactly this)."""
+    rt.check_items(len(body.documents), "documents")
     query = body.query if isinstance(body.query, str) else document_text(body.query)
     docs = [document_text(d) for d in body.documents]
     ranked = await rerank(rt, request, query, docs, body.instruct, body.priority)
@@ -359,9 +367,10 @@ async def sglang_rerank(body: SGLangRerankBody, request: Request, rt: RuntimeDep
 async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep) -> dict[str, Any]:
     """vLLM/Jina's and Cohere v2's shape: `{id, model, usage, results: [{index, relevance_score,
     document?}]}`, best first."""
+    rt.check_items(len(body.documents), "documents")  # before anything is truncated
     docs = [document_text(d) for d in body.documents]
     if body.max_tokens_per_doc is not None:
-        docs = [_truncate(rt, d, body.max_tokens_per_doc) for d in docs]
+        docs = await rt.parse(_truncate_all, rt, docs, body.max_tokens_per_doc)
     ranked = await rerank(rt, request, body.query, docs, body.instruct, body.priority)
     results = []
     for r in top(ranked, body.top_n):
@@ -382,7 +391,12 @@ def sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
+def _truncate_all(rt: Runtime, docs: Sequence[str], max_tokens: int) -> list[str]:
+    """Cohere's `max_tokens_per_doc`: each document's first tokens, as text (on the parse pool:
+    the tokenizer's work, like every other)."""
+    return [_truncate(rt, d, max_tokens) for d in docs]
+
+
 def _truncate(rt: Runtime, doc: str, max_tokens: int) -> str:
-    """Cohere's `max_tokens_per_doc`: the document's first tokens, as text."""
     ids = rt.encode(doc, add_special_tokens=False)
     return doc if len(ids) <= max_tokens else rt.decode(ids[:max_tokens])

@@ -217,6 +217,7 @@ def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
         return _text_score_requests(rt, query, cast(list[str], items), labels, body.item_first)
     if items and not all(isinstance(x, list) for x in items):
         raise bad("a token-id query needs token-id items")
+    rt.check_prompt_ids(query, "query")  # once, not once per item
     reqs = []
     for item, label_ids in zip(items, labels, strict=True):
         q, it = tuple(query), tuple(cast(list[int], item))
@@ -245,7 +246,14 @@ def _score_labels(label_token_ids: list[int] | list[list[int]], n_items: int) ->
 def _text_score_requests(
     rt: Runtime, query: str, items: Sequence[str], labels: Sequence[tuple[int, ...]], item_first: bool
 ) -> list[ScoreRequest]:
-    prefix_ids = rt.encode(query) if not item_first else None
+    # Each prompt is tokenized whole (the tokens a direct computation uses), so the query is
+    # tokenized once per item: the total is bounded before any of it, and the query alone is
+    # tokenized and checked first, so one too long is refused without touching the items.
+    chars = (len(items) + 1) * len(query) + sum(len(x) for x in items) * (2 if item_first else 1)
+    rt.check_tokenize(chars, f"a query of {len(query)} characters with each of {len(items)} items")
+    query_ids = rt.encode(query, add_special_tokens=not item_first)
+    rt.check_prompt_ids(query_ids, "query")
+    prefix_ids = query_ids if not item_first else None
     reqs = []
     for item, label_ids in zip(items, labels, strict=True):
         ids = rt.encode_prompt(f"{item}{query}" if item_first else f"{query}{item}")
@@ -263,6 +271,7 @@ def parse_generative(rt: Runtime, body: GenerativeScoringBody) -> list[ScoreRequ
     rt.check_items(len(body.items), "items")
     rt.check_logprobs(len(body.items) * len(labels))
     q = tuple(body.query) if isinstance(body.query, list) else rt.encode(body.query, body.add_special_tokens)
+    rt.check_prompt_ids(q, "query")  # once, before any item
     reqs = []
     for item in body.items:
         it = tuple(item) if isinstance(item, list) else rt.encode(item, add_special_tokens=False)
@@ -318,9 +327,9 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
             raise bad(
                 f"a label of {len(label)} characters is longer than {max_tokens} tokens (--max-label-tokens)"
             )
-    prompts = _classify_prompts(rt, body)
-    if not prompts:
-        raise bad("prompt is empty")
+    p = body.prompt
+    n_prompts = 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)
+    rt.check_queue(n_prompts)  # before any tokenizing: never fits, whatever the labels' tokens
 
     def encode(text: str) -> tuple[int, ...]:
         return rt.encode(text, add_special_tokens=False)
@@ -328,9 +337,8 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
     # A label's tokens depend on the prompt's tail only: prompts ending alike (a template's
     # "Answer:") share one tokenizing of the labels per call.
     by_tail: dict[str, LabelIds] = {}
-    items = []
-    for ids, text, shared in prompts:
-        tail = (text if text is not None else rt.decode(ids[-_TAIL_TOKENS:]))[-ANCHOR_CHARS:]
+
+    def labels_after(tail: str) -> LabelIds:
         label_ids = by_tail.get(tail)
         if label_ids is None:
             try:
@@ -343,6 +351,21 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
                 raise bad(
                     f"a label has {longest} tokens, more than the limit of {max_tokens} (--max-label-tokens)"
                 )
+        return label_ids
+
+    if isinstance(p, list) and len(p) > 1 and isinstance(p[0], str):
+        # Labels of several tokens take one prefill each per prompt: known from the first prompt's
+        # labels, checked against the queue before any other prompt or label is tokenized.
+        if single_tokens(labels_after(p[0][-ANCHOR_CHARS:])) is None:
+            rt.check_queue(n_prompts * len(body.labels))
+    prompts = _classify_prompts(rt, body)
+    if not prompts:
+        raise bad("prompt is empty")
+    items = []
+    for ids, text, shared in prompts:
+        label_ids = labels_after(
+            (text if text is not None else rt.decode(ids[-_TAIL_TOKENS:]))[-ANCHOR_CHARS:]
+        )
         # One next-token distribution when every label is its own single token; otherwise one
         # prefill per label over prompt + label (the prompt cached by the first).
         multi = single_tokens(label_ids) is None

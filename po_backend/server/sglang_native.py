@@ -5,8 +5,10 @@ and `meta_info`, so `sgl.RuntimeEndpoint` and SGLang's router speak to us unchan
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +21,19 @@ from po_backend.core.errors import PrefillOnlyError
 from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.server.body import BodyRoute
 from po_backend.server.context import VERSION, Runtime, RuntimeDep, sse
-from po_backend.server.errors import bad
+from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import GenerateRequest, SamplingParams
 from po_backend.server.translate import biased_top, parse_bias, per_item, unique
 
 router = APIRouter(route_class=BodyRoute)
 
-MAX_INPUT_ID_CELLS = 1 << 20  # token_ids_logprob values at prompt positions, per prompt
+MAX_INPUT_ID_CELLS = 1 << 20
+# SGLang's extra_key and vLLM's cache_salt promise that one caller's prefix-cache entries never
+# serve (or reveal, through cached_tokens) another's; one shared cache cannot keep that promise.
+CACHE_NAMESPACE = (
+    "{field} is not supported: this server keeps one prefix cache for all its callers and cannot "
+    "keep a caller's cached prefixes apart (run a server per tenant instead)"
+)  # token_ids_logprob values at prompt positions, per prompt
 
 # Fields of SGLang's GenerateReqInput a prefill-only text server cannot honour: 400 when set
 # (`lora_path` is honoured: `Runtime.run` reads it, see server/adapters.py).
@@ -140,12 +148,35 @@ def server_info(rt: RuntimeDep) -> dict[str, Any]:
 # POST only (SGLang also answers GET): a cross-site page can make a browser send a GET to a
 # keyless loopback server, and a flush is not a read.
 @router.post("/flush_cache")
-async def flush_cache(rt: RuntimeDep) -> Response:
+async def flush_cache(request: Request, rt: RuntimeDep) -> Response:
+    check_admin(request, rt)
     try:
         await asyncio.to_thread(rt.service.flush_cache)
     except PrefillOnlyError as e:
         return PlainTextResponse(f"Cache not flushed: {e}\n", status_code=400)
     return PlainTextResponse("Cache flushed.\n")
+
+
+def check_admin(request: Request, rt: Runtime) -> None:
+    """A control-plane call (a flush drops every tenant's cache): with --admin-api-key only with
+    that key; and never from another site's page (a browser sends `Origin` on a cross-site POST,
+    which a form on a keyless loopback server could otherwise send)."""
+    origin = request.headers.get("origin")
+    if origin is not None:
+        try:
+            same = urllib.parse.urlsplit(origin).netloc == request.headers.get("host", "")
+        except ValueError:
+            same = False
+        if not same:
+            raise HTTPError(403, f"{request.url.path} is not answered to another site's page (Origin {origin})",
+                            "PermissionDeniedError")  # fmt: skip
+    admin = rt.args.admin_api_key
+    if admin:
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin.encode()):
+            raise HTTPError(
+                403, f"{request.url.path} needs the admin key (--admin-api-key)", "PermissionDeniedError"
+            )
 
 
 # ---- /generate: parse ---------------------------------------------------------------------------
@@ -156,6 +187,8 @@ def parse_generate(rt: Runtime, body: GenerateRequest) -> tuple[list[GenItem], b
     for name in _UNSUPPORTED:
         if getattr(body, name) is not None:
             raise bad(f"{name} is not supported by the prefill-only server")
+    if body.extra_key is not None:
+        raise bad(CACHE_NAMESPACE.format(field="extra_key"))
     if (body.text is None) == (body.input_ids is None):
         raise bad("send exactly one of text and input_ids")
     if body.text is not None:

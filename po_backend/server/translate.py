@@ -5,6 +5,7 @@ No tokenizer and no I/O; bad input raises a 400 `HTTPError`."""
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from typing import Any
 from po_backend.core.request import ScoreResult
 from po_backend.server.errors import bad
 
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; SGLang and vLLM clamp to this value too
 
 
@@ -46,10 +48,11 @@ def parse_bias(bias: dict[str, float] | None, vocab_size: int, where: str, limit
         raise bad(f"{where} has {len(bias)} entries, more than the limit of {limit} (--max-logit-bias)")
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise bad(f"{where} keys must be token ids, got {key!r}") from None
+        # A token id written the one way OpenAI writes it: int() would also take " 5", "5_0" and
+        # other scripts' digits, and "5" with "05" would fold into one entry.
+        if not _TOKEN_KEY.fullmatch(key):
+            raise bad(f"{where} keys must be token ids in decimal digits without leading zeros, got {key!r}")
+        token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise bad(f"{where} token id {token_id} is outside the vocabulary [0, {vocab_size})")
         if not math.isfinite(value) or not -100 <= value <= 100:

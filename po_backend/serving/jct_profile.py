@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from po_backend.core.cpu import cpu_model
-from po_backend.core.fs import cache_root, file_lock, write_atomic
+from po_backend.core.fs import file_lock, private_cache_dir, write_atomic
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
 from po_backend.sched.jct import FEATURES, PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample, features
@@ -237,8 +236,7 @@ def profile_key(engine: Engine, grid: ProfileGrid = DEFAULT_GRID) -> dict[str, A
 
 
 def profile_dir() -> Path:
-    env = os.environ.get(JCT_CACHE_ENV)
-    return Path(env) if env else cache_root() / "jct"
+    return private_cache_dir("jct", what="JCT profiles", env=JCT_CACHE_ENV)
 
 
 def profile_path(key: dict[str, Any], root: Path | None = None) -> Path:

@@ -192,6 +192,7 @@ def run(job: Job) -> Summary:
     bad: list[BadRow] = []
     for item in read_rows(job.input, task.required, text=task.text_fields):
         (rows if isinstance(item, Row) else bad).append(item)  # type: ignore[arg-type]
+    store.check_ours(paths)  # before the lock file, which would be left beside a file not ours
     with store.exclusive(paths):
         store.remove_stale_temporaries(paths)
         done, dropped = store.load_records(paths.records)

@@ -71,6 +71,27 @@ def load_records(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
     return records, dropped
 
 
+def check_ours(paths: Paths) -> None:
+    """Refuse (UsageError, nothing changed) an output this tool did not write: a records file
+    with a complete line that is not a label record (a torn last line is a killed run's), or a
+    CSV / Parquet output with no records file beside it. Only reads: the records file is replaced
+    whole, so a run holding the lock never shows it half written."""
+    if paths.output != paths.records and paths.output.exists() and not paths.records.exists():
+        raise UsageError(
+            f"{paths.output} exists and was not written by prefillonly label (there is no "
+            f"{paths.records.name} beside it); nothing was changed. Choose another --output"
+        )
+    if not paths.records.exists():
+        return
+    with paths.records.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.endswith(b"\n") and _parse_record(raw) is None:
+                raise UsageError(
+                    f"{paths.records} is not a records file of prefillonly label (line {n} is not a "
+                    "label record); nothing was changed. Choose another --output"
+                )
+
+
 def _parse_record(raw: bytes) -> dict[str, Any] | None:
     try:
         rec = json.loads(raw)

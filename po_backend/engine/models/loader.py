@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
-from po_backend.core.fs import cache_root, file_lock
+from po_backend.core.fs import cache_root, file_lock, private_dir
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import model_class
@@ -61,7 +61,10 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
 def converted_gguf_dir(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / f"{gguf.stem}-{key}"
+    # A converted model is loaded from here as it is found: only from folders nobody else may write.
+    target = private_dir(cache_root(), "model conversions") / f"{gguf.stem}-{key}"
+    if target.exists():
+        private_dir(target, "model conversions")
     if (target / "config.json").is_file():
         return target
     # Workers started together convert once: the others wait and find it done.

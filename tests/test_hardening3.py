@@ -1,0 +1,508 @@
+"""The third hardening round, against a live server with the default --max-input-len (the tiny
+model's context, 1,024) and a live cluster: no cheap call buys minutes of tokenizer CPU (a shared
+query tokenized once and checked before its items, a per-call bound on tokenizer input, work
+stopped for a client that left), limits checked before any tokenizing, idle sockets that lock
+nobody out, no data key that opens the router's control plane, children that die with their
+launcher, no prefix-cache namespace promised that the server cannot keep, /flush_cache closed to
+other sites' pages, output files and cache folders that are not ours refused, strict parsing.
+
+What a hostile call costs the server is read from its own counter of tokenizer input
+(`po_tokenized_chars_total`), not from wall time; what a well-behaved client sees meanwhile (a
+small /generate and /health from other threads) is held to a bound far above their normal
+milliseconds, on the best of a few attempts (a loaded machine's hiccup is not the server's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from po_backend.core.request import ScoreResult
+from tests.server_utils import REPO_ROOT, FakeService, ServerProcess, error_message, metric, poll_until
+from tests.test_hardening2 import _post
+
+T = TypeVar("T")
+
+# A 3-token /generate on the tiny model takes milliseconds; the calls below made one wait 47 s.
+SMALL_CALL_BOUND_S = 2.0
+HEALTH_BOUND_S = 0.5
+ATTEMPTS = 3
+SMALL = {"input_ids": [5, 6, 7]}
+
+
+@pytest.fixture(scope="module")
+def server(tokenized_llama: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(
+        ["--model-path", str(tokenized_llama), "--dtype", "fp32", "--log-level", "warning"]
+    ) as proc:
+        yield proc
+
+
+def tokenized(url: str) -> float:
+    return metric(url, "po_tokenized_chars_total")
+
+
+def while_probed(url: str, call: Callable[[], T]) -> tuple[T, float, float]:
+    """`call()`'s result, and the slowest /health and small /generate answers another client got
+    while it ran (probing back to back from another thread, at least once each)."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    health = generate = 0.0
+    with httpx.Client(base_url=url, timeout=60) as prober:
+        prober.get("/health")  # the connection is open before the call starts
+        worker.start()
+        probes = 0
+        while worker.is_alive() or probes == 0:
+            t0 = time.perf_counter()
+            assert prober.get("/health").status_code == 200
+            t1 = time.perf_counter()
+            assert prober.post("/generate", json=SMALL).status_code == 200
+            t2 = time.perf_counter()
+            health, generate = max(health, t1 - t0), max(generate, t2 - t1)
+            probes += 1
+    worker.join()
+    if errors:
+        raise errors[0]
+    return result[0], health, generate
+
+
+def words(n_chars: int, seed: int = 0) -> str:
+    """Text of about `n_chars` characters that the tiny tokenizer splits into many tokens."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < n_chars:
+        w = f"w{rng.randrange(10**6)}"
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n_chars]
+
+
+QUERY_OVER = words(30_000)  # ~26,000 tokens: far over 1,024, under the 32-characters-per-token bound
+PLAIN = " ".join(random.Random(1).choice(["cat", "dog", "video", "user", "likes"]) for _ in range(2200))
+BIG = 10**6  # outside the tiny vocabulary
+
+HOSTILE = [
+    # (what, path, body, status, text in the message, the most characters it may tokenize)
+    ("a /v1/score query over max_input_len with 128 items", "/v1/score",
+     {"query": QUERY_OVER, "items": ["a"] * 128, "label_token_ids": [5, 6]}, 400, "max_input_len", len(QUERY_OVER)),
+    ("the same with item_first", "/v1/score",
+     {"query": QUERY_OVER, "items": ["a"] * 128, "label_token_ids": [5, 6], "item_first": True},
+     400, "max_input_len", len(QUERY_OVER)),
+    ("a /v1/rerank query over max_input_len with 64 documents", "/v1/rerank",
+     {"query": QUERY_OVER, "documents": ["a document"] * 64}, 400, "max_input_len", len(QUERY_OVER) + 2000),
+    ("a /generative_scoring query over max_input_len", "/generative_scoring",
+     {"query": QUERY_OVER, "items": ["a"] * 1024, "label_token_ids": [5, 6]}, 400, "max_input_len", len(QUERY_OVER)),
+    ("a /v1/score over --max-tokenize-chars", "/v1/score",
+     {"query": PLAIN, "items": ["a"] * 1024, "label_token_ids": [5, 6]}, 413, "--max-tokenize-chars", 0),
+    ("200,000 documents to truncate", "/rerank",
+     {"query": "q", "documents": ["w"] * 200_000, "max_tokens_per_doc": 1}, 413, "--max-items-per-request", 0),
+    ("1,024 prompts x 64 labels of several tokens", "/v1/classify",
+     {"prompt": [f"Post {i}: hello\nAnswer:" for i in range(1024)],
+      "labels": [f"label number {i}" for i in range(64)]}, 413, "--max-queue", 64 * (64 + 20) + 64),
+    ("a token-id query with an id outside the vocabulary, 1,024 items", "/v1/score",
+     {"query": [5] * 999 + [BIG], "items": [[7]] * 1024, "label_token_ids": [5, 6]}, 400, "query token ids outside", 0),
+    ("a token-id query of 1,000 ids x 1,024 items, the last item outside the vocabulary", "/v1/score",
+     {"query": [5] * 1000, "items": [[7]] * 1023 + [[BIG]], "label_token_ids": [5, 6]}, 400, "outside the vocabulary", 0),
+    ("logit_bias key ' 5'", "/generate",
+     {**SMALL, "sampling_params": {"logit_bias": {" 5": 1.0}}}, 400, "logit_bias keys", 0),
+    ("logit_bias key of an Arabic-Indic five", "/generate",
+     {**SMALL, "sampling_params": {"logit_bias": {"\u0665": 1.0}}}, 400, "logit_bias keys", 0),
+    ("logit_bias key '5_0'", "/generate",
+     {**SMALL, "sampling_params": {"logit_bias": {"5_0": 1.0}}}, 400, "logit_bias keys", 0),
+    ("logit_bias keys '5' and '05'", "/v1/completions",
+     {"prompt": [5, 6, 7], "max_tokens": 1, "logit_bias": {"5": 1.0, "05": 2.0}}, 400, "logit_bias keys", 0),
+    ("logit_bias value true", "/generate",
+     {**SMALL, "sampling_params": {"logit_bias": {"5": True}}}, 400, "logit_bias", 0),
+    ("max_new_tokens true", "/generate",
+     {**SMALL, "sampling_params": {"max_new_tokens": True}}, 400, "max_new_tokens", 0),
+    ("top_logprobs_num true", "/generate",
+     {**SMALL, "return_logprob": True, "top_logprobs_num": True}, 400, "top_logprobs_num", 0),
+    ("logprobs true", "/v1/completions",
+     {"prompt": [5, 6, 7], "max_tokens": 1, "logprobs": True}, 400, "logprobs", 0),
+    ("max_tokens true", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": True}, 400, "max_tokens", 0),
+    ("SGLang's extra_key", "/generate", {**SMALL, "extra_key": "tenantB"}, 400, "extra_key", 0),
+    ("vLLM's cache_salt", "/v1/completions",
+     {"prompt": [5, 6, 7], "max_tokens": 1, "cache_salt": "tenantB"}, 400, "cache_salt", 0),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("what", "path", "body", "status", "text", "max_chars"), HOSTILE, ids=[h[0] for h in HOSTILE]
+)
+def test_hostile_call_is_refused_cheaply_while_others_are_served(
+    server: ServerProcess, what: str, path: str, body: Any, status: int, text: str, max_chars: int
+) -> None:
+    slowest = []
+    for _ in range(ATTEMPTS):
+        before = tokenized(server.url)
+        r, health, generate = while_probed(server.url, lambda: _post(server.url, path, body))
+        assert r.status_code == status, r.text[:300]
+        assert text in error_message(r), error_message(r)
+        spent = tokenized(server.url) - before
+        assert spent <= max_chars, f"{what}: {spent:.0f} characters tokenized, at most {max_chars} expected"
+        slowest.append((health, generate))
+        if health < HEALTH_BOUND_S and generate < SMALL_CALL_BOUND_S:
+            break
+    assert min(h for h, _ in slowest) < HEALTH_BOUND_S and min(g for _, g in slowest) < SMALL_CALL_BOUND_S, (
+        f"/health, small /generate took {[(round(h * 1e3), round(g * 1e3)) for h, g in slowest]} ms during: {what}"
+    )
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_stops_its_tokenizing(server: ServerProcess) -> None:
+    """A call within every limit whose parse takes seconds (a 1,200-character query tokenized with
+    each of 1,024 items, 1.2 M characters): its client gives up after 1 s, and the server stops
+    tokenizing for it instead of finishing the parse and queueing 1,024 prefills."""
+    query = PLAIN[:1200]
+    body = {"query": query, "items": ["a"] * 1024, "label_token_ids": [5, 6]}
+    full = 1025 * len(query) + 1024
+    before = tokenized(server.url)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/score", json=body, timeout=1.0)
+    seen: list[float] = []
+
+    def settled() -> bool:
+        seen.append(tokenized(server.url))
+        return len(seen) > 10 and seen[-1] == seen[-11]  # unchanged over ten polls
+
+    poll_until(settled, "the server's tokenizer input stops growing", interval=0.1)
+    spent = seen[-1] - before
+    assert spent < full / 2, f"{spent:.0f} of {full} characters tokenized after the client left"
+    assert httpx.post(server.url + "/generate", json=SMALL, timeout=30).status_code == 200
+
+
+IDLE_CONNECTIONS = 2100  # above the former default limit of 2,048 connections
+
+
+@pytest.mark.slow
+def test_idle_connections_lock_nobody_out(server: ServerProcess) -> None:
+    """Thousands of connections that sent one GET /health and then idle: calls and /health keep
+    being answered while they are held, and the server closes them within its keep-alive."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(IDLE_CONNECTIONS):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            socks.append(s)
+        for s in socks:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                chunk = s.recv(4096)
+                assert chunk, "closed before answering"
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200"), got[:80]
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert httpx.post(server.url + "/generate", json=SMALL, timeout=30).status_code == 200
+        for s in socks:
+            s.setblocking(False)
+
+        def closed(s: socket.socket) -> bool:
+            try:
+                return s.recv(1) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+
+        open_ = list(socks)
+
+        def all_closed() -> bool:
+            open_[:] = [s for s in open_ if not closed(s)]
+            return not open_
+
+        poll_until(all_closed, "the server closes idle keep-alive connections", timeout=30, interval=0.2)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_calls_in_flight_are_limited_and_health_never_is() -> None:
+    """--max-concurrent-requests counts calls, not sockets; /health is outside it."""
+    from po_backend.core.errors import DrainingError
+    from po_backend.server import ServerArgs, Settings, create_app
+
+    service = FakeService()  # takes requests and never answers them
+    app = create_app(service, ServerArgs(engine=Settings(model_path="m"), max_concurrent_requests=2))
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as client:
+            held = [asyncio.ensure_future(client.post("/generate", json=SMALL)) for _ in range(2)]
+            while len(service.pending) < 2:
+                await asyncio.sleep(0.01)
+            r = await client.post("/generate", json=SMALL)
+            assert r.status_code == 503 and "--max-concurrent-requests" in error_message(r)
+            assert r.headers["retry-after"]
+            assert (await client.get("/health")).status_code == 200
+            service.abandon_waiting(DrainingError("done"))
+            assert [x.status_code for x in await asyncio.gather(*held)] == [503, 503]
+            # The slots are free again: the next call is taken (queued), not refused.
+            again = asyncio.ensure_future(client.post("/generate", json=SMALL))
+            while len(service.pending) < 3:
+                await asyncio.sleep(0.01)
+            service.abandon_waiting(DrainingError("done"))
+            assert "--max-concurrent-requests" not in error_message(await again)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_tokenizer_input_is_bounded_as_a_call_tokenizes(tokenized_llama: Path) -> None:
+    """Where the total is not known before tokenizing (a classify call's labels after each prompt
+    ending), --max-tokenize-chars is counted as the call goes: a 413, and no more tokenized."""
+    from transformers import AutoTokenizer
+
+    from po_backend.server import ServerArgs, Settings, create_app
+
+    tok = AutoTokenizer.from_pretrained(tokenized_llama)
+    answer = lambda r: ScoreResult([-1.0] * len(r.label_token_ids), [(7, -0.5)], prompt_tokens=3)  # noqa: E731
+    service = FakeService(answer=answer, tokenizer=tok, vocab_size=len(tok))
+    app = create_app(service, ServerArgs(engine=Settings(model_path="m"), max_tokenize_chars=2000))
+    body = {"prompt": [f"Post {i}: hello\nAnswer:" for i in range(40)], "labels": ["yes", "no"]}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/classify", json=body)
+        assert r.status_code == 413 and "--max-tokenize-chars" in error_message(r), r.text
+        spent = app.state.runtime.metrics.registry.get_sample_value("po_tokenized_chars_total")
+        assert spent <= 2000
+        body["prompt"] = body["prompt"][:5]
+        assert client.post("/v1/classify", json=body).status_code == 200
+
+
+# ---- /flush_cache ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_flush_cache_is_closed_to_another_sites_page(server: ServerProcess) -> None:
+    body = {"input_ids": list(range(5, 45)), "cache_prefix_len": 39}
+
+    def cached() -> int:
+        r = httpx.post(server.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return int(r.json()["meta_info"]["cached_tokens"])
+
+    cached()
+    assert cached() > 0
+    # What a form on another site makes a browser send to a keyless loopback server.
+    form = {"Origin": "http://evil.example", "Content-Type": "application/x-www-form-urlencoded"}
+    r = httpx.post(server.url + "/flush_cache", headers=form, content=b"x=1", timeout=30)
+    assert r.status_code == 403 and "Origin" in error_message(r)
+    assert cached() > 0  # the neighbour's cache is still there
+    r = httpx.post(server.url + "/flush_cache", headers={"Origin": server.url}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert cached() == 0
+
+
+def test_flush_cache_takes_the_admin_key_only() -> None:
+    from po_backend.server import ServerArgs, Settings, create_app
+
+    answer = lambda r: ScoreResult([-1.0] * len(r.label_token_ids), [(1, -0.5)], prompt_tokens=3)  # noqa: E731
+    args = ServerArgs(engine=Settings(model_path="m"), api_key="data-key", admin_api_key="admin-key")
+    with TestClient(create_app(FakeService(answer=answer), args), raise_server_exceptions=False) as client:
+        data, admin = ({"Authorization": f"Bearer {k}"} for k in ("data-key", "admin-key"))
+        assert client.post("/flush_cache").status_code == 401
+        r = client.post("/flush_cache", headers=data)
+        assert r.status_code == 403 and "--admin-api-key" in error_message(r)
+        assert client.post("/flush_cache", headers=admin).status_code == 200
+        assert client.post("/generate", json=SMALL, headers=data).status_code == 200
+        info = client.get("/server_info", headers=data)
+        assert info.status_code == 200 and "admin-key" not in info.text and "data-key" not in info.text
+
+
+# ---- decoding never waits for the shared tokenizer ------------------------------------------------
+
+
+def test_answers_decode_while_a_long_tokenization_holds_the_tokenizer(tokenized_llama: Path) -> None:
+    """A token-id /generate decodes its answer while another call's tokenizing holds the shared
+    tokenizer's lock (held here by the test itself, for as long as it likes)."""
+    from po_backend.serving.runtime import LockedTokenizer, tokenizer_lock
+    from transformers import AutoTokenizer
+
+    from po_backend.server import ServerArgs, Settings, create_app
+
+    tok = AutoTokenizer.from_pretrained(tokenized_llama)
+    answer = lambda r: ScoreResult([], [(7, -0.5)], prompt_tokens=len(r.input_ids))  # noqa: E731
+    service = FakeService(answer=answer, tokenizer=LockedTokenizer(tok), vocab_size=len(tok))
+    with TestClient(create_app(service, ServerArgs(engine=Settings(model_path="m")))) as client:
+        got: list[httpx.Response] = []
+        with tokenizer_lock(tok):
+            worker = threading.Thread(target=lambda: got.append(client.post("/generate", json=SMALL)))
+            worker.start()
+            worker.join(30)
+            done = not worker.is_alive()
+        worker.join()
+    assert done, "the answer waited for the tokenizer lock"
+    assert got[0].status_code == 200 and got[0].json()["text"] == tok.decode([7])
+
+
+# ---- cache folders ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_profile_folder_others_may_write_is_refused(tokenized_llama: Path, tmp_path: Path) -> None:
+    planted = tmp_path / "jct"
+    planted.mkdir()
+    planted.chmod(0o777)
+    proc = ServerProcess(
+        ["--model-path", str(tokenized_llama), "--dtype", "fp32", "--log-level", "warning"],
+        env={"PREFILLONLY_JCT_CACHE": str(planted)},
+    )
+    proc.start()
+    with pytest.raises(RuntimeError, match="writable by other users"):
+        proc.wait_ready()
+
+
+def test_conversion_and_memory_folders_others_may_write_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from po_backend.core.fs import UnsafeCacheError
+    from po_backend.engine.memory import MEMORY_CACHE_ENV, profiled_peaks
+    from po_backend.engine.models import loader
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o777)
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(root))
+    converted: list[Path] = []
+
+    def convert(_: Path, target: Path) -> None:  # what a conversion leaves: a folder with a config
+        target.mkdir(mode=0o700)
+        (target / "config.json").write_text(json.dumps({"max_position_embeddings": 1234}))
+        converted.append(target)
+
+    monkeypatch.setattr(loader, "_convert", convert)
+    with pytest.raises(UnsafeCacheError, match="writable by other users"):
+        loader.converted_gguf_dir(gguf)  # refused before anything is read or converted
+    assert converted == []
+    root.chmod(0o700)
+    target = loader.converted_gguf_dir(gguf)
+    assert converted == [target]
+    target.chmod(0o777)  # now anyone could have planted its config.json
+    with pytest.raises(UnsafeCacheError, match="writable by other users"):
+        loader.converted_gguf_dir(gguf)
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    memory.chmod(0o757)
+    monkeypatch.setenv(MEMORY_CACHE_ENV, str(memory))
+    with pytest.raises(UnsafeCacheError, match="writable by other users"):
+        profiled_peaks({"k": 1}, lambda: [1])
+
+
+# ---- prefillonly label ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_label_refuses_an_output_it_did_not_write(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from po_lang.label import main as label_main
+
+    data = tmp_path / "reviews.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "text": f"review {i} was fine"}) + "\n" for i in range(3)))
+    args = ["--server", server.url, "--labels", "Yes,No", "--calibrate", "none", "--no-progress"]
+    customers = tmp_path / "customers.jsonl"
+    customers.write_text("".join(json.dumps({"customer": i, "email": f"c{i}@x"}) + "\n" for i in range(1000)))
+    report = tmp_path / "report.csv"
+    report.write_text("quarter,revenue\nQ1,100\n")
+    for foreign in (customers, report):
+        before = foreign.read_bytes()
+        assert label_main([str(data), "-o", str(foreign), *args]) == 2
+        err = capsys.readouterr().err
+        assert (
+            "not a records file of prefillonly label" in err or "not written by prefillonly label" in err
+        ), err
+        assert foreign.read_bytes() == before
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(foreign.name)) == [foreign.name]
+    # Its own records file is resumed as before.
+    own = tmp_path / "own.jsonl"
+    assert label_main([str(data), "-o", str(own), *args]) == 0
+    assert label_main([str(data), "-o", str(own), *args]) == 0
+    assert "3 from an earlier run" in capsys.readouterr().out
+
+
+# ---- launch_cluster: the admin key is never the data key; children die with the launcher --------------
+
+
+@pytest.mark.slow
+def test_cluster_control_plane_needs_its_own_key_and_children_die_with_the_launcher(
+    tokenized_llama: Path, tmp_path: Path
+) -> None:
+    import psutil
+
+    from po_backend.entrypoints import spawn
+
+    key = "data-key-789"
+    port = spawn.free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "po_backend.entrypoints.launch_cluster",
+        "--model-path",
+        str(tokenized_llama),
+    ]
+    cmd += ["--port", str(port), "--workers", "1", "--dtype", "fp32"]
+    env = {k: v for k, v in os.environ.items() if k != "PREFILLONLY_ROUTER_ADMIN_KEY"}
+    env |= {"PREFILLONLY_API_KEY": key, "PREFILLONLY_CACHE": str(tmp_path / "cache")}
+    launcher = spawn.ServerProcess(
+        cmd, f"http://127.0.0.1:{port}", env=env, cwd=REPO_ROOT, health_path="/get_model_info"
+    )
+    launcher.start()
+    assert launcher.proc is not None
+    children: list[psutil.Process] = []
+    try:
+        launcher.wait_ready(240, headers={"Authorization": f"Bearer {key}"})
+        children = psutil.Process(launcher.proc.pid).children(recursive=True)
+        url = launcher.url
+        key_file = tmp_path / "cache" / "router" / f"admin-key-{port}"
+        assert str(key_file) in launcher.log_text(20_000)
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        admin = key_file.read_text().strip()
+        assert admin and admin != key
+        data = {"Authorization": f"Bearer {key}"}
+        fake = {"url": "http://127.0.0.1:1"}
+        for headers in ({}, data):
+            r = httpx.post(url + "/workers", json=fake, headers=headers, timeout=30)
+            assert r.status_code in (401, 403), (headers, r.status_code, r.text)
+            assert httpx.post(url + "/flush_cache", headers=headers, timeout=30).status_code in (401, 403)
+        r = httpx.post(url + "/flush_cache", headers={"Authorization": f"Bearer {admin}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert httpx.post(url + "/generate", json=SMALL, headers=data, timeout=60).status_code == 200
+        # kill -9: no SIGTERM handler runs, nothing is stopped by the launcher itself.
+        launcher.proc.send_signal(signal.SIGKILL)
+        launcher.proc.wait()
+
+        def gone() -> bool:
+            return not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+
+        poll_until(gone, "the workers and the router exit with their launcher", timeout=30)
+    finally:
+        for child in children:
+            if child.is_running():
+                child.kill()
+        if launcher.proc.poll() is None:
+            launcher.proc.kill()
+            launcher.proc.wait()
