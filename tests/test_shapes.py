@@ -151,3 +151,15 @@ def test_real_vocabulary_gets_the_embedded_tokenizer(monkeypatch: pytest.MonkeyP
     ids = engine.tokenizer.encode("Will the user engage with this post? Your answer is: Yes")
     assert max(ids) < 49152 and len(ids) < 20  # BPE, not bytes
     assert len(engine.score([ids], [5])[0].logprobs) == 1
+
+
+def test_transformers_baseline_takes_a_shape_path() -> None:
+    from po_backend.core.request import ScoreRequest
+    from po_backend.engine.hf_scorer import HFScorer
+
+    path = f"shape:qwen2.5-1.5b?{TINY}"
+    hf = HFScorer.from_pretrained(path, dtype="fp32", device="cpu")
+    ours = Engine.from_pretrained(path, dtype="fp32")
+    ids = list(range(10, 60))
+    a, b = hf.score(ScoreRequest(tuple(ids), (5,))).logprobs, ours.score([ids], [5])[0].logprobs
+    assert abs(a[0] - b[0]) <= 1e-4
