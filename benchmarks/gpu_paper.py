@@ -134,7 +134,7 @@ def free(device: torch.device) -> None:
 
 
 def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError | MemoryError) or "out of memory" in str(e).lower()
+    return isinstance(e, torch.cuda.OutOfMemoryError | MemoryError) or "out of memory" in str(e).lower()
 
 
 # ---- Table 2: maximum input length ------------------------------------------------------------------
@@ -211,10 +211,9 @@ def hf_model(args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) ->
             resolve_model_dir(args.model), dtype=dtype
         ).eval()
     name, overrides = shapes.parse(args.model) or ("", {})
-    with torch.device(dev):
-        return transformers.AutoModelForCausalLM.from_config(
-            shapes.hf_config(name, overrides), dtype=dtype
-        ).eval()
+    with torch.device(dev):  # initialised where it lives; .to is a no-op then
+        model = transformers.AutoModelForCausalLM.from_config(shapes.hf_config(name, overrides), dtype=dtype)
+    return model.to(dev).eval()
 
 
 def hf_forward(model: Any, config: str, ids: torch.Tensor) -> None:
@@ -453,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_config": repr(mcfg),
     }
 
-    print("\nTable 2: maximum input length")
+    print("\nTable 2: maximum input length" + f" [{time.perf_counter() - t0:.0f} s]")
     mil: dict[str, Any] = {}
     wanted = args.mil_configs.split(",")
     for c in (c for c in MIL_CONFIGS if c in wanted and not c.startswith("hf")):
@@ -469,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     pool = harness.pool_tokens(work["WL1"], args.cache_profiles)
     grid = SMALL_GRID if args.rehearsal else DEFAULT_GRID
     steps: dict[str, JCTModel] = {}
-    print(f"\nJCT profiles (longest request {longest} tokens, prefix pool {pool} tokens)")
+    print(
+        f"\n[{time.perf_counter() - t0:.0f} s] JCT profiles (longest request {longest} tokens, prefix pool {pool} tokens)"
+    )
     for config, mode in (("chunked", "chunked"), ("po", "hybrid")):
         engine = sweep_engine(args, dev, mode, pool, longest)
         t = time.perf_counter()
@@ -487,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         del engine
         free(dev)
 
-    print("\ntransformers")
+    print("\ntransformers" + f" [{time.perf_counter() - t0:.0f} s]")
     model = hf_model(args, dev, mcfg_dtype(args.dtype, dev))
     for c in (c for c in MIL_CONFIGS if c in wanted and c.startswith("hf")):
         print(f"  {c}: {MIL_CONFIGS[c]}")
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     free(dev)
     doc["mil_ratios"] = mil_ratios(mil)
 
-    print("\nFig. 6/7 on the simulator")
+    print("\nFig. 6/7 on the simulator" + f" [{time.perf_counter() - t0:.0f} s]")
     doc["workloads"] = {n: workload_sweep(args, n, its, labels, steps, pool) for n, its in work.items()}
     doc["sweep_configs"] = SWEEP_CONFIGS
     doc["wall_s"] = time.perf_counter() - t0
