@@ -42,7 +42,7 @@ from po_backend.engine.engine import Engine
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models import shapes
 from po_backend.engine.models.loader import load_tokenizer, read_config, resolve_model_dir
-from po_backend.sched.jct import CalibratedJCT, JCTModel, JCTSample
+from po_backend.sched.jct import FEATURES, CalibratedJCT, JCTModel, JCTSample
 from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.serving.jct_profile import DEFAULT_GRID, ProfileGrid, load_or_profile
 from po_backend.sim.cluster import LinearStepModel
@@ -337,6 +337,11 @@ def hf_step_model(args: argparse.Namespace, model: Any, dev: torch.device) -> tu
             break
         samples.append(JCTSample(((n, 0),), s))
         seconds.append(s)
+    if not samples:
+        raise RuntimeError(f"transformers ran out of memory at {args.hf_lengths.split(',')[0]} tokens")
+    if len(samples) <= len(FEATURES):  # too few lengths ran to fit every feature: tokens alone
+        n, s = samples[-1].items[0][0], samples[-1].seconds
+        return JCTModel.proxy(seconds_per_ktok=s / (n / 1e3)), seconds
     return JCTModel.fit(samples, source="proxy"), seconds
 
 
