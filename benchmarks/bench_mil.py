@@ -40,6 +40,7 @@ from po_backend.engine import attention_cpu
 from po_backend.engine.config import ModelConfig, parse_dtype
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory
+from po_backend.engine.models import shapes
 from po_backend.engine.models.loader import read_config, resolve_model_dir
 
 CONFIGS = {
@@ -113,9 +114,11 @@ class AttentionClock:
         return clocked
 
 
-def child(config: str, n: int, chunk_size: int | None, dtype: str, device: str) -> dict[str, Any]:
+def child(
+    config: str, n: int, chunk_size: int | None, dtype: str, device: str, model: str = "embedded"
+) -> dict[str, Any]:
     """One cold forward of `n` tokens in `config`, in this (fresh) process."""
-    model_dir = resolve_model_dir("embedded")
+    model_dir = resolve_model_dir(model)
     cfg = read_config(model_dir)
     dev = resolve_device(device)
     ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
@@ -137,12 +140,13 @@ def child(config: str, n: int, chunk_size: int | None, dtype: str, device: str) 
         from po_backend.engine.engine import Engine
 
         engine = Engine.from_pretrained(
-            "embedded",
+            model,
             device=dev,
             dtype=dtype,
             chunk_size=max(n, WARMUP_TOKENS) if config == "nochunk" else chunk_size,
             prefill_mode="chunked" if config == "chunked" else "hybrid",
-            max_input_len=max(n, cfg.max_position_embeddings),
+            # the embedded model's whole context; a long-context shape's is far beyond any n here
+            max_input_len=max(n, min(cfg.max_position_embeddings, 8192)),
             enable_cache=False,  # one cold forward, no pool
             memory_budget=64 * GiB,  # never refuse the configuration being measured
         )
@@ -230,6 +234,16 @@ def speed_summary(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def model_record(model: str) -> dict[str, Any]:
+    """What a result says about its model: the path, and "random weights, real shape" for a shape."""
+    return {"model": model, "weights": shapes.weights_note(model) or "real"}
+
+
+def _weights_line(model: str) -> str:
+    note = shapes.weights_note(model)
+    return f" ({note})" if note else ""
+
+
 def mil(args: argparse.Namespace) -> dict[str, Any]:
     """The default mode: each config at each length per dtype in a fresh child, then the speed
     summary and the MIL fit of the first dtype's peaks."""
@@ -239,8 +253,8 @@ def mil(args: argparse.Namespace) -> dict[str, Any]:
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
     dev = resolve_device(args.device)
     dtypes = {name: parse_dtype(name, dev) for name in args.dtype.split(",")}
-    model_cfg = read_config(resolve_model_dir("embedded"))
-    print(f"device: {describe(dev)}")
+    model_cfg = read_config(resolve_model_dir(args.model))
+    print(f"device: {describe(dev)}; model {args.model}" + _weights_line(args.model))
     if dev.type == "cpu":  # what --dtype auto and the attention choice are on this CPU class
         for name, dt in dtypes.items():
             c = attention_cpu.decide(dt, dev, model_cfg.head_dim)
@@ -254,6 +268,7 @@ def mil(args: argparse.Namespace) -> dict[str, Any]:
     for (name, dt), n, c in itertools.product(dtypes.items(), lengths, configs):
         harness.wait_for_quiet(args.quiet_wait)
         spec = {"config": c, "n": n, "chunk_size": args.chunk_size, "dtype": name, "device": str(dev)}
+        spec |= {"model": args.model}
         row = {"config": c, "n": n, "dtype": str(dt), **run_child(spec, args.timeout)}
         rows.append(row)
         if row["status"] != "ok":
@@ -280,6 +295,7 @@ def mil(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": describe(dev),
         "args": vars(args),
+        **model_record(args.model),
         "dtype": dtype,
         "gemm_peak_gflops": roofs,
         "configs": {c: CONFIGS[c] for c in configs},
@@ -483,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     # A comma list (e.g. bf16,fp32) runs every config at every length per dtype; the MIL fit uses the first.
     flags(ap, dtype=("auto", "auto (the engine's default here) | fp32 | bf16, or a list"))
     flags(ap, device=("cpu", "cpu | cuda | cuda:N (the same for ours and transformers)"))
+    flags(ap, model=("embedded", "model path: a HF folder, a .gguf, 'embedded' or shape:NAME"))
+    ap.add_argument(
+        "--shape", help=f"a real model's shape, random weights: {', '.join(sorted(shapes.SHAPES))}"
+    )
     flags(ap, budget_mib=256.0, timeout=900.0, quiet_wait=30.0)
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run_child's: child()'s arguments as JSON
     flags(ap, compare_dtypes=(False, "bf16 vs fp32: rankings, AUC, hit vs cold"))
@@ -493,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     flags(ap, suffix=(32, "--heads: unique tail tokens"))
     flags(ap, layers=(30, "--heads: decoder layers (SmolLM2-135M has 30)"))
     args = ap.parse_args(argv)
+    if args.shape:
+        args.model = shapes.PREFIX + args.shape
     if args.child:
         print(RESULT_MARKER + json.dumps(child(**json.loads(args.child))), flush=True)
         return 0

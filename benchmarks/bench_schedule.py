@@ -43,6 +43,7 @@ from po_backend.core.cpu import cpu_flags
 from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import POLICIES
 from po_backend.engine.hf_scorer import HFScorer
+from po_backend.engine.models import shapes
 from po_backend.sched.jct import CalibratedJCT, JCTModel
 from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.jct_profile import load_or_profile
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(mode, simulate=(False, "the sweep on po_backend.sim.simulator"))
     harness.flags(mode, llamacpp=(False, "llama.cpp next to ours on the same GGUF"))
     harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
+    harness.flags(ap, model=("embedded", "model path (not --llamacpp, --startup): a HF folder or shape:NAME"))
     harness.flags(ap, workers=(1, "--startup: servers booted at once, fresh cache"))
     harness.flags(ap, timeout=(900.0, "--startup: seconds to /health 200"))
     harness.flags(ap, configs=("fcfs,srjf,lpm,po", f"of {','.join(CONFIGS)}, po@LAMBDA"))
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if args.startup:
         return startup(args)
-    tok = harness.tokenizer()
+    tok = harness.tokenizer(args.model)
     traces = build_traces(args, tok, ("WL1",) if args.llamacpp else tuple(args.workloads.split(",")))
     if args.llamacpp:
         return llamacpp(args, traces["WL1"], label_ids(tok))
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     info = harness.machine_info()
     print(f"machine: {info['cpu']} | {info['cores']} cores | torch threads {info['torch_threads']}")
     harness.wait_for_quiet(args.quiet_wait)
-    engine = harness.load_engine(pool or None)
+    engine = harness.load_engine(pool or None, model=args.model)
     print(f"dtype {engine.config.dtype}, max_batch_tokens {engine.config.max_batch_tokens}, pool {pool}")
 
     def profile() -> tuple[JCTModel, float]:
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         "machine": info,
         "args": vars(args),
         "dtype": str(engine.config.dtype),
+        "model": args.model,
+        "weights": shapes.weights_note(args.model) or "real",
         "jct_fit": {"profile_seconds": profile_s, "coef": jct.coef, **(asdict(q) if q else {})},
         "pool_tokens": pool,
         "workloads": {},
@@ -170,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     setups: dict[str, harness.Setup] = {}
     for c in args.configs:
         if c == "hf":
-            scorer: Any = HFScorer.from_pretrained("embedded", max_input_len=harness.MAX_INPUT_LEN)
+            scorer: Any = HFScorer.from_pretrained(args.model, max_input_len=harness.MAX_INPUT_LEN)
         elif c == "chunked":  # it shares the hybrid engine's JCT model: under FCFS it only logs
-            scorer = harness.load_engine(pool or None, "chunked")
+            scorer = harness.load_engine(pool or None, "chunked", args.model)
         else:
             scorer = engine
         setups[c] = setup = harness.Setup(scorer, *policy_of(c, args.fairness_lambda), c == "po-nodiscard")
@@ -244,7 +248,9 @@ def offline(
 def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: Any, pool: int) -> None:
     """The sweep on the simulator: isolated latency (each request alone, in trace order, the cache
     carried over), then every (multiple of the isolated rate, policy)."""
-    engine = harness.load_engine(pool or None)  # its batching limit and, without a measured run, its profile
+    engine = harness.load_engine(
+        pool or None, model=args.model
+    )  # its batching limit and, without a measured run, its profile
     model, source = harness.sim_step_model(args.jct, engine)
     print(f"step times: JCT model from {source}: coef {model.coef}")
     if "WL1" in traces:

@@ -218,11 +218,13 @@ def pool_tokens(items: Sequence[Item], profiles: float) -> int:
     return int(profiles * max(len(it.prefix) for it in items)) + 64
 
 
-def load_engine(prefix_pool_tokens: int | None = None, prefill_mode: str = "hybrid") -> Engine:
+def load_engine(
+    prefix_pool_tokens: int | None = None, prefill_mode: str = "hybrid", model: str = "embedded"
+) -> Engine:
     # "declared": only the prefix a request declares (the user profile) enters the cache: the
     # paper's suffix discarding (Setup.keep_suffix turns it off per request).
     return Engine.from_pretrained(
-        "embedded",
+        model,
         cache_policy="declared",
         max_input_len=MAX_INPUT_LEN,
         prefill_mode=prefill_mode,

