@@ -43,7 +43,9 @@ def test_replay_queues_the_first_instant_before_the_first_pick(
     # the first batch item would have been picked before the online call existed.
     assert steps[0].items == ((len(online.input_ids), 0),), steps[0]
     assert len(got["latencies"]) == 5
-    assert sum(len(s.items) for s in steps) == 5  # every request ran once
+    # Every request ran; the batch ones possibly over several prefix steps (steps are sized with
+    # priority scheduling on), each step one request here (nothing shares a prefix).
+    assert all(len(s.items) == 1 for s in steps) and len(steps) >= 5
 
 
 def test_po_variants_run_with_their_own_lambda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

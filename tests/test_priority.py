@@ -15,10 +15,16 @@ import pytest
 import po_lang as po
 from po_backend.compat.sglang import SGLangEngine
 from po_backend.core.request import ScoreRequest
-from po_backend.core.settings import BACKFILL_SHARE_BOUNDS, BACKFILL_SLO_SHARE, resolve
+from po_backend.core.settings import (
+    BACKFILL_ALONE_SHARE,
+    BACKFILL_SHARE_BOUNDS,
+    BACKFILL_SLO_SHARE,
+    DEFAULT_PRIORITY_STEP_S,
+    resolve,
+)
 from po_backend.sched.backfill import BackfillBudget
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.sched.scheduler import MIN_PREFIX_STEP, SchedulerConfig
 from po_backend.sim.simulator import PrefixLRU, SimRun, simulate
 from po_lang.backends import LabelRequest
 from po_lang.label.cli import parse_args
@@ -126,6 +132,7 @@ def step_times(runs: Sequence[SimRun]) -> list[float]:
 
 
 def test_backfill_sizes_batch_steps_to_the_online_target() -> None:
+    # Without a target a step takes at most DEFAULT_PRIORITY_STEP_S (0.25 s): all ten share one.
     unsized = run(SchedulerConfig("po", enable_priority=True), batch_backlog())
     assert len(step_times(unsized)) == 1  # all ten share one forward: 250 tokens, 0.25 s
     slo = 0.2
@@ -139,7 +146,7 @@ def test_backfill_sizes_batch_steps_to_the_online_target() -> None:
     mixed = run(cfg, [*batch_backlog(), (0.01, online)])
     o = next(r for r in mixed if r.rid == 10)
     assert o.start - o.arrival <= slo * BACKFILL_SLO_SHARE
-    # Online steps are never trimmed: the target limits batch work only.
+    # The most urgent class's steps are never trimmed: the target limits less urgent work only.
     online_batch = [(0.0, req(200 + i, 20, None, prefix=ids(8, 50))) for i in range(10)]
     assert len(step_times(run(cfg, online_batch))) == 1
 
@@ -147,35 +154,48 @@ def test_backfill_sizes_batch_steps_to_the_online_target() -> None:
 def test_budget_is_the_target_minus_what_online_calls_take() -> None:
     b = BackfillBudget(1.0, window=4)
     assert b.budget_s == BACKFILL_SLO_SHARE  # nothing measured yet
-    b.step_done(0.0, 0.3, batch=False, online_arrivals=[0.0])  # 0.3 s alone
-    assert b.budget_s == pytest.approx(0.7)
+    b.step_done(0.0, 0.6, batch=False, online_arrivals=[0.0])  # 0.6 s alone
+    assert b.budget_s == pytest.approx(0.3)  # half of it, within the target's 0.4 s
     # A call that waited 0.5 s on a batch step took 0.2 s of its own: the wait is not counted.
     b.step_done(1.0, 1.5, batch=True, online_arrivals=[])
     b.step_done(1.5, 1.7, batch=False, online_arrivals=[1.0])
-    assert b.budget_s == pytest.approx(0.7)  # the slowest own time of the window is still 0.3
-    # Online calls that take the whole target leave batch steps their floor; fast ones, the cap.
+    assert b.budget_s == pytest.approx(0.3)  # the slowest own time of the window is still 0.6
+    # Online calls that take the whole target leave batch steps their floor; fast ones, half of
+    # their own time (their P99 within 1.5x of it).
     b.step_done(2.0, 3.2, batch=False, online_arrivals=[2.0])
     assert b.budget_s == pytest.approx(BACKFILL_SHARE_BOUNDS[0])
     for t in range(4):  # the window moves on: the slow call is forgotten
-        b.step_done(10.0 + t, 10.01 + t, batch=False, online_arrivals=[10.0 + t])
-    assert b.budget_s == pytest.approx(BACKFILL_SHARE_BOUNDS[1])
+        b.step_done(10.0 + t, 10.1 + t, batch=False, online_arrivals=[10.0 + t])
+    assert b.budget_s == pytest.approx(BACKFILL_ALONE_SHARE * 0.1)
+    b.forget_online()  # a more urgent class appeared: back to the initial share
+    assert b.budget_s == BACKFILL_SLO_SHARE
     with pytest.raises(ValueError, match="target"):
         BackfillBudget(0.0)
 
 
+def test_without_a_target_steps_have_a_default_bound() -> None:
+    b = BackfillBudget(None, window=4)
+    assert b.budget_s == DEFAULT_PRIORITY_STEP_S  # nothing measured yet
+    b.step_done(0.0, 0.1, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == pytest.approx(BACKFILL_ALONE_SHARE * 0.1)
+    # A class that queues behind itself (a backlog at the most urgent priority) cannot grow it.
+    b.step_done(0.0, 30.0, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == DEFAULT_PRIORITY_STEP_S
+
+
 def test_budget_shrinks_by_how_much_batch_steps_overrun_their_prediction() -> None:
     b = BackfillBudget(1.0, window=8)
-    b.step_done(0.0, 0.3, batch=False, online_arrivals=[0.0])
-    assert b.budget_s == pytest.approx(0.7) and b.overrun == 1.0
+    b.step_done(0.0, 0.6, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == pytest.approx(0.3) and b.overrun == 1.0
     b.step_done(1.0, 1.2, batch=True, online_arrivals=[], predicted=0.4)  # faster than priced
-    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)  # no credit for over-pricing
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.3)  # no credit for over-pricing
     b.step_done(2.0, 2.5, batch=True, online_arrivals=[], predicted=0.25)  # twice as slow
-    assert b.overrun == pytest.approx(2.0) and b.budget_s == pytest.approx(0.35)
+    assert b.overrun == pytest.approx(2.0) and b.budget_s == pytest.approx(0.15)
     b.step_done(3.0, 3.3, batch=True, online_arrivals=[])  # no prediction: not counted
     assert b.overrun == pytest.approx(2.0)
     for t in range(8):  # priced right again: the overrun leaves with the window
         b.step_done(10.0 + t, 10.5 + t, batch=True, online_arrivals=[], predicted=0.5)
-    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.3)
 
 
 def mixed_trace(online_tokens: int) -> list[tuple[float, ScoreRequest]]:
@@ -198,12 +218,12 @@ def test_batch_steps_follow_the_measured_online_latency() -> None:
     batch_steps = {r.step: r.end - r.start for r in runs if r.rid < 4 and r.start >= first}
     assert len([r for r in runs if r.rid < 4]) == 4  # the backlog finished
     assert batch_steps and max(batch_steps.values()) <= slo - 0.28 + 1e-9
-    # Short online calls leave the batch steps more than the initial share (up to the cap).
+    # Short online calls (0.02 s) shrink the batch steps to half of that, down to the floor of
+    # MIN_PREFIX_STEP tokens a step: an online call waits for one such step at most.
     runs = run(cfg, mixed_trace(20))
-    sizes = [r.end - r.start for r in runs if r.rid < 4]
-    assert max(sizes) > slo * BACKFILL_SLO_SHARE + 1e-9
-    assert max(sizes) <= slo * BACKFILL_SHARE_BOUNDS[1] + 1e-9
-    assert max(r.end - r.arrival for r in runs if r.rid >= 4) <= slo + 1e-9
+    assert len([r for r in runs if r.rid < 4]) == 4  # the backlog still finished
+    floor = JCT.predict(MIN_PREFIX_STEP, 0)
+    assert max(r.start - r.arrival for r in runs if r.rid >= 4) <= floor + 1e-9
 
 
 def saturated(share: float) -> list[SimRun]:
@@ -226,22 +246,37 @@ def test_batch_credit_prevents_starvation() -> None:
     assert len(online_before) == 10
 
 
-def test_every_class_earns_its_own_credit() -> None:
-    """Three classes, all queued at once: a stream of urgent calls (priority 1) and of default ones
-    (priority 0) that both outlast the least urgent request (priority -5). The middle class runs on
-    its credit; the least urgent one earns its own, so it runs before either stream is done."""
+@pytest.mark.parametrize("values", [1, 5, 20])
+def test_less_urgent_classes_share_one_minimum_share(values: int) -> None:
+    """200 urgent calls (priority 1) and 40 less urgent requests spread over 1, 5 or 20 priority
+    values, all of one step of 0.1 s, queued at once: while urgent calls wait, the less urgent ones
+    get the one 5% share together (one step in 21), however many values they use."""
+    urgent = [(0.0, req(1000 + k, 100, 1)) for k in range(200)]
+    low = [(0.0, req(10 + k, 100, -1 - k % values)) for k in range(40)]
+    runs = run(SchedulerConfig("po", enable_priority=True, batch_min_share=0.05), [*low, *urgent])
+    last_urgent = max(r.start for r in runs if r.rid >= 40)
+    during = sorted(r.step for r in runs if r.rid < 40 and r.start < last_urgent)
+    # One step after every 20 urgent ones (steps 21, 42, ..., 189): each earns 5% of its 0.1 s.
+    assert during == list(range(21, 200, 21))
+    assert len([r for r in runs if r.rid < 40]) == 40  # and all of them finish
+
+
+def test_credit_serves_the_longest_waiting_class() -> None:
+    """Three classes: a stream of urgent calls, a middle class that keeps arriving, and one
+    least urgent request queued first: the shared credit goes to the longest-waiting best
+    request, so the least urgent one runs first, before either stream is done."""
     urgent = [(0.0, req(1000 + k, 100, 1)) for k in range(100)]
-    middle = [(0.0, req(3000 + k, 100, 0)) for k in range(100)]
+    middle = [(0.05 + 0.01 * k, req(3000 + k, 100, 0)) for k in range(100)]
     runs = run(
         SchedulerConfig("po", enable_priority=True, batch_min_share=0.1),
         [(0.0, req(1, 100, -5)), *urgent, *middle],
     )
     low = next(r for r in runs if r.rid == 0)
+    first_middle = min(r.start for r in runs if r.rid > 100)
+    assert low.start < first_middle
     later = [r for r in runs if r.start >= low.end]
     assert any(r.rid <= 100 for r in later), "the urgent stream was not done"
-    assert any(r.rid > 100 for r in later), "the middle stream was not done"
-    # Each less urgent class waited through steps that earned it its own credit first
-    assert sum(r.end <= low.start for r in runs) >= 10
+    assert sum(r.end <= low.start for r in runs) >= 10  # after the urgent steps that earned it
 
 
 # ---- a live server ---------------------------------------------------------------------------
@@ -395,7 +430,10 @@ def test_in_process_priority(tokenized_llama: Path, monkeypatch: pytest.MonkeyPa
 def test_batch_prefixes_do_not_evict_online_profiles() -> None:
     """With priority classes, the cache evicts a batch job's prefixes before the online profiles
     its users come back to, even when the batch ones are newer: the online calls after the
-    backlog still read their profiles. Without classes (one class: plain LRU), they do not."""
+    backlog still read their profiles. Without classes (one class: plain LRU), they do not. The
+    pool holds both profiles and one batch request's prefix steps (kept like the online class's
+    until its last step reads them)."""
+    pool = 200 + 150
     profile = {u: ids(10 + u, 100) for u in (1, 2)}
     online = [req(20 + k, 10, None, profile[1 + k % 2]) for k in range(4)]
     batch = [req(30 + k, 50, -1, ids(40 + k, 100)) for k in range(3)]
@@ -403,7 +441,7 @@ def test_batch_prefixes_do_not_evict_online_profiles() -> None:
     trace += [(5.0, online[2]), (5.0, online[3])]
     for enable, hits in ((True, [100, 100]), (False, [0, 0])):
         runs = sorted(
-            run(SchedulerConfig("po", enable_priority=enable), trace, pool=250), key=lambda r: r.rid
+            run(SchedulerConfig("po", enable_priority=enable), trace, pool=pool), key=lambda r: r.rid
         )
         assert all(r.end <= 5.0 for r in runs[:5]), "the backlog ends before the online calls return"
         assert [r.cached for r in runs[5:]] == hits
@@ -454,9 +492,9 @@ def test_long_batch_request_runs_in_prefix_steps() -> None:
     # ... and stops trying once a prefix step left nothing cached for it to read (no cache, or
     # too small a one): one wasted step, not one per MIN_PREFIX_STEP tokens.
     assert tiny[0].step <= 1
-    # Unsized, it is one step.
-    whole = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
-    assert whole[0].step == 0 and whole[0].cached == 0
+    # Without a target, a step takes at most DEFAULT_PRIORITY_STEP_S (250 tokens here).
+    default = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
+    assert default[0].step == 1 and default[0].end - default[0].start <= DEFAULT_PRIORITY_STEP_S
 
 
 def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:

@@ -122,12 +122,14 @@ class SchedulerConfig:
     @property
     def needs_jct(self) -> bool:
         """fcfs and lpm order without predicting step times; srjf and po need a JCT model, and so
-        does sizing batch steps to an online latency target."""
+        does sizing steps with priority scheduling on."""
         return self.policy not in ("fcfs", "lpm") or self.sizes_batch_steps
 
     @property
     def sizes_batch_steps(self) -> bool:
-        return self.enable_priority and self.online_slo_s is not None
+        """With priority scheduling on every step is sized (`backfill.BackfillBudget`): a more
+        urgent call may arrive during any of them."""
+        return self.enable_priority
 
 
 @dataclass(frozen=True)
@@ -193,16 +195,20 @@ class Scheduler:
         # may read the cache; the cache cannot change between an arrival and that pick).
         self._arrival_jct: dict[int, float] = {}
         self._class_waiting: Counter[str] = Counter()  # waiting requests per priority class
-        # Per class behind the most urgent one (by rank): predicted step seconds earned and not
-        # yet used (`pick`), its share of the steps run while it waited. One credit per class, so
-        # a middle class that always waits cannot spend what the least urgent one earned.
-        self._credits: dict[int, float] = {}
+        # The classes behind the most urgent one waiting, all together: predicted step seconds
+        # earned and not yet used (`pick`), their share of the steps run while they waited. One
+        # credit however many priority values they use, so spreading work over many values earns
+        # it no more than one value does.
+        self._credit = 0.0
+        # The class whose latency the step sizing protects: the most urgent rank submitted so
+        # far, or the default priority's (0) while nothing more urgent was: a less urgent backlog
+        # queued first is sized for the online calls that come after it.
+        self._urgent = 0
         # Per waiting request that ran prefix-only steps: how many, and the tokens it had cached
         # when the last one was picked (no more than that at its next pick: nothing was kept).
         self._prefix_steps: dict[int, tuple[int, int]] = {}
-        # Batch steps sized to the online latency target, from the online calls measured.
-        slo = self.config.online_slo_s
-        self.backfill = BackfillBudget(slo) if slo is not None and self.config.sizes_batch_steps else None
+        # Steps sized for the most urgent calls (to their latency target, if any), from those measured.
+        self.backfill = BackfillBudget(self.config.online_slo_s) if self.config.sizes_batch_steps else None
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -217,6 +223,10 @@ class Scheduler:
         if call >= 0:
             self._call_waiting[call] += 1
         self._class_waiting[self.config.priority_class(req)] += 1
+        if (rank := self.config.rank(req)) < self._urgent:
+            self._urgent = rank
+            if self.backfill is not None:
+                self.backfill.forget_online()
         return w
 
     def remove(self, rid: int) -> bool:
@@ -346,13 +356,15 @@ class Scheduler:
         which is what lpm and po are for.
 
         Priority classes (`SchedulerConfig.enable_priority`): the most urgent class waiting runs
-        first, the policy orders within it, and a step takes no less urgent request. Each class
-        behind it earns `batch_min_share` of each step's predicted time while it waits, and its
-        best request runs once that credit pays for it (the most urgent such class first), so no
-        class is ever starved, however many there are. A batch step
-        (less urgent than the default) with an online latency target takes batch-mates only while
-        its predicted time stays within `backfill.BackfillBudget`: the target minus what online calls
-        measurably take without batch work in their way.
+        first, the policy orders within it, and a step takes no less urgent request. The classes
+        behind it earn together one credit, `batch_min_share` of each step's predicted time while
+        any of them waits, and the longest-waiting of their best requests runs once that credit
+        pays for it: no class is ever starved, and spreading work over many priority values earns
+        it no larger share. A step of a class less urgent than the most urgent submitted so far
+        (or than the default, while nothing more urgent was)
+        takes batch-mates only while its predicted time stays within `backfill.BackfillBudget`,
+        and a request too long for it, of any class (a more urgent call may arrive during any
+        step), computes its prompt over several prefix-only steps.
 
         `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
         request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF."""
@@ -364,14 +376,16 @@ class Scheduler:
         for i, k in enumerate(keyed):
             heads.setdefault(cfg.rank(k[3].req), i)
         top, at = cfg.rank(keyed[0][3].req), 0
-        for r in sorted(heads)[1:]:  # the most urgent class whose credit pays for its best request
-            w = keyed[heads[r]][3]
-            credit = self._credits.get(r, 0.0)
-            if credit > 0 and credit >= self._step_cost(
-                [(len(w.req.input_ids), cached.get(w.rid) or cached_len(w.req))]
-            ):
-                at = heads[r]
-                break
+        if len(heads) > 1 and self._credit > 0:
+            # The credit pays for the longest-waiting best request of the classes behind: however
+            # many there are, each one's turn comes, and none gets more than the one share.
+            nxt = min((i for r, i in heads.items() if r != top), key=lambda i: (keyed[i][3].arrival, i))
+            w = keyed[nxt][3]
+            cost = self._step_cost([(len(w.req.input_ids), cached.get(w.rid) or cached_len(w.req))])
+            if self.backfill is not None:  # a sized step costs no more than the budget
+                cost = min(cost, self.backfill.budget_s)
+            if self._credit >= cost:
+                at = nxt
         head = keyed[at][3]
         rank = cfg.rank(head.req)
         if head.rid not in cached:
@@ -392,9 +406,12 @@ class Scheduler:
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
         prefix_only = 0
-        if self.backfill is not None and rank > 0:
+        if self.backfill is not None:
             budget = self.backfill.budget_s
-            chosen = self._backfill(group, chosen, budget)
+            # The most urgent class keeps its batch-mates (trimming them would only delay it);
+            # a request too long for the budget is split whatever its class.
+            if rank > self._urgent:
+                chosen = self._backfill(group, chosen, budget)
             if len(chosen) == 1:
                 prefix_only = self._prefix_step(head, chosen[0][1], budget)
         entries = tuple(group[i] for i, _ in chosen)
@@ -408,15 +425,13 @@ class Scheduler:
             credit=at > 0,
             prefix_only=prefix_only,
         )
-        # A class that is served or not waiting is owed nothing (idle time is not banked); each
-        # less urgent class that waited through this step earns a share, or spends its credit.
-        self._credits = {r: c for r, c in self._credits.items() if r in heads and r != top}
-        if len(heads) > 1:
+        # Nothing behind the most urgent class waits: it is owed nothing (idle time is not banked).
+        # Otherwise the less urgent classes spend their credit on this step, or earn a share of it.
+        if len(heads) == 1:
+            self._credit = 0.0
+        else:
             cost = self._step_cost(pick.items)
-            for r in heads.keys() - {top}:
-                self._credits[r] = self._credits.get(r, 0.0) + (
-                    -cost if at and r == rank else cfg.batch_min_share * cost
-                )
+            self._credit += -cost if at else cfg.batch_min_share * cost
         return pick
 
     def step_done(
@@ -424,11 +439,13 @@ class Scheduler:
     ) -> None:
         """A step picked here ran from `start` to `end` (the scheduler's clock); `ran`: (request,
         arrival) of each request it computed, the head first; `predicted`: the seconds the JCT
-        model priced it at before it ran (nan: none). Feeds the batch-step sizing."""
+        model priced it at before it ran (nan: none). Feeds the step sizing: the most urgent class
+        submitted so far is the one measured, every step of a less urgent one may delay it."""
         if self.backfill is None or not ran:
             return
-        online = [a for r, a in ran if self.config.priority_class(r) == CLASSES[0]]
-        self.backfill.step_done(start, end, self.config.rank(ran[0][0]) > 0, online, predicted)
+        rank, top = self.config.rank, self._urgent
+        urgent = [a for r, a in ran if rank(r) <= top]
+        self.backfill.step_done(start, end, rank(ran[0][0]) > top, urgent, predicted)
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
         """A step's predicted seconds; its computed tokens without a JCT model (fcfs, lpm)."""
