@@ -31,6 +31,7 @@ from po_lang.label.cli import parse_args
 from tests.server_utils import ServerProcess, metric
 
 JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # a step costs 1 ms per computed token
+TIMEOUT_S = 60.0
 
 
 def ids(tag: int, n: int) -> tuple[int, ...]:
@@ -603,3 +604,106 @@ def test_a_prefix_read_by_both_classes_in_one_step_is_kept_as_online(
     assert pos == len(prefix) and path == [0] * len(path)
     tails = [n.rank for n in cache._nodes() if n is not cache.root and n.parent is node]
     assert sorted(tails) == [0, 1, 1], "each request's own tail keeps its own class"
+
+
+# ---- a full queue admits a more urgent call ----------------------------------------------------
+
+
+class _Scorer:
+    """A scorer without a model: every step answers at once (the queue is what is tested)."""
+
+    vocab_size = 100
+    tokenizer = None
+
+    def validate(self, req: ScoreRequest) -> None: ...
+
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[Any]:
+        from po_backend.core.request import ScoreResult
+
+        top = [(t, -0.5 - t) for t in range(max(r.top_k for r in requests))]
+        return [
+            ScoreResult([-1.0] * len(r.label_token_ids), top, prompt_tokens=len(r.input_ids))
+            for r in requests
+        ]
+
+    def cached_len(self, req: ScoreRequest) -> int:
+        return 0
+
+    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
+        return [(0, 0)]
+
+    def stats(self) -> Any:
+        return type("S", (), {"hit_rate": 0.0})()
+
+    def flush_cache(self) -> None: ...
+
+
+def test_full_queue_aborts_the_least_urgent_queued_call_over_http() -> None:
+    """--max-queue 3 full of priority -1, -2, -1 calls (the loop not started, so they stay queued):
+    a priority 5 call aborts the least urgent (-2), the next one the newest -1, each aborted call
+    answered 503 with SGLang's message; a call no more urgent than what waits gets the plain full-
+    queue 503 and aborts nothing. Then everything admitted is answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from po_backend.server import ServerArgs, Settings, create_app
+    from po_backend.server.service import LoopService
+    from po_backend.serving.loop import ABORTED_BY_PRIORITY, EngineLoop
+    from tests.server_utils import error_message, poll_until
+
+    cfg = SchedulerConfig("fcfs", enable_priority=True)
+    loop = EngineLoop(_Scorer(), scheduler=cfg, jct=JCT, max_queue=3, start=False)  # type: ignore[arg-type]
+    app = create_app(
+        LoopService(_Scorer(), loop, max_input_len=64), ServerArgs(engine=Settings(model_path="m"))
+    )
+
+    def call(client: TestClient, tag: int, priority: int) -> httpx.Response:
+        return client.post("/generate", json={"input_ids": [tag, 2, 3], "priority": priority})
+
+    with TestClient(app, raise_server_exceptions=False) as client, ThreadPoolExecutor(8) as pool:
+        queued = []
+        for n, p in enumerate((-1, -2, -1)):
+            queued.append(pool.submit(call, client, 10 + n, p))
+            poll_until(lambda n=n: loop.stats().queued == n + 1, f"call {n} queued")
+        urgent = [pool.submit(call, client, 20, 5)]
+        aborted = queued[1].result(TIMEOUT_S)
+        assert aborted.status_code == 503 and ABORTED_BY_PRIORITY in error_message(aborted)
+        assert aborted.headers.get("retry-after")
+        urgent.append(pool.submit(call, client, 21, 5))
+        aborted = queued[2].result(TIMEOUT_S)  # the newer of the two -1 calls
+        assert aborted.status_code == 503 and ABORTED_BY_PRIORITY in error_message(aborted)
+        # Full of calls at least as urgent as these: refused, nothing aborted.
+        for p in (-1, -5):
+            full = call(client, 30, p)
+            assert full.status_code == 503 and "queue is full" in error_message(full)
+        assert not queued[0].done() and loop.stats().queued == 3
+        loop.start()
+        assert [f.result(TIMEOUT_S).status_code for f in [queued[0], *urgent]] == [200, 200, 200]
+    loop.shutdown()
+    assert loop.stats().rejected == 4
+
+
+def test_abort_takes_a_whole_call_and_only_less_urgent_ones() -> None:
+    from po_backend.core.errors import OverloadedError
+    from po_backend.serving.loop import ABORTED_BY_PRIORITY, EngineLoop
+
+    cfg = SchedulerConfig("fcfs", enable_priority=True)
+    loop = EngineLoop(_Scorer(), scheduler=cfg, jct=JCT, max_queue=4, start=False)  # type: ignore[arg-type]
+    batch = loop.submit_many([req(1, 5, -3), req(2, 5, -3)])  # one call of two
+    other = [loop.submit(req(3, 5, -1)), loop.submit(req(4, 5, 0))]
+    admitted = loop.submit(req(5, 5, 1))  # one place needed: the whole -3 call goes
+    for f in batch:
+        with pytest.raises(OverloadedError, match=ABORTED_BY_PRIORITY):
+            f.result(0)
+    assert loop.stats().queued == 3
+    with pytest.raises(OverloadedError, match="queue is full"):  # needs two: only one is less urgent
+        loop.submit_many([req(6, 5, 0), req(7, 5, 0), req(8, 5, 0)])
+    off = EngineLoop(_Scorer(), scheduler=SchedulerConfig("fcfs"), max_queue=1, start=False)  # type: ignore[arg-type]
+    off.submit(req(8, 5, -3))
+    with pytest.raises(OverloadedError, match="queue is full"):  # priority scheduling off: no abort
+        off.submit(req(9, 5, 9))
+    loop.start()
+    assert all(f.result(TIMEOUT_S) for f in [*other, admitted])
+    loop.shutdown()
+    off.shutdown()

@@ -249,6 +249,27 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def least_urgent(self, n: int, rank: int) -> list[Waiting] | None:
+        """Queued requests to abort so that `n` more fit (a full queue admitting a more urgent
+        call, as SGLang does): the least urgent first, the newest first among equals, only of a
+        class less urgent than `rank`, each with the rest of its client call (half a call is of no
+        use to its client). None if that many are not waiting: nothing is to be aborted then."""
+        rank_of = self.config.rank
+        cands = sorted(
+            (w for w in self._waiting.values() if rank_of(w.req) > rank),
+            key=lambda w: (rank_of(w.req), w.rid),
+            reverse=True,
+        )
+        calls: dict[int, list[Waiting]] = {}
+        for w in cands:
+            calls.setdefault(w.call if w.call >= 0 else -1 - w.rid, []).append(w)
+        out: dict[int, Waiting] = {}
+        for w in cands:
+            if len(out) >= n:
+                break
+            out.update((m.rid, m) for m in calls[w.call if w.call >= 0 else -1 - w.rid])
+        return list(out.values()) if len(out) >= n else None
+
     def waiting_by_class(self) -> dict[str, int]:
         """Waiting requests per priority class (`CLASSES`)."""
         return {c: self._class_waiting[c] for c in CLASSES}
