@@ -707,3 +707,26 @@ def test_abort_takes_a_whole_call_and_only_less_urgent_ones() -> None:
     assert all(f.result(TIMEOUT_S) for f in [*other, admitted])
     loop.shutdown()
     off.shutdown()
+
+
+@pytest.mark.parametrize("batch_priority", [0, -1])
+@pytest.mark.parametrize("slo", [None, 0.2])
+def test_a_backlog_queued_before_the_first_online_call_is_sized_for_it(
+    batch_priority: int, slo: float | None
+) -> None:
+    """16 prompts of 1,300 tokens (1.3 s each in one step) queued at t=0, at the default priority
+    or below, then 8 short calls at priority 10, 50 ms apart, from t=0.45 (mid-step): the step each
+    arrives behind was sized before it came (at most DEFAULT_PRIORITY_STEP_S, or half the target),
+    and once the first is measured, at most half of what it takes alone, down to the floor of
+    MIN_PREFIX_STEP tokens. The backlog still finishes."""
+    batch = [(0.0, req(50 + i, 1300, batch_priority)) for i in range(16)]
+    online = [(0.45 + 0.05 * k, req(300 + k, 30, 10)) for k in range(8)]
+    runs = run(SchedulerConfig("po", enable_priority=True, online_slo_s=slo), [*batch, *online])
+    waits = [r.start - r.arrival for r in sorted(runs, key=lambda r: r.rid) if r.rid >= 16]
+    first = DEFAULT_PRIORITY_STEP_S if slo is None else slo * BACKFILL_SLO_SHARE
+    alone = JCT.predict(30, 0)
+    assert 0 < waits[0] <= first + 1e-9  # it arrived during a sized step
+    assert max(waits[1:]) <= max(alone * BACKFILL_ALONE_SHARE, JCT.predict(MIN_PREFIX_STEP, 0)) + 1e-9
+    if slo is not None:
+        assert max(w + alone for w in waits) <= slo
+    assert len([r for r in runs if r.rid < 16]) == 16

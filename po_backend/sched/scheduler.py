@@ -456,16 +456,22 @@ class Scheduler:
         return pick
 
     def step_done(
-        self, start: float, end: float, ran: Sequence[tuple[Request, float]], predicted: float = math.nan
+        self,
+        start: float,
+        end: float,
+        ran: Sequence[tuple[Request, float]],
+        predicted: float = math.nan,
+        prefix_step: bool = False,
     ) -> None:
         """A step picked here ran from `start` to `end` (the scheduler's clock); `ran`: (request,
         arrival) of each request it computed, the head first; `predicted`: the seconds the JCT
-        model priced it at before it ran (nan: none). Feeds the step sizing: the most urgent class
+        model priced it at before it ran (nan: none); `prefix_step`: a `Pick.prefix_only` step,
+        which answers nobody. Feeds the step sizing: the most urgent class
         submitted so far is the one measured, every step of a less urgent one may delay it."""
         if self.backfill is None or not ran:
             return
         rank, top = self.config.rank, self._urgent
-        urgent = [a for r, a in ran if rank(r) <= top]
+        urgent = [] if prefix_step else [a for r, a in ran if rank(r) <= top]
         self.backfill.step_done(start, end, rank(ran[0][0]) > top, urgent, predicted)
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:

@@ -445,7 +445,9 @@ class EngineLoop:
             self._counts["completed"] += sum(j.rid != PREFIX_STEP_RID for j in jobs)
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
-            self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs], predicted)
+            ran = [(j.req, j.submitted) for j in jobs]
+            prefix = jobs[0].rid == PREFIX_STEP_RID
+            self._sched.step_done(start, start + seconds, ran, predicted, prefix_step=prefix)
         for j, r in zip(jobs, results, strict=True):
             j.future.set_result(dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted)))
 

@@ -190,7 +190,7 @@ def simulate(
             prefix = pick.prefix_request()
             cache.step([prefix], [config.cache_rank(prefix, prefix_step=True)])
             clock.now += model.predict_items(pick.items)
-            sched.step_done(start, clock.now, [(prefix, start)], clock.now - start)
+            sched.step_done(start, clock.now, [(prefix, start)], clock.now - start, prefix_step=True)
             steps += 1
             continue
         hits = cache.step([e.req for e in pick.entries], [config.cache_rank(e.req) for e in pick.entries])
