@@ -294,11 +294,13 @@ class Scheduler:
         return self.jct.predict(n_input, n_cached)
 
     def scores(
-        self, cached_len: CachedLen[Any], pool: Pool | None = None
+        self, cached_len: CachedLen[Any], pool: Pool | None = None, batchable: Batchable[Any] | None = None
     ) -> tuple[list[tuple[float, float, int, Waiting]], dict[int, int]]:
         """Every waiting request's sort key (lowest runs first), and the cached_len values read to
         get them (po and lpm read every request's: O(queue) cache probes per step). With a `pool`,
-        po adds to a request's JCT the waiting requests' reuse its admission would evict."""
+        po adds to a request's JCT the waiting requests' reuse its admission would evict; with
+        `batchable`, po prices a request that shares a declared prefix with others per request of
+        the step they would share."""
         cfg, now = self.config, self.clock()
         cached: dict[int, int] = {}
         reuse = None
@@ -310,6 +312,32 @@ class Scheduler:
             if w.rid not in cached:
                 cached[w.rid] = cached_len(w.req)
             return cached[w.rid]
+
+        per_item: dict[tuple[int, ...], dict[int, float]] = {}  # a declared prefix -> rid -> price
+
+        def jct(w: Waiting) -> float:
+            """po's price of running `w` now: its step's predicted seconds per request answered.
+            The waiting requests that declare the same prefix run in its step (as far as
+            `batchable` lets them share one forward) and compute that prefix once, so a cold
+            profile that k requests wait for costs each of them 1/k of it (Smith's rule: the most
+            requests answered per second of engine time first). Priced alone, a cold profile lost
+            to every shorter cold prompt that came after it, while all its readers waited."""
+            own = self._predict(w.req, n_cached(w))
+            p = w.req.cache_prefix_len or 0
+            if batchable is None or p < cfg.min_shared_prefix:
+                return own
+            key = tuple(w.req.input_ids[:p])
+            if key not in per_item:
+                # the member with the most cached computes the prefix, the others read it from it
+                group = sorted((self._waiting[r] for r in self._sharing(key)), key=lambda m: -n_cached(m))
+                chosen = batchable([m.req for m in group]) if len(group) > 1 else []
+                if len(chosen) < 2:
+                    per_item[key] = {}
+                else:
+                    items = [(len(group[i].req.input_ids), c) for i, c in chosen]
+                    price = self._step_cost(items) / len(chosen)
+                    per_item[key] = {group[i].rid: price for i, _ in chosen}
+            return min(own, per_item[key].get(w.rid, own))
 
         keyed: list[tuple[float, float, int, Waiting]] = []
         for w in self._waiting.values():
@@ -327,7 +355,7 @@ class Scheduler:
                 # of 150 items ages like one request, so its early arrival cannot hand all 150
                 # priority over a short call that came a moment later.
                 siblings = self._call_waiting.get(w.call, 1) if w.call >= 0 else 1
-                score = self._predict(w.req, n_cached(w)) - cfg.fairness_lambda * wait / siblings
+                score = jct(w) - cfg.fairness_lambda * wait / siblings
                 if reuse is not None:
                     score += reuse.cost(w.req)
             keyed.append((score, w.arrival, w.rid, w))
@@ -392,7 +420,7 @@ class Scheduler:
         if not self._waiting:
             return None
         cfg = self.config
-        keyed, cached = self.scores(cached_len, pool)
+        keyed, cached = self.scores(cached_len, pool, batchable)
         heads: dict[int, int] = {}  # each waiting class (rank) -> its best request's index in keyed
         for i, k in enumerate(keyed):
             heads.setdefault(cfg.rank(k[3].req), i)
