@@ -730,3 +730,18 @@ def test_a_backlog_queued_before_the_first_online_call_is_sized_for_it(
     if slo is not None:
         assert max(w + alone for w in waits) <= slo
     assert len([r for r in runs if r.rid < 16]) == 16
+
+
+def test_prefix_steps_are_kept_like_the_most_urgent_class() -> None:
+    """Online calls at priority 10 (more urgent than the default) and a long request at the
+    default priority, in a pool that cannot hold both profiles and its prefix: its prefix steps
+    are kept like the priority-10 profiles (not evicted first as a less urgent class's), so it
+    reads them back instead of running whole in one long step."""
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # ~100-token steps
+    profile = {u: ids(10 + u, 100) for u in (1, 2, 3)}
+    long = req(1, 300, 0)
+    trace = [(0.0, req(20 + u, 10, 10, profile[u])) for u in (1, 2, 3)] + [(0.0, long)]
+    trace += [(0.05 * k, req(30 + k, 10, 10, profile[1 + k % 3])) for k in range(1, 12)]
+    runs = sorted(simulate(cfg, JCT, trace, PrefixLRU(450)), key=lambda r: r.rid)
+    assert runs[3].cached >= 150, "the long request read back its prefix steps"
+    assert runs[3].end - runs[3].start <= 0.2 * BACKFILL_SLO_SHARE + 1e-9

@@ -83,13 +83,15 @@ class SchedulerConfig:
         default priority, and for every request with priority scheduling off)."""
         return self.rank_of(req.priority) if self.enable_priority else 0
 
-    def cache_rank(self, req: Request, prefix_step: bool = False) -> int:
+    def cache_rank(self, req: Request, prefix_step: bool = False, urgent: int = 0) -> int:
         """The class the prefix cache keeps what `req` stores and reads under (less urgent first
-        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is 0 whatever
-        its class: the next steps of the same request read those tokens back, so they are kept
-        like the online class's until its last step reads them at its own rank (or, if it leaves
-        the queue without one, the engine loop gives them that rank)."""
-        return 0 if prefix_step else self.rank(req)
+        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is `urgent`
+        (`Scheduler.urgent_rank`, the most urgent class submitted) whatever its class: the next
+        steps of the same request read those tokens back, so they are kept like the most urgent
+        class's until its last step reads them at its own rank (or, if it leaves the queue
+        without one, the engine loop gives them that rank). Kept any less, the most urgent calls'
+        prefixes push them out, and the request runs whole in one long step after all."""
+        return urgent if prefix_step else self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:
@@ -248,6 +250,11 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    @property
+    def urgent_rank(self) -> int:
+        """The class the step sizing protects (`SchedulerConfig.cache_rank`'s `urgent`)."""
+        return self._urgent
 
     def least_urgent(self, n: int, rank: int) -> list[Waiting] | None:
         """Queued requests to abort so that `n` more fit (a full queue admitting a more urgent

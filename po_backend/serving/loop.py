@@ -420,7 +420,8 @@ class EngineLoop:
         start = self.clock()
         t = time.perf_counter()
         try:
-            ranks = [self.config.cache_rank(j.req, prefix_step=j.rid == PREFIX_STEP_RID) for j in jobs]
+            urgent = self._sched.urgent_rank
+            ranks = [self.config.cache_rank(j.req, j.rid == PREFIX_STEP_RID, urgent) for j in jobs]
             results = self.engine.step([j.req for j in jobs], ranks)
             if len(results) != len(jobs):
                 raise RuntimeError(
