@@ -147,3 +147,22 @@ def test_quietly_times_again_while_the_machine_is_shared(
     assert out == kept and runs == list(range(1, kept + 1))
     assert cpu.other_cores == shares[kept - 1]
     assert waits == [7.0] * (kept - 1)
+
+
+def test_held_out_sweep_writes_the_worst_ratios(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks import bench_schedule
+
+    out = tmp_path / "h.json"
+    argv = ["--held-out", "--configs", "fcfs,po", "--seed", "5,6", "--held-out-loads", "0.5,1.5"]
+    bench_schedule.main([*argv, "--held-out-shapes", "few-long,mixed", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert {(r["shape"], r["load"]) for r in doc["table"]} == {
+        (s, x) for s in ("few-long", "mixed") for x in (0.5, 1.5)
+    }
+    assert set(doc["worst"]["po"]) == {"below", "above"}
+    assert doc["worst"]["po"]["below"]["p99"]["load"] == 0.5  # the only load below saturation
+    assert "P99 / fcfs" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        bench_schedule.parse_args(["--held-out", "--held-out-shapes", "nosuch"])
