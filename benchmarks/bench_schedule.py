@@ -49,7 +49,7 @@ from po_backend.core.settings import POLICIES
 from po_backend.engine.hf_scorer import HFScorer
 from po_backend.sched.jct import CalibratedJCT, JCTModel
 from po_backend.sched.scheduler import SchedulerConfig
-from po_backend.serving.jct_profile import load_or_profile
+from po_backend.serving.jct_profile import load_or_profile, startup_jct
 from po_backend.sim.heldout import LOADS, SHAPES, pooled, sustainable_qps, sweep, worst
 from po_backend.sim.simulator import PrefixLRU, simulate
 
@@ -351,9 +351,10 @@ def held_out_engine(
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """`sweep`'s rows measured on the embedded model: each trace replayed through the server's
-    loop on a cold cache (the engine's default pool), at the simulator's sustainable rate."""
+    loop on a cold cache (the engine's default pool), at the simulator's sustainable rate, with
+    the JCT model a server starts with (`startup_jct`)."""
     engine = harness.load_engine()
-    jct = CalibratedJCT(load_or_profile(engine))
+    jct = CalibratedJCT(startup_jct(engine, "po"))
     rows = []
     for shape, seed in itertools.product(shapes, seeds):
         reqs, unit = shape.trace(seed, vocab=engine.vocab_size)
