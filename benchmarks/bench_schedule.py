@@ -354,7 +354,7 @@ def held_out_engine(
     loop on a cold cache (the engine's default pool), at the simulator's sustainable rate, with
     the JCT model a server starts with (`startup_jct`)."""
     engine = harness.load_engine()
-    jct = CalibratedJCT(startup_jct(engine, "po"))
+    jct = startup_jct(engine, "po")
     rows = []
     for shape, seed in itertools.product(shapes, seeds):
         reqs, unit = shape.trace(seed, vocab=engine.vocab_size)
