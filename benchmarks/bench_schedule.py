@@ -388,6 +388,7 @@ def held_out_markdown(doc: dict[str, Any]) -> str:
         [c, where, *(f"{v['ratio']:.2f}x ({v['shape']} {v['load']:g}x)" for v in stats.values())]
         for c, w in doc["worst"].items()
         for where, stats in w.items()
+        if stats
     ]
     worst_md = report.markdown_table("config | saturation | mean | P95 | P99", worst_rows)
     return "\n\n".join((intro, worst_md, report.markdown_table(head, rows)))

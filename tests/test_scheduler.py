@@ -329,3 +329,18 @@ def test_po_within_fcfs_below_saturation_on_held_out_traces() -> None:
     rows = sweep(configs, model, list(SHAPES.values()), seeds=range(5, 25), loads=(0.25, 0.5, 0.7, 0.9))
     below = worst(pooled(rows), "po", below=True)
     assert all(v["ratio"] <= 1.10 for v in below.values()), below
+
+
+def test_worst_of_a_side_without_loads_is_empty() -> None:
+    from po_backend.sim.heldout import worst
+
+    row = {
+        "config": "po",
+        "shape": "s",
+        "load": 0.5,
+        "mean_vs_fcfs": 1.0,
+        "p95_vs_fcfs": 1.0,
+        "p99_vs_fcfs": 1.0,
+    }
+    assert worst([row], "po", below=False) == {}
+    assert worst([row], "po", below=True)["p99"]["load"] == 0.5

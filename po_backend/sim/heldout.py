@@ -135,7 +135,9 @@ def worst(table: Sequence[dict[str, Any]], config: str, below: bool, base: str =
     """The worst ratio to `base` of `config` over shapes, below saturation (loads <= BELOW) or at and
     above it, per statistic, with where it was."""
     rows = [r for r in table if r["config"] == config and (r["load"] <= BELOW) == below]
-    out = {}
+    out: dict[str, Any] = {}
+    if not rows:  # no load on that side was swept
+        return out
     for k in ("mean", "p95", "p99"):
         r = max(rows, key=lambda r: r[f"{k}_vs_{base}"])
         out[k] = {"ratio": r[f"{k}_vs_{base}"], "shape": r["shape"], "load": r["load"]}
