@@ -1,7 +1,9 @@
 """Online and batch traffic on one engine: an online Poisson stream of short WL1-style calls and a
-backlog of long WL2-style batch items (priority -1) queued at t=0, the same trace for every policy:
-fcfs, po, and po+prio (po with `--enable-priority-scheduling`, `--online-slo-ms` = `--slo-x` x the
-online-alone P99 and `--batch-min-share`). Online P50/P99 and batch items/s, each against its class
+backlog of long WL2-style batch items (`--batch-priority`, -1) queued at t=0, the same trace for every
+policy: fcfs, po, po+prio (po with `--enable-priority-scheduling`, `--online-slo-ms` = `--slo-x` x
+the online-alone P99 and `--batch-min-share`) and po+prio without a target (the default step bound).
+`--batch-priority 0 --online-priority 10`: a backlog at the default priority behind which more urgent
+calls arrive (SGLang's order), which nothing marks as batch before the first of them. Online P50/P99 and batch items/s, each against its class
 alone on the same engine; in process on the server's loop, or `--simulate` on the simulator.
 
     python -m benchmarks.bench_mixed --simulate    # seconds
@@ -11,6 +13,7 @@ alone on the same engine; in process on the server's loop, or `--simulate` on th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -37,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     harness.flags(ap, slo_x=(1.5, "online target: x the online-alone P99"))
     harness.flags(ap, cache_profiles=(2.2, "prefix pool: this many online profiles plus one batch item"))
     harness.flags(ap, batch_min_share=DEFAULT_BATCH_MIN_SHARE, seed=0)
+    harness.flags(ap, batch_priority=(-1, "batch: their priority"), online_priority=(0, "online: theirs"))
     return ap.parse_args(argv)
 
 
@@ -45,9 +49,10 @@ def traces(args: argparse.Namespace, tok: Any) -> tuple[list[ScoreRequest], list
     labels = label_ids(tok)
     online_items = wl1(tok, args.users, args.posts, args.profile, args.profile // 8, (1, 10**6), args.post)
     online, unit = harness.requests_and_arrivals(online_items, labels, args.seed)
+    online = [dataclasses.replace(r, priority=args.online_priority) for r in online]
     lo, hi = (int(x) for x in args.batch_tokens.split(","))
     batch_items = wl2(tok, args.batch, (lo, hi), args.seed + 1)
-    return online, [ScoreRequest(it.ids, labels, priority=-1) for it in batch_items], unit
+    return online, [ScoreRequest(it.ids, labels, priority=args.batch_priority) for it in batch_items], unit
 
 
 class Runner:
@@ -123,9 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     prio = SchedulerConfig(
         "po", enable_priority=True, online_slo_s=slo_s, batch_min_share=args.batch_min_share
     )
+    no_target = SchedulerConfig("po", enable_priority=True, batch_min_share=args.batch_min_share)
     mixed = [(0.0, r) for r in batch] + online_trace
     rows = []
-    for name, cfg in (("fcfs", fcfs), ("po", po), ("po+prio", prio)):
+    for name, cfg in (("fcfs", fcfs), ("po", po), ("po+prio", prio), ("po+prio, no target", no_target)):
         lat = run(cfg, mixed)
         o, items_s = lat[len(batch) :], len(batch) / max(lat[: len(batch)])
         s = harness.latency_summary(o)

@@ -10,6 +10,10 @@ every user either). Modes:
   `--seed 0,1,2`: a sweep per seed, then every seed's requests pooled per load and config.
 - `--offline`: items/s of the whole job queued at t=0 per config, and ours one request at a time.
 - `--simulate`: the same traces on po_backend.sim.simulator, step times from a measured fit (`--jct`).
+- `--held-out`: the held-out shapes of po_backend.sim.heldout (nobody tuned po on them) on the
+  simulator, every `--seed` at 0.25-2x the sustainable load, pooled per shape and load: po's mean,
+  P95 and P99 against fcfs's, and the worst over shapes below and at/above saturation. With
+  `--engine`, the same traces on the embedded model's server loop instead (short: `--held-out-loads`).
 - `--llamacpp`: llama.cpp (llama-cpp-python, optional) next to ours on the same GGUF and WL1 items.
 - `--startup`: time to /health 200 and the start-up JCT model against the full profile.
 
@@ -46,7 +50,8 @@ from po_backend.engine.hf_scorer import HFScorer
 from po_backend.engine.models import shapes
 from po_backend.sched.jct import CalibratedJCT, JCTModel
 from po_backend.sched.scheduler import SchedulerConfig
-from po_backend.serving.jct_profile import load_or_profile
+from po_backend.serving.jct_profile import load_or_profile, startup_jct
+from po_backend.sim.heldout import LOADS, SHAPES, pooled, sustainable_qps, sweep, worst
 from po_backend.sim.simulator import PrefixLRU, simulate
 
 CONFIGS = {
@@ -67,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = ap.add_mutually_exclusive_group()
     harness.flags(mode, offline=(False, "items/s of the whole job at t=0, no sweep"))
     harness.flags(mode, simulate=(False, "the sweep on po_backend.sim.simulator"))
+    harness.flags(mode, held_out=(False, "po_backend.sim.heldout's shapes, pooled over --seed"))
+    harness.flags(ap, engine=(False, "--held-out: on the embedded model instead of the simulator"))
+    harness.flags(
+        ap, held_out_loads=(",".join(f"{x:g}" for x in LOADS), "--held-out: x the sustainable load")
+    )
+    harness.flags(ap, held_out_shapes=(",".join(SHAPES), "--held-out: of po_backend.sim.heldout.SHAPES"))
     harness.flags(mode, llamacpp=(False, "llama.cpp next to ours on the same GGUF"))
     harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
     harness.flags(ap, model=("embedded", "model path (not --llamacpp, --startup): a HF folder or shape:NAME"))
@@ -90,6 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
         args.wl2_requests, args.wl2_min, args.wl2_max = 2, 300, 500
         args.quiet_wait = min(args.quiet_wait, 5.0)
+    if bad := [x for x in args.held_out_shapes.split(",") if x not in SHAPES]:
+        ap.error(f"--held-out-shapes {','.join(bad)}: not one of {','.join(SHAPES)}")
+    if args.out is None and args.held_out:
+        stem = "schedule_heldout_engine" if args.engine else "schedule_heldout"
+        args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"
     if args.out is None and args.startup:
         args.out = harness.RESULTS / f"startup{'_quick' if args.quick else ''}.json"
     elif args.out is None:
@@ -136,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if args.startup:
         return startup(args)
+    if args.held_out:
+        return held_out(args)
     tok = harness.tokenizer(args.model)
     traces = build_traces(args, tok, ("WL1",) if args.llamacpp else tuple(args.workloads.split(",")))
     if args.llamacpp:
@@ -294,6 +312,92 @@ def simulate_main(args: argparse.Namespace, traces: dict[str, list[Any]], tok: A
     pool_seeds(doc, traces, seeds)
     harness.save(args.out, doc, report.schedule_sim_markdown(doc, policies))
     report.plot_sweeps(doc["workloads"], args.out.with_suffix(".png"))
+
+
+# ---- --held-out: traces nobody tuned po on -----------------------------------------------------------
+
+
+def held_out(args: argparse.Namespace) -> None:
+    """po against fcfs on po_backend.sim.heldout's shapes, every seed and load pooled per (shape,
+    load); on the simulator (step times from `--jct`'s fit) or, with `--engine`, on the embedded
+    model's loop at the rates the simulator finds sustainable."""
+    model, source = harness.sim_step_model(args.jct)
+    configs = {c: SchedulerConfig(*policy_of(c, args.fairness_lambda)) for c in args.configs if c != "hf"}
+    configs = {"fcfs": SchedulerConfig("fcfs"), **configs}
+    shapes = [SHAPES[x] for x in args.held_out_shapes.split(",")]
+    seeds, loads = harness.seeds(args.seed), floats(args.held_out_loads)
+    t = time.perf_counter()
+    doc: dict[str, Any] = {"args": vars(args), "jct_source": source, "coef": model.coef}
+    if args.engine:
+        doc["machine"] = info = harness.machine_info()
+        print(f"machine: {info['cpu']} | {info['cores']} cores | step times of the load: {source}")
+        rows = held_out_engine(configs, model, shapes, seeds, loads, args)
+    else:
+        rows = sweep(configs, model, shapes, seeds, loads)
+    doc["table"] = table = pooled(rows)
+    doc["worst"] = {
+        c: {"below": worst(table, c, True), "above": worst(table, c, False)} for c in configs if c != "fcfs"
+    }
+    doc["seconds"] = time.perf_counter() - t
+    for c, w in doc["worst"].items():
+        for where, stats in w.items():
+            cells = ", ".join(
+                f"{k} {v['ratio']:.2f}x ({v['shape']} {v['load']:g}x)" for k, v in stats.items()
+            )
+            print(f"{c} / fcfs, worst {where} saturation: {cells}")
+    harness.save(args.out, doc, held_out_markdown(doc))
+
+
+def held_out_engine(
+    configs: dict[str, SchedulerConfig],
+    model: Any,
+    shapes: list[Any],
+    seeds: list[int],
+    loads: list[float],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """`sweep`'s rows measured on the embedded model: each trace replayed through the server's
+    loop on a cold cache (the engine's default pool), at the simulator's sustainable rate, with
+    the JCT model a server starts with (`startup_jct`)."""
+    engine = harness.load_engine()
+    jct = startup_jct(engine, "po")
+    rows = []
+    for shape, seed in itertools.product(shapes, seeds):
+        reqs, unit = shape.trace(seed, vocab=engine.vocab_size)
+        qps = sustainable_qps(
+            reqs, model, sum(len(r.input_ids) for r in reqs), engine.config.max_batch_tokens
+        )
+        for load, (name, cfg) in itertools.product(loads, configs.items()):
+            harness.wait_for_quiet(args.quiet_wait)
+            arrivals = [u / (load * qps) for u in unit]
+            r = harness.run_trace(engine, jct, cfg.policy, cfg.fairness_lambda, reqs, arrivals)
+            print(
+                f"  {shape.name} seed {seed} {load:g}x {name}: mean {r['mean_s']:.2f} s, P99 {r['p99_s']:.2f} s"
+            )
+            row = {"shape": shape.name, "seed": seed, "load": load, "config": name}
+            rows.append({**row, "latencies": r["latencies"], "other_cores": r["other_cores"]})
+    return rows
+
+
+def held_out_markdown(doc: dict[str, Any]) -> str:
+    a = doc["args"]
+    where = "the embedded model's loop" if a["engine"] else f"the simulator (step times: {doc['jct_source']})"
+    intro = (
+        f"`bench_schedule --held-out{' --engine' if a['engine'] else ''} --seed {a['seed']}` on {where}: "
+        f"shapes {a['held_out_shapes']}, loads {a['held_out_loads']} x the sustainable load (fcfs's rate "
+        "with the whole trace queued at once), every seed's requests pooled per shape and load."
+    )
+    head = "config | shape | load | requests | mean / fcfs | P95 / fcfs | P99 / fcfs"
+    spec = "config shape load:g requests mean_vs_fcfs:.2f p95_vs_fcfs:.2f p99_vs_fcfs:.2f"
+    rows = [report.cells(r, spec) for r in doc["table"] if r["config"] != "fcfs"]
+    worst_rows = [
+        [c, where, *(f"{v['ratio']:.2f}x ({v['shape']} {v['load']:g}x)" for v in stats.values())]
+        for c, w in doc["worst"].items()
+        for where, stats in w.items()
+        if stats
+    ]
+    worst_md = report.markdown_table("config | saturation | mean | P95 | P99", worst_rows)
+    return "\n\n".join((intro, worst_md, report.markdown_table(head, rows)))
 
 
 # ---- --llamacpp: llama.cpp next to ours -------------------------------------------------------------

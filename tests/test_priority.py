@@ -15,16 +15,23 @@ import pytest
 import po_lang as po
 from po_backend.compat.sglang import SGLangEngine
 from po_backend.core.request import ScoreRequest
-from po_backend.core.settings import BACKFILL_SHARE_BOUNDS, BACKFILL_SLO_SHARE, resolve
+from po_backend.core.settings import (
+    BACKFILL_ALONE_SHARE,
+    BACKFILL_SHARE_BOUNDS,
+    BACKFILL_SLO_SHARE,
+    DEFAULT_PRIORITY_STEP_S,
+    resolve,
+)
 from po_backend.sched.backfill import BackfillBudget
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.sched.scheduler import MIN_PREFIX_STEP, SchedulerConfig
 from po_backend.sim.simulator import PrefixLRU, SimRun, simulate
 from po_lang.backends import LabelRequest
 from po_lang.label.cli import parse_args
 from tests.server_utils import ServerProcess, metric
 
 JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # a step costs 1 ms per computed token
+TIMEOUT_S = 60.0
 
 
 def ids(tag: int, n: int) -> tuple[int, ...]:
@@ -126,6 +133,7 @@ def step_times(runs: Sequence[SimRun]) -> list[float]:
 
 
 def test_backfill_sizes_batch_steps_to_the_online_target() -> None:
+    # Without a target a step takes at most DEFAULT_PRIORITY_STEP_S (0.25 s): all ten share one.
     unsized = run(SchedulerConfig("po", enable_priority=True), batch_backlog())
     assert len(step_times(unsized)) == 1  # all ten share one forward: 250 tokens, 0.25 s
     slo = 0.2
@@ -139,7 +147,7 @@ def test_backfill_sizes_batch_steps_to_the_online_target() -> None:
     mixed = run(cfg, [*batch_backlog(), (0.01, online)])
     o = next(r for r in mixed if r.rid == 10)
     assert o.start - o.arrival <= slo * BACKFILL_SLO_SHARE
-    # Online steps are never trimmed: the target limits batch work only.
+    # The most urgent class's steps are never trimmed: the target limits less urgent work only.
     online_batch = [(0.0, req(200 + i, 20, None, prefix=ids(8, 50))) for i in range(10)]
     assert len(step_times(run(cfg, online_batch))) == 1
 
@@ -147,35 +155,48 @@ def test_backfill_sizes_batch_steps_to_the_online_target() -> None:
 def test_budget_is_the_target_minus_what_online_calls_take() -> None:
     b = BackfillBudget(1.0, window=4)
     assert b.budget_s == BACKFILL_SLO_SHARE  # nothing measured yet
-    b.step_done(0.0, 0.3, batch=False, online_arrivals=[0.0])  # 0.3 s alone
-    assert b.budget_s == pytest.approx(0.7)
+    b.step_done(0.0, 0.6, batch=False, online_arrivals=[0.0])  # 0.6 s alone
+    assert b.budget_s == pytest.approx(0.3)  # half of it, within the target's 0.4 s
     # A call that waited 0.5 s on a batch step took 0.2 s of its own: the wait is not counted.
     b.step_done(1.0, 1.5, batch=True, online_arrivals=[])
     b.step_done(1.5, 1.7, batch=False, online_arrivals=[1.0])
-    assert b.budget_s == pytest.approx(0.7)  # the slowest own time of the window is still 0.3
-    # Online calls that take the whole target leave batch steps their floor; fast ones, the cap.
+    assert b.budget_s == pytest.approx(0.3)  # the slowest own time of the window is still 0.6
+    # Online calls that take the whole target leave batch steps their floor; fast ones, half of
+    # their own time (their P99 within 1.5x of it).
     b.step_done(2.0, 3.2, batch=False, online_arrivals=[2.0])
     assert b.budget_s == pytest.approx(BACKFILL_SHARE_BOUNDS[0])
     for t in range(4):  # the window moves on: the slow call is forgotten
-        b.step_done(10.0 + t, 10.01 + t, batch=False, online_arrivals=[10.0 + t])
-    assert b.budget_s == pytest.approx(BACKFILL_SHARE_BOUNDS[1])
+        b.step_done(10.0 + t, 10.1 + t, batch=False, online_arrivals=[10.0 + t])
+    assert b.budget_s == pytest.approx(BACKFILL_ALONE_SHARE * 0.1)
+    b.forget_online()  # a more urgent class appeared: back to the initial share
+    assert b.budget_s == BACKFILL_SLO_SHARE
     with pytest.raises(ValueError, match="target"):
         BackfillBudget(0.0)
 
 
+def test_without_a_target_steps_have_a_default_bound() -> None:
+    b = BackfillBudget(None, window=4)
+    assert b.budget_s == DEFAULT_PRIORITY_STEP_S  # nothing measured yet
+    b.step_done(0.0, 0.1, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == pytest.approx(BACKFILL_ALONE_SHARE * 0.1)
+    # A class that queues behind itself (a backlog at the most urgent priority) cannot grow it.
+    b.step_done(0.0, 30.0, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == DEFAULT_PRIORITY_STEP_S
+
+
 def test_budget_shrinks_by_how_much_batch_steps_overrun_their_prediction() -> None:
     b = BackfillBudget(1.0, window=8)
-    b.step_done(0.0, 0.3, batch=False, online_arrivals=[0.0])
-    assert b.budget_s == pytest.approx(0.7) and b.overrun == 1.0
+    b.step_done(0.0, 0.6, batch=False, online_arrivals=[0.0])
+    assert b.budget_s == pytest.approx(0.3) and b.overrun == 1.0
     b.step_done(1.0, 1.2, batch=True, online_arrivals=[], predicted=0.4)  # faster than priced
-    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)  # no credit for over-pricing
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.3)  # no credit for over-pricing
     b.step_done(2.0, 2.5, batch=True, online_arrivals=[], predicted=0.25)  # twice as slow
-    assert b.overrun == pytest.approx(2.0) and b.budget_s == pytest.approx(0.35)
+    assert b.overrun == pytest.approx(2.0) and b.budget_s == pytest.approx(0.15)
     b.step_done(3.0, 3.3, batch=True, online_arrivals=[])  # no prediction: not counted
     assert b.overrun == pytest.approx(2.0)
     for t in range(8):  # priced right again: the overrun leaves with the window
         b.step_done(10.0 + t, 10.5 + t, batch=True, online_arrivals=[], predicted=0.5)
-    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.7)
+    assert b.overrun == 1.0 and b.budget_s == pytest.approx(0.3)
 
 
 def mixed_trace(online_tokens: int) -> list[tuple[float, ScoreRequest]]:
@@ -198,12 +219,12 @@ def test_batch_steps_follow_the_measured_online_latency() -> None:
     batch_steps = {r.step: r.end - r.start for r in runs if r.rid < 4 and r.start >= first}
     assert len([r for r in runs if r.rid < 4]) == 4  # the backlog finished
     assert batch_steps and max(batch_steps.values()) <= slo - 0.28 + 1e-9
-    # Short online calls leave the batch steps more than the initial share (up to the cap).
+    # Short online calls (0.02 s) shrink the batch steps to half of that, down to the floor of
+    # MIN_PREFIX_STEP tokens a step: an online call waits for one such step at most.
     runs = run(cfg, mixed_trace(20))
-    sizes = [r.end - r.start for r in runs if r.rid < 4]
-    assert max(sizes) > slo * BACKFILL_SLO_SHARE + 1e-9
-    assert max(sizes) <= slo * BACKFILL_SHARE_BOUNDS[1] + 1e-9
-    assert max(r.end - r.arrival for r in runs if r.rid >= 4) <= slo + 1e-9
+    assert len([r for r in runs if r.rid < 4]) == 4  # the backlog still finished
+    floor = JCT.predict(MIN_PREFIX_STEP, 0)
+    assert max(r.start - r.arrival for r in runs if r.rid >= 4) <= floor + 1e-9
 
 
 def saturated(share: float) -> list[SimRun]:
@@ -226,22 +247,37 @@ def test_batch_credit_prevents_starvation() -> None:
     assert len(online_before) == 10
 
 
-def test_every_class_earns_its_own_credit() -> None:
-    """Three classes, all queued at once: a stream of urgent calls (priority 1) and of default ones
-    (priority 0) that both outlast the least urgent request (priority -5). The middle class runs on
-    its credit; the least urgent one earns its own, so it runs before either stream is done."""
+@pytest.mark.parametrize("values", [1, 5, 20])
+def test_less_urgent_classes_share_one_minimum_share(values: int) -> None:
+    """200 urgent calls (priority 1) and 40 less urgent requests spread over 1, 5 or 20 priority
+    values, all of one step of 0.1 s, queued at once: while urgent calls wait, the less urgent ones
+    get the one 5% share together (one step in 21), however many values they use."""
+    urgent = [(0.0, req(1000 + k, 100, 1)) for k in range(200)]
+    low = [(0.0, req(10 + k, 100, -1 - k % values)) for k in range(40)]
+    runs = run(SchedulerConfig("po", enable_priority=True, batch_min_share=0.05), [*low, *urgent])
+    last_urgent = max(r.start for r in runs if r.rid >= 40)
+    during = sorted(r.step for r in runs if r.rid < 40 and r.start < last_urgent)
+    # One step after every 20 urgent ones (steps 21, 42, ..., 189): each earns 5% of its 0.1 s.
+    assert during == list(range(21, 200, 21))
+    assert len([r for r in runs if r.rid < 40]) == 40  # and all of them finish
+
+
+def test_credit_serves_the_longest_waiting_class() -> None:
+    """Three classes: a stream of urgent calls, a middle class that keeps arriving, and one
+    least urgent request queued first: the shared credit goes to the longest-waiting best
+    request, so the least urgent one runs first, before either stream is done."""
     urgent = [(0.0, req(1000 + k, 100, 1)) for k in range(100)]
-    middle = [(0.0, req(3000 + k, 100, 0)) for k in range(100)]
+    middle = [(0.05 + 0.01 * k, req(3000 + k, 100, 0)) for k in range(100)]
     runs = run(
         SchedulerConfig("po", enable_priority=True, batch_min_share=0.1),
         [(0.0, req(1, 100, -5)), *urgent, *middle],
     )
     low = next(r for r in runs if r.rid == 0)
+    first_middle = min(r.start for r in runs if r.rid > 100)
+    assert low.start < first_middle
     later = [r for r in runs if r.start >= low.end]
     assert any(r.rid <= 100 for r in later), "the urgent stream was not done"
-    assert any(r.rid > 100 for r in later), "the middle stream was not done"
-    # Each less urgent class waited through steps that earned it its own credit first
-    assert sum(r.end <= low.start for r in runs) >= 10
+    assert sum(r.end <= low.start for r in runs) >= 10  # after the urgent steps that earned it
 
 
 # ---- a live server ---------------------------------------------------------------------------
@@ -395,7 +431,10 @@ def test_in_process_priority(tokenized_llama: Path, monkeypatch: pytest.MonkeyPa
 def test_batch_prefixes_do_not_evict_online_profiles() -> None:
     """With priority classes, the cache evicts a batch job's prefixes before the online profiles
     its users come back to, even when the batch ones are newer: the online calls after the
-    backlog still read their profiles. Without classes (one class: plain LRU), they do not."""
+    backlog still read their profiles. Without classes (one class: plain LRU), they do not. The
+    pool holds both profiles and one batch request's prefix steps (kept like the online class's
+    until its last step reads them)."""
+    pool = 200 + 150
     profile = {u: ids(10 + u, 100) for u in (1, 2)}
     online = [req(20 + k, 10, None, profile[1 + k % 2]) for k in range(4)]
     batch = [req(30 + k, 50, -1, ids(40 + k, 100)) for k in range(3)]
@@ -403,7 +442,7 @@ def test_batch_prefixes_do_not_evict_online_profiles() -> None:
     trace += [(5.0, online[2]), (5.0, online[3])]
     for enable, hits in ((True, [100, 100]), (False, [0, 0])):
         runs = sorted(
-            run(SchedulerConfig("po", enable_priority=enable), trace, pool=250), key=lambda r: r.rid
+            run(SchedulerConfig("po", enable_priority=enable), trace, pool=pool), key=lambda r: r.rid
         )
         assert all(r.end <= 5.0 for r in runs[:5]), "the backlog ends before the online calls return"
         assert [r.cached for r in runs[5:]] == hits
@@ -454,9 +493,9 @@ def test_long_batch_request_runs_in_prefix_steps() -> None:
     # ... and stops trying once a prefix step left nothing cached for it to read (no cache, or
     # too small a one): one wasted step, not one per MIN_PREFIX_STEP tokens.
     assert tiny[0].step <= 1
-    # Unsized, it is one step.
-    whole = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
-    assert whole[0].step == 0 and whole[0].cached == 0
+    # Without a target, a step takes at most DEFAULT_PRIORITY_STEP_S (250 tokens here).
+    default = run(SchedulerConfig("po", enable_priority=True), [(0.0, long)])
+    assert default[0].step == 1 and default[0].end - default[0].start <= DEFAULT_PRIORITY_STEP_S
 
 
 def test_prefix_steps_on_the_engine_equal_one_forward(tiny_model: Any) -> None:
@@ -565,3 +604,144 @@ def test_a_prefix_read_by_both_classes_in_one_step_is_kept_as_online(
     assert pos == len(prefix) and path == [0] * len(path)
     tails = [n.rank for n in cache._nodes() if n is not cache.root and n.parent is node]
     assert sorted(tails) == [0, 1, 1], "each request's own tail keeps its own class"
+
+
+# ---- a full queue admits a more urgent call ----------------------------------------------------
+
+
+class _Scorer:
+    """A scorer without a model: every step answers at once (the queue is what is tested)."""
+
+    vocab_size = 100
+    tokenizer = None
+
+    def validate(self, req: ScoreRequest) -> None: ...
+
+    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[Any]:
+        from po_backend.core.request import ScoreResult
+
+        top = [(t, -0.5 - t) for t in range(max(r.top_k for r in requests))]
+        return [
+            ScoreResult([-1.0] * len(r.label_token_ids), top, prompt_tokens=len(r.input_ids))
+            for r in requests
+        ]
+
+    def cached_len(self, req: ScoreRequest) -> int:
+        return 0
+
+    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
+        return [(0, 0)]
+
+    def stats(self) -> Any:
+        return type("S", (), {"hit_rate": 0.0})()
+
+    def flush_cache(self) -> None: ...
+
+
+def test_full_queue_aborts_the_least_urgent_queued_call_over_http() -> None:
+    """--max-queue 3 full of priority -1, -2, -1 calls (the loop not started, so they stay queued):
+    a priority 5 call aborts the least urgent (-2), the next one the newest -1, each aborted call
+    answered 503 with SGLang's message; a call no more urgent than what waits gets the plain full-
+    queue 503 and aborts nothing. Then everything admitted is answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from po_backend.server import ServerArgs, Settings, create_app
+    from po_backend.server.service import LoopService
+    from po_backend.serving.loop import ABORTED_BY_PRIORITY, EngineLoop
+    from tests.server_utils import error_message, poll_until
+
+    cfg = SchedulerConfig("fcfs", enable_priority=True)
+    loop = EngineLoop(_Scorer(), scheduler=cfg, jct=JCT, max_queue=3, start=False)  # type: ignore[arg-type]
+    app = create_app(
+        LoopService(_Scorer(), loop, max_input_len=64), ServerArgs(engine=Settings(model_path="m"))
+    )
+
+    def call(client: TestClient, tag: int, priority: int) -> httpx.Response:
+        return client.post("/generate", json={"input_ids": [tag, 2, 3], "priority": priority})
+
+    with TestClient(app, raise_server_exceptions=False) as client, ThreadPoolExecutor(8) as pool:
+        queued = []
+        for n, p in enumerate((-1, -2, -1)):
+            queued.append(pool.submit(call, client, 10 + n, p))
+            poll_until(lambda n=n: loop.stats().queued == n + 1, f"call {n} queued")
+        urgent = [pool.submit(call, client, 20, 5)]
+        aborted = queued[1].result(TIMEOUT_S)
+        assert aborted.status_code == 503 and ABORTED_BY_PRIORITY in error_message(aborted)
+        assert aborted.headers.get("retry-after")
+        urgent.append(pool.submit(call, client, 21, 5))
+        aborted = queued[2].result(TIMEOUT_S)  # the newer of the two -1 calls
+        assert aborted.status_code == 503 and ABORTED_BY_PRIORITY in error_message(aborted)
+        # Full of calls at least as urgent as these: refused, nothing aborted.
+        for p in (-1, -5):
+            full = call(client, 30, p)
+            assert full.status_code == 503 and "queue is full" in error_message(full)
+        assert not queued[0].done() and loop.stats().queued == 3
+        loop.start()
+        assert [f.result(TIMEOUT_S).status_code for f in [queued[0], *urgent]] == [200, 200, 200]
+    loop.shutdown()
+    assert loop.stats().rejected == 4
+
+
+def test_abort_takes_a_whole_call_and_only_less_urgent_ones() -> None:
+    from po_backend.core.errors import OverloadedError
+    from po_backend.serving.loop import ABORTED_BY_PRIORITY, EngineLoop
+
+    cfg = SchedulerConfig("fcfs", enable_priority=True)
+    loop = EngineLoop(_Scorer(), scheduler=cfg, jct=JCT, max_queue=4, start=False)  # type: ignore[arg-type]
+    batch = loop.submit_many([req(1, 5, -3), req(2, 5, -3)])  # one call of two
+    other = [loop.submit(req(3, 5, -1)), loop.submit(req(4, 5, 0))]
+    admitted = loop.submit(req(5, 5, 1))  # one place needed: the whole -3 call goes
+    for f in batch:
+        with pytest.raises(OverloadedError, match=ABORTED_BY_PRIORITY):
+            f.result(0)
+    assert loop.stats().queued == 3
+    with pytest.raises(OverloadedError, match="queue is full"):  # needs two: only one is less urgent
+        loop.submit_many([req(6, 5, 0), req(7, 5, 0), req(8, 5, 0)])
+    off = EngineLoop(_Scorer(), scheduler=SchedulerConfig("fcfs"), max_queue=1, start=False)  # type: ignore[arg-type]
+    off.submit(req(8, 5, -3))
+    with pytest.raises(OverloadedError, match="queue is full"):  # priority scheduling off: no abort
+        off.submit(req(9, 5, 9))
+    loop.start()
+    assert all(f.result(TIMEOUT_S) for f in [*other, admitted])
+    loop.shutdown()
+    off.shutdown()
+
+
+@pytest.mark.parametrize("batch_priority", [0, -1])
+@pytest.mark.parametrize("slo", [None, 0.2])
+def test_a_backlog_queued_before_the_first_online_call_is_sized_for_it(
+    batch_priority: int, slo: float | None
+) -> None:
+    """16 prompts of 1,300 tokens (1.3 s each in one step) queued at t=0, at the default priority
+    or below, then 8 short calls at priority 10, 50 ms apart, from t=0.45 (mid-step): the step each
+    arrives behind was sized before it came (at most DEFAULT_PRIORITY_STEP_S, or half the target),
+    and once the first is measured, at most half of what it takes alone, down to the floor of
+    MIN_PREFIX_STEP tokens. The backlog still finishes."""
+    batch = [(0.0, req(50 + i, 1300, batch_priority)) for i in range(16)]
+    online = [(0.45 + 0.05 * k, req(300 + k, 30, 10)) for k in range(8)]
+    runs = run(SchedulerConfig("po", enable_priority=True, online_slo_s=slo), [*batch, *online])
+    waits = [r.start - r.arrival for r in sorted(runs, key=lambda r: r.rid) if r.rid >= 16]
+    first = DEFAULT_PRIORITY_STEP_S if slo is None else slo * BACKFILL_SLO_SHARE
+    alone = JCT.predict(30, 0)
+    assert 0 < waits[0] <= first + 1e-9  # it arrived during a sized step
+    assert max(waits[1:]) <= max(alone * BACKFILL_ALONE_SHARE, JCT.predict(MIN_PREFIX_STEP, 0)) + 1e-9
+    if slo is not None:
+        assert max(w + alone for w in waits) <= slo
+    assert len([r for r in runs if r.rid < 16]) == 16
+
+
+def test_prefix_steps_are_kept_like_the_most_urgent_class() -> None:
+    """Online calls at priority 10 (more urgent than the default) and a long request at the
+    default priority, in a pool that cannot hold both profiles and its prefix: its prefix steps
+    are kept like the priority-10 profiles (not evicted first as a less urgent class's), so it
+    reads them back instead of running whole in one long step."""
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # ~100-token steps
+    profile = {u: ids(10 + u, 100) for u in (1, 2, 3)}
+    long = req(1, 300, 0)
+    trace = [(0.0, req(20 + u, 10, 10, profile[u])) for u in (1, 2, 3)] + [(0.0, long)]
+    trace += [(0.05 * k, req(30 + k, 10, 10, profile[1 + k % 3])) for k in range(1, 12)]
+    runs = sorted(simulate(cfg, JCT, trace, PrefixLRU(450)), key=lambda r: r.rid)
+    assert runs[3].cached >= 150, "the long request read back its prefix steps"
+    assert runs[3].end - runs[3].start <= 0.2 * BACKFILL_SLO_SHARE + 1e-9

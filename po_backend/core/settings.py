@@ -60,6 +60,12 @@ BACKFILL_SLO_SHARE = 0.5
 BACKFILL_SHARE_BOUNDS = (0.25, 0.8)
 # Online calls the estimate looks back over: enough for a tail, recent enough to follow the load.
 BACKFILL_WINDOW = 64
+# A call waits at most one step of less urgent work, so steps may take at most this share of what
+# the most urgent calls measurably take on their own: their P99 then stays within 1.5x of it.
+BACKFILL_ALONE_SHARE = 0.5
+# With priority scheduling on and no online target, a step takes at most this many predicted seconds
+# (less once the most urgent calls are measured to be fast: `BACKFILL_ALONE_SHARE` of their time).
+DEFAULT_PRIORITY_STEP_S = 0.25
 # A request that names no priority has this one (SGLang's default).
 DEFAULT_PRIORITY = 0
 
@@ -272,9 +278,10 @@ class Settings:
     online_slo_ms: float | None = field(
         default=None,
         metadata=flag(
-            "with priority scheduling: the P99 latency target of online calls (the default priority, "
-            "0, or more urgent). Batch steps (less urgent) are sized to take at most half of it, so an "
-            "online call that arrives during one waits little; default: batch steps are not sized",
+            "with priority scheduling: the P99 latency target of the most urgent calls. Every step is "
+            "sized to at most the target minus what those calls take alone (half the target until they "
+            "are measured), so one arriving during a step waits little; default: steps take at most half "
+            "of what those calls take alone (0.25 s until measured)",
             type=float,
         ),
     )

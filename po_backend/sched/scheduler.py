@@ -83,13 +83,15 @@ class SchedulerConfig:
         default priority, and for every request with priority scheduling off)."""
         return self.rank_of(req.priority) if self.enable_priority else 0
 
-    def cache_rank(self, req: Request, prefix_step: bool = False) -> int:
+    def cache_rank(self, req: Request, prefix_step: bool = False, urgent: int = 0) -> int:
         """The class the prefix cache keeps what `req` stores and reads under (less urgent first
-        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is 0 whatever
-        its class: the next steps of the same request read those tokens back, so they are kept
-        like the online class's until its last step reads them at its own rank (or, if it leaves
-        the queue without one, the engine loop gives them that rank)."""
-        return 0 if prefix_step else self.rank(req)
+        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is `urgent`
+        (`Scheduler.urgent_rank`, the most urgent class submitted) whatever its class: the next
+        steps of the same request read those tokens back, so they are kept like the most urgent
+        class's until its last step reads them at its own rank (or, if it leaves the queue
+        without one, the engine loop gives them that rank). Kept any less, the most urgent calls'
+        prefixes push them out, and the request runs whole in one long step after all."""
+        return urgent if prefix_step else self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:
@@ -122,12 +124,14 @@ class SchedulerConfig:
     @property
     def needs_jct(self) -> bool:
         """fcfs and lpm order without predicting step times; srjf and po need a JCT model, and so
-        does sizing batch steps to an online latency target."""
+        does sizing steps with priority scheduling on."""
         return self.policy not in ("fcfs", "lpm") or self.sizes_batch_steps
 
     @property
     def sizes_batch_steps(self) -> bool:
-        return self.enable_priority and self.online_slo_s is not None
+        """With priority scheduling on every step is sized (`backfill.BackfillBudget`): a more
+        urgent call may arrive during any of them."""
+        return self.enable_priority
 
 
 @dataclass(frozen=True)
@@ -193,16 +197,20 @@ class Scheduler:
         # may read the cache; the cache cannot change between an arrival and that pick).
         self._arrival_jct: dict[int, float] = {}
         self._class_waiting: Counter[str] = Counter()  # waiting requests per priority class
-        # Per class behind the most urgent one (by rank): predicted step seconds earned and not
-        # yet used (`pick`), its share of the steps run while it waited. One credit per class, so
-        # a middle class that always waits cannot spend what the least urgent one earned.
-        self._credits: dict[int, float] = {}
+        # The classes behind the most urgent one waiting, all together: predicted step seconds
+        # earned and not yet used (`pick`), their share of the steps run while they waited. One
+        # credit however many priority values they use, so spreading work over many values earns
+        # it no more than one value does.
+        self._credit = 0.0
+        # The class whose latency the step sizing protects: the most urgent rank submitted so
+        # far, or the default priority's (0) while nothing more urgent was: a less urgent backlog
+        # queued first is sized for the online calls that come after it.
+        self._urgent = 0
         # Per waiting request that ran prefix-only steps: how many, and the tokens it had cached
         # when the last one was picked (no more than that at its next pick: nothing was kept).
         self._prefix_steps: dict[int, tuple[int, int]] = {}
-        # Batch steps sized to the online latency target, from the online calls measured.
-        slo = self.config.online_slo_s
-        self.backfill = BackfillBudget(slo) if slo is not None and self.config.sizes_batch_steps else None
+        # Steps sized for the most urgent calls (to their latency target, if any), from those measured.
+        self.backfill = BackfillBudget(self.config.online_slo_s) if self.config.sizes_batch_steps else None
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -217,6 +225,10 @@ class Scheduler:
         if call >= 0:
             self._call_waiting[call] += 1
         self._class_waiting[self.config.priority_class(req)] += 1
+        if (rank := self.config.rank(req)) < self._urgent:
+            self._urgent = rank
+            if self.backfill is not None:
+                self.backfill.forget_online()
         return w
 
     def remove(self, rid: int) -> bool:
@@ -238,6 +250,32 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    @property
+    def urgent_rank(self) -> int:
+        """The class the step sizing protects (`SchedulerConfig.cache_rank`'s `urgent`)."""
+        return self._urgent
+
+    def least_urgent(self, n: int, rank: int) -> list[Waiting] | None:
+        """Queued requests to abort so that `n` more fit (a full queue admitting a more urgent
+        call, as SGLang does): the least urgent first, the newest first among equals, only of a
+        class less urgent than `rank`, each with the rest of its client call (half a call is of no
+        use to its client). None if that many are not waiting: nothing is to be aborted then."""
+        rank_of = self.config.rank
+        cands = sorted(
+            (w for w in self._waiting.values() if rank_of(w.req) > rank),
+            key=lambda w: (rank_of(w.req), w.rid),
+            reverse=True,
+        )
+        calls: dict[int, list[Waiting]] = {}
+        for w in cands:
+            calls.setdefault(w.call if w.call >= 0 else -1 - w.rid, []).append(w)
+        out: dict[int, Waiting] = {}
+        for w in cands:
+            if len(out) >= n:
+                break
+            out.update((m.rid, m) for m in calls[w.call if w.call >= 0 else -1 - w.rid])
+        return list(out.values()) if len(out) >= n else None
 
     def waiting_by_class(self) -> dict[str, int]:
         """Waiting requests per priority class (`CLASSES`)."""
@@ -263,11 +301,13 @@ class Scheduler:
         return self.jct.predict(n_input, n_cached)
 
     def scores(
-        self, cached_len: CachedLen[Any], pool: Pool | None = None
+        self, cached_len: CachedLen[Any], pool: Pool | None = None, batchable: Batchable[Any] | None = None
     ) -> tuple[list[tuple[float, float, int, Waiting]], dict[int, int]]:
         """Every waiting request's sort key (lowest runs first), and the cached_len values read to
         get them (po and lpm read every request's: O(queue) cache probes per step). With a `pool`,
-        po adds to a request's JCT the waiting requests' reuse its admission would evict."""
+        po adds to a request's JCT the waiting requests' reuse its admission would evict; with
+        `batchable`, po prices a request that shares a declared prefix with others per request of
+        the step they would share."""
         cfg, now = self.config, self.clock()
         cached: dict[int, int] = {}
         reuse = None
@@ -279,6 +319,32 @@ class Scheduler:
             if w.rid not in cached:
                 cached[w.rid] = cached_len(w.req)
             return cached[w.rid]
+
+        per_item: dict[tuple[int, ...], dict[int, float]] = {}  # a declared prefix -> rid -> price
+
+        def jct(w: Waiting) -> float:
+            """po's price of running `w` now: its step's predicted seconds per request answered.
+            The waiting requests that declare the same prefix run in its step (as far as
+            `batchable` lets them share one forward) and compute that prefix once, so a cold
+            profile that k requests wait for costs each of them 1/k of it (Smith's rule: the most
+            requests answered per second of engine time first). Priced alone, a cold profile lost
+            to every shorter cold prompt that came after it, while all its readers waited."""
+            own = self._predict(w.req, n_cached(w))
+            p = w.req.cache_prefix_len or 0
+            if batchable is None or p < cfg.min_shared_prefix:
+                return own
+            key = tuple(w.req.input_ids[:p])
+            if key not in per_item:
+                # the member with the most cached computes the prefix, the others read it from it
+                group = sorted((self._waiting[r] for r in self._sharing(key)), key=lambda m: -n_cached(m))
+                chosen = batchable([m.req for m in group]) if len(group) > 1 else []
+                if len(chosen) < 2:
+                    per_item[key] = {}
+                else:
+                    items = [(len(group[i].req.input_ids), c) for i, c in chosen]
+                    price = self._step_cost(items) / len(chosen)
+                    per_item[key] = {group[i].rid: price for i, _ in chosen}
+            return min(own, per_item[key].get(w.rid, own))
 
         keyed: list[tuple[float, float, int, Waiting]] = []
         for w in self._waiting.values():
@@ -296,7 +362,7 @@ class Scheduler:
                 # of 150 items ages like one request, so its early arrival cannot hand all 150
                 # priority over a short call that came a moment later.
                 siblings = self._call_waiting.get(w.call, 1) if w.call >= 0 else 1
-                score = self._predict(w.req, n_cached(w)) - cfg.fairness_lambda * wait / siblings
+                score = jct(w) - cfg.fairness_lambda * wait / siblings
                 if reuse is not None:
                     score += reuse.cost(w.req)
             keyed.append((score, w.arrival, w.rid, w))
@@ -346,32 +412,36 @@ class Scheduler:
         which is what lpm and po are for.
 
         Priority classes (`SchedulerConfig.enable_priority`): the most urgent class waiting runs
-        first, the policy orders within it, and a step takes no less urgent request. Each class
-        behind it earns `batch_min_share` of each step's predicted time while it waits, and its
-        best request runs once that credit pays for it (the most urgent such class first), so no
-        class is ever starved, however many there are. A batch step
-        (less urgent than the default) with an online latency target takes batch-mates only while
-        its predicted time stays within `backfill.BackfillBudget`: the target minus what online calls
-        measurably take without batch work in their way.
+        first, the policy orders within it, and a step takes no less urgent request. The classes
+        behind it earn together one credit, `batch_min_share` of each step's predicted time while
+        any of them waits, and the longest-waiting of their best requests runs once that credit
+        pays for it: no class is ever starved, and spreading work over many priority values earns
+        it no larger share. A step of a class less urgent than the most urgent submitted so far
+        (or than the default, while nothing more urgent was)
+        takes batch-mates only while its predicted time stays within `backfill.BackfillBudget`,
+        and a request too long for it, of any class (a more urgent call may arrive during any
+        step), computes its prompt over several prefix-only steps.
 
         `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
         request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF."""
         if not self._waiting:
             return None
         cfg = self.config
-        keyed, cached = self.scores(cached_len, pool)
+        keyed, cached = self.scores(cached_len, pool, batchable)
         heads: dict[int, int] = {}  # each waiting class (rank) -> its best request's index in keyed
         for i, k in enumerate(keyed):
             heads.setdefault(cfg.rank(k[3].req), i)
         top, at = cfg.rank(keyed[0][3].req), 0
-        for r in sorted(heads)[1:]:  # the most urgent class whose credit pays for its best request
-            w = keyed[heads[r]][3]
-            credit = self._credits.get(r, 0.0)
-            if credit > 0 and credit >= self._step_cost(
-                [(len(w.req.input_ids), cached.get(w.rid) or cached_len(w.req))]
-            ):
-                at = heads[r]
-                break
+        if len(heads) > 1 and self._credit > 0:
+            # The credit pays for the longest-waiting best request of the classes behind: however
+            # many there are, each one's turn comes, and none gets more than the one share.
+            nxt = min((i for r, i in heads.items() if r != top), key=lambda i: (keyed[i][3].arrival, i))
+            w = keyed[nxt][3]
+            cost = self._step_cost([(len(w.req.input_ids), cached.get(w.rid) or cached_len(w.req))])
+            if self.backfill is not None:  # a sized step costs no more than the budget
+                cost = min(cost, self.backfill.budget_s)
+            if self._credit >= cost:
+                at = nxt
         head = keyed[at][3]
         rank = cfg.rank(head.req)
         if head.rid not in cached:
@@ -392,9 +462,12 @@ class Scheduler:
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
         prefix_only = 0
-        if self.backfill is not None and rank > 0:
+        if self.backfill is not None:
             budget = self.backfill.budget_s
-            chosen = self._backfill(group, chosen, budget)
+            # The most urgent class keeps its batch-mates (trimming them would only delay it);
+            # a request too long for the budget is split whatever its class.
+            if rank > self._urgent:
+                chosen = self._backfill(group, chosen, budget)
             if len(chosen) == 1:
                 prefix_only = self._prefix_step(head, chosen[0][1], budget)
         entries = tuple(group[i] for i, _ in chosen)
@@ -408,27 +481,33 @@ class Scheduler:
             credit=at > 0,
             prefix_only=prefix_only,
         )
-        # A class that is served or not waiting is owed nothing (idle time is not banked); each
-        # less urgent class that waited through this step earns a share, or spends its credit.
-        self._credits = {r: c for r, c in self._credits.items() if r in heads and r != top}
-        if len(heads) > 1:
+        # Nothing behind the most urgent class waits: it is owed nothing (idle time is not banked).
+        # Otherwise the less urgent classes spend their credit on this step, or earn a share of it.
+        if len(heads) == 1:
+            self._credit = 0.0
+        else:
             cost = self._step_cost(pick.items)
-            for r in heads.keys() - {top}:
-                self._credits[r] = self._credits.get(r, 0.0) + (
-                    -cost if at and r == rank else cfg.batch_min_share * cost
-                )
+            self._credit += -cost if at else cfg.batch_min_share * cost
         return pick
 
     def step_done(
-        self, start: float, end: float, ran: Sequence[tuple[Request, float]], predicted: float = math.nan
+        self,
+        start: float,
+        end: float,
+        ran: Sequence[tuple[Request, float]],
+        predicted: float = math.nan,
+        prefix_step: bool = False,
     ) -> None:
         """A step picked here ran from `start` to `end` (the scheduler's clock); `ran`: (request,
         arrival) of each request it computed, the head first; `predicted`: the seconds the JCT
-        model priced it at before it ran (nan: none). Feeds the batch-step sizing."""
+        model priced it at before it ran (nan: none); `prefix_step`: a `Pick.prefix_only` step,
+        which answers nobody. Feeds the step sizing: the most urgent class
+        submitted so far is the one measured, every step of a less urgent one may delay it."""
         if self.backfill is None or not ran:
             return
-        online = [a for r, a in ran if self.config.priority_class(r) == CLASSES[0]]
-        self.backfill.step_done(start, end, self.config.rank(ran[0][0]) > 0, online, predicted)
+        rank, top = self.config.rank, self._urgent
+        urgent = [] if prefix_step else [a for r, a in ran if rank(r) <= top]
+        self.backfill.step_done(start, end, rank(ran[0][0]) > top, urgent, predicted)
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
         """A step's predicted seconds; its computed tokens without a JCT model (fcfs, lpm)."""

@@ -9,7 +9,8 @@ The scorer is our `Engine` or the transformers baseline (`engine.hf_scorer.HFSco
     loop.shutdown(drain=True)         # finish everything queued, then join the worker
 
 Guarantees: every accepted request ends with a result, an error, or a cancellation, never silently
-dropped. A full queue raises OverloadedError at submit. A waiting request can be cancelled
+dropped. A full queue raises OverloadedError at submit; with priority scheduling it first makes
+room by aborting queued requests less urgent than the call (OverloadedError on their futures). A waiting request can be cancelled
 (`fut.cancel()` or `loop.cancel(fut)`); a running one completes. If a step raises, every request
 of that step gets the exception and the loop goes on. `shutdown(drain=False)` fails what is still
 queued with CancelledError. The worker sleeps on a condition variable when idle (no polling).
@@ -47,6 +48,9 @@ from po_backend.serving.stats import LoopStats, StepRecord
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# SGLang's words for a queued request a more urgent one displaced from a full queue (a 503 there
+# too), so clients and gateways that recognise it by its message recognise ours.
+ABORTED_BY_PRIORITY = "The request is aborted by a higher priority request."
 STEP_LOG = 4096  # recent steps kept for stats (percentiles, prediction quality)
 # Steps failed in a row after which the loop reports itself failing: one bad batch is that batch's
 # problem, several in a row with no success between them is the device's or the model's.
@@ -228,11 +232,11 @@ class EngineLoop:
         with self._cond:
             if self._closing:
                 raise LoopClosedError("the engine loop is shutting down and accepts no new requests")
-            if len(self._sched) + len(reqs) > self.max_queue:
+            if len(self._sched) + len(reqs) > self.max_queue and not self._abort_for(reqs):
                 self._counts["rejected"] += len(reqs)
                 raise OverloadedError(
-                    f"overloaded: {len(self._sched)} requests are queued and {len(reqs)} more do not fit "
-                    f"(max_queue={self.max_queue}); retry later"
+                    f"The request queue is full: {len(self._sched)} requests are queued and {len(reqs)} "
+                    f"more do not fit (max_queue={self.max_queue}); retry later"
                 )
             now = self.clock()
             call = next(self._calls_ids)  # one client call: its requests share one fairness credit
@@ -246,6 +250,27 @@ class EngineLoop:
             self._counts["submitted"] += len(reqs)
             self._cond.notify_all()
         return futures
+
+    def _abort_for(self, reqs: Sequence[ScoreRequest]) -> bool:
+        """With priority scheduling, a full queue admits a call by aborting queued requests less
+        urgent than all of it (`Scheduler.least_urgent`), each failed with SGLang's error (a 503
+        over HTTP); False, aborting nothing, if not enough of them wait (caller holds the lock)."""
+        if not self.config.enable_priority:
+            return False
+        need = len(self._sched) + len(reqs) - self.max_queue
+        victims = self._sched.least_urgent(need, max(self.config.rank(r) for r in reqs))
+        if victims is None:
+            return False
+        error = OverloadedError(ABORTED_BY_PRIORITY)
+        for w in victims:
+            self._sched.remove(w.rid)
+            self._forget_prefix(w.rid)
+            job = self._jobs.pop(w.rid)
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+            self._counts["rejected"] += 1
+        log.info("aborted %d queued requests for a more urgent call of %d", len(victims), len(reqs))
+        return True
 
     async def score(self, req: ScoreRequest) -> ScoreResult:
         """Awaitable submit; cancelling the awaiting task cancels the request if it still waits."""
@@ -392,7 +417,8 @@ class EngineLoop:
         start = self.clock()
         t = time.perf_counter()
         try:
-            ranks = [self.config.cache_rank(j.req, prefix_step=j.rid == PREFIX_STEP_RID) for j in jobs]
+            urgent = self._sched.urgent_rank
+            ranks = [self.config.cache_rank(j.req, j.rid == PREFIX_STEP_RID, urgent) for j in jobs]
             results = self.engine.step([j.req for j in jobs], ranks)
             if len(results) != len(jobs):
                 raise RuntimeError(
@@ -417,7 +443,9 @@ class EngineLoop:
             self._counts["completed"] += sum(j.rid != PREFIX_STEP_RID for j in jobs)
             self._failed_streak = 0
             self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
-            self._sched.step_done(start, start + seconds, [(j.req, j.submitted) for j in jobs], predicted)
+            ran = [(j.req, j.submitted) for j in jobs]
+            prefix = jobs[0].rid == PREFIX_STEP_RID
+            self._sched.step_done(start, start + seconds, ran, predicted, prefix_step=prefix)
             index = self._n_steps
         for j, r in zip(jobs, results, strict=True):
             step = StepInfo(index, len(jobs), seconds, predicted, self.config.priority_class(j.req))

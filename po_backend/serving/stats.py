@@ -28,7 +28,7 @@ class LoopStats:
     completed: int
     failed: int
     cancelled: int
-    rejected: int  # refused at submit with OverloadedError
+    rejected: int  # refused at submit, or aborted from a full queue for a more urgent call (OverloadedError)
     steps: int
     mean_batch_items: float
     step_p50_s: float

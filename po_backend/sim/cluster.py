@@ -302,7 +302,7 @@ def simulate_cluster(
         reqs: list[Request]
         if pick.prefix_only:
             reqs = [pick.prefix_request()]
-            ranks = [config.cache_rank(reqs[0], prefix_step=True)]
+            ranks = [config.cache_rank(reqs[0], True, scheds[w].urgent_rank)]
             ran: list[tuple[Request, float]] = [(reqs[0], now)]
         else:
             reqs = [e.req for e in pick.entries]

@@ -188,9 +188,9 @@ def simulate(
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued
             prefix = pick.prefix_request()
-            cache.step([prefix], [config.cache_rank(prefix, prefix_step=True)])
+            cache.step([prefix], [config.cache_rank(prefix, True, sched.urgent_rank)])
             clock.now += model.predict_items(pick.items)
-            sched.step_done(start, clock.now, [(prefix, start)], clock.now - start)
+            sched.step_done(start, clock.now, [(prefix, start)], clock.now - start, prefix_step=True)
             steps += 1
             continue
         hits = cache.step([e.req for e in pick.entries], [config.cache_rank(e.req) for e in pick.entries])
