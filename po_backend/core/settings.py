@@ -317,7 +317,9 @@ class Settings:
     )
     enable_lora: bool = field(
         default=False,
-        metadata=flag("serve LoRA adapters (on with --lora-paths; adapters load at run time too)"),
+        metadata=flag(
+            "serve LoRA adapters (on with --lora-paths; adapters load at run time too)", engine=True
+        ),
     )
     lora_paths: tuple[str, ...] = field(
         default=(),
@@ -328,11 +330,15 @@ class Settings:
     )
     max_loras: int = field(
         default=4,
-        metadata=flag("LoRA adapters loaded at once (their memory is set aside at start)", type=int),
+        metadata=flag(
+            "LoRA adapters loaded at once (their memory is set aside at start)", type=int, engine=True
+        ),
     )
     max_lora_rank: int = field(
         default=16,
-        metadata=flag("the largest LoRA rank an adapter may have (sizes what is set aside)", type=int),
+        metadata=flag(
+            "the largest LoRA rank an adapter may have (sizes what is set aside)", type=int, engine=True
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -378,7 +384,10 @@ class Settings:
         when the engine loads (it needs the device)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine")}
         if self.enable_lora or self.lora_paths:  # --lora-paths turns LoRA on, as SGLang's does
-            out.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+            out["enable_lora"] = True
+        else:  # no adapters to size for: the engine's own defaults, unmentioned
+            for name in ("enable_lora", "max_loras", "max_lora_rank"):
+                out.pop(name)
         return {k: v for k, v in out.items() if v not in (None, "auto")}
 
     def loras(self) -> list[tuple[str, str]]:
