@@ -10,7 +10,8 @@ Endpoints used:
   `cache_prefix_len` extension. A batch with one bad item is rejected whole (HTTP 400); the
   client then resends the items one by one so only the bad one fails.
 
-A server that is busy (HTTP 503 / 429) or not reachable yet is retried a few times, waiting what
+A server that is busy (HTTP 503 / 429), behind a gateway that could not reach it (502 / 504) or not
+reachable yet is retried a few times, waiting what
 its `Retry-After` header asks (else a doubling backoff), within a bounded total wait; after that
 the call fails with `BackendUnavailable`, which batch jobs treat as "the backend is down".
 """
@@ -27,7 +28,10 @@ from po_lang.backends import LabelRequest, ScoreOutcome
 from po_lang.errors import BackendError, BackendUnavailable
 
 LOW = "low"  # the priority just below the server's default, whichever order the server uses
-RETRY_STATUS = frozenset({429, 503})  # overloaded or starting: worth asking again
+# Overloaded or starting (429, 503), or a gateway in front (the SGLang router) that could not reach a
+# worker or timed out on it (502, 504): worth asking again, a prefill-only call being idempotent.
+# A 500 is a server bug the same call would meet again: not retried.
+RETRY_STATUS = frozenset({429, 502, 503, 504})
 FIRST_BACKOFF = 0.25  # seconds before the first retry when the server names no Retry-After
 
 
@@ -191,7 +195,7 @@ class Remote:
         return resp.json()
 
     def _send(self, path: str, payload: dict[str, Any]) -> Any:
-        """POST with retries: a 503 / 429 or a failed connection is tried again up to `retries`
+        """POST with retries: a `RETRY_STATUS` or a failed connection is tried again up to `retries`
         times within `max_retry_wait` seconds of waiting. Returns the last response (the caller
         judges its status); a connection that never succeeds raises BackendUnavailable, any other
         transport error BackendError."""

@@ -28,7 +28,24 @@ require("sglang_router", "pip install sglang-router")
 QUERY = {"query": "which pets like to play", "documents": ["cats like to play", "tax news", "dogs play"]}
 
 
-WORKER_FLAGS = ["--dtype", "fp32", "--max-input-len", "256"]
+WORKER_FLAGS = ["--dtype", "fp32", "--max-input-len", "256", "--classify-labels", "yes,no"]
+
+
+def routed_call(route: str, i: int) -> dict[str, Any]:
+    """A call on `route` whose text (what cache_aware routes by) differs with `i` from its first
+    character: cache_aware sends a text that matches no worker's tree to the one with the least."""
+    return {
+        "/generate": {"text": f"{i} hello cats", "sampling_params": {"max_new_tokens": 0}},
+        "/v1/completions": {"model": "m", "prompt": f"{i} hello dogs", "max_tokens": 1, "logprobs": 2},
+        "/v1/rerank": {**QUERY, "query": f"{i} {QUERY['query']}"},
+        "/v1/classify": {"model": "m", "input": [f"{i} cats play", f"{i} tax news"]},
+        "/v1/embeddings": {"model": "m", "input": [f"{i} cats play", f"{i} tax news"]},
+    }[route]
+
+
+# Every route family the router forwards, by the task the workers serve (one cluster each).
+GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/rerank", "/v1/classify")
+EMBED_ROUTES = ("/v1/embeddings",)
 
 
 @contextlib.contextmanager
@@ -162,13 +179,14 @@ def submitted(worker_url: str) -> int:
 
 @pytest.mark.slow
 def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(clusters: Clusters) -> None:
-    """The test ends the cluster with SIGTERM: it takes the shared one, which no later test gets."""
+    """Calls in flight on a worker that is SIGKILLed, on every route family of the generate task,
+    are answered by the other one. The test ends the cluster with SIGTERM: it takes the shared one,
+    which no later test gets."""
     url, proc = clusters.take()
-    workers = [c for c in psutil.Process(proc.pid).children() if "launch_server" in " ".join(c.cmdline())]
+    workers = worker_procs(proc)
     assert len(workers) == 2
     victim = workers[0]
-    cmdline = victim.cmdline()
-    victim_url = f"http://127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"
+    victim_url = url_of(victim)
     assert victim_url in worker_urls(url)
     before = submitted(victim_url)
 
@@ -176,8 +194,8 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(clusters: Clusters)
         async with httpx.AsyncClient(timeout=120) as client:
 
             def send(i: int) -> asyncio.Future[Any]:
-                body = {**QUERY, "query": f"{QUERY['query']} {i}"}  # distinct prefixes: both workers
-                return asyncio.ensure_future(client.post(url + "/v1/rerank", json=body))
+                route = GENERATE_ROUTES[i % len(GENERATE_ROUTES)]  # distinct texts: both workers
+                return asyncio.ensure_future(client.post(url + route, json=routed_call(route, i)))
 
             tasks = [send(i) for i in range(100)]
             # Mid-burst: once the victim holds some of the burst (the tasks send meanwhile).
@@ -198,6 +216,63 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(clusters: Clusters)
     assert proc.wait(timeout=90) == 0
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def refuses(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=5)
+    except httpx.TransportError:
+        return True
+    return False
+
+
+def worker_procs(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The launcher's workers."""
+    return [c for c in psutil.Process(proc.pid).children() if "launch_server" in " ".join(c.cmdline())]
+
+
+def url_of(worker: psutil.Process) -> str:
+    cmdline = worker.cmdline()
+    return f"http://127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["generate", "embed"])
+def test_a_lone_call_routed_to_a_killed_worker_is_answered(tokenized_llama: Path, task: str) -> None:
+    """The router's retries reach the other worker. cache_aware sends a text to the worker it sent
+    that text before, dead or not, until that worker's circuit breaker opens: a call arriving alone
+    just after the kill (no calls in flight whose failures open the breaker first) spends its
+    attempts there, and with no more attempts than the breaker's threshold it got a 500.
+    The router does not forward /v1/score (sglang-router 0.3.2): a 404 from it, never a 5xx."""
+    routes = GENERATE_ROUTES if task == "generate" else EMBED_ROUTES
+    with launched_cluster(tokenized_llama, ["--workers", "2", "--task", task]) as (url, proc):
+        workers = {url_of(w): w for w in worker_procs(proc)}
+        # The victim: the worker the router sends the first call to; then, for every route, a
+        # call it sends there (cache_aware sends a text matching no worker's tree to the worker
+        # with the least; which that is, is the router's business).
+        on_victim: list[tuple[str, dict[str, Any]]] = []
+        victim_url = ""
+        with httpx.Client(timeout=60) as client:
+            for route in routes:
+                for i in range(12):
+                    before = {w: submitted(w) for w in workers}
+                    resp = client.post(url + route, json=routed_call(route, i))
+                    assert resp.status_code == 200, (route, resp.status_code, resp.text[:200])
+                    [took] = [w for w in workers if submitted(w) > before[w]]
+                    victim_url = victim_url or took
+                    if took == victim_url:
+                        on_victim.append((route, routed_call(route, i)))
+                        break
+            assert [r for r, _ in on_victim] == list(routes), f"calls on the victim: {on_victim}"
+            victim = workers[victim_url]
+            victim.kill()
+            poll_until(lambda: refuses(victim_url), "the killed worker's port refuses connections")
+            answers = [(route, client.post(url + route, json=body)) for route, body in on_victim]
+            if task == "generate":
+                score = {"query": "Is it", "items": [" cats", " dogs"], "label_token_ids": [5, 6]}
+                assert client.post(url + "/v1/score", json=score).status_code == 404
+        failed = [(route, r.status_code, r.text[:200]) for route, r in answers if r.status_code != 200]
+        assert not failed, failed
 
 
 @pytest.mark.slow

@@ -337,10 +337,10 @@ def test_flush_cache_takes_the_admin_key_only() -> None:
 def test_answers_decode_while_a_long_tokenization_holds_the_tokenizer(tokenized_llama: Path) -> None:
     """A token-id /generate decodes its answer while another call's tokenizing holds the shared
     tokenizer's lock (held here by the test itself, for as long as it likes)."""
-    from po_backend.serving.engine_runtime import LockedTokenizer, tokenizer_lock
     from transformers import AutoTokenizer
 
     from po_backend.server import ServerArgs, Settings, create_app
+    from po_backend.serving.engine_runtime import LockedTokenizer, tokenizer_lock
 
     tok = AutoTokenizer.from_pretrained(tokenized_llama)
     answer = lambda r: ScoreResult([], [(7, -0.5)], prompt_tokens=len(r.input_ids))  # noqa: E731

@@ -531,6 +531,7 @@ class Busy(http.server.BaseHTTPRequestHandler):
     """Answers 503 with the class's Retry-After `busy` times, then 200; records when asked."""
 
     busy = 0
+    status = 503
     retry_after = "1"
     times: list[float] = []
     auth: list[str | None] = []
@@ -541,7 +542,7 @@ class Busy(http.server.BaseHTTPRequestHandler):
         cls.times.append(time.monotonic())
         cls.auth.append(self.headers.get("authorization"))
         if len(cls.times) <= cls.busy:
-            body, status = b'{"message": "server overloaded"}', 503
+            body, status = b'{"message": "server overloaded"}', cls.status
         else:
             body, status = b'{"tokens": [1, 2, 3]}', 200
         self.send_response(status)
@@ -676,3 +677,21 @@ def test_server_labels_as_in_process_and_resumes(
     with dead_url() as gone:
         assert label_main([str(more), "--server", gone, *MODEL_ARGS]) == 1
     assert read_output(tmp_path / "remote.labeled.jsonl") == before
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_remote_retries_a_gateways_failure_but_not_a_500(
+    busy_server: tuple[str, type[Busy]], status: int
+) -> None:
+    """A router that could not reach a worker (502) or timed out on it (504): the call, idempotent,
+    is sent again. A 500 is a bug the same call meets again: one attempt, the error raised."""
+    url, handler = busy_server
+    handler.busy, handler.status = 2, status
+    assert po.Remote(url, retries=3, max_retry_wait=10).tokenize("hello") == [1, 2, 3]
+    assert len(handler.times) == 3
+    handler.times.clear()
+    handler.busy, handler.status = 1, 500
+    with pytest.raises(po.BackendError, match="HTTP 500") as raised:
+        po.Remote(url, retries=3).tokenize("x")
+    assert not isinstance(raised.value, po.BackendUnavailable)
+    assert len(handler.times) == 1

@@ -29,6 +29,35 @@ def depth(node: Node) -> int:
     return n
 
 
+def path_key(node: Node) -> tuple[int, ...]:
+    parts: list[int] = []
+    while node.parent is not None:
+        parts[:0] = node.key.tolist()
+        node = node.parent
+    return tuple(parts)
+
+
+def walked_eviction_order(cache: RadixCache) -> list[tuple[int, ...]]:
+    """The eviction order by definition, from a walk of the whole tree each time (the reference
+    for the incremental heap): repeatedly the unlocked leaf least in (reused, less urgent class
+    first, least recently used, creation order), its parent a leaf once its children are gone."""
+    gone: set[int] = set()
+    order = []
+    while True:
+        stack, leaves = [cache.root], []
+        while stack:
+            node = stack.pop()
+            kids = [c for c in node.children.values() if c.uid not in gone]
+            stack.extend(kids)
+            if node is not cache.root and not kids and node.lock_ref == 0:
+                leaves.append(node)
+        if not leaves:
+            return order
+        victim = min(leaves, key=lambda n: (n.reused, -n.rank, n.last_access, n.uid))
+        gone.add(victim.uid)
+        order.append(path_key(victim))
+
+
 # ---- KVPool ---------------------------------------------------------------------------------
 
 
@@ -346,10 +375,18 @@ class CacheMachine(RuleBasedStateMachine):
     def unlock(self, i: int) -> None:
         self.cache.unlock(self.locked.pop(i % len(self.locked)))
 
+    @rule(tokens=tokens_st, rank=st.integers(0, 2))
+    def set_rank(self, tokens: list[int], rank: int) -> None:
+        self.cache.set_rank(tokens, rank)
+
     @rule(n=st.integers(0, 12))
     def evict(self, n: int) -> None:
         evictable = self.cache.evictable_size()
+        order = walked_eviction_order(self.cache)
+        leaves_before = {path_key(v) for v in self._cached_nodes()}
         freed = self.cache.evict(n)
+        gone = leaves_before - {path_key(v) for v in self._cached_nodes()}
+        assert gone == set(order[: len(gone)]), "evict freed nodes out of the eviction order"
         assert freed >= n or self.cache.evictable_size() == 0
         assert self.cache.evictable_size() == evictable - freed
 
@@ -370,9 +407,19 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.reset()
             assert self.pool.num_free == self.pool.num_total
 
+    def _cached_nodes(self) -> list[Node]:
+        stack, out = [self.cache.root], []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.cache.root:
+                out.append(node)
+        return out
+
     @invariant()
     def integrity(self) -> None:
         self.cache.check_integrity()
+        assert [v.key for v in self.cache.eviction_order()] == walked_eviction_order(self.cache)
         for node in self.locked:  # locked paths are never evicted
             assert node is self.cache.root or node.parent is not None
 

@@ -141,12 +141,13 @@ def _steps(ran: list[Ran]) -> list[set[str]]:
 
 def test_fcfs_batches_only_the_run_behind_the_head() -> None:
     """fcfs never lets a later request of a cached prefix overtake an earlier unrelated one (as
-    in SGLang and vLLM); po and lpm pull every waiting request of that prefix into the step."""
+    in SGLang and vLLM): they join behind it, in its step when that stays short; po and lpm pull
+    every waiting request of that prefix into the step."""
     p = _ids(5, 300)
     i0, i1, i2, i3 = (Req(f"i{k}", p + _ids(50 + k, 40), 300) for k in range(4))
     x = Req("x", _ids(59, 400), 0)
     trace = [(0.0, r) for r in (i0, i1, x, i2, i3)]
-    assert _steps(simulate("fcfs", trace, capacity=2)) == [{"i0", "i1"}, {"x"}, {"i2", "i3"}]
+    assert _steps(simulate("fcfs", trace, capacity=2)) == [{"i0", "i1"}, {"x", "i2", "i3"}]
     for policy in ("po", "lpm"):
         assert _steps(simulate(policy, trace, capacity=2)) == [{"i0", "i1", "i2", "i3"}, {"x"}], policy
 
@@ -240,7 +241,7 @@ def test_a_short_call_does_not_wait_behind_a_whole_earlier_batch() -> None:
     sched.add(150, Req("small", tuple(range(9))), 3.0, call=1)
     picked: list[str] = []
     for _ in range(3):
-        pick = sched.pick(lambda r: 0, lambda cands: list(range(min(10, len(cands)))))
+        pick = sched.pick(lambda r: 0, lambda cands: [(i, 0) for i in range(min(10, len(cands)))])
         assert pick is not None
         picked += [e.req.name for e in pick.entries]
     assert "small" in picked[:10]  # in the first step, not after 15 steps of the batch
@@ -249,7 +250,7 @@ def test_a_short_call_does_not_wait_behind_a_whole_earlier_batch() -> None:
     for i in range(150):
         sched.add(i, Req(f"big{i}", tuple(range(i * 1000, i * 1000 + 300))), 0.0)
     sched.add(150, Req("small", tuple(range(9))), 3.0)
-    first = sched.pick(lambda r: 0, lambda cands: list(range(min(10, len(cands)))))
+    first = sched.pick(lambda r: 0, lambda cands: [(i, 0) for i in range(min(10, len(cands)))])
     assert first is not None and "small" not in [e.req.name for e in first.entries]
 
 
@@ -344,3 +345,57 @@ def test_worst_of_a_side_without_loads_is_empty() -> None:
     }
     assert worst([row], "po", below=False) == {}
     assert worst([row], "po", below=True)["p99"]["load"] == 0.5
+
+
+# ---- unrelated requests in one step -----------------------------------------------------------
+
+# A JCT model with a fixed cost per step (0.1 s), 1 ms per item and 50 ms per 1k computed tokens:
+# small steps cost mostly the fixed part, so many small unrelated requests fit one step's slack.
+STEP_BOUND_JCT = JCTModel((0.1, 0.001, 0.05, 0.0, 0.0), source="proxy")
+
+
+def _fill_steps(
+    policy: str, reqs: Sequence[Req], jct: JCTModel | None, budget: int = 10**9
+) -> list[list[str]]:
+    sched = Scheduler(SchedulerConfig(policy), jct)
+    for i, r in enumerate(reqs):
+        sched.add(i, r, 0.0)
+
+    def batchable(cands: Sequence[Req]) -> list[tuple[int, int]]:
+        return run_batchable(cands, budget)
+
+    steps = []
+    while (pick := sched.pick(lambda r: 0, batchable)) is not None:
+        steps.append([e.req.name for e in pick.entries])
+    return steps
+
+
+def run_batchable(cands: Sequence[Req], budget: int) -> list[tuple[int, int]]:
+    from po_backend.sched.batching import fit_batch
+
+    return fit_batch(cands, lambda r: 0, lambda r: 0, budget)
+
+
+@pytest.mark.parametrize("policy", ["po", "fcfs", "lpm"])
+def test_small_unrelated_requests_share_steps(policy: str) -> None:
+    """32 unrelated 4-token prompts run many to a step (each still attends only to itself: the
+    engine tests check the scores), within the token budget; every one runs exactly once."""
+    reqs = [Req(f"r{k}", _ids(200 + k, 4)) for k in range(32)]
+    steps = _fill_steps(policy, reqs, STEP_BOUND_JCT if policy == "po" else None)
+    assert sorted(n for s in steps for n in s) == sorted(r.name for r in reqs)
+    assert len(steps) <= 8, steps
+    if policy == "fcfs":  # arrival order kept across steps
+        assert [n for s in steps for n in s] == [r.name for r in reqs]
+    budget = _fill_steps(policy, reqs, STEP_BOUND_JCT if policy == "po" else None, budget=8)
+    assert all(len(s) <= 2 for s in budget) and len(budget) == 16
+
+
+def test_a_long_unrelated_request_does_not_join_a_short_head() -> None:
+    """Filling a step stops where it would delay the head's group by more than a quarter: a long
+    unrelated prompt runs in a step of its own, after the short one (po: shortest first)."""
+    short, long = Req("short", _ids(300, 8)), Req("long", _ids(301, 3000))
+    assert _fill_steps("po", [long, short], STEP_BOUND_JCT) == [["short"], ["long"]]
+    assert _fill_steps("fcfs", [short, long], None) == [["short"], ["long"]]
+    # Proportional cost without a per-step term (JCT above): nothing is worth filling.
+    steps = _fill_steps("po", [Req(f"r{k}", _ids(400 + k, 50)) for k in range(4)], JCT)
+    assert [len(s) for s in steps] == [1, 1, 1, 1]

@@ -51,6 +51,13 @@ log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 # outstanding requests. The router's 64 suits long decode requests and never fires for one-forward
 # calls; far lower fires on ordinary bursts and costs the cache (docs/scaling-out.md).
 BALANCE_ABS_THRESHOLD = 32
+# The router picks a worker afresh for each attempt of a call (its --retry-max-retries counts attempts,
+# the first included), but cache_aware keeps picking a dead worker until that worker's circuit
+# breaker opens after CB_FAILURES consecutive failures: with no more attempts than that, a lone call
+# routed to a worker just killed spends them all there and gets a 500. Attempts beyond the
+# threshold reach another worker.
+CB_FAILURES = 3
+ROUTER_ATTEMPTS = CB_FAILURES + 3
 # The /dev entries of the drivers torch.cuda reaches GPUs through: NVIDIA's, ROCm's, WSL 2's.
 GPU_DEVICE_NODES = ("nvidia*", "kfd", "dxg")
 ADD_WORKER = "add-worker"  # the subcommand
@@ -178,8 +185,9 @@ def router_command(
         "--policy", policy, "--host", host, "--port", str(port),
         "--balance-abs-threshold", str(balance_abs_threshold),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-        "--retry-max-retries", "3", "--retry-initial-backoff-ms", "50",
-        "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "10",
+        "--retry-max-retries", str(ROUTER_ATTEMPTS), "--retry-initial-backoff-ms", "50",
+        "--retry-max-backoff-ms", "1000",
+        "--cb-failure-threshold", str(CB_FAILURES), "--cb-timeout-duration-secs", "10",
         "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
         "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
         "--log-level", "warn",

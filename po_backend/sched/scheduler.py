@@ -52,6 +52,14 @@ from po_backend.sched.reuse import Pool, ReuseCost
 
 # A prefix-only step (Pick.prefix_only) computes at least this many tokens (less: all overhead).
 MIN_PREFIX_STEP = 64
+# Unrelated requests join a step while it costs at most this fraction more than the head's group
+# alone; without a JCT model a step's cost is its computed tokens plus FILL_STEP_TOKENS, what a
+# step's fixed overhead is worth in tokens.
+FILL_SLACK = 0.25
+FILL_STEP_TOKENS = 128
+# The most waiting requests one step's batching considers (`batchable` fills the token budget from
+# them in order): bounds a pick's batching work in a long queue.
+MAX_STEP_CANDIDATES = 256
 CLASSES = ("online", "batch")  # the default priority or more urgent; less urgent
 
 
@@ -403,11 +411,12 @@ class Scheduler:
         self, cached_len: CachedLen[Any], batchable: Batchable[Any], pool: Pool | None = None
     ) -> Pick | None:
         """Choose and remove the next step's requests: the policy's head plus the waiting requests
-        that share its prefix (declared, or the longest worth sharing: `shared_len`), in policy
-        order, as far as `batchable` lets them share one forward. None if nothing waits.
+        that share its prefix (declared, or the longest worth sharing: `shared_len`), then the
+        unrelated ones, each in policy order, as far as `batchable` lets them share one forward
+        (its token budget). None if nothing waits.
 
         fcfs is strict, as in SGLang and vLLM: only the requests right behind the head in arrival
-        order join it, so requests start in arrival order.
+        order join it, up to the first that does not fit, so requests start in arrival order.
         Pulling a later request of the same prefix past earlier ones is a prefix-aware reordering,
         which is what lpm and po are for.
 
@@ -448,19 +457,23 @@ class Scheduler:
             cached[head.rid] = cached_len(head.req)
         prefix = max(self.shared_len(head), head.req.cache_prefix_len or 0)
         strict = cfg.policy == "fcfs"
-        group = [head]
-        if prefix > 0:
-            sharers = self._sharing(tuple(head.req.input_ids[:prefix]))
-            # Policy order; equally or more urgent requests only (keyed is sorted by class)
-            rest = (k[3] for i, k in enumerate(keyed) if i != at and cfg.rank(k[3].req) <= rank)
-            if strict:  # only the run right behind the head: nobody overtakes an earlier arrival
-                group += takewhile(lambda w: w.rid in sharers, rest)
-            else:
-                group += [w for w in rest if w.rid in sharers]
+        # Policy order; equally or more urgent requests only (keyed is sorted by class)
+        rest = [k[3] for i, k in enumerate(keyed) if i != at and cfg.rank(k[3].req) <= rank]
+        sharers = self._sharing(tuple(head.req.input_ids[:prefix])) if prefix > 0 else set()
+        if strict:  # only the run right behind the head: nobody overtakes an earlier arrival
+            base = [head, *takewhile(lambda w: w.rid in sharers, rest)]
+            fill = rest[len(base) - 1 :]
+        else:
+            base = [head] + [w for w in rest if w.rid in sharers]
+            fill = [w for w in rest if w.rid not in sharers]
+        # Unrelated requests (each attends only to itself) fill the step behind the head's group,
+        # as SGLang and vLLM batch unrelated prefills, while it stays short (`_fill`).
+        group = (base + fill)[:MAX_STEP_CANDIDATES]
         chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, cached[head.rid])]
         assert chosen and chosen[0][0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
+        chosen = self._fill(group, chosen, len(base))
         prefix_only = 0
         if self.backfill is not None:
             budget = self.backfill.budget_s
@@ -546,6 +559,27 @@ class Scheduler:
             return 0
         self._prefix_steps[w.rid] = (done + 1, cached)
         return lo
+
+    def _fill(
+        self, group: Sequence[Waiting], chosen: list[tuple[int, int]], n_base: int
+    ) -> list[tuple[int, int]]:
+        """`chosen` with the unrelated requests (group index >= n_base) that join the step while it
+        costs at most FILL_SLACK more than the head's group alone: each saves a step of its own
+        (the JCT model's per-step and per-item terms; tokens + FILL_STEP_TOKENS without one) and
+        delays the head little. Many small calls then run together, a long one still alone.
+        A leading part, since a later request may read a prefix an earlier one computes."""
+        items = [(len(group[i].req.input_ids), c) for i, c in chosen]
+        n = sum(1 for i, _ in chosen if i < n_base)
+        if n == len(chosen):
+            return chosen
+
+        def cost(k: int) -> float:
+            return self._step_cost(items[:k]) + (FILL_STEP_TOKENS if self.jct is None else 0.0)
+
+        limit = (1.0 + FILL_SLACK) * cost(n)
+        while n < len(chosen) and cost(n + 1) <= limit:
+            n += 1
+        return chosen[:n]
 
     def _backfill(
         self, group: Sequence[Waiting], chosen: list[tuple[int, int]], budget_s: float

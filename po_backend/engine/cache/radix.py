@@ -2,6 +2,11 @@
 
 Ownership: every slot is either free in the pool, held by exactly one tree node, or held by a
 caller (allocated and not yet inserted). `check_integrity` verifies that partition.
+
+Eviction reads a heap of the unlocked leaves kept up to date as nodes change (an entry is pushed
+whenever a node becomes an unlocked leaf or its eviction key changes; stale entries are skipped
+when popped and dropped by a rebuild once they outnumber the live ones), so an allocation that
+must evict costs O(log n) per victim, not a walk of the whole tree.
 """
 
 from __future__ import annotations
@@ -78,6 +83,10 @@ class Node:
         )
 
 
+# A node's place in the eviction order: (reused, -rank, last_access, uid, push count, node).
+_Entry = tuple[bool, int, int, int, int, Node]
+
+
 class MatchResult(NamedTuple):
     length: int  # matched tokens
     slots: torch.Tensor  # int64 slots of the matched prefix, in token order
@@ -127,6 +136,9 @@ class RadixCache:
         self._reused = 0  # tokens in reused nodes
         self.evicted_tokens_total = 0
         self.inserted_tokens_total = 0
+        self._nodes_count = 0  # nodes in the tree, the root excluded: bounds the heap's size
+        self._heap: list[_Entry] = []  # `_entry`s of unlocked leaves, some stale
+        self._pushes = itertools.count()
 
     def _new_node(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, rank: int = 0) -> Node:
         return Node(key, slots, parent, next(self._uids), self._clock, rank)
@@ -149,6 +161,7 @@ class RadixCache:
         parent.children[int(node.key[0])] = upper
         node.set_key(node.key[at:], node.slots[at:])
         node.parent = upper
+        self._nodes_count += 1
         return upper
 
     def _descend(
@@ -170,6 +183,7 @@ class RadixCache:
             if reuse and not child.reused:
                 child.reused = True
                 self._reused += len(child.key)
+            self._candidate(child)  # its eviction key changed
             parts.append(child.slots)
             node, pos = child, pos + n
         return pos, node, parts
@@ -210,6 +224,7 @@ class RadixCache:
             if n < len(child.key):
                 break  # the node goes on past these tokens: others' too
             child.rank = rank
+            self._candidate(child)
             node, pos = child, pos + n
 
     def insert(
@@ -235,6 +250,8 @@ class RadixCache:
             node.children[int(tokens[pos])] = leaf
             self._evictable += len(leaf.key)
             self.inserted_tokens_total += len(leaf.key)
+            self._nodes_count += 1
+            self._candidate(leaf)
             node = leaf
         return InsertResult(pos, node)
 
@@ -264,6 +281,7 @@ class RadixCache:
             if n.lock_ref == 0:
                 self._evictable += len(n.key)
                 self._protected -= len(n.key)
+                self._candidate(n)
 
     # ---- eviction / allocation --------------------------------------------------------------
 
@@ -274,41 +292,61 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    @staticmethod
-    def _victim_key(n: Node) -> tuple[bool, int, int, int, Node]:
+    def _entry(self, n: Node) -> _Entry:
         """Eviction order: never-reused first, then the less urgent class, then least recently
-        used (uid: a deterministic tie-breaker)."""
-        return (n.reused, -n.rank, n.last_access, n.uid, n)
+        used (uid: a deterministic tie-breaker; the push count keeps a node filed twice from
+        being compared with itself)."""
+        return (n.reused, -n.rank, n.last_access, n.uid, next(self._pushes), n)
 
-    def _leaves(self) -> list[tuple[bool, int, int, int, Node]]:
-        """A heap of the unlocked leaves by `_victim_key`."""
-        heap = [
-            self._victim_key(n)
-            for n in self._nodes()
-            if not n.children and n.lock_ref == 0 and n is not self.root
+    def _candidate(self, node: Node) -> None:
+        """File `node` in the eviction heap if it is an unlocked leaf (with its current key: an
+        older entry of it goes stale)."""
+        if node.children or node.lock_ref or node is self.root:
+            return
+        heapq.heappush(self._heap, self._entry(node))
+        if len(self._heap) > 2 * self._nodes_count + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """The heap from a walk of the tree, without its stale entries (amortised: it runs once
+        the stale entries outnumber the nodes)."""
+        self._heap = [
+            self._entry(n) for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root
         ]
-        heapq.heapify(heap)
-        return heap
+        heapq.heapify(self._heap)
+
+    def _is_current(self, entry: _Entry) -> bool:
+        """Whether a heap entry still names an unlocked leaf in the tree with that very key."""
+        node = entry[-1]
+        return (
+            node.parent is not None
+            and not node.children
+            and node.lock_ref == 0
+            and entry[:3] == (node.reused, -node.rank, node.last_access)
+        )
 
     def evict(self, num_slots: int) -> int:
-        """Free unlocked leaves until `num_slots` are freed, in `_victim_key` order; return the
+        """Free unlocked leaves until `num_slots` are freed, in `_entry` order; return the
         count. Whole nodes are evicted, so more than asked may be freed."""
-        heap = self._leaves()
+        heap = self._heap
         freed = 0
         while freed < num_slots and heap:
-            *_, node = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            if not self._is_current(entry):
+                continue
+            node = entry[-1]
             parent = node.parent
             assert parent is not None and node.lock_ref == 0 and not node.children, f"not evictable: {node}"
             self.pool.free(node.slots)
             del parent.children[int(node.key[0])]
             node.parent = None
+            self._nodes_count -= 1
             freed += len(node.key)
             self._evictable -= len(node.key)
             if node.reused:
                 self._reused -= len(node.key)
             # A parent that just became an unlocked leaf is the next candidate in LRU order.
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, self._victim_key(parent))
+            self._candidate(parent)
         self.evicted_tokens_total += freed
         return freed
 
@@ -318,11 +356,17 @@ class RadixCache:
     def eviction_order(self) -> Iterator[Victim]:
         """The unlocked nodes in the order `evict` would free them, each as its path's tokens and
         the depth it starts at; nothing is evicted. Lazy: a scheduler pricing what a request's
-        admission evicts reads only the first few."""
-        heap = self._leaves()
+        admission evicts reads only the first few (from a copy of the heap, no walk of the tree)."""
+        heap = [e for e in self._heap if self._is_current(e)]
+        heapq.heapify(heap)
+        seen: set[int] = set()  # a node filed twice with the same key is yielded once
         left: dict[int, int] = {}  # children not yet evicted, per parent uid
         while heap:
-            *_, node = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            node = entry[-1]
+            if node.uid in seen:
+                continue
+            seen.add(node.uid)
             parts = [n.key for n in self._path(node)][::-1]
             key = tuple(int(t) for t in np.concatenate(parts))
             yield Victim(key, len(key) - len(node.key))
@@ -330,7 +374,7 @@ class RadixCache:
             assert parent is not None, "the root is never a victim"
             left[parent.uid] = left.get(parent.uid, len(parent.children)) - 1
             if parent is not self.root and not left[parent.uid] and parent.lock_ref == 0:
-                heapq.heappush(heap, self._victim_key(parent))
+                heapq.heappush(heap, self._entry(parent))
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`pool.alloc(n)`, evicting first as needed; None (evicting nothing) if it cannot fit."""
@@ -351,7 +395,8 @@ class RadixCache:
         if parts:
             self.pool.free(torch.cat(parts))
         self.root.children.clear()
-        self._evictable = self._reused = 0
+        self._evictable = self._reused = self._nodes_count = 0
+        self._heap = []
 
     # ---- introspection ----------------------------------------------------------------------
 
@@ -398,6 +443,12 @@ class RadixCache:
             f"size counters {(self._evictable, self._protected)} != actual {(evictable, protected)}"
         )
         assert reused == self._reused, f"reused counter {self._reused} != actual {reused}"
+        assert len(parts) == self._nodes_count, f"node counter {self._nodes_count} != actual {len(parts)}"
+        # Every unlocked leaf is filed in the eviction heap under its current key.
+        filed = {id(e[-1]) for e in self._heap if self._is_current(e)}
+        for node in self._nodes():
+            if node is not self.root and not node.children and not node.lock_ref:
+                assert id(node) in filed, f"{node} is an unlocked leaf missing from the eviction heap"
         cached = torch.cat(parts) if parts else _EMPTY_SLOTS
         assert self.pool.num_free + len(cached) + held_slots == self.pool.num_total, (
             f"free {self.pool.num_free} + cached {len(cached)} + held {held_slots} != total {self.pool.num_total}"
