@@ -635,6 +635,9 @@ class _Scorer:
     def stats(self) -> Any:
         return type("S", (), {"hit_rate": 0.0})()
 
+    def cache_pool(self) -> None:
+        return None
+
     def flush_cache(self) -> None: ...
 
 

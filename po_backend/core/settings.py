@@ -186,7 +186,7 @@ class Settings:
         default=None,
         metadata=flag(
             "bytes beyond the weights for activations + prefix cache (e.g. 4GiB; default: a quarter of the "
-            "RAM on a CPU, or what is free if less; 85% of the free memory on CUDA)",
+            "RAM on a CPU, or what is free if less; 0.85 of the free memory on CUDA)",
             type=arg_bytes,
             engine=True,
         ),
