@@ -34,7 +34,7 @@ import transformers  # noqa: E402
 
 from po_backend import Engine  # noqa: E402
 from po_backend.engine.memory import MEMORY_CACHE_ENV  # noqa: E402
-from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
+from po_backend.serving.jct_store import JCT_CACHE_ENV  # noqa: E402
 
 # httpx builds an SSL context (loading the CA bundle: tens of milliseconds of CPU) for every client,
 # and httpx.get / httpx.post make a client per call: the tests' hundreds of loopback calls and

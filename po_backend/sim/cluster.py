@@ -35,9 +35,11 @@ from typing import Protocol
 
 from po_backend.core.choices import ROUTER_POLICIES
 from po_backend.core.request import ScoreRequest, common_prefix
+from po_backend.sched.batching import Batchable, Request
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel, feature_values
 from po_backend.sched.reuse import Pool
-from po_backend.sched.scheduler import Batchable, Request, Scheduler, SchedulerConfig
+from po_backend.sched.scheduler import Scheduler
 from po_backend.sim.simulator import SimRun, StepModel, VirtualClock
 
 # ---- engines' parts ---------------------------------------------------------------------------------
