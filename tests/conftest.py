@@ -239,7 +239,7 @@ def tokenized_llama(
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """One local Ray on 2 CPUs for a test file: starting Ray costs seconds, and every Ray test only
-    needs a running cluster, not a fresh one. The Ray tests share one file (tests/test_ray.py), so
+    needs a running cluster, not a fresh one. The Ray tests share one file (tests/server/test_ray.py), so
     this is one Ray per run, and it stops when that file is done instead of idling beside the rest."""
     from tests.deps import require
 

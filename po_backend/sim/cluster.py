@@ -3,7 +3,7 @@
 Each engine is what `po_backend.sim.simulator.simulate` runs (the real `Scheduler`, a prefix cache of
 whole declared prefixes with LRU eviction, step times from a JCT model); a router in front assigns
 every arriving request to one engine. A global event loop (a heap of step completions, arrivals in
-time order) advances the clock. With one engine it is `simulate` exactly (tests/test_cluster_sim.py).
+time order) advances the clock. With one engine it is `simulate` exactly (tests/sched/test_cluster_sim.py).
 
 Routers (`ROUTER_POLICIES`), as the SGLang router (sglang-router 0.3) implements them:
 - cache_aware: the router keeps an approximate radix tree of what it sent to each worker (it never
