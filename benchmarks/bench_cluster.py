@@ -39,9 +39,10 @@ from benchmarks import harness, report
 from benchmarks.bench_serving import Call, make_calls, scrape, send_open_loop, summarize, warm_up
 from benchmarks.harness import RESULTS, GiB
 from po_backend.core.choices import ROUTER_POLICIES
+from po_backend.core.settings import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.entrypoints import launch_cluster as lc
 from po_backend.entrypoints.spawn import ServerProcess, free_port
-from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sim import cluster as sim
 from po_backend.sim.simulator import PrefixLRU
 

@@ -24,7 +24,7 @@ from benchmarks.report import cells, markdown_table, prose
 from benchmarks.workloads import label_ids, wl1, wl2
 from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import DEFAULT_BATCH_MIN_SHARE
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.sched.config import SchedulerConfig
 from po_backend.serving.jct_profile import startup_jct
 from po_backend.serving.loop import EngineLoop, StepRecord
 from po_backend.sim.simulator import PrefixLRU, simulate

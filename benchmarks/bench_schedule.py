@@ -48,8 +48,8 @@ from po_backend.core.request import ScoreRequest
 from po_backend.core.settings import POLICIES
 from po_backend.engine.hf_scorer import HFScorer
 from po_backend.engine.models import shapes
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import CalibratedJCT, JCTModel
-from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.jct_profile import load_or_profile, startup_jct
 from po_backend.sim.heldout import LOADS, SHAPES, pooled, sustainable_qps, sweep, worst
 from po_backend.sim.simulator import PrefixLRU, simulate

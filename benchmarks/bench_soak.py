@@ -36,7 +36,7 @@ def text(rng: random.Random, words: int) -> str:
 
 
 def hostile(rng: random.Random) -> Request:
-    """One call a hostile client sends: each is over a per-call bound (tests/test_hardening2.py
+    """One call a hostile client sends: each is over a per-call bound (tests/server/test_hardening2.py
     checks each one's status and message), so it must be refused fast with a 4xx while everyone
     else is served."""
     ids = [rng.randrange(100, 40000) for _ in range(2048)]

@@ -37,13 +37,14 @@ import torch
 from benchmarks import harness
 from benchmarks.workloads import Item, label_ids, wl1, wl2
 from po_backend.core.request import ScoreRequest
+from po_backend.core.settings import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.engine import Engine
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models import shapes
 from po_backend.engine.models.loader import load_tokenizer, read_config, resolve_model_dir
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import FEATURES, CalibratedJCT, JCTModel, JCTSample
-from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.serving.jct_profile import DEFAULT_GRID, ProfileGrid, load_or_profile
 from po_backend.sim.cluster import LinearStepModel
 from po_backend.sim.simulator import PrefixLRU, simulate

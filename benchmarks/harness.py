@@ -27,12 +27,12 @@ import torch
 from benchmarks.workloads import Item
 from po_backend.core.cpu import cpu_class, cpu_flags, cpu_has_fast_bf16, cpu_model
 from po_backend.core.request import ScoreRequest
+from po_backend.core.settings import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.engine.engine import Engine
 from po_backend.engine.models.loader import load_tokenizer, resolve_model_dir
 from po_backend.entrypoints.launch_cluster import worker_command
 from po_backend.entrypoints.spawn import ServerProcess, free_port
 from po_backend.sched.jct import CalibratedJCT, JCTModel, prediction_quality
-from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA
 from po_backend.serving.jct_profile import load_or_profile
 from po_backend.serving.loop import EngineLoop
 from po_backend.sim.cluster import LinearStepModel, p99, poisson_arrivals

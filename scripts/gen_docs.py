@@ -3,7 +3,7 @@ describe: docs/configuration.md from `core.settings` (fields, SGLang/vLLM aliase
 `server.args.ServerArgs`, docs/cli.md from the commands' argument parsers.
 
     python -m scripts.gen_docs           # rewrite the pages
-    python -m scripts.gen_docs --check   # exit 1 naming the stale pages (tests/test_docs.py runs this)
+    python -m scripts.gen_docs --check   # exit 1 naming the stale pages (tests/repo/test_docs.py runs this)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ check. The command-line flags are generated from those declarations, and so is t
 names with the same defaults and the same errors: each goes through `core.settings.resolve` and is built into a runtime by one
 factory (`po_backend/serving/engine_runtime.py`: engine or baseline, scheduling loop, JCT model,
 tokenizer). An unknown keyword is a `TypeError` (as SGLang's `ServerArgs`); an impossible value a
-`ValueError` with the same text everywhere (`tests/test_settings.py` walks every setting through
+`ValueError` with the same text everywhere (`tests/server/test_settings.py` walks every setting through
 every entry point). `prefillonly label` takes the engine flags it documents (`--dtype`, ...; see
 [Command line](cli.md)).
 

@@ -1,10 +1,10 @@
 """The GPU check: everything that verifies the CUDA path, in one run, written to one markdown file
 to paste into benchmarks/results/REPORT.md with the GPU's name.
 
-1. the engine against transformers on the device (tests/test_cuda.py: tiny random configs; cold,
+1. the engine against transformers on the device (tests/engine/test_cuda.py: tiny random configs; cold,
    cache hits and multi-item batches; the auto dtype; the memory budget measured with the CUDA
-   allocator) plus the device checks that need no GPU (tests/test_device.py,
-   tests/test_attention_items.py);
+   allocator) plus the device checks that need no GPU (tests/engine/test_device.py,
+   tests/engine/test_attention_items.py);
 2. `bench_mil --device DEVICE`: ours vs transformers on the device (speed, peak memory, share of
    the device's GEMM peak).
 
@@ -35,7 +35,11 @@ from benchmarks.harness import REPO_ROOT, MiB
 from po_backend.core.errors import DeviceUnavailableError
 from po_backend.engine.device import describe, resolve_device
 
-TEST_FILES = ("tests/test_cuda.py", "tests/test_device.py", "tests/test_attention_items.py")
+TEST_FILES = (
+    "tests/engine/test_cuda.py",
+    "tests/engine/test_device.py",
+    "tests/engine/test_attention_items.py",
+)
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu-check.md"
 
 

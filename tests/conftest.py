@@ -34,7 +34,7 @@ import transformers  # noqa: E402
 
 from po_backend import Engine  # noqa: E402
 from po_backend.engine.memory import MEMORY_CACHE_ENV  # noqa: E402
-from po_backend.serving.jct_profile import JCT_CACHE_ENV  # noqa: E402
+from po_backend.serving.jct_store import JCT_CACHE_ENV  # noqa: E402
 
 # httpx builds an SSL context (loading the CA bundle: tens of milliseconds of CPU) for every client,
 # and httpx.get / httpx.post make a client per call: the tests' hundreds of loopback calls and
@@ -239,7 +239,7 @@ def tokenized_llama(
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """One local Ray on 2 CPUs for a test file: starting Ray costs seconds, and every Ray test only
-    needs a running cluster, not a fresh one. The Ray tests share one file (tests/test_ray.py), so
+    needs a running cluster, not a fresh one. The Ray tests share one file (tests/server/test_ray.py), so
     this is one Ray per run, and it stops when that file is done instead of idling beside the rest."""
     from tests.deps import require
 

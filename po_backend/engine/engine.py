@@ -33,8 +33,8 @@ from po_backend.engine.models.loader import (
 )
 from po_backend.engine.runner import SeqPlan, make_runner
 from po_backend.engine.stats import EngineStats
+from po_backend.sched.batching import BatchStores, fit_batch
 from po_backend.sched.reuse import CachePool
-from po_backend.sched.scheduler import BatchStores, fit_batch
 
 log = logging.getLogger(__name__)
 

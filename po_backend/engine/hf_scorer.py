@@ -23,7 +23,7 @@ from po_backend.engine.stats import EngineStats
 class HFScorer:
     """Scores `ScoreRequest`s with `AutoModelForCausalLM`: `logits_to_keep` limits the LM head to
     the rows that are read (the last one, or the prompt-logprob span), nothing else is special.
-    A `loop.Scorer`: its steps hold one request each and nothing is ever cached."""
+    A `serving.scorer.Scorer`: its steps hold one request each and nothing is ever cached."""
 
     def __init__(self, model: Any, tokenizer: Any, max_input_len: int, model_path: str = "") -> None:
         self.model = model

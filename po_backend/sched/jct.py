@@ -184,7 +184,7 @@ class JCTModel:
         quality = prediction_quality(held, [s.seconds for s in samples])
         return cls(tuple(float(c) for c in coef), quality, dict(key or {}), source)
 
-    # ---- serialisation (files: jct_profile.save_model / load_jct_model) ---------------------------
+    # ---- serialisation (files: jct_store.save_model / load_jct_model) ---------------------------
 
     def to_json(self, samples: Sequence[JCTSample] = ()) -> dict[str, Any]:
         return {

@@ -21,165 +21,28 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import takewhile
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Any
 
-from po_backend.core.request import ScoreRequest, sorted_neighbours
-
-# The settings' defaults and checks are declared once, with every other setting.
-from po_backend.core.settings import (  # noqa: E402  (re-exported)
-    DEFAULT_BATCH_MIN_SHARE,
-    DEFAULT_FAIRNESS_LAMBDA,
-    DEFAULT_MIN_SHARED_PREFIX,
-    DEFAULT_PRIORITY,
-    check_priority,
-    check_scheduler,
-)
+from po_backend.core.request import sorted_neighbours
 from po_backend.sched.backfill import BackfillBudget
-
-# The batching rule and the request shape live with the rule; re-exported for callers of this module.
-from po_backend.sched.batching import (  # noqa: F401
-    Batchable,
-    BatchStores,
-    CachedLen,
-    Request,
-    StoreLen,
-    fit_batch,
-)
+from po_backend.sched.batching import Batchable, CachedLen, Request
+from po_backend.sched.config import CLASSES, SchedulerConfig
 from po_backend.sched.reuse import Pool, ReuseCost
+from po_backend.sched.steps import (
+    Pick,
+    Predictor,
+    Waiting,
+    fill_step,
+    prefix_step_len,
+    step_cost,
+    within_budget,
+)
 
-# A prefix-only step (Pick.prefix_only) computes at least this many tokens (less: all overhead).
-MIN_PREFIX_STEP = 64
-# Unrelated requests join a step while it costs at most this fraction more than the head's group
-# alone; without a JCT model a step's cost is its computed tokens plus FILL_STEP_TOKENS, what a
-# step's fixed overhead is worth in tokens.
-FILL_SLACK = 0.25
-FILL_STEP_TOKENS = 128
 # The most waiting requests one step's batching considers (`batchable` fills the token budget from
 # them in order): bounds a pick's batching work in a long queue.
 MAX_STEP_CANDIDATES = 256
-CLASSES = ("online", "batch")  # the default priority or more urgent; less urgent
-
-
-class Predictor(Protocol):
-    """Predicted seconds of one request's forward (`po_backend.sched.jct.JCTModel` / `CalibratedJCT`)."""
-
-    def predict(self, n_input: int, n_cached: int, n_items: int = 1) -> float: ...
-
-    def predict_items(self, items: Sequence[tuple[int, int]]) -> float: ...
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    policy: str = "po"
-    fairness_lambda: float = DEFAULT_FAIRNESS_LAMBDA
-    min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX  # see core.settings
-    # Priority classes (core.settings: enable_priority_scheduling and the three after it)
-    enable_priority: bool = False
-    low_priority_first: bool = False
-    online_slo_s: float | None = None
-    batch_min_share: float = DEFAULT_BATCH_MIN_SHARE
-
-    def __post_init__(self) -> None:
-        check_scheduler(self.policy, self.fairness_lambda, self.min_shared_prefix)
-        check_priority(None if self.online_slo_s is None else self.online_slo_s * 1e3, self.batch_min_share)
-
-    def rank(self, req: Request) -> int:
-        """A request's class, lower runs first: its priority in the configured order (0 for the
-        default priority, and for every request with priority scheduling off)."""
-        return self.rank_of(req.priority) if self.enable_priority else 0
-
-    def cache_rank(self, req: Request, prefix_step: bool = False, urgent: int = 0) -> int:
-        """The class the prefix cache keeps what `req` stores and reads under (less urgent first
-        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is `urgent`
-        (`Scheduler.urgent_rank`, the most urgent class submitted) whatever its class: the next
-        steps of the same request read those tokens back, so they are kept like the most urgent
-        class's until its last step reads them at its own rank (or, if it leaves the queue
-        without one, the engine loop gives them that rank). Kept any less, the most urgent calls'
-        prefixes push them out, and the request runs whole in one long step after all."""
-        return urgent if prefix_step else self.rank(req)
-
-    def rank_of(self, priority: int | None) -> int:
-        if not self.enable_priority:
-            return 0
-        p = DEFAULT_PRIORITY if priority is None else priority
-        return p - DEFAULT_PRIORITY if self.low_priority_first else DEFAULT_PRIORITY - p
-
-    def class_of(self, priority: int | None) -> str:
-        """The class of a priority: online (the default priority or more urgent) or batch (less
-        urgent); online for every priority with priority scheduling off."""
-        return CLASSES[self.rank_of(priority) > 0]
-
-    def priority_class(self, req: Request) -> str:
-        return self.class_of(req.priority) if self.enable_priority else CLASSES[0]
-
-    @classmethod
-    def from_settings(cls, s: Any) -> SchedulerConfig:
-        """The scheduler part of a `core.settings.Settings`."""
-        slo = s.online_slo_ms
-        return cls(
-            s.schedule_policy,
-            s.fairness_lambda,
-            s.min_shared_prefix,
-            enable_priority=s.enable_priority_scheduling,
-            low_priority_first=s.schedule_low_priority_values_first,
-            online_slo_s=None if slo is None else slo / 1e3,
-            batch_min_share=s.batch_min_share,
-        )
-
-    @property
-    def needs_jct(self) -> bool:
-        """fcfs and lpm order without predicting step times; srjf and po need a JCT model, and so
-        does sizing steps with priority scheduling on."""
-        return self.policy not in ("fcfs", "lpm") or self.sizes_batch_steps
-
-    @property
-    def sizes_batch_steps(self) -> bool:
-        """With priority scheduling on every step is sized (`backfill.BackfillBudget`): a more
-        urgent call may arrive during any of them."""
-        return self.enable_priority
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """One queued request."""
-
-    rid: int  # unique, increasing with submission: the final tie-breaker of every policy
-    req: Request
-    arrival: float  # scheduler clock
-    call: int = -1  # the client call it came in (submitted together); -1: a call of its own
-
-
-@dataclass(frozen=True)
-class Pick:
-    """The requests of the next step, head first, with what the policy saw when it chose them."""
-
-    entries: tuple[Waiting, ...]
-    # Tokens each entry reads instead of computing, from the cache or from a batch-mate that
-    # computes them in the same step (prices the step)
-    n_cached: tuple[int, ...]
-    head_score: float  # the head's score under the policy (lower ran first)
-    credit: bool = False  # a less urgent class ran on its starvation credit ahead of waiting work
-    # > 0: a batch request too long for one sized step: this step only computes and caches its
-    # first `prefix_only` tokens (`prefix_request`); it stays queued and reads them back later.
-    prefix_only: int = 0
-
-    @property
-    def items(self) -> list[tuple[int, int]]:
-        """(n_input, n_cached) per entry, what `JCTModel.predict_items` takes."""
-        if self.prefix_only:
-            return [(self.prefix_only, self.n_cached[0])]
-        return [(len(e.req.input_ids), c) for e, c in zip(self.entries, self.n_cached, strict=True)]
-
-    def prefix_request(self) -> ScoreRequest:
-        """The request a `prefix_only` step runs: the head's first tokens, all kept in the cache,
-        at the head's priority, pooled if the head is (a head or embedding model has no LM head
-        to answer a plain request with)."""
-        head = self.entries[0].req
-        ids = tuple(head.input_ids[: self.prefix_only])
-        return ScoreRequest(ids, cache_prefix_len=len(ids), priority=head.priority, pool=head.pool)
 
 
 class Scheduler:
@@ -467,22 +330,22 @@ class Scheduler:
             base = [head] + [w for w in rest if w.rid in sharers]
             fill = [w for w in rest if w.rid not in sharers]
         # Unrelated requests (each attends only to itself) fill the step behind the head's group,
-        # as SGLang and vLLM batch unrelated prefills, while it stays short (`_fill`).
+        # as SGLang and vLLM batch unrelated prefills, while it stays short (`steps.fill_step`).
         group = (base + fill)[:MAX_STEP_CANDIDATES]
         chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, cached[head.rid])]
         assert chosen and chosen[0][0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
-        chosen = self._fill(group, chosen, len(base))
+        chosen = fill_step(self.jct, group, chosen, len(base))
         prefix_only = 0
         if self.backfill is not None:
             budget = self.backfill.budget_s
             # The most urgent class keeps its batch-mates (trimming them would only delay it);
             # a request too long for the budget is split whatever its class.
             if rank > self._urgent:
-                chosen = self._backfill(group, chosen, budget)
+                chosen = within_budget(self.jct, group, chosen, budget)
             if len(chosen) == 1:
-                prefix_only = self._prefix_step(head, chosen[0][1], budget)
+                prefix_only = prefix_step_len(self.jct, head, chosen[0][1], budget, self._prefix_steps)
         entries = tuple(group[i] for i, _ in chosen)
         if not prefix_only:
             for w in entries:
@@ -523,73 +386,4 @@ class Scheduler:
         self.backfill.step_done(start, end, rank(ran[0][0]) > top, urgent, predicted)
 
     def _step_cost(self, items: Sequence[tuple[int, int]]) -> float:
-        """A step's predicted seconds; its computed tokens without a JCT model (fcfs, lpm)."""
-        if self.jct is None:
-            return float(sum(n - c for n, c in items))
-        return self.jct.predict_items(items)
-
-    def _prefix_step(self, w: Waiting, cached: int, budget_s: float) -> int:
-        """For a batch request whose one step would overrun `budget_s`: how many of its leading
-        tokens a step within the budget computes (and caches, for its later steps to read), 0 to
-        run it whole. At least MIN_PREFIX_STEP tokens a step; whole when what is left fits, when
-        less than that would be left, when its last prefix step left it no more cached than before
-        (a scorer without a prefix cache, or a pool that cannot keep it: more steps would only
-        recompute the same tokens), or after as many prefix steps as it needs (a pool that cannot
-        keep its prefix until it runs must not make it loop)."""
-        assert self.jct is not None, "sized batch steps need a JCT model"
-        n = len(w.req.input_ids)
-        done, before = self._prefix_steps.get(w.rid, (0, -1))
-        if (
-            self.jct.predict_items([(n, cached)]) <= budget_s
-            or done > n // MIN_PREFIX_STEP
-            or cached <= before
-        ):
-            return 0
-        lo, hi = cached, w.req.reusable_len  # the largest k in (cached, reusable_len] within the budget
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.jct.predict_items([(mid, cached)]) <= budget_s:
-                lo = mid
-            else:
-                hi = mid
-        # A budget too short for MIN_PREFIX_STEP tokens still gets steps of that many: slightly over
-        # the budget, far better than the whole request in one step.
-        lo = max(lo, cached + MIN_PREFIX_STEP)
-        if lo >= w.req.reusable_len:
-            return 0
-        self._prefix_steps[w.rid] = (done + 1, cached)
-        return lo
-
-    def _fill(
-        self, group: Sequence[Waiting], chosen: list[tuple[int, int]], n_base: int
-    ) -> list[tuple[int, int]]:
-        """`chosen` with the unrelated requests (group index >= n_base) that join the step while it
-        costs at most FILL_SLACK more than the head's group alone: each saves a step of its own
-        (the JCT model's per-step and per-item terms; tokens + FILL_STEP_TOKENS without one) and
-        delays the head little. Many small calls then run together, a long one still alone.
-        A leading part, since a later request may read a prefix an earlier one computes."""
-        items = [(len(group[i].req.input_ids), c) for i, c in chosen]
-        n = sum(1 for i, _ in chosen if i < n_base)
-        if n == len(chosen):
-            return chosen
-
-        def cost(k: int) -> float:
-            return self._step_cost(items[:k]) + (FILL_STEP_TOKENS if self.jct is None else 0.0)
-
-        limit = (1.0 + FILL_SLACK) * cost(n)
-        while n < len(chosen) and cost(n + 1) <= limit:
-            n += 1
-        return chosen[:n]
-
-    def _backfill(
-        self, group: Sequence[Waiting], chosen: list[tuple[int, int]], budget_s: float
-    ) -> list[tuple[int, int]]:
-        """The leading part of `chosen` (the head always) whose step fits `budget_s` predicted
-        seconds. A leading part, since a batch-mate may read a prefix an earlier one computes."""
-        if self.jct is None:
-            return chosen
-        items = [(len(group[i].req.input_ids), c) for i, c in chosen]
-        n = 1
-        while n < len(chosen) and self.jct.predict_items(items[: n + 1]) <= budget_s:
-            n += 1
-        return chosen[:n]
+        return step_cost(self.jct, items)

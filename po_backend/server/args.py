@@ -14,7 +14,7 @@ from typing import Any
 
 from po_backend.core.choices import LOG_LEVELS
 from po_backend.core.settings import Settings, arg_bytes, flag
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.sched.config import SchedulerConfig
 from po_backend.server.rerank_presets import CHOICES as RERANK_PRESETS
 from po_backend.server.tracing import endpoint_url
 

@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from po_backend.core.request import ScoreResult
-from po_backend.sched.scheduler import CLASSES, SchedulerConfig
+from po_backend.sched.config import CLASSES, SchedulerConfig
 from po_backend.server.service import ScoringService
 
 

@@ -31,8 +31,8 @@ from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.settings import FIELDS, Settings, jsonable, resolve, sglang_names
 from po_backend.core.task import ModelTask, model_identity
 from po_backend.engine.engine import Engine
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import CalibratedJCT, JCTModel
-from po_backend.sched.scheduler import SchedulerConfig
 from po_backend.serving.jct_profile import startup_jct
 from po_backend.serving.loop import EngineLoop
 

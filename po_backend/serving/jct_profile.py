@@ -9,12 +9,9 @@ concurrent workers (launch_cluster) measure once and the others load it. The mod
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,18 +22,21 @@ import numpy as np
 import torch
 
 from po_backend.core.cpu import cpu_model
-from po_backend.core.fs import file_lock, private_cache_dir, write_atomic
 from po_backend.core.request import ScoreRequest
 from po_backend.engine.engine import Engine
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import FEATURES, PROFILE_VERSION, CalibratedJCT, JCTModel, JCTSample, features
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.serving.jct_store import (
+    Persister,
+    load_samples,
+    profile_lock,
+    profile_path,
+    save_quietly,
+    try_load,
+)
 
 log = logging.getLogger(__name__)
 
-# Where profiles live: `$PREFILLONLY_JCT_CACHE`, else `jct/` under the cache root. Its own setting
-# so that test runs keep their throwaway profiles apart while sharing the root's GGUF conversion
-# and kernel build.
-JCT_CACHE_ENV = "PREFILLONLY_JCT_CACHE"
 
 MIN_PERSIST_R = 0.97  # a worse held-out fit was measured on a busy machine: not worth keeping
 
@@ -204,7 +204,7 @@ def min_merge(a: Sequence[JCTSample], b: Sequence[JCTSample]) -> list[JCTSample]
     return out
 
 
-# ---- persistence ----------------------------------------------------------------------------
+# ---- the key a profile is kept under ----------------------------------------------------------
 
 
 def _device_name(device: torch.device) -> str:
@@ -233,56 +233,6 @@ def profile_key(engine: Engine, grid: ProfileGrid = DEFAULT_GRID) -> dict[str, A
         "lengths": grid.dense_lengths(limit) + sorted(grid.long_lengths(limit)),
         "version": PROFILE_VERSION,
     }
-
-
-def profile_dir() -> Path:
-    return private_cache_dir("jct", what="JCT profiles", env=JCT_CACHE_ENV)
-
-
-def profile_path(key: dict[str, Any], root: Path | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return (root or profile_dir()) / f"{digest}.json"
-
-
-def save_model(model: JCTModel, path: Path, samples: Sequence[JCTSample] = ()) -> None:
-    """Written atomically: a concurrent start reads the old file or the new one."""
-    write_atomic(path, json.dumps(model.to_json(samples), indent=1))
-
-
-def load_jct_model(path: Path) -> JCTModel:
-    return JCTModel.from_json(json.loads(path.read_text()))
-
-
-def load_samples(path: Path) -> list[JCTSample]:
-    return JCTModel.samples_from_json(json.loads(path.read_text()))
-
-
-def profile_lock(path: Path) -> contextlib.AbstractContextManager[None]:
-    """Exclusive across the processes of this machine while `path` is measured and written."""
-    return file_lock(
-        path.with_suffix(".lock"), f"another process is measuring the JCT profile {path.name}: waiting"
-    )
-
-
-def _try_load(path: Path, key: dict[str, Any]) -> JCTModel | None:
-    if not path.is_file():
-        return None
-    try:
-        model = load_jct_model(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("ignoring unreadable JCT profile %s: %s", path, e)
-        return None
-    if model.key != key:
-        return None
-    q = model.quality
-    log.info(
-        "JCT profile (%s) loaded from %s (r=%.3f, median error %.0f%%)",
-        model.source,
-        path,
-        q.pearson_r if q else math.nan,
-        100 * q.median_rel_error if q else math.nan,
-    )
-    return model
 
 
 def _fit(samples: Sequence[JCTSample], key: dict[str, Any], source: str) -> JCTModel:
@@ -330,15 +280,6 @@ def measure(
     return model, samples
 
 
-def _save(model: JCTModel, path: Path, samples: Sequence[JCTSample]) -> None:
-    try:
-        save_model(model, path, samples)
-    except OSError as e:  # a read-only home must not stop the server
-        log.warning("could not save the JCT profile to %s: %s", path, e)
-    else:
-        log.info("JCT profile (%s) saved to %s", model.source, path)
-
-
 def load_or_profile(
     engine: Engine, grid: ProfileGrid = DEFAULT_GRID, *, refresh: bool = False, root: Path | None = None
 ) -> JCTModel:
@@ -347,10 +288,10 @@ def load_or_profile(
     what a server starts with; this is the reference it is measured against."""
     key = profile_key(engine, grid)
     path = profile_path(key, root)
-    if not refresh and (model := _try_load(path, key)) is not None:
+    if not refresh and (model := try_load(path, key)) is not None:
         return model
     with profile_lock(path):
-        if not refresh and (model := _try_load(path, key)) is not None:
+        if not refresh and (model := try_load(path, key)) is not None:
             return model  # measured by another process while we waited
         model, samples = measure(engine, grid, "grid", key)
         q = model.quality
@@ -359,45 +300,13 @@ def load_or_profile(
             # but do not make every later start inherit it.
             log.warning("JCT profile fit is poor (held-out r=%s): not saved, will profile again", q)
             return model
-        _save(model, path, samples)
+        save_quietly(model, path, samples)
     return model
 
 
 # ---- what a server starts with ----------------------------------------------------------------
 
 REFINE_EVERY = 16  # real steps between refits of a start-up model (a refit costs well under 1 ms)
-PERSIST_AT = (64, 256, 1024)  # observed steps at which a refined model is saved, then every 1024
-
-
-class _Persister:
-    """Saves a refined model at PERSIST_AT observations, on a thread of its own: the refit runs
-    on the engine loop's thread, and the file lock may be held by a process measuring."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._next = 0
-        self._busy = threading.Lock()
-
-    def due(self, observations: int) -> bool:
-        marks = list(PERSIST_AT)
-        while marks[-1] <= observations:
-            marks.append(marks[-1] + 1024)
-        return sum(m <= observations for m in marks) > self._next
-
-    def __call__(self, cal: CalibratedJCT) -> None:
-        if not self.due(cal.observations) or not self._busy.acquire(blocking=False):
-            return
-        self._next += 1
-        model, samples = cal.model, cal.samples()
-
-        def write() -> None:
-            try:
-                with profile_lock(self.path):
-                    _save(model, self.path, samples)
-            finally:
-                self._busy.release()
-
-        threading.Thread(target=write, name="po-jct-persist", daemon=True).start()
 
 
 def startup_jct(engine: Engine, policy: str) -> JCTModel | CalibratedJCT | None:
@@ -419,13 +328,13 @@ def startup_jct(engine: Engine, policy: str) -> JCTModel | CalibratedJCT | None:
     path = profile_path(key)
 
     def online(model: JCTModel, samples: Sequence[JCTSample]) -> CalibratedJCT:
-        return CalibratedJCT(model, refine_every=REFINE_EVERY, anchors=samples, on_refit=_Persister(path))
+        return CalibratedJCT(model, refine_every=REFINE_EVERY, anchors=samples, on_refit=Persister(path))
 
     def loaded() -> CalibratedJCT | JCTModel | None:
-        if (model := _try_load(path, key)) is not None:
+        if (model := try_load(path, key)) is not None:
             return online(model, load_samples(path))
         grid_key = profile_key(engine, DEFAULT_GRID)
-        return _try_load(profile_path(grid_key), grid_key)  # a full profile needs no refinement
+        return try_load(profile_path(grid_key), grid_key)  # a full profile needs no refinement
 
     if (found := loaded()) is not None:
         return found
@@ -436,5 +345,5 @@ def startup_jct(engine: Engine, policy: str) -> JCTModel | CalibratedJCT | None:
         # No second pass on a poor fit: real steps refine it within minutes, and on a busy
         # machine a second pass would double the wait for the first request.
         model, samples = measure(engine, QUICK_GRID, "quick", key, retry=False)
-        _save(model, path, samples)
+        save_quietly(model, path, samples)
     return online(model, samples)

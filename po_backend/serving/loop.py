@@ -19,7 +19,6 @@ queued with CancelledError. The worker sleeps on a condition variable when idle 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import math
@@ -28,22 +27,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from po_backend.core.errors import CancelledError, LoopClosedError, OverloadedError
-from po_backend.core.request import ScoreRequest, ScoreResult, StepInfo
-from po_backend.core.settings import DEFAULT_MAX_QUEUE
+from po_backend.core.request import ScoreRequest, ScoreResult
+from po_backend.core.settings import DEFAULT_FAIRNESS_LAMBDA, DEFAULT_MAX_QUEUE, DEFAULT_MIN_SHARED_PREFIX
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import CalibratedJCT, JCTModel, pearson_r
-from po_backend.sched.reuse import CachePool
-from po_backend.sched.scheduler import (
-    DEFAULT_FAIRNESS_LAMBDA,
-    DEFAULT_MIN_SHARED_PREFIX,
-    Scheduler,
-    SchedulerConfig,
-)
+from po_backend.sched.scheduler import Scheduler
+from po_backend.serving.scorer import Scorer
 from po_backend.serving.stats import LoopStats, StepRecord
+from po_backend.serving.worker import PREFIX_STEP_RID, Job, StepWorker
 
 log = logging.getLogger(__name__)
 
@@ -57,50 +53,7 @@ STEP_LOG = 4096  # recent steps kept for stats (percentiles, prediction quality)
 FAILING_STEPS = 3
 
 
-class ScorerStats(Protocol):
-    @property
-    def hit_rate(self) -> float: ...
-
-
-class Scorer(Protocol):
-    """What the loop drives (`Engine`, `HFScorer`). Only the worker thread calls these, except
-    `validate`, which is called by the submitting thread and must only read."""
-
-    def validate(self, req: ScoreRequest) -> None:
-        """Raise a typed error (po_backend.core.errors) for a request that can never run."""
-
-    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
-        """Run one step over the requests chosen by `batchable`; a result per request, in order.
-        `ranks`: each request's class for the prefix cache (`SchedulerConfig.cache_rank`), for a
-        cache that keeps the more urgent classes' prefixes first."""
-
-    def cached_len(self, req: ScoreRequest) -> int:
-        """Leading tokens of `req` the scorer's cache would serve now (read-only)."""
-
-    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
-        """The candidates (the first always included) that can share one step, each as (index,
-        tokens it reads from the cache or a batch-mate instead of computing)."""
-
-    def stats(self) -> ScorerStats: ...
-
-    def flush_cache(self) -> None: ...
-
-    def cache_pool(self) -> CachePool | None:
-        """The scorer's prefix cache as the scheduler sees it (eviction order); None: no cache."""
-
-
-# The rid of a prefix step's job (`Pick.prefix_only`): not a caller's request, so not counted.
-PREFIX_STEP_RID = -1
-
-
-class _Job:
-    __slots__ = ("rid", "req", "future", "submitted")
-
-    def __init__(self, rid: int, req: ScoreRequest, future: Future[ScoreResult], submitted: float) -> None:
-        self.rid, self.req, self.future, self.submitted = rid, req, future, submitted
-
-
-class EngineLoop:
+class EngineLoop(StepWorker):
     """A scheduler in front of one scorer, driven by one worker thread that owns the scorer."""
 
     def __init__(
@@ -142,8 +95,8 @@ class EngineLoop:
         self._sched = Scheduler(self.config, self.jct, clock)
         self._pool = engine.cache_pool()  # the cache's eviction order, for eviction-aware po
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
-        self._jobs: dict[int, _Job] = {}  # waiting jobs by rid
-        self._running: list[_Job] = []
+        self._jobs: dict[int, Job] = {}  # waiting jobs by rid
+        self._running: list[Job] = []
         # Waiting requests that ran prefix-only steps -> what those steps cached, under the online
         # class (`SchedulerConfig.cache_rank`): given back to the request's own class if it
         # leaves the queue without its last step (cancelled, failed), which would have done that.
@@ -243,7 +196,7 @@ class EngineLoop:
             for r in reqs:
                 rid = next(self._ids)
                 fut: Future[ScoreResult] = Future()
-                self._jobs[rid] = _Job(rid, r, fut, now)
+                self._jobs[rid] = Job(rid, r, fut, now)
                 self._sched.add(rid, r, now, call=call)
                 fut.add_done_callback(self._on_done(rid))
                 futures.append(fut)
@@ -300,15 +253,6 @@ class EngineLoop:
 
         return done
 
-    def _forget_prefix(self, rid: int) -> None:
-        """`rid` left the queue without its last step: on the worker thread (it owns the cache),
-        give what its prefix steps cached its own class (caller holds the lock)."""
-        prefix = self._prefixed.pop(rid, None)
-        if prefix is not None and self._pool is not None:
-            rank = self.config.rank(prefix)
-            self._calls.append((lambda e: e.cache.set_rank(e.cache_key(prefix), rank), Future()))
-            self._cond.notify_all()
-
     def call(self, fn: Callable[[Any], T]) -> Future[T]:
         """Run fn(engine) on the worker thread between steps (the scorer is not thread-safe)."""
         fut: Future[T] = Future()
@@ -325,148 +269,6 @@ class EngineLoop:
             self.engine.flush_cache()  # no worker touches the engine
             return
         self.call(lambda e: e.flush_cache()).result(timeout)
-
-    # ---- the worker -------------------------------------------------------------------------
-
-    def _work(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._calls and not len(self._sched) and not self._closing:
-                        self._cond.wait()
-                    calls = list(self._calls)
-                    self._calls.clear()
-                    if not calls and not len(self._sched):
-                        return  # closing, and (drained or failed by shutdown) nothing is left
-                    waiting = [] if calls else [j.req for j in self._jobs.values()]
-                for fn, fut in calls:
-                    self._run_call(fn, fut)
-                if calls:
-                    continue
-                # The cache probes (a radix walk per waiting prompt, the bulk of a pick's work) run
-                # here, outside the lock, so submitters and stats readers never wait on them: only
-                # this thread changes the cache, and a scorer that memoises them (the Engine, until
-                # its next step) answers the pick below from the memo.
-                for req in waiting:
-                    self.engine.cached_len(req)
-                with self._cond:
-                    batch = self._next_batch()
-                if batch is not None:
-                    self._run_step(*batch)
-        except BaseException as e:  # a bug in the loop itself: nothing may be left pending
-            log.exception("engine loop worker died")
-            # Clients get a 503 to retry elsewhere; the exception itself (internals) goes to the log only.
-            error = LoopClosedError(
-                f"the engine loop stopped after an internal error ({type(e).__name__}; see the server log)"
-            )
-            with self._cond:
-                self._closing = True
-                self._fail_waiting(error)
-                for _, fut in self._calls:
-                    if fut.set_running_or_notify_cancel():
-                        fut.set_exception(error)
-                self._calls.clear()
-            raise
-
-    def _run_call(self, fn: Callable[[Any], Any], fut: Future[Any]) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(self.engine))
-        except Exception as e:  # the caller gets it
-            fut.set_exception(e)
-
-    def _next_batch(self) -> tuple[list[_Job], list[tuple[int, int]], float] | None:
-        """Pick under the lock (the scheduler reads the cache; only this thread changes it)."""
-        try:
-            pick = self._sched.pick(self.engine.cached_len, self.engine.batchable, self._pool)
-        except Exception as e:  # would fail again at every step: fail the queue, keep serving
-            log.exception("scheduler pick failed")
-            self._fail_waiting(e)
-            return None
-        if pick is None:
-            return None
-        if pick.prefix_only:  # the head stays queued; this step only caches its first tokens
-            job = _Job(PREFIX_STEP_RID, pick.prefix_request(), Future(), self.clock())
-            self._prefixed[pick.entries[0].rid] = job.req
-            job.future.set_running_or_notify_cancel()
-            self._running = [job]
-            return [job], pick.items, pick.head_score
-        jobs: list[_Job] = []
-        items: list[tuple[int, int]] = []
-        for entry, item in zip(pick.entries, pick.items, strict=True):
-            job = self._jobs.pop(entry.rid)
-            # False: cancelled after the pick chose it (its done-callback then finds it gone from
-            # the queue). Otherwise the future is RUNNING from here on and cancel() is refused.
-            # Dropping an item keeps the step valid: the engine plans the step afresh, and if the
-            # dropped item was to compute a prefix the others read, they compute it themselves
-            # (one forward each if together they would exceed the token budget).
-            if job.future.set_running_or_notify_cancel():
-                self._prefixed.pop(entry.rid, None)  # its step reads its prefix at its own class
-                jobs.append(job)
-                items.append(item)
-            else:
-                self._forget_prefix(entry.rid)
-                self._counts["cancelled"] += 1
-        self._running = jobs
-        return (jobs, items, pick.head_score) if jobs else None
-
-    def _run_step(self, jobs: list[_Job], items: list[tuple[int, int]], head_score: float) -> None:
-        raw = self.jct.model.predict_items(items) if self.jct else math.nan
-        predicted = raw * self.jct.factor if self.jct else math.nan
-        start = self.clock()
-        t = time.perf_counter()
-        try:
-            urgent = self._sched.urgent_rank
-            ranks = [self.config.cache_rank(j.req, j.rid == PREFIX_STEP_RID, urgent) for j in jobs]
-            results = self.engine.step([j.req for j in jobs], ranks)
-            if len(results) != len(jobs):
-                raise RuntimeError(
-                    f"the scorer's step returned {len(results)} results for {len(jobs)} requests"
-                )
-        except Exception as e:
-            seconds = time.perf_counter() - t
-            log.warning("a step of %d requests failed: %r", len(jobs), e)
-            with self._cond:
-                self._running = []
-                self._counts["failed"] += sum(j.rid != PREFIX_STEP_RID for j in jobs)
-                self._failed_streak += 1
-                self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score, True))
-            for j in jobs:
-                j.future.set_exception(e)
-            return
-        seconds = time.perf_counter() - t
-        if self.calibrate and self.jct is not None:
-            self.jct.observe(items, seconds)
-        with self._cond:
-            self._running = []
-            self._counts["completed"] += sum(j.rid != PREFIX_STEP_RID for j in jobs)
-            self._failed_streak = 0
-            self._record(StepRecord(start, seconds, raw, predicted, tuple(items), head_score))
-            ran = [(j.req, j.submitted) for j in jobs]
-            prefix = jobs[0].rid == PREFIX_STEP_RID
-            self._sched.step_done(start, start + seconds, ran, predicted, prefix_step=prefix)
-            index = self._n_steps
-        for j, r in zip(jobs, results, strict=True):
-            step = StepInfo(index, len(jobs), seconds, predicted, self.config.priority_class(j.req))
-            j.future.set_result(
-                dataclasses.replace(r, queue_seconds=max(0.0, start - j.submitted), step=step)
-            )
-
-    def _record(self, rec: StepRecord) -> None:
-        self._steps.append(rec)
-        self._n_steps += 1
-
-    def _fail_waiting(self, error: BaseException) -> None:
-        """Fail every queued request with `error` (caller holds the lock)."""
-        for w in self._sched.pop_all():
-            self._forget_prefix(w.rid)
-            job = self._jobs.pop(w.rid)
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(error)
-                self._counts["failed" if not isinstance(error, CancelledError) else "cancelled"] += 1
-            else:
-                self._counts["cancelled"] += 1
 
     # ---- introspection ----------------------------------------------------------------------
 

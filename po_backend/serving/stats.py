@@ -42,6 +42,6 @@ class LoopStats:
     jct_online_r: float  # r of calibrated predictions vs measured over recent steps
     jct_source: str  # where the coefficients came from (JCTModel.source), "" without a JCT model
     jct_refits: int  # times the coefficients were refitted on real steps (a start-up estimate's)
-    queued_by_class: dict[str, int]  # waiting per priority class (sched.scheduler.CLASSES)
+    queued_by_class: dict[str, int]  # waiting per priority class (sched.config.CLASSES)
     # Predicted seconds a batch step may take now (sched.backfill); 0 when batch steps are not sized
     batch_step_budget_s: float = 0.0

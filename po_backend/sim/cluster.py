@@ -3,7 +3,7 @@
 Each engine is what `po_backend.sim.simulator.simulate` runs (the real `Scheduler`, a prefix cache of
 whole declared prefixes with LRU eviction, step times from a JCT model); a router in front assigns
 every arriving request to one engine. A global event loop (a heap of step completions, arrivals in
-time order) advances the clock. With one engine it is `simulate` exactly (tests/test_cluster_sim.py).
+time order) advances the clock. With one engine it is `simulate` exactly (tests/sched/test_cluster_sim.py).
 
 Routers (`ROUTER_POLICIES`), as the SGLang router (sglang-router 0.3) implements them:
 - cache_aware: the router keeps an approximate radix tree of what it sent to each worker (it never
@@ -35,9 +35,11 @@ from typing import Protocol
 
 from po_backend.core.choices import ROUTER_POLICIES
 from po_backend.core.request import ScoreRequest, common_prefix
+from po_backend.sched.batching import Batchable, Request
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel, feature_values
 from po_backend.sched.reuse import Pool
-from po_backend.sched.scheduler import Batchable, Request, Scheduler, SchedulerConfig
+from po_backend.sched.scheduler import Scheduler
 from po_backend.sim.simulator import SimRun, StepModel, VirtualClock
 
 # ---- engines' parts ---------------------------------------------------------------------------------

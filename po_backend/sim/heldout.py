@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from po_backend.core.request import ScoreRequest
-from po_backend.sched.scheduler import SchedulerConfig
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sim.cluster import poisson_arrivals
 from po_backend.sim.simulator import PrefixLRU, StepModel, simulate
 

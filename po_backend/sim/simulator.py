@@ -17,8 +17,9 @@ from typing import Protocol
 
 from po_backend.core.request import common_prefix, sorted_neighbours
 from po_backend.sched.batching import Request, fit_batch
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.reuse import Victim
-from po_backend.sched.scheduler import Scheduler, SchedulerConfig
+from po_backend.sched.scheduler import Scheduler
 
 
 class StepModel(Protocol):

@@ -243,7 +243,7 @@ def generic_tokenizer_class(model_dir: Path) -> type[Any] | None:
     generic class and no remote code: it keeps that class unless transformers may override the
     declared class for the model type (its list of types whose declared class is wrong, and types
     registered to Mistral's own backend). Anything else (another declared class, remote code, no
-    model type) goes to AutoTokenizer; tests/test_tokenizer.py checks that both give the same class
+    model type) goes to AutoTokenizer; tests/engine/test_tokenizer.py checks that both give the same class
     and the same tokens."""
     try:
         declared = json.loads((model_dir / "tokenizer_config.json").read_text())

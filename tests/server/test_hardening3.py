@@ -32,8 +32,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from po_backend.core.request import ScoreResult
+from tests.server.test_hardening2 import _post
 from tests.server_utils import REPO_ROOT, FakeService, ServerProcess, error_message, metric, poll_until
-from tests.test_hardening2 import _post
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ import pytest
 
 from po_backend.entrypoints.launch_server import build_parser, server_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]

@@ -21,8 +21,8 @@ from po_backend.core.errors import EmptyPromptError, InvalidRequestError
 from po_backend.core.settings import resolve
 from po_backend.sched.jct import JCTModel
 from tests.conftest import hf_next_logprobs
+from tests.server.test_server import MAX_INPUT_LEN, POSTS, PROFILE  # the same prompts as the server tests
 from tests.server_utils import ServerProcess, sglang_frontend
-from tests.test_server import MAX_INPUT_LEN, POSTS, PROFILE  # the same prompts as the server tests
 
 CHOICES = [" Yes", " No", " maybe so"]
 REVIEWS = ["a cat video", "tax news", "a dog and a cat"]
@@ -130,7 +130,7 @@ def test_score_token_ids_item_first_and_edges(engine: Engine, hf: torch.nn.Modul
 
 def test_server_args_mapping() -> None:
     """SGLang's keywords map through core.settings.resolve, as the server's flags do (the
-    table-driven comparison of every door is tests/test_settings.py)."""
+    table-driven comparison of every door is tests/server/test_settings.py)."""
     s = resolve(
         "embedded", dtype="float32", context_length=512, chunked_prefill_size=-1, log_level="error",
         disable_radix_cache=True, schedule_policy="lpm", max_queued_requests=8, tp_size=1,

@@ -42,7 +42,7 @@ def _bench() -> dict:
 
 
 def test_report_names_the_device_and_the_failures() -> None:
-    failing = ("tests/test_cuda.py", "test_cold[llama-cuda]", "failed", "assert 0.3 <= 0.0001")
+    failing = ("tests/engine/test_cuda.py", "test_cold[llama-cuda]", "failed", "assert 0.3 <= 0.0001")
     md = gpu_check.render(
         torch.device("cpu"),
         _tests(ok=False, counts={"passed": 2, "failed": 1, "error": 0, "skipped": 0}, not_passed=[failing]),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from scripts import gen_docs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_pages_are_fresh() -> None:

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from po_backend.core.request import common_prefix
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import Scheduler, SchedulerConfig
+from po_backend.sched.scheduler import Scheduler
 from po_backend.sim.simulator import PrefixLRU
 from po_backend.sim.simulator import simulate as run_trace
 

@@ -1,7 +1,7 @@
 """The CUDA code paths, checked without a GPU: device resolution and its typed error, the default
 dtype by compute capability, the memory budget from the CUDA allocator (torch.cuda mocked), and
 the forward with CUDA's attention kernel on the `meta` device (shapes, no host syncs). What only
-a GPU can show (numerics, measured memory, speed) is in tests/test_cuda.py (`gpu` marker) and
+a GPU can show (numerics, measured memory, speed) is in tests/engine/test_cuda.py (`gpu` marker) and
 `scripts/dev.sh gpu-check`."""
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def test_a_step_of_several_adapters_runs_one_forward_each(causal) -> None:
 def test_other_architectures_and_the_chunked_runner(kind: str, causal, tmp_path) -> None:
     """Gemma's own layer code (norms after the projections) and Phi-3's fused qkv_proj /
     gate_up_proj targets; the chunked baseline runner applies adapters too."""
-    from tests.test_architectures import build
+    from tests.engine.test_architectures import build
 
     if kind == "chunked":
         base, path, ref, mode = causal["base"], causal["a"], causal["pa"], "chunked"
@@ -203,7 +203,7 @@ def test_unloaded_adapter_is_refused_and_its_name_reloads_without_its_cache(caus
 
 
 def test_classifier_adapter_with_its_own_head_matches_peft(tmp_path) -> None:
-    from tests.test_heads import build_classifier, hf_logits
+    from tests.engine.test_heads import build_classifier, hf_logits
 
     base, hf = build_classifier("qwen2", tmp_path)
     path, pm = make_adapter(
@@ -226,7 +226,7 @@ def test_classifier_adapter_with_its_own_head_matches_peft(tmp_path) -> None:
 
 
 def test_embedder_adapter_matches_peft(tmp_path) -> None:
-    from tests.test_embeddings import build_embedder, hf_embedding
+    from tests.engine.test_embeddings import build_embedder, hf_embedding
 
     base, hf = build_embedder("qwen3", tmp_path, "lasttoken", True)
     path, pm = make_adapter(

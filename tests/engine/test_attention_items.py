@@ -113,7 +113,7 @@ def test_fallback_low_precision_close_to_fp32(dtype: torch.dtype) -> None:
 
 def test_dispatch_by_device_and_dtype(monkeypatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    # CPU: torch's flash kernel, or the bf16 kernel where it runs (tests/test_attention_cpu.py)
+    # CPU: torch's flash kernel, or the bf16 kernel where it runs (tests/engine/test_attention_cpu.py)
     assert lse_attention(cpu, torch.float32) is cpu_lse
     assert lse_attention(cpu, torch.bfloat16) is cpu_lse
     assert lse_attention(cpu, torch.float16) is torch_lse

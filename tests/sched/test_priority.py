@@ -23,8 +23,9 @@ from po_backend.core.settings import (
     resolve,
 )
 from po_backend.sched.backfill import BackfillBudget
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import MIN_PREFIX_STEP, SchedulerConfig
+from po_backend.sched.steps import MIN_PREFIX_STEP
 from po_backend.sim.simulator import PrefixLRU, SimRun, simulate
 from po_lang.backends import LabelRequest
 from po_lang.label.cli import parse_args

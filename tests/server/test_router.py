@@ -15,8 +15,8 @@ import pytest
 
 from po_backend.entrypoints import spawn
 from tests.deps import require
+from tests.server.test_rerank import ALPHABET, CORPUS
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port, poll_until
-from tests.test_rerank import ALPHABET, CORPUS
 from tests.tiny_tokenizer import tokenized_copy
 
 require("sglang_router", "pip install sglang-router")

@@ -18,8 +18,9 @@ import torch
 
 from benchmarks import harness
 from po_backend import Engine, ScoreRequest
+from po_backend.core.settings import DEFAULT_FAIRNESS_LAMBDA
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import DEFAULT_FAIRNESS_LAMBDA, SchedulerConfig
 from po_backend.serving.loop import EngineLoop
 
 

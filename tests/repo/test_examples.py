@@ -16,7 +16,7 @@ import po_lang as po
 from tests.deps import missing
 from tests.server_utils import dead_url, sglang_frontend
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
@@ -46,7 +46,7 @@ def n_requests(fake: po.Fake) -> int:
 def test_label_data_example_runs_the_label_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The short example drives `prefillonly label` (tests/test_label.py tests the command)."""
+    """The short example drives `prefillonly label` (tests/lang/test_label.py tests the command)."""
     sample = tmp_path / "reviews.jsonl"
     sample.write_bytes(label_data.SAMPLE.read_bytes())
     monkeypatch.setattr(label_data, "SAMPLE", sample)

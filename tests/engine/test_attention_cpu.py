@@ -1,7 +1,7 @@
 """The bf16 CPU attention kernel (po_backend.engine.attention_cpu) against SDPA and transformers, its
 dispatch, and the SDPA fallback where it cannot run or cannot be built.
 
-bf16 tolerance, as for the other bf16 paths (tests/test_attention_items.py): against an fp32
+bf16 tolerance, as for the other bf16 paths (tests/engine/test_attention_items.py): against an fp32
 SDPA reference on the same (bf16-rounded) inputs, the kernel's error is at most twice SDPA-bf16's
 own plus 1e-2. Both round P and the output to bf16; the kernel's scores stay fp32."""
 
@@ -28,7 +28,7 @@ XEON = EPYC | {"amx_bf16", "amx_tile"}
 
 def _kernel_or_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     """Skip where the kernel cannot exist (no avx512_bf16, no compiler); where it can, a build
-    failure fails the test. With PO_KERNEL_EMULATE=1 (tests/test_kernel_build.py runs this file
+    failure fails the test. With PO_KERNEL_EMULATE=1 (tests/engine/test_kernel_build.py runs this file
     so in a child process on CPUs without avx512_bf16) the emulated build stands in for it."""
     if os.environ.get("PO_KERNEL_EMULATE") == "1":
         monkeypatch.setattr(attention_cpu, "cpu_flags", lambda: EPYC)

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import pytest
 
 from po_backend.core.request import ScoreRequest, common_prefix
+from po_backend.sched.batching import Request
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.scheduler import Request, SchedulerConfig
 from po_backend.sim.cluster import (
     ApproxTree,
     LinearStepModel,

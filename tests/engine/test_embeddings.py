@@ -181,7 +181,7 @@ def test_openai_client_embeddings_through_the_sglang_router(served) -> None:
     from tests.deps import require
 
     require("sglang_router", "pip install sglang-router")
-    from tests.test_router import RouterProcess
+    from tests.server.test_router import RouterProcess
 
     url, hf, tok = served
     router = RouterProcess([url], "cache_aware")

@@ -1,7 +1,7 @@
 """How the bf16 CPU attention kernel is built and chosen, on any CPU: the build folder keyed by
 what the library depends on, an OS lock with a timeout, a cache folder other users could write
 to refused, the build at start-up and never in a request, head dims and K/V dtypes it does not
-take falling back. Running the kernel needs avx512_bf16 (tests/test_attention_cpu.py); building
+take falling back. Running the kernel needs avx512_bf16 (tests/engine/test_attention_cpu.py); building
 it needs only a compiler, so the real build is checked wherever one exists."""
 
 from __future__ import annotations
@@ -238,12 +238,12 @@ def test_cpu_classes_decide_dtype_and_attention(monkeypatch) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_kernel_logic_runs_emulated_where_the_cpu_cannot_run_it() -> None:
-    """On a CPU without avx512_bf16 the real kernel never runs, so tests/test_attention_cpu.py runs
+    """On a CPU without avx512_bf16 the real kernel never runs, so tests/engine/test_attention_cpu.py runs
     in a child process against the same source built with portable stand-ins for its intrinsics
     (PO_KERNEL_EMULATE=1): tiling, masking, items, the online softmax and the log-sum-exp are
     checked against SDPA and transformers on every CPU class. Every kernel test must run."""
     if "avx512_bf16" in attention_cpu.cpu_flags():
-        pytest.skip("the real kernel runs here: tests/test_attention_cpu.py checks it directly")
+        pytest.skip("the real kernel runs here: tests/engine/test_attention_cpu.py checks it directly")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler on this machine")
     env = {**os.environ, "PO_KERNEL_EMULATE": "1"}
@@ -253,14 +253,14 @@ def test_the_kernel_logic_runs_emulated_where_the_cpu_cannot_run_it() -> None:
             sys.executable,
             "-m",
             "pytest",
-            "tests/test_attention_cpu.py",
+            "tests/engine/test_attention_cpu.py",
             "-q",
             "-n",
             "0",
             "-p",
             "no:cacheprovider",
         ],
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[2],
         env=env,
         capture_output=True,
         text=True,

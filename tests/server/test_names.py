@@ -23,10 +23,10 @@ from tests.server_utils import FakeService
 def test_public_names() -> None:
     from po_backend.compat import sglang
     from po_backend.engine.models import loader
-    from po_backend.serving import jct_profile
+    from po_backend.serving import jct_store
 
     assert sglang.Engine is sglang.SGLangEngine
-    assert callable(jct_profile.load_jct_model) and not hasattr(jct_profile, "load_model")
+    assert callable(jct_store.load_jct_model) and not hasattr(jct_store, "load_model")
     assert callable(loader.load_model)  # the weights loader keeps the name
 
 

@@ -15,7 +15,9 @@ import pytest
 from po_backend import Engine
 from po_backend.sched.jct import CalibratedJCT, JCTModel, JCTSample, features
 from po_backend.serving import jct_profile as jct_mod
-from po_backend.serving.jct_profile import ProfileGrid, load_jct_model, load_or_profile, profile, save_model
+from po_backend.serving import jct_store
+from po_backend.serving.jct_profile import ProfileGrid, load_or_profile, profile
+from po_backend.serving.jct_store import load_jct_model, save_model
 
 TRUE = (0.004, 0.0015, 0.8, 0.05, 0.01)  # seconds per FEATURES unit
 
@@ -348,9 +350,9 @@ def test_next_start_loads_the_persisted_and_then_the_refined_profile(
     second = _startup(tiny_engine)
     assert isinstance(second, CalibratedJCT) and second.model == first.model
     # Real steps refine it; at the first PERSIST_AT mark the refined model is saved for the next start.
-    for s in _mix(jct_mod.PERSIST_AT[0], seed=3):
+    for s in _mix(jct_store.PERSIST_AT[0], seed=3):
         second.observe(s.items, s.seconds)
-    path = jct_mod.profile_path(jct_mod.profile_key(tiny_engine, jct_mod.QUICK_GRID))
+    path = jct_store.profile_path(jct_mod.profile_key(tiny_engine, jct_mod.QUICK_GRID))
     deadline = time.monotonic() + 60
     while json.loads(path.read_text()).get("source") != "refined":  # written by a thread
         assert time.monotonic() < deadline, "the refined profile was never saved"
@@ -358,7 +360,7 @@ def test_next_start_loads_the_persisted_and_then_the_refined_profile(
     third = _startup(tiny_engine)
     assert isinstance(third, CalibratedJCT) and third.model.source == "refined"
     assert third.model.coef == second.model.coef
-    assert len(third.anchors) == 12 + jct_mod.PERSIST_AT[0]  # its anchors: the steps it was fitted on
+    assert len(third.anchors) == 12 + jct_store.PERSIST_AT[0]  # its anchors: the steps it was fitted on
 
 
 def test_a_full_grid_profile_is_used_when_there_is_one(tiny_engine: Engine, tmp_path, monkeypatch) -> None:

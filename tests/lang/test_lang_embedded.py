@@ -27,7 +27,7 @@ from po_backend import Engine
 from po_lang import demo
 from po_lang.calibration import accuracy, softmax
 
-DATA = Path(__file__).resolve().parent / "data" / "sentiment.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data" / "sentiment.jsonl"
 LABELS = ["positive", "negative"]
 INSTRUCTION = "Classify the sentiment of this review as positive or negative.\n"
 N_FIT = 20  # the held-out split the fitted offsets are learned on (balanced: rows alternate)
@@ -117,7 +117,7 @@ def test_sentiment_accuracy_before_and_after_calibration(backend: po.Local) -> N
 
 def test_credit_check_histories_are_a_few_hundred_to_1500_tokens(backend: po.Local) -> None:
     """The credit_check example's claim about its synthetic histories, on the real tokenizer."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "credit_check.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "credit_check.py"
     spec = importlib.util.spec_from_file_location("examples_credit_check", path)
     assert spec is not None and spec.loader is not None
     module = sys.modules.get("examples_credit_check")

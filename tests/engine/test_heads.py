@@ -90,8 +90,8 @@ def test_long_batch_request_on_a_head_runs_in_prefix_steps(classifiers) -> None:
     """With batch steps sized to an online target, a long batch classify request computes its
     prompt over several pooled prefix steps (a head model has no LM head to run them as plain
     requests), none failing, and its answer is transformers' on the whole prompt."""
+    from po_backend.sched.config import SchedulerConfig
     from po_backend.sched.jct import JCTModel
-    from po_backend.sched.scheduler import SchedulerConfig
     from po_backend.serving.loop import EngineLoop
 
     path, hf = classifiers["llama"]

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
 from po_backend.sched.reuse import ReuseCost, Victim
-from po_backend.sched.scheduler import Scheduler, SchedulerConfig
+from po_backend.sched.scheduler import Scheduler
 from po_backend.sim.simulator import PrefixLRU, VirtualClock
 
 JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # 1 ms per computed token

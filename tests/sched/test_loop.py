@@ -16,6 +16,7 @@ from po_backend import Engine, OverloadedError, ScoreRequest
 from po_backend.core.errors import CancelledError, EmptyPromptError, InvalidTokenError
 from po_backend.sched.jct import CalibratedJCT, JCTModel, JCTSample
 from po_backend.serving import jct_profile as jct_mod
+from po_backend.serving import jct_store
 from po_backend.serving.jct_profile import ProfileGrid
 from po_backend.serving.loop import EngineLoop, LoopClosedError
 
@@ -369,7 +370,7 @@ def test_fcfs_and_lpm_loops_run_no_profile(eng: Engine, monkeypatch) -> None:
         raise AssertionError("fcfs and lpm need no JCT model: nothing may be profiled")
 
     monkeypatch.setattr(jct_mod, "profile", no_profile)
-    monkeypatch.setattr(jct_mod, "load_jct_model", no_profile)
+    monkeypatch.setattr(jct_store, "load_jct_model", no_profile)
     reqs = _workload(users=2, items=2)
     for policy in ("fcfs", "lpm"):
         with EngineLoop(eng, policy=policy) as loop:

@@ -13,8 +13,7 @@ import pytest
 import po_lang as po
 from po_lang.label import main as label_main
 from tests.deps import require
-from tests.server_utils import dead_url
-from tests.test_label import (
+from tests.lang.test_label import (
     MODEL_ARGS,
     _tiny_lines,
     assert_same_labels,
@@ -24,6 +23,7 @@ from tests.test_label import (
     reviews,
     write_jsonl,
 )
+from tests.server_utils import dead_url
 
 ray = require("ray", "pip install 'ray[data]'")
 from po_lang.ray import classify_dataset, hit_rate  # noqa: E402

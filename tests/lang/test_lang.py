@@ -27,7 +27,7 @@ from po_lang.calibration import (
 )
 from po_lang.compiler import ClassifySpec, label_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """`prefillonly label` (po_lang.label): bad-row reports, resume (also after SIGKILL), crash safety,
 never deleting finished work, stopping on a backend that is down, CSV / Parquet in and out, the
-gold summary, --server against our real server, and po.Remote's retries (--ray: tests/test_ray.py,
+gold summary, --server against our real server, and po.Remote's retries (--ray: tests/server/test_ray.py,
 beside the other test of the session's local Ray)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from po_lang.label.task import from_template
 from tests.deps import require
 from tests.server_utils import ServerProcess, dead_url
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "examples" / "data" / "reviews.jsonl"
 TEMPLATE = "Classify the sentiment of this review as {labels}.\nReview: {text}"
 BASE = ["--labels", "positive,negative", "--template", TEMPLATE, "--no-progress", "--calibrate", "none"]
@@ -612,7 +612,7 @@ def _tiny_lines() -> list[str]:
 
 
 def label_in_process(model: Path, folder: Path) -> list[dict]:
-    """The tiny model's labels, in this process: what --server and --ray (tests/test_ray.py) must
+    """The tiny model's labels, in this process: what --server and --ray (tests/server/test_ray.py) must
     reproduce."""
     path = write_jsonl(folder / "local.jsonl", _tiny_lines())
     assert label_main([str(path), "--model", str(model), "--dtype", "fp32", *MODEL_ARGS]) == 0
