@@ -13,9 +13,11 @@ from po_backend.sched.batching import Request
 # A prefix-only step (Pick.prefix_only) computes at least this many tokens (less: all overhead).
 MIN_PREFIX_STEP = 64
 # Unrelated requests join a step while it costs at most this fraction more than the head's group
-# alone; without a JCT model a step's cost is its computed tokens plus FILL_STEP_TOKENS, what a
-# step's fixed overhead is worth in tokens.
-FILL_SLACK = 0.25
+# alone: by the JCT model's prediction (FILL_SLACK, chosen on the simulator's tuning seeds, so po's
+# tail stays within fcfs's), or without one by its computed tokens plus FILL_STEP_TOKENS, what a
+# step's fixed overhead is worth in tokens (FILL_SLACK_TOKENS).
+FILL_SLACK = 0.05
+FILL_SLACK_TOKENS = 0.25
 FILL_STEP_TOKENS = 128
 
 
@@ -110,7 +112,7 @@ def fill_step(
     jct: Predictor | None, group: Sequence[Waiting], chosen: list[tuple[int, int]], n_base: int
 ) -> list[tuple[int, int]]:
     """`chosen` with the unrelated requests (group index >= n_base) that join the step while it
-    costs at most FILL_SLACK more than the head's group alone: each saves a step of its own
+    costs at most FILL_SLACK (FILL_SLACK_TOKENS) more than the head's group alone: each saves a step of its own
     (the JCT model's per-step and per-item terms; tokens + FILL_STEP_TOKENS without one) and
     delays the head little. Many small calls then run together, a long one still alone.
     A leading part, since a later request may read a prefix an earlier one computes."""
@@ -122,7 +124,7 @@ def fill_step(
     def cost(k: int) -> float:
         return step_cost(jct, items[:k]) + (FILL_STEP_TOKENS if jct is None else 0.0)
 
-    limit = (1.0 + FILL_SLACK) * cost(n)
+    limit = (1.0 + (FILL_SLACK_TOKENS if jct is None else FILL_SLACK)) * cost(n)
     while n < len(chosen) and cost(n + 1) <= limit:
         n += 1
     return chosen[:n]

@@ -142,13 +142,14 @@ def _steps(ran: list[Ran]) -> list[set[str]]:
 
 def test_fcfs_batches_only_the_run_behind_the_head() -> None:
     """fcfs never lets a later request of a cached prefix overtake an earlier unrelated one (as
-    in SGLang and vLLM): they join behind it, in its step when that stays short; po and lpm pull
+    in SGLang and vLLM): they join behind it (in its step when that stays short); po and lpm pull
     every waiting request of that prefix into the step."""
     p = _ids(5, 300)
     i0, i1, i2, i3 = (Req(f"i{k}", p + _ids(50 + k, 40), 300) for k in range(4))
     x = Req("x", _ids(59, 400), 0)
     trace = [(0.0, r) for r in (i0, i1, x, i2, i3)]
-    assert _steps(simulate("fcfs", trace, capacity=2)) == [{"i0", "i1"}, {"x", "i2", "i3"}]
+    # i2 and i3 would lengthen x's step by more than FILL_SLACK: a step of their own, after it.
+    assert _steps(simulate("fcfs", trace, capacity=2)) == [{"i0", "i1"}, {"x"}, {"i2", "i3"}]
     for policy in ("po", "lpm"):
         assert _steps(simulate(policy, trace, capacity=2)) == [{"i0", "i1", "i2", "i3"}, {"x"}], policy
 
