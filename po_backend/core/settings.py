@@ -63,6 +63,8 @@ BACKENDS = ("prefillonly", "hf")
 PREFILL_MODES = ("hybrid", "chunked")
 CACHE_POLICIES = ("all-but-last-k", "declared", "none")
 RESIDUAL_DTYPES = ("fp32", "model")
+# Weight (and activation) quantization modes; SGLang's names. None: the model dtype throughout.
+QUANTIZATIONS = ("w8a8_int8",)
 DEFAULT_CHUNK_SIZE = 512
 # On a GPU a small model is bound by kernel launches, one set per chunk: longer chunks cost a
 # little activation memory, which a GPU has, and save most of the launches.
@@ -153,6 +155,15 @@ class Settings:
             "with bf16/fp16 weights: fp32 keeps the residual stream and norms in fp32 (rankings as "
             "fp32's; matmuls stay bf16); model rounds them to the weights' dtype (transformers' way)",
             choices=RESIDUAL_DTYPES,
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=flag(
+            "w8a8_int8: projections and MLP in int8 (weights per output channel, activations per "
+            "token, int32 sums); attention, norms, embeddings and the LM head stay in --dtype. "
+            "Default: none (see docs/quantization.md)",
+            choices=QUANTIZATIONS,
         ),
     )
     enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache"))
@@ -255,6 +266,12 @@ class Settings:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.backend == "hf" and self.quantization is not None:
+            raise ValueError(
+                "backend hf runs transformers in --dtype; quantization needs backend prefillonly"
+            )
         if self.cache_policy is not None and self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if self.mem_fraction_static is not None:
@@ -288,6 +305,7 @@ class Settings:
             "chunk_size": self.chunk_size,
             "prefill_mode": self.prefill_mode,
             "residual_dtype": self.residual_dtype,
+            "quantization": self.quantization,
             "enable_cache": self.enable_cache,
             "cache_policy": self.cache_policy,
             "prefix_pool_tokens": self.prefix_pool_tokens,

@@ -11,7 +11,7 @@ import torch
 
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
-from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, RESIDUAL_DTYPES
+from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, QUANTIZATIONS, RESIDUAL_DTYPES
 from po_backend.engine.device import cuda_dtype, resolve_device
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k) for the Llama family
@@ -406,6 +406,8 @@ class EngineConfig:
     pooling: str | None = None
     # The residual stream's dtype under bf16/fp16 weights (see `resolve_residual`).
     residual_dtype: ResidualDtype = "fp32"
+    # "w8a8_int8": the decoder's projections in int8 (models/int8.py); None: all in `dtype`.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         policies = ("all-but-last-k", "declared", "none")
@@ -415,6 +417,8 @@ class EngineConfig:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         for name, low in (
             ("cache_last_k", 0),
             ("chunk_size", 0),  # 0 = no chunking

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from po_backend.engine.config import ModelConfig
+from po_backend.engine.models.int8 import linear
 from po_backend.engine.models.layers import Rotary, gelu_tanh_mul, gemma_rms_norm
 from po_backend.engine.models.llama import DecoderLayer, LlamaForCausalLM, WeightLoader, _param
 
@@ -40,7 +41,7 @@ class GemmaDecoderLayer(DecoderLayer):
     ) -> None:
         cfg = self.cfg
         gemma_rms_norm(h, self.input_layernorm, cfg.rms_norm_eps, out=x)
-        torch.matmul(x, self.qkv_proj.t(), out=qkv)
+        linear(x, self.qkv_proj, qkv)
         c = qkv.shape[0]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(c, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -56,13 +57,13 @@ class GemmaDecoderLayer(DecoderLayer):
         """h += norm(o_proj(attn)); h += norm(mlp(norm(h))), in place on the chunk view `h`."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        torch.matmul(attn, self.o_proj.t(), out=x)
+        linear(attn, self.o_proj, x)
         gemma_rms_norm(x, self.post_attention_layernorm, eps, out=x)
         h.add_(x)
         gemma_rms_norm(h, self.pre_feedforward_layernorm, eps, out=x)
-        torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        linear(x, self.gate_up_proj, gate_up)
         gelu_tanh_mul(gate_up, out=act)
-        torch.matmul(act, self.down_proj.t(), out=x)
+        linear(act, self.down_proj, x)
         gemma_rms_norm(x, self.post_feedforward_layernorm, eps, out=x)
         h.add_(x)
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
 
@@ -25,6 +26,14 @@ from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import model_class
+from po_backend.engine.models.int8 import (
+    W8A8_INT8,
+    Int8Linear,
+    gemm_backend,
+    int8_state,
+    load_int8_state,
+    quantize_model,
+)
 from po_backend.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -169,10 +178,17 @@ SCORE_WEIGHT = "score.weight"
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, task: ModelTask | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    task: ModelTask | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The decoder with what `task` needs on top: the LM head for generate; a `score` parameter
-    [num_labels, hidden] for classify; neither for embed (an untied LM head is not even kept)."""
+    [num_labels, hidden] for classify; neither for embed (an untied LM head is not even kept).
+    quantization "w8a8_int8": the decoder's projections in int8, read from the int8 cache when an
+    earlier start quantized these weights (then their float tensors are not even read), else
+    quantized here and cached."""
     t0 = time.perf_counter()
     cfg = read_config(model_dir)
     task = task or ModelTask()
@@ -186,6 +202,14 @@ def load_model(
         if task.kind == "classify":
             score = torch.nn.Parameter(torch.empty(task.num_labels, cfg.hidden_size, dtype=dtype), False)
             model.register_parameter("score", score)
+    int8_file = _int8_cache_file(model_dir, files, quantization) if quantization else None
+    backend = gemm_backend(device=device).backend
+    cached_int8 = int8_file is not None and int8_file.is_file()
+    if cached_int8:
+        assert int8_file is not None
+        load_int8_state(
+            model.decoder_layers, safetensors.torch.load_file(int8_file, device=str(device)), backend
+        )
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
     expected = {
         (name, shard)
@@ -202,6 +226,8 @@ def load_model(
                     log.debug("ignoring checkpoint tensor %s", name)
                     continue
                 param, loader, shard = target
+                if isinstance(param, Int8Linear):
+                    continue  # read from the int8 cache
                 loader(param.data, f.get_tensor(name).to(dtype), shard)
                 # A fused tensor stored whole (shard None) fills every shard of its parameter.
                 shards = getattr(getattr(param, "weight_loader", None), "offsets", None)
@@ -211,7 +237,42 @@ def load_model(
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
     log.info("loaded %d weight tensors from %s in %.1f s", len(loaded), model_dir, time.perf_counter() - t0)
+    if int8_file is not None and not cached_int8:
+        quantize_model(model.decoder_layers, backend)
+        _save_atomic(int8_state(model.decoder_layers), int8_file)
+        log.info(
+            "quantized to %s and cached in %s (%.1f s)", quantization, int8_file, time.perf_counter() - t0
+        )
     return model.eval()
+
+
+# Bumped when the int8 cache's layout or rounding changes: older files are then not read.
+INT8_CACHE_VERSION = 1
+
+
+def _int8_cache_file(model_dir: Path, files: list[Path], quantization: str) -> Path:
+    """Where the int8 weights of these checkpoint files live: keyed by the files' paths, sizes and
+    modification times, so a changed checkpoint is quantized again."""
+    if quantization != W8A8_INT8:
+        raise UnsupportedModelError(f"unknown quantization {quantization!r}")
+    stamp = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    key = hashlib.sha256(f"{quantization}:{INT8_CACHE_VERSION}:{stamp}".encode()).hexdigest()[:16]
+    return cache_root() / "int8" / f"{model_dir.name}-{quantization}-{key}.safetensors"
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors written under a temporary name and renamed: a concurrent start finds the whole
+    file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        safetensors.torch.save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _resolve(model: LlamaForCausalLM, name: str, task: ModelTask) -> Any:
