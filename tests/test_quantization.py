@@ -4,6 +4,7 @@ within a stated tolerance), the int8 cache, GGUF Q8_0, and the GEMM dispatch per
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def test_quantize_rows_is_symmetric_per_row() -> None:
         (frozenset({"avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16"}), "int_mm"),  # AMX
         (frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "int_mm"),  # AVX512-VNNI
         (frozenset({"avx2", "avx_vnni"}), "int_mm"),  # AVX-VNNI
-        (frozenset({"avx2", "fma"}), "int_mm"),  # AVX2-only
+        (frozenset({"avx2", "fma"}), "fbgemm"),  # AVX2-only
         (frozenset(), "reference"),  # no x86 flags
     ],
 )
@@ -79,18 +80,31 @@ def test_dispatch_per_cpu_class(
     monkeypatch: pytest.MonkeyPatch, tiny_model, flags: frozenset[str], backend: str
 ) -> None:
     assert gemm_backend(flags).backend == backend
-    # The engine asks the (patchable) flags at load, and every class gives the same answers: the
-    # backends compute the same int32 sums.
+    # The engine asks the (patchable) flags at load. int_mm and reference compute the same int32
+    # sums (equal answers); fbgemm's activations are 7-bit (answers within int8's error).
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     monkeypatch.setattr(int8, "cpu_flags", lambda: flags)
     path, _ = tiny_model("qwen2")
     engine = _engine(path)
     layer = engine.model.decoder_layers[0]
     assert isinstance(layer.gate_up_proj, Int8Linear) and layer.gate_up_proj.backend == backend
-    monkeypatch.undo()
+    monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
     base = _engine(path)
+    assert base.model.decoder_layers[0].gate_up_proj.backend == "int_mm"
     ids = _prompts(engine.vocab_size, [70])[0]
-    assert engine.score([ids], [0, 3])[0].logprobs == base.score([ids], [0, 3])[0].logprobs
+    got, ref = engine.score([ids], [0, 3])[0].logprobs, base.score([ids], [0, 3])[0].logprobs
+    assert got == pytest.approx(ref, abs=0.25 if backend == "fbgemm" else 1e-5)
+
+
+def test_fbgemm_linear_within_int8_error() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(300, 576, generator=g), torch.randn(960, 576, generator=g)
+    exact = x.double() @ w.double().t()
+    lin = Int8Linear.from_float(w, "fbgemm")
+    got = lin(x).double()
+    assert (got - exact).abs().max() <= 0.05 * exact.abs().max()
+    # Per token: a row's answer does not depend on the rows beside it.
+    torch.testing.assert_close(lin(x[7:9] * 100), lin(x * 100)[7:9], rtol=1e-6, atol=1e-4)
 
 
 def _engine(path: Path, **kw: object) -> Engine:
@@ -118,7 +132,9 @@ def _emulate_int8(hf: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_quantized_model_matches_transformers(tiny_model, kind: str) -> None:
+def test_quantized_model_matches_transformers(tiny_model, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Per-token activations (int_mm, as on a VNNI or AMX CPU; exact int32 sums wherever it runs).
+    monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
     path, hf = tiny_model(kind)
     engine = _engine(path, chunk_size=64)
     assert all(
@@ -188,3 +204,90 @@ def test_bad_quantization_is_a_value_error(tiny_model) -> None:
     path, _ = tiny_model("llama")
     with pytest.raises(ValueError, match="quantization must be one of"):
         _engine(path, quantization="int4")
+
+
+def _write_q8_0_gguf(hf: torch.nn.Module, path: Path) -> None:
+    """A llama GGUF's tensors as llama.cpp writes them: q/k rows permuted, every projection Q8_0,
+    the rest F32 (no tokenizer: the test places the converted folder itself)."""
+    import gguf
+    import numpy as np
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)  # transformers' LlamaConfig default
+    w.add_vocab_size(cfg.vocab_size)
+
+    def permute(t: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[pre + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[pre + "post_attention_layernorm.weight"])
+        for ours, theirs in names.items():
+            part = "self_attn" if theirs.startswith("attn") else "mlp"
+            t = sd[f"{pre}{part}.{ours}.weight"]
+            if ours in ("q_proj", "k_proj"):
+                t = permute(t, cfg.num_attention_heads if ours == "q_proj" else cfg.num_key_value_heads)
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                f"blk.{i}.{theirs}.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # one scale per row in each row's blocks: Q8_0's integers are exactly ours
+        for name, p in hf.named_parameters():
+            if "proj" in name:
+                p.copy_(torch.randn(p.shape).sign() * 0.05)
+    gguf_path = tmp_path / "tiny-q8_0.gguf"
+    _write_q8_0_gguf(hf, gguf_path)
+    # The folder a GGUF converts into (transformers' float copy), naming its source as `_convert`
+    # does: the int8 mode reads the Q8_0 integers from there.
+    from po_backend.engine.models import loader
+
+    folder = tmp_path / "converted"
+    hf.save_pretrained(folder)
+    (folder / loader.GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf_path)}))
+
+    def refuse(layers: list[torch.nn.Module], backend: object) -> None:
+        assert all(isinstance(getattr(x, n), Int8Linear) for x in layers for n in int8.QUANTIZED_PROJECTIONS)
+
+    monkeypatch.setattr(loader, "quantize_model", refuse)  # nothing is left to quantize from floats
+    engine = _engine(folder)
+    layer = engine.model.decoder_layers[1]
+    # The fused qkv rows in transformers' order: q's first row is the first row of q_proj.
+    for ours, ref in (("qkv_proj", torch.cat([hf.model.layers[1].self_attn.__getattr__(p).weight for p in ("q_proj", "k_proj", "v_proj")])),
+                      ("down_proj", hf.model.layers[1].mlp.down_proj.weight)):  # fmt: skip
+        lin = getattr(layer, ours)
+        assert isinstance(lin, Int8Linear)
+        assert torch.equal(lin.qweight.t(), (ref.sign() * 127).to(torch.int8))
+        torch.testing.assert_close(lin.dequantized(), ref.float(), rtol=1e-3, atol=0)
+    ids = _prompts(engine.vocab_size, [40])[0]
+    got = torch.tensor(engine.score([ids], [0, 9, 99])[0].logprobs)
+    assert (got - hf_next_logprobs(hf, ids)[[0, 9, 99]]).abs().max() <= 0.05

@@ -6,9 +6,9 @@ scale; the product accumulates in int32 and is dequantized by row scale x channe
 caller's buffer (the model dtype, then the fp32 residual stream). Norms, attention, embeddings and
 the LM head never pass through here: they stay in the model dtype.
 
-The GEMM runs through `torch._int_mm` (oneDNN on x86: AVX2 `vpmaddubsw`, AVX512-VNNI, AMX tiles);
-`gemm_backend` picks it or the reference path (the same arithmetic in fp32, exact for these
-integer products) from the CPU's flags.
+`gemm_backend` picks the GEMM from the CPU's flags: `torch._int_mm` (oneDNN: AVX512-VNNI,
+AVX-VNNI, AMX tiles), fbgemm's dynamic linear on AVX2-only CPUs (7-bit activations per token),
+or the reference path (the same integer products summed exactly in fp64).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from po_backend.core.cpu import cpu_flags
 W8A8_INT8 = "w8a8_int8"
 QMAX = 127.0
 
-GemmBackend = Literal["int_mm", "reference"]
+GemmBackend = Literal["int_mm", "fbgemm", "reference"]
 
 # The decoder layers' projections that the int8 mode quantizes (their attribute names).
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -41,9 +41,8 @@ class Int8Decision:
 
 
 def gemm_backend(flags: frozenset[str] | None = None, device: torch.device | None = None) -> Int8Decision:
-    """oneDNN's int8 GEMM (through `torch._int_mm`) wherever x86 has 8-bit multiply-adds: AVX2
-    (vpmaddubsw), AVX512-VNNI / AVX-VNNI (vpdpbusd) and AMX (int8 tiles) are all oneDNN ISAs it
-    dispatches itself; elsewhere (no AVX2, or flags unknown) the fp32 reference path."""
+    """oneDNN's int8 GEMM (through `torch._int_mm`) where x86 has int8 dot products (VNNI, AMX);
+    fbgemm on AVX2 without them; elsewhere (flags unknown) the reference path."""
     if device is not None and device.type == "cuda":
         return Int8Decision("int_mm", "CUDA: cuBLASLt int8 GEMM")
     f = cpu_flags() if flags is None else flags
@@ -52,7 +51,9 @@ def gemm_backend(flags: frozenset[str] | None = None, device: torch.device | Non
     if {"avx512_vnni", "avx_vnni"} & f:
         return Int8Decision("int_mm", "VNNI int8 dot products (oneDNN)")
     if "avx2" in f:
-        return Int8Decision("int_mm", "AVX2 8-bit multiply-adds (oneDNN)")
+        # torch._int_mm without VNNI is a scalar loop (0.2 GOP/s); fbgemm's AVX2 kernels are fast
+        # (activations per token through `_fbgemm_per_token`).
+        return Int8Decision("fbgemm", "AVX2 8-bit multiply-adds (fbgemm dynamic linear)")
     return Int8Decision("reference", "no x86 int8 instructions known: fp32 reference GEMM")
 
 
@@ -91,6 +92,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
         self.backend: GemmBackend = backend
+        self.packed: torch.Tensor | None = None
+        if backend == "fbgemm":  # fbgemm's own weight layout, packed once
+            wq = torch._make_per_channel_quantized_tensor(
+                qweight.t().contiguous(),
+                self.scale.double(),
+                torch.zeros_like(self.scale, dtype=torch.long),
+                0,
+            )
+            self.packed = torch.ops.quantized.linear_prepack(wq, None)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, backend: GemmBackend = "int_mm") -> Int8Linear:
@@ -111,10 +121,13 @@ class Int8Linear(nn.Module):
         return (self.qweight.float() * self.scale).t()
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        q, sx = _quantize_tokens(x)
-        acc = _gemm(q, self.qweight, self.backend)
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if self.packed is not None:
+            out.copy_(_fbgemm_per_token(x, self.packed))
+            return out
+        q, sx = _quantize_tokens(x)
+        acc = _gemm(q, self.qweight, self.backend)
         # (acc * s_x) * s_w in fp32, rounded once into a narrower `out`.
         if out.dtype == torch.float32:
             torch.mul(acc, sx, out=out)
@@ -125,13 +138,30 @@ class Int8Linear(nn.Module):
 
 
 def _gemm(q: torch.Tensor, w: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
-    """int8 [m, k] x int8 [k, n] -> int32 [m, n]."""
+    """int8 [m, k] x int8 [k, n] -> int32 [m, n] (fbgemm layers never come here)."""
     # cuBLASLt wants m > 16 and k, n multiples of 8; the CPU path takes any shape.
     cuda_shape_ok = q.shape[0] > 16 and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
     if backend == "int_mm" and (q.device.type == "cpu" or cuda_shape_ok):
         return torch._int_mm(q, w)
     # Reference: int8 products summed in fp64 are exact (|sum| < 2^53), so it equals int32 math.
     return torch.matmul(q.double(), w.double()).to(torch.int32)
+
+
+def _fbgemm_per_token(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """fbgemm's dynamic linear quantizes its input per tensor, from the tensor's min and max, so a
+    row's answer would depend on the rows beside it (a cache hit would differ from the cold run).
+    Each row is scaled to max |x| = 1 and one row holding -1 and +1 is appended: the tensor's
+    range is then [-1, 1] whatever the batch, every row is quantized with the same fixed step, and
+    its output is scaled back by its own factor: per-token quantization through fbgemm's kernels
+    (7-bit activations there: x86 fbgemm reduces the range to avoid int16 saturation)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12)
+    xn = torch.empty(x.shape[0] + 1, x.shape[1], dtype=torch.float32, device=x.device)
+    torch.div(xf, scale, out=xn[:-1])
+    xn[-1].zero_()
+    xn[-1, 0], xn[-1, -1] = -1.0, 1.0
+    y = torch.ops.quantized.linear_dynamic(xn, packed, True)[:-1]
+    return y.mul_(scale)
 
 
 def linear(

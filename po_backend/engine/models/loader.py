@@ -155,6 +155,8 @@ def _convert(gguf: Path, target: Path) -> None:
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        # Where the int8 mode reads a Q8_0 file's own integers (`gguf_q8_0_state`).
+        (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
         try:
             tmp.rename(target)  # atomic: a reader either finds the whole folder or none
         except OSError:
@@ -163,6 +165,74 @@ def _convert(gguf: Path, target: Path) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
+
+
+GGUF_SOURCE = "gguf_source.json"
+# llama.cpp's names of a decoder layer's projections, fused as our layers fuse them.
+_GGUF_PROJECTIONS = {
+    "qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "o_proj": ("attn_output",),
+    "gate_up_proj": ("ffn_gate", "ffn_up"),
+    "down_proj": ("ffn_down",),
+}
+_Q8_0_BLOCK = 32  # values per Q8_0 block: one fp16 scale, then 32 int8
+
+
+def gguf_q8_0_state(model_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """The int8 state (`int8.int8_state`'s names) of a folder converted from a GGUF whose decoder
+    projections are all Q8_0, read from the GGUF's own integers; None for any other folder.
+
+    Q8_0 has one scale per 32 values, our GEMM one per output channel: each row takes the largest
+    of its block scales and every block's integers are rescaled to it (q * d_block / d_row,
+    rounded once; exact where a row's blocks share a scale). Llama GGUFs store q and k with their
+    rotary halves interleaved (llama.cpp's permute); the rows are put back as transformers does."""
+    src = model_dir / GGUF_SOURCE
+    if not src.is_file():
+        return None
+    import gguf
+    import numpy as np
+
+    path = Path(json.loads(src.read_text())["gguf"])
+    if not path.is_file():
+        return None
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    names = [
+        f"blk.{i}.{n}.weight" for i in range(cfg.num_layers) for v in _GGUF_PROJECTIONS.values() for n in v
+    ]
+    if any(n not in tensors or tensors[n].tensor_type != gguf.GGMLQuantizationType.Q8_0 for n in names):
+        return None
+
+    def rows(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raw = np.asarray(tensors[name].data).reshape(-1)
+        blocks = raw.reshape(-1, 2 + _Q8_0_BLOCK)
+        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))  # [blocks, 1]
+        q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
+        n_rows = int(tensors[name].shape[1]) if len(tensors[name].shape) > 1 else 1
+        d, q = d.view(n_rows, -1), q.view(n_rows, -1, _Q8_0_BLOCK)
+        d_row = d.amax(dim=1).clamp_min(1e-12)
+        q = torch.round(q.float() * (d / d_row[:, None])[..., None]).clamp_(-127, 127).to(torch.int8)
+        q = q.view(n_rows, -1)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+            q, d_row = _unpermute(q, heads), _unpermute(d_row[:, None], heads)[:, 0]
+        return q, d_row
+
+    state = {}
+    for i in range(cfg.num_layers):
+        for ours, parts in _GGUF_PROJECTIONS.items():
+            qs, ds = zip(*(rows(f"blk.{i}.{p}.weight") for p in parts), strict=True)
+            state[f"{i}.{ours}.qweight"] = torch.cat(qs).t().contiguous()
+            state[f"{i}.{ours}.scale"] = torch.cat(ds)
+    return state
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's q/k row order -> transformers' (transformers' `_reverse_permute_weights`)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -210,6 +280,10 @@ def load_model(
         load_int8_state(
             model.decoder_layers, safetensors.torch.load_file(int8_file, device=str(device)), backend
         )
+    elif int8_file is not None and (q8 := gguf_q8_0_state(model_dir, cfg)) is not None:
+        # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read.
+        load_int8_state(model.decoder_layers, {k: v.to(device) for k, v in q8.items()}, backend)
+        log.info("int8 weights read from the Q8_0 GGUF's blocks")
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
     expected = {
         (name, shard)
@@ -238,7 +312,7 @@ def load_model(
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
     log.info("loaded %d weight tensors from %s in %.1f s", len(loaded), model_dir, time.perf_counter() - t0)
     if int8_file is not None and not cached_int8:
-        quantize_model(model.decoder_layers, backend)
+        quantize_model(model.decoder_layers, backend)  # what is not int8 yet (no-op after Q8_0)
         _save_atomic(int8_state(model.decoder_layers), int8_file)
         log.info(
             "quantized to %s and cached in %s (%.1f s)", quantization, int8_file, time.perf_counter() - t0
