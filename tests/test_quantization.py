@@ -291,3 +291,14 @@ def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.Monkey
     ids = _prompts(engine.vocab_size, [40])[0]
     got = torch.tensor(engine.score([ids], [0, 9, 99])[0].logprobs)
     assert (got - hf_next_logprobs(hf, ids)[[0, 9, 99]]).abs().max() <= 0.05
+
+
+def test_labeling_cli_and_bench_take_the_setting() -> None:
+    from benchmarks import bench_int8  # noqa: F401  # importable without torchao
+    from po_lang.label.cli import engine_options, parse_args
+
+    args = parse_args(["x.jsonl", "--labels", "a,b", "--quantization", "w8a8_int8"])
+    assert engine_options(args) == {"quantization": "w8a8_int8"}
+    assert engine_options(parse_args(["x.jsonl", "--labels", "a,b"])) == {}
+    with pytest.raises(SystemExit):
+        parse_args(["x.jsonl", "--labels", "a,b", "--server", "http://h", "--quantization", "w8a8_int8"])
