@@ -41,6 +41,7 @@ from po_backend.engine.config import ModelConfig, parse_dtype
 from po_backend.engine.device import describe, resolve_device
 from po_backend.engine.memory import PeakMemory
 from po_backend.engine.models import shapes
+from po_backend.engine.models.int8 import weight_bytes
 from po_backend.engine.models.loader import read_config, resolve_model_dir
 
 CONFIGS = {
@@ -115,7 +116,13 @@ class AttentionClock:
 
 
 def child(
-    config: str, n: int, chunk_size: int | None, dtype: str, device: str, model: str = "embedded"
+    config: str,
+    n: int,
+    chunk_size: int | None,
+    dtype: str,
+    device: str,
+    model: str = "embedded",
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """One cold forward of `n` tokens in `config`, in this (fresh) process."""
     model_dir = resolve_model_dir(model)
@@ -143,6 +150,7 @@ def child(
             model,
             device=dev,
             dtype=dtype,
+            quantization=quantization,
             chunk_size=max(n, WARMUP_TOKENS) if config == "nochunk" else chunk_size,
             prefill_mode="chunked" if config == "chunked" else "hybrid",
             # the embedded model's whole context; a long-context shape's is far beyond any n here
@@ -269,6 +277,7 @@ def mil(args: argparse.Namespace) -> dict[str, Any]:
         harness.wait_for_quiet(args.quiet_wait)
         spec = {"config": c, "n": n, "chunk_size": args.chunk_size, "dtype": name, "device": str(dev)}
         spec |= {"model": args.model}
+        spec["quantization"] = args.quantization or None  # ours only; transformers runs in the dtype
         row = {"config": c, "n": n, "dtype": str(dt), **run_child(spec, args.timeout)}
         rows.append(row)
         if row["status"] != "ok":
@@ -385,32 +394,74 @@ def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
     items = [tok.encode(f"Item: {it}{QUESTION}", add_special_tokens=False) for it in ITEMS]
     lists = [(tok.encode(f"Profile: {p}\n"), items) for p in PROFILES]
     ref = _scores(e32, lists, labels, cached=False)
-    doc: dict[str, Any] = {"fp32": {"auc": _auc(dtype="fp32")}}
+    doc: dict[str, Any] = {"fp32": {"auc": _auc(dtype="fp32"), **_sentiment(e32)}}
     ids = torch.randint(0, e32.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.quantization:  # the quantized model against fp32, both timed in this run
+        doc["fp32"][f"forward_s_{n}"] = _best_forward(e32, ids, args.repeats)
+        variants = {
+            f"{args.quantization}-{args.dtype}": {"dtype": args.dtype, "quantization": args.quantization}
+        }
+    else:
+        variants = {f"bf16-residual-{m}": {"dtype": "bf16", "residual_dtype": m} for m in ("fp32", "model")}
     del e32
-    for mode in ("fp32", "model"):
-        eng = Engine.from_pretrained("embedded", dtype="bf16", residual_dtype=mode, **kw)
+    for name, options in variants.items():
+        eng = Engine.from_pretrained("embedded", **options, **kw)
         cold, hit = _scores(eng, lists, labels, cached=False), _scores(eng, lists, labels, cached=True)
         odds = cold[..., 0] - cold[..., 1], ref[..., 0] - ref[..., 1]  # [list, item]
         taus = [float(kendalltau(a, b).statistic) for a, b in zip(*odds, strict=True)]
-        times = []
-        for _ in range(args.repeats):
-            eng.flush_cache()
-            t = time.perf_counter()
-            eng.score([ids], [0])
-            times.append(time.perf_counter() - t)
-        doc[f"bf16-residual-{mode}"] = {
+        doc[name] = {
             "kendall_tau_mean": sum(taus) / len(taus),
             "kendall_tau_min": min(taus),
             "max_abs_dlogprob_vs_fp32": float(np.abs(cold - ref).max()),
             "max_abs_dlogprob_hit_vs_cold": float(np.abs(hit - cold).max()),
-            "auc": _auc(dtype="bf16", residual_dtype=mode),
-            f"forward_s_{n}": min(times),
+            "auc": _auc(**options),
+            f"forward_s_{n}": _best_forward(eng, ids, args.repeats),
         }
-        print(mode, doc[f"bf16-residual-{mode}"], flush=True)
+        if args.quantization:
+            doc[name].update(_sentiment(eng), weight_bytes=weight_bytes(eng.model))
+        print(name, doc[name], flush=True)
         del eng
+    if args.quantization:
+        (name,) = variants
+        return {**doc, "speed_ratio_vs_fp32": doc["fp32"][f"forward_s_{n}"] / doc[name][f"forward_s_{n}"]}
     f, m = doc["bf16-residual-fp32"][f"forward_s_{n}"], doc["bf16-residual-model"][f"forward_s_{n}"]
     return {**doc, "speed_ratio_fp32_residual_vs_model": f / m}
+
+
+def _best_forward(engine: Any, ids: list[int], repeats: int) -> float:
+    """Seconds of the fastest of `repeats` cold forwards of `ids`."""
+    times = []
+    for _ in range(repeats):
+        engine.flush_cache()
+        t = time.perf_counter()
+        engine.score([ids], [0])
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+SENTIMENT = REPO_ROOT / "tests" / "data" / "sentiment.jsonl"
+
+
+def _sentiment(engine: Any) -> dict[str, float]:
+    """Accuracy on the shipped sentiment set (tests/test_lang_embedded.py's prompt): raw (the more
+    likely label) and with content-free calibration."""
+    import po_lang as po
+
+    rows = [json.loads(line) for line in SENTIMENT.read_text(encoding="utf-8").splitlines() if line.strip()]
+    labels = ["positive", "negative"]
+
+    @po.classify(labels=labels, chat=True, backend=po.Local.from_engine(engine), calibrate="content-free")
+    def review(text: str) -> po.Prompt:
+        return (
+            po.shared("Classify the sentiment of this review as positive or negative.\n") + f"Review: {text}"
+        )
+
+    results = review.map([(r["text"],) for r in rows])
+    raw = sum(
+        max(labels, key=lambda k: res.logprobs[k]) == r["label"] for res, r in zip(results, rows, strict=True)
+    )
+    cf = sum(res.label == r["label"] for res, r in zip(results, rows, strict=True))
+    return {"sentiment_acc_raw": raw / len(rows), "sentiment_acc_content_free": cf / len(rows)}
 
 
 # ---- --heads: classifier heads and embeddings against transformers ----------------------------------
@@ -507,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run_child's: child()'s arguments as JSON
     flags(ap, compare_dtypes=(False, "bf16 vs fp32: rankings, AUC, hit vs cold"))
     flags(ap, speed_tokens=(2048, "--compare-dtypes: forward length"))
+    flags(ap, quantization=("", "--compare-dtypes: this quantization (w8a8_int8) in --dtype vs fp32"))
     flags(ap, repeats=(3, "--compare-dtypes: best of this many"))
     flags(ap, heads=(False, "classifier / embedding heads vs transformers"))
     flags(ap, items=(16, "--heads: prompts"), prefix=(256, "--heads: shared instruction tokens"))

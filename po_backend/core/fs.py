@@ -78,16 +78,23 @@ def file_lock(path: Path, waiting: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a unique temporary file renamed over `path`: a concurrent reader finds the
-    old file or the new one, never half of one."""
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside `path`, renamed over it when the block ends without an error (and
+    removed when it raises): a concurrent reader finds the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through `replacing`."""
+    with replacing(path) as tmp:
+        tmp.write_text(text)

@@ -31,6 +31,7 @@ from po_backend.core.choices import (
     BACKENDS,
     CACHE_POLICIES,
     PREFILL_MODES,
+    QUANTIZATIONS,
     RESIDUAL_DTYPES,
     check_choice,
 )
@@ -224,6 +225,16 @@ class Settings:
             engine=True,
         ),
     )
+    quantization: str | None = field(
+        default=None,
+        metadata=flag(
+            "w8a8_int8: projections and MLP in int8 (weights per output channel, activations per "
+            "token, int32 sums); attention, norms, embeddings and the LM head stay in --dtype. "
+            "Default: none (see docs/quantization.md)",
+            choices=QUANTIZATIONS,
+            engine=True,
+        ),
+    )
     enable_cache: bool = field(default=True, metadata=flag("the prefix (radix) cache", engine=True))
     cache_policy: str | None = field(
         default=None,
@@ -355,6 +366,12 @@ class Settings:
         check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         if self.cache_policy is not None:
             check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.backend == "hf" and self.quantization is not None:
+            raise ValueError(
+                "backend hf runs transformers in --dtype; quantization needs backend prefillonly"
+            )
         if self.mem_fraction_static is not None:
             if self.memory_budget is not None:
                 raise ValueError("give memory_budget or mem_fraction_static, not both")

@@ -12,6 +12,7 @@ import torch
 from po_backend.core.choices import (
     CACHE_POLICIES,
     PREFILL_MODES,
+    QUANTIZATIONS,
     RESIDUAL_DTYPES,
     CachePolicy,
     PrefillMode,
@@ -421,10 +422,15 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
 
+    # "w8a8_int8": the decoder's projections in int8 (models/int8.py); None: all in `dtype`.
+    quantization: str | None = None
+
     def __post_init__(self) -> None:
         check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
         check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, QUANTIZATIONS)
         for name, low in (
             ("cache_last_k", 0),
             ("chunk_size", 0),  # 0 = no chunking

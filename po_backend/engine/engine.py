@@ -137,10 +137,15 @@ class Engine:
                 mcfg.max_position_embeddings,
             )
         task = read_task(model_dir, config.task, config.pooling)
-        log.info("device %s, dtype %s", describe(config.device), str(config.dtype).removeprefix("torch."))
+        log.info(
+            "device %s, dtype %s, quantization %s",
+            describe(config.device),
+            str(config.dtype).removeprefix("torch."),
+            config.quantization,
+        )
         if shapes.is_shape(path) and shapes.needs_weights(config.device):
             model_dir = resolve_model_dir(path)  # the seeded checkpoint, written once
-        model = load_model(model_dir, config.dtype, config.device, task)
+        model = load_model(model_dir, config.dtype, config.device, task, config.quantization)
         return cls(model, load_tokenizer(model_dir), config, model_path=str(path), task=task)
 
     # ---- memory -------------------------------------------------------------------------------
@@ -158,6 +163,8 @@ class Engine:
         # are measured and the per-token cost extrapolated; the analytic bound is a floor.
         lengths = [longest] if cfg.profile_full else [max(1, min(longest, 512) // 4), min(longest, 512)]
         key = {"model": repr(mcfg), "task": repr(self.task), "dtype": str(cfg.dtype), "lengths": lengths}
+        if cfg.quantization is not None:  # int8 GEMMs allocate their own int32 outputs
+            key["quantization"] = cfg.quantization
         key["device"], key["runner"] = str(cfg.device), self.runner.describe()
         log.info("sizing memory for %d-token forwards: profile run of %s tokens", longest, lengths)
         peaks = profiled_peaks(key, lambda: [self._profile(n) for n in lengths])

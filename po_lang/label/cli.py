@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--dtype", default=None, help="the engine's dtype, e.g. fp32 or bf16 (default: its own)")
     run.add_argument(
+        "--quantization", default=None, help="the engine's quantization, e.g. w8a8_int8 (default: none)"
+    )
+    run.add_argument(
         "--ray",
         action="store_true",
         help="label on Ray Data (a local Ray, or the cluster in RAY_ADDRESS), one engine (or --server "
@@ -139,8 +142,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--batch-size must be >= 1")
     if args.max_rows is not None and args.max_rows < 0:
         ap.error("--max-rows must be >= 0")
-    if args.server and (args.model or args.dtype):
-        ap.error("--server scores on a server: --model and --dtype are the server's to choose")
+    if args.server and (args.model or args.dtype or args.quantization):
+        ap.error(
+            "--server scores on a server: --model, --dtype and --quantization are the server's to choose"
+        )
     if args.function and (args.template or args.labels or args.no_chat):
         ap.error("--function builds its own prompt: --template, --labels and --no-chat are for templates")
     if not args.function and not args.labels:
@@ -164,7 +169,8 @@ def _priority(text: str) -> int | str:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"dtype": args.dtype} if args.dtype else {}
+    options = {"dtype": args.dtype, "quantization": args.quantization}
+    return {k: v for k, v in options.items() if v}
 
 
 def make_backend(args: argparse.Namespace) -> Backend:

@@ -89,6 +89,7 @@ CASES: list[tuple[list[str], dict[str, Any], dict[str, Any]]] = [
     (["--chunked-prefill-size", "-1"], {"chunked_prefill_size": -1}, {"chunk_size": 0}),
     (["--prefill-mode", "chunked"], {"prefill_mode": "chunked"}, {"prefill_mode": "chunked"}),
     (["--residual-dtype", "model"], {"residual_dtype": "model"}, {"residual_dtype": "model"}),
+    (["--quantization", "w8a8_int8"], {"quantization": "w8a8_int8"}, {"quantization": "w8a8_int8"}),
     (["--no-enable-cache"], {"enable_cache": False}, {"enable_cache": False}),
     (["--disable-radix-cache"], {"disable_radix_cache": True}, {"enable_cache": False}),
     (["--cache-policy", "declared"], {"cache_policy": "declared"}, {"cache_policy": "declared"}),
@@ -188,6 +189,11 @@ BAD: list[tuple[list[str], dict[str, Any], str]] = [
     (["--lora-paths", "a=/x", "a=/y"], {"lora_paths": ["a=/x", "a=/y"]}, "given twice"),
     (["--lora-modules", '{"path": "/y"}'], {"lora_modules": ['{"path": "/y"}']}, "needs 'name' and 'path'"),
     (["--max-loras", "0"], {"max_loras": 0}, "max_loras must be >= 1"),
+    (
+        ["--backend", "hf", "--quantization", "w8a8_int8"],
+        {"backend": "hf", "quantization": "w8a8_int8"},
+        "quantization needs backend prefillonly",
+    ),  # fmt: skip
     (["--backend", "hf", "--schedule-policy", "po"], {"backend": "hf", "schedule_policy": "po"}, "FCFS only"),
     (
         ["--context-length", "100", "--max-input-len", "200"],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from po_backend.engine.config import ModelConfig
+from po_backend.engine.models.int8 import linear
 from po_backend.engine.models.layers import Rotary, gelu_tanh_mul, gemma_rms_norm
 from po_backend.engine.models.llama import DecoderLayer, LlamaForCausalLM, WeightLoader, _param
 
@@ -43,7 +44,7 @@ class GemmaDecoderLayer(DecoderLayer):
     ) -> None:
         cfg = self.cfg
         gemma_rms_norm(h, self.input_layernorm, cfg.rms_norm_eps, out=x)
-        torch.matmul(x, self.qkv_proj.t(), out=qkv)
+        linear(x, self.qkv_proj, qkv)
         if self.lora is not None:
             self.lora.add("qkv", x, qkv)
         c = qkv.shape[0]
@@ -62,17 +63,17 @@ class GemmaDecoderLayer(DecoderLayer):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         lora = self.lora
-        torch.matmul(attn, self.o_proj.t(), out=x)
+        linear(attn, self.o_proj, x)
         if lora is not None:
             lora.add("o", attn, x)
         gemma_rms_norm(x, self.post_attention_layernorm, eps, out=x)
         h.add_(x)
         gemma_rms_norm(h, self.pre_feedforward_layernorm, eps, out=x)
-        torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        linear(x, self.gate_up_proj, gate_up)
         if lora is not None:
             lora.add("gate_up", x, gate_up)
         gelu_tanh_mul(gate_up, out=act)
-        torch.matmul(act, self.down_proj.t(), out=x)
+        linear(act, self.down_proj, x)
         if lora is not None:
             lora.add("down", act, x)
         gemma_rms_norm(x, self.post_feedforward_layernorm, eps, out=x)
@@ -88,13 +89,19 @@ class Gemma1DecoderLayer(GemmaDecoderLayer):
     def out_mlp_chunk(
         self, h: torch.Tensor, attn: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor
     ) -> None:
-        cfg = self.cfg
-        torch.matmul(attn, self.o_proj.t(), out=x)
+        cfg, lora = self.cfg, self.lora
+        linear(attn, self.o_proj, x)
+        if lora is not None:
+            lora.add("o", attn, x)
         h.add_(x)
         gemma_rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps, out=x)
-        torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        linear(x, self.gate_up_proj, gate_up)
+        if lora is not None:
+            lora.add("gate_up", x, gate_up)
         gelu_tanh_mul(gate_up, out=act)
-        torch.matmul(act, self.down_proj.t(), out=x)
+        linear(act, self.down_proj, x)
+        if lora is not None:
+            lora.add("down", act, x)
         h.add_(x)
 
 

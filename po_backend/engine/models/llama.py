@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from po_backend.engine.config import ModelConfig
+from po_backend.engine.models.int8 import linear
 from po_backend.engine.models.layers import Rotary, rms_norm, silu_mul
 from po_backend.engine.models.lora import LayerLoRA
 
@@ -83,10 +84,7 @@ class DecoderLayer(nn.Module):
         """h [c, hidden] -> qkv [c, q+k+v] with q/k rotated. `x` is a [c, hidden] scratch buffer."""
         cfg = self.cfg
         rms_norm(h, self.input_layernorm, cfg.rms_norm_eps, out=x)
-        if self.qkv_bias is not None:
-            torch.addmm(self.qkv_bias, x, self.qkv_proj.t(), out=qkv)
-        else:
-            torch.matmul(x, self.qkv_proj.t(), out=qkv)
+        linear(x, self.qkv_proj, qkv, self.qkv_bias)
         if self.lora is not None:
             self.lora.add("qkv", x, qkv)
         c = qkv.shape[0]
@@ -110,16 +108,16 @@ class DecoderLayer(nn.Module):
         """
         cfg = self.cfg
         lora = self.lora
-        torch.matmul(attn, self.o_proj.t(), out=x)
+        linear(attn, self.o_proj, x)
         if lora is not None:
             lora.add("o", attn, x)
         h.add_(x)
         rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps, out=x)
-        torch.matmul(x, self.gate_up_proj.t(), out=gate_up)
+        linear(x, self.gate_up_proj, gate_up)
         if lora is not None:
             lora.add("gate_up", x, gate_up)
         silu_mul(gate_up, out=act)
-        torch.matmul(act, self.down_proj.t(), out=x)
+        linear(act, self.down_proj, x)
         if lora is not None:
             lora.add("down", act, x)
         h.add_(x)

@@ -15,14 +15,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
 
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
-from po_backend.core.fs import cache_root, file_lock, private_dir
+from po_backend.core.fs import cache_root, file_lock, private_cache_dir, private_dir, replacing
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import model_class, shapes
+from po_backend.engine.models.int8 import (
+    W8A8_INT8,
+    Int8Linear,
+    gemm_backend,
+    int8_state,
+    load_int8_state,
+    quantize_model,
+)
 from po_backend.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -113,6 +122,8 @@ def _convert(gguf: Path, target: Path) -> None:
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        # Where the int8 mode reads a Q8_0 file's own integers (`gguf_q8_0_state`).
+        (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
         try:
             tmp.rename(target)  # atomic: a reader either finds the whole folder or none
         except OSError:
@@ -121,6 +132,74 @@ def _convert(gguf: Path, target: Path) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
+
+
+GGUF_SOURCE = "gguf_source.json"
+# llama.cpp's names of a decoder layer's projections, fused as our layers fuse them.
+_GGUF_PROJECTIONS = {
+    "qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "o_proj": ("attn_output",),
+    "gate_up_proj": ("ffn_gate", "ffn_up"),
+    "down_proj": ("ffn_down",),
+}
+_Q8_0_BLOCK = 32  # values per Q8_0 block: one fp16 scale, then 32 int8
+
+
+def gguf_q8_0_state(model_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """The int8 state (`int8.int8_state`'s names) of a folder converted from a GGUF whose decoder
+    projections are all Q8_0, read from the GGUF's own integers; None for any other folder.
+
+    Q8_0 has one scale per 32 values, our GEMM one per output channel: each row takes the largest
+    of its block scales and every block's integers are rescaled to it (q * d_block / d_row,
+    rounded once; exact where a row's blocks share a scale). Llama GGUFs store q and k with their
+    rotary halves interleaved (llama.cpp's permute); the rows are put back as transformers does."""
+    src = model_dir / GGUF_SOURCE
+    if not src.is_file():
+        return None
+    import gguf
+    import numpy as np
+
+    path = Path(json.loads(src.read_text())["gguf"])
+    if not path.is_file():
+        return None
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    names = [
+        f"blk.{i}.{n}.weight" for i in range(cfg.num_layers) for v in _GGUF_PROJECTIONS.values() for n in v
+    ]
+    if any(n not in tensors or tensors[n].tensor_type != gguf.GGMLQuantizationType.Q8_0 for n in names):
+        return None
+
+    def rows(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raw = np.asarray(tensors[name].data).reshape(-1)
+        blocks = raw.reshape(-1, 2 + _Q8_0_BLOCK)
+        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))  # [blocks, 1]
+        q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
+        n_rows = int(tensors[name].shape[1]) if len(tensors[name].shape) > 1 else 1
+        d, q = d.view(n_rows, -1), q.view(n_rows, -1, _Q8_0_BLOCK)
+        d_row = d.amax(dim=1).clamp_min(1e-12)
+        q = torch.round(q.float() * (d / d_row[:, None])[..., None]).clamp_(-127, 127).to(torch.int8)
+        q = q.view(n_rows, -1)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+            q, d_row = _unpermute(q, heads), _unpermute(d_row[:, None], heads)[:, 0]
+        return q, d_row
+
+    state = {}
+    for i in range(cfg.num_layers):
+        for ours, parts in _GGUF_PROJECTIONS.items():
+            qs, ds = zip(*(rows(f"blk.{i}.{p}.weight") for p in parts), strict=True)
+            state[f"{i}.{ours}.qweight"] = torch.cat(qs).t().contiguous()
+            state[f"{i}.{ours}.scale"] = torch.cat(ds)
+    return state
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's q/k row order -> transformers' (transformers' `_reverse_permute_weights`)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -136,10 +215,17 @@ SCORE_WEIGHT = "score.weight"
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, task: ModelTask | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    task: ModelTask | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The decoder with what `task` needs on top: the LM head for generate; a `score` parameter
-    [num_labels, hidden] for classify; neither for embed (an untied LM head is not even kept)."""
+    [num_labels, hidden] for classify; neither for embed (an untied LM head is not even kept).
+    quantization "w8a8_int8": the decoder's projections in int8, read from the int8 cache when an
+    earlier start quantized these weights (then their float tensors are not even read), else
+    quantized here and cached."""
     t0 = time.perf_counter()
     cfg = read_config(model_dir)
     task = task or ModelTask()
@@ -160,6 +246,18 @@ def load_model(
             "random weights (%s) for %s in %.1f s", shapes.WEIGHTS_NOTE, model_dir, time.perf_counter() - t0
         )
         return model.eval()
+    int8_file = _int8_cache_file(model_dir, files, quantization) if quantization else None
+    backend = gemm_backend(device=device).backend
+    cached_int8 = int8_file is not None and int8_file.is_file()
+    if cached_int8:
+        assert int8_file is not None
+        load_int8_state(
+            model.decoder_layers, safetensors.torch.load_file(int8_file, device=str(device)), backend
+        )
+    elif int8_file is not None and (q8 := gguf_q8_0_state(model_dir, cfg)) is not None:
+        # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read.
+        load_int8_state(model.decoder_layers, {k: v.to(device) for k, v in q8.items()}, backend)
+        log.info("int8 weights read from the Q8_0 GGUF's blocks")
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
     expected = {
         (name, shard)
@@ -176,6 +274,8 @@ def load_model(
                     log.debug("ignoring checkpoint tensor %s", name)
                     continue
                 param, loader, shard = target
+                if isinstance(param, Int8Linear):
+                    continue  # read from the int8 cache
                 loader(param.data, f.get_tensor(name).to(dtype), shard)
                 # A fused tensor stored whole (shard None) fills every shard of its parameter.
                 shards = getattr(getattr(param, "weight_loader", None), "offsets", None)
@@ -185,7 +285,35 @@ def load_model(
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
     log.info("loaded %d weight tensors from %s in %.1f s", len(loaded), model_dir, time.perf_counter() - t0)
+    if int8_file is not None and not cached_int8:
+        quantize_model(model.decoder_layers, backend)  # what is not int8 yet (no-op after Q8_0)
+        _save_atomic(int8_state(model.decoder_layers), int8_file)
+        log.info(
+            "quantized to %s and cached in %s (%.1f s)", quantization, int8_file, time.perf_counter() - t0
+        )
     return model.eval()
+
+
+# Bumped when the int8 cache's layout or rounding changes: older files are then not read.
+INT8_CACHE_VERSION = 1
+
+
+def _int8_cache_file(model_dir: Path, files: list[Path], quantization: str) -> Path:
+    """Where the int8 weights of these checkpoint files live: keyed by the files' paths, sizes and
+    modification times, so a changed checkpoint is quantized again."""
+    if quantization != W8A8_INT8:
+        raise UnsupportedModelError(f"unknown quantization {quantization!r}")
+    stamp = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    key = hashlib.sha256(f"{quantization}:{INT8_CACHE_VERSION}:{stamp}".encode()).hexdigest()[:16]
+    return (
+        private_cache_dir("int8", what="int8 weights") / f"{model_dir.name}-{quantization}-{key}.safetensors"
+    )
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors written through `fs.replacing`: a concurrent start finds the whole file or none."""
+    with replacing(path) as tmp:
+        safetensors.torch.save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
 
 
 def _resolve(model: LlamaForCausalLM, name: str, task: ModelTask) -> Any:

@@ -1,0 +1,304 @@
+"""W8A8 int8 (`--quantization w8a8_int8`): the int8 linear against dequantized fp32 math, the
+quantized model against transformers (the same int8 rounding emulated in fp32, tightly; plain fp32,
+within a stated tolerance), the int8 cache, GGUF Q8_0, and the GEMM dispatch per CPU class."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from po_backend import Engine
+from po_backend.core import cpu
+from po_backend.engine.models import int8
+from po_backend.engine.models.int8 import Int8Linear, gemm_backend, quantize_rows
+from tests.conftest import TINY_CONFIGS, hf_next_logprobs
+
+KINDS = sorted(TINY_CONFIGS)
+
+
+def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
+    """x quantized per row to symmetric int8 (rounded in fp32, as the engine rounds) and back in
+    fp64: the reference of the int8 math."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+    return (xf / s).round().clamp(-127, 127).double() * s.double()
+
+
+@pytest.mark.parametrize("backend", ["int_mm", "reference"])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 24), (37, 576, 960), (300, 1536, 40)])
+def test_int8_linear_matches_dequantized_reference(backend: int8.GemmBackend, m: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4  # rows of different scales
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    lin = Int8Linear.from_float(w, backend)
+    ref = _fake_quant_rows(x) @ _fake_quant_rows(w).t()
+    got = lin(x)
+    assert got.dtype == torch.float32
+    # The int32 sums are exact; what differs from fp64 is the final fp32 rounding of two products.
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    # A bf16 output buffer gets the fp32 result rounded once.
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    lin(x.bfloat16(), out=out)
+    torch.testing.assert_close(out.float(), lin(x.bfloat16().float()), rtol=2**-8, atol=0)
+    # Against the unquantized product: the error of 8-bit rounding of both operands.
+    exact = x.double() @ w.double().t()
+    assert (got.double() - exact).abs().max() <= 0.05 * exact.abs().max()
+
+
+def test_backends_give_the_same_int32_sums() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (19, 4096), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (4096, 40), dtype=torch.int8, generator=g)
+    ref = (q.long() @ w.long()).to(torch.int32)  # sums up to 4096 * 127^2: beyond fp32's 2^24
+    assert torch.equal(int8._gemm(q, w, "int_mm"), ref)
+    assert torch.equal(int8._gemm(q, w, "reference"), ref)
+
+
+def test_quantize_rows_is_symmetric_per_row() -> None:
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [-3.0, 3.0, 1.5]])
+    q, s = quantize_rows(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert q.abs().amax(1).tolist() == [127, 0, 127]
+    torch.testing.assert_close(s, torch.tensor([2 / 127, 1e-12 / 127, 3 / 127]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "backend"),
+    [
+        (frozenset({"avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16"}), "int_mm"),  # AMX
+        (frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "int_mm"),  # AVX512-VNNI
+        (frozenset({"avx2", "avx_vnni"}), "int_mm"),  # AVX-VNNI
+        (frozenset({"avx2", "fma"}), "fbgemm"),  # AVX2-only
+        (frozenset(), "reference"),  # no x86 flags
+    ],
+)
+def test_dispatch_per_cpu_class(
+    monkeypatch: pytest.MonkeyPatch, tiny_model, flags: frozenset[str], backend: str
+) -> None:
+    assert gemm_backend(flags).backend == backend
+    # The engine asks the (patchable) flags at load. int_mm and reference compute the same int32
+    # sums (equal answers); fbgemm's activations are 7-bit (answers within int8's error).
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(int8, "cpu_flags", lambda: flags)
+    path, _ = tiny_model("qwen2")
+    engine = _engine(path)
+    layer = engine.model.decoder_layers[0]
+    assert isinstance(layer.gate_up_proj, Int8Linear) and layer.gate_up_proj.backend == backend
+    monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    base = _engine(path)
+    assert base.model.decoder_layers[0].gate_up_proj.backend == "int_mm"
+    ids = _prompts(engine.vocab_size, [70])[0]
+    got, ref = engine.score([ids], [0, 3])[0].logprobs, base.score([ids], [0, 3])[0].logprobs
+    assert got == pytest.approx(ref, abs=0.25 if backend == "fbgemm" else 1e-5)
+
+
+def test_fbgemm_linear_within_int8_error() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(300, 576, generator=g), torch.randn(960, 576, generator=g)
+    exact = x.double() @ w.double().t()
+    lin = Int8Linear.from_float(w, "fbgemm")
+    got = lin(x).double()
+    assert (got - exact).abs().max() <= 0.05 * exact.abs().max()
+    # Per token: a row's answer does not depend on the rows beside it.
+    torch.testing.assert_close(lin(x[7:9] * 100), lin(x * 100)[7:9], rtol=1e-6, atol=1e-4)
+
+
+def _engine(path: Path, **kw: object) -> Engine:
+    opts = {"dtype": "fp32", "quantization": "w8a8_int8", "max_input_len": 256, "max_batch_tokens": 256}
+    return Engine.from_pretrained(path, **{**opts, **kw})
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def _emulate_int8(hf: torch.nn.Module) -> torch.nn.Module:
+    """transformers' model with every decoder projection's weight replaced by its per-channel int8
+    value and its input by its per-token int8 value (fp32 math): what W8A8 computes."""
+    import copy
+
+    model = copy.deepcopy(hf)
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
+            with torch.no_grad():
+                mod.weight.copy_(_fake_quant_rows(mod.weight).float())
+            mod.register_forward_pre_hook(lambda _m, args: (_fake_quant_rows(args[0]).float(),))
+    return model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_model_matches_transformers(tiny_model, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Per-token activations (int_mm, as on a VNNI or AMX CPU; exact int32 sums wherever it runs).
+    monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    path, hf = tiny_model(kind)
+    engine = _engine(path, chunk_size=64)
+    assert all(
+        isinstance(getattr(engine.model.decoder_layers[0], n), Int8Linear) for n in int8.QUANTIZED_PROJECTIONS
+    )
+    emulated = _emulate_int8(hf)
+    prompts = _prompts(engine.vocab_size, [1, 2, 5, 33, 200])
+    labels = [0, 7, engine.vocab_size - 1]
+    exact = 0
+    for ids, res in zip(prompts, engine.score(prompts, labels), strict=True):
+        got = torch.tensor(res.logprobs)
+        # The same int8 rounding in fp32 transformers: equal up to fp32 summation order, except
+        # where that order moves an activation across a rounding boundary (one int8 step of one
+        # value), which the layers after it carry on as a small difference.
+        err = (got - hf_next_logprobs(emulated, ids)[labels]).abs().max().item()
+        exact += err <= 1e-5
+        assert err <= 0.05
+        # Plain fp32 transformers: int8's own error on these random weights (std 0.15, larger than a
+        # trained model's), stated as 0.25 nats at most.
+        assert (got - hf_next_logprobs(hf, ids)[labels]).abs().max() <= 0.25
+    assert exact >= 3, "most prompts cross no rounding boundary: their answers must be the emulation's"
+
+
+def test_int8_cache_skips_quantizing_and_gives_the_same_answers(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    path, _ = tiny_model("llama")
+    cold = _engine(path)
+    files = list((tmp_path / "int8").glob("*.safetensors"))
+    assert len(files) == 1
+    ids = _prompts(cold.vocab_size, [90])[0]
+    expected = cold.score([ids], [0, 5])[0].logprobs
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("quantized again despite the cache")
+
+    from po_backend.engine.models import loader
+
+    monkeypatch.setattr(loader, "quantize_model", refuse)
+    warm = _engine(path)
+    assert warm.score([ids], [0, 5])[0].logprobs == expected
+    # Weights' memory: int8 projections (plus fp32 scales) next to the fp32 rest.
+    qw = int8.weight_bytes(warm.model.layers)
+    fw = int8.weight_bytes(Engine.from_pretrained(path, dtype="fp32", max_input_len=256).model.layers)
+    assert qw < 0.3 * fw
+
+
+def test_cache_hit_equals_cold_run(tiny_model) -> None:
+    path, _ = tiny_model("llama")
+    engine = _engine(path)
+    prefix = _prompts(engine.vocab_size, [60], seed=3)[0]
+    items = _prompts(engine.vocab_size, [9, 14], seed=4)
+    cold = []
+    for it in items:
+        engine.flush_cache()
+        cold += engine.score([prefix + it], [0, 5], cache_prefix_len=len(prefix))
+    engine.flush_cache()
+    engine.score([prefix], [0], cache_prefix_len=len(prefix))
+    hit = engine.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
+    assert all(r.cached_tokens == len(prefix) for r in hit)
+    for a, b in zip(cold, hit, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_bad_quantization_is_a_value_error(tiny_model) -> None:
+    path, _ = tiny_model("llama")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        _engine(path, quantization="int4")
+
+
+def _write_q8_0_gguf(hf: torch.nn.Module, path: Path) -> None:
+    """A llama GGUF's tensors as llama.cpp writes them: q/k rows permuted, every projection Q8_0,
+    the rest F32 (no tokenizer: the test places the converted folder itself)."""
+    import gguf
+    import numpy as np
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)  # transformers' LlamaConfig default
+    w.add_vocab_size(cfg.vocab_size)
+
+    def permute(t: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[pre + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[pre + "post_attention_layernorm.weight"])
+        for ours, theirs in names.items():
+            part = "self_attn" if theirs.startswith("attn") else "mlp"
+            t = sd[f"{pre}{part}.{ours}.weight"]
+            if ours in ("q_proj", "k_proj"):
+                t = permute(t, cfg.num_attention_heads if ours == "q_proj" else cfg.num_key_value_heads)
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                f"blk.{i}.{theirs}.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # one scale per row in each row's blocks: Q8_0's integers are exactly ours
+        for name, p in hf.named_parameters():
+            if "proj" in name:
+                p.copy_(torch.randn(p.shape).sign() * 0.05)
+    gguf_path = tmp_path / "tiny-q8_0.gguf"
+    _write_q8_0_gguf(hf, gguf_path)
+    # The folder a GGUF converts into (transformers' float copy), naming its source as `_convert`
+    # does: the int8 mode reads the Q8_0 integers from there.
+    from po_backend.engine.models import loader
+
+    folder = tmp_path / "converted"
+    hf.save_pretrained(folder)
+    (folder / loader.GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf_path)}))
+
+    def refuse(layers: list[torch.nn.Module], backend: object) -> None:
+        assert all(isinstance(getattr(x, n), Int8Linear) for x in layers for n in int8.QUANTIZED_PROJECTIONS)
+
+    monkeypatch.setattr(loader, "quantize_model", refuse)  # nothing is left to quantize from floats
+    engine = _engine(folder)
+    layer = engine.model.decoder_layers[1]
+    # The fused qkv rows in transformers' order: q's first row is the first row of q_proj.
+    for ours, ref in (("qkv_proj", torch.cat([hf.model.layers[1].self_attn.__getattr__(p).weight for p in ("q_proj", "k_proj", "v_proj")])),
+                      ("down_proj", hf.model.layers[1].mlp.down_proj.weight)):  # fmt: skip
+        lin = getattr(layer, ours)
+        assert isinstance(lin, Int8Linear)
+        assert torch.equal(lin.qweight.t(), (ref.sign() * 127).to(torch.int8))
+        torch.testing.assert_close(lin.dequantized(), ref.float(), rtol=1e-3, atol=0)
+    ids = _prompts(engine.vocab_size, [40])[0]
+    got = torch.tensor(engine.score([ids], [0, 9, 99])[0].logprobs)
+    assert (got - hf_next_logprobs(hf, ids)[[0, 9, 99]]).abs().max() <= 0.05
+
+
+def test_labeling_cli_and_bench_take_the_setting() -> None:
+    from benchmarks import bench_int8  # noqa: F401  # importable without torchao
+    from po_lang.label.cli import engine_options, parse_args
+
+    args = parse_args(["x.jsonl", "--labels", "a,b", "--quantization", "w8a8_int8"])
+    assert engine_options(args) == {"quantization": "w8a8_int8"}
+    assert engine_options(parse_args(["x.jsonl", "--labels", "a,b"])) == {}
+    with pytest.raises(SystemExit):
+        parse_args(["x.jsonl", "--labels", "a,b", "--server", "http://h", "--quantization", "w8a8_int8"])
