@@ -108,12 +108,21 @@ def flag(
     choices: tuple[str, ...] = (),
     nargs: str | None = None,
     engine: bool = False,
+    scheduler: str | None = None,
 ) -> Any:
     """A dataclass field's command-line declaration (its `metadata`): help text, the type that
     parses the flag's text, the choices, how many values it takes (argparse's nargs; None: one).
     `add_fields` generates the flag from it and the field's default. engine: the engine's
-    `EngineConfig` has a field of the same name that it sets."""
-    return {"help": help, "type": type, "choices": choices, "nargs": nargs, "engine": engine}
+    `EngineConfig` has a field of the same name that it sets; scheduler: the
+    `sched.config.SchedulerConfig` field it sets."""
+    return {
+        "help": help,
+        "type": type,
+        "choices": choices,
+        "nargs": nargs,
+        "engine": engine,
+        "scheduler": scheduler,
+    }
 
 
 def lora_entries(value: Any) -> tuple[str, ...]:
@@ -259,31 +268,39 @@ class Settings:
             "one of --backend hf); srjf: JCT at arrival; lpm: longest cached prefix first. SGLang's "
             "lof maps to fcfs and dfs-weight to lpm, with a warning; random is refused",
             choices=(*POLICIES, "lof", "dfs-weight", "random"),
+            scheduler="policy",
         ),
     )
     fairness_lambda: float = field(
         default=DEFAULT_FAIRNESS_LAMBDA,
-        metadata=flag("po's starvation bound: score = jct - lambda * t_queue (seconds)", type=float),
+        metadata=flag(
+            "po's starvation bound: score = jct - lambda * t_queue (seconds)",
+            type=float,
+            scheduler="fairness_lambda",
+        ),
     )
     min_shared_prefix: int = field(
         default=DEFAULT_MIN_SHARED_PREFIX,
         metadata=flag(
             "waiting requests sharing at least this many leading tokens run in one step, the shared part computed once",
             type=int,
+            scheduler="min_shared_prefix",
         ),
     )
     enable_priority_scheduling: bool = field(
         default=False,
         metadata=flag(
             "order by each request's `priority` first (strict between values), the policy within one; "
-            "off: priorities are ignored"
+            "off: priorities are ignored",
+            scheduler="enable_priority",
         ),
     )
     schedule_low_priority_values_first: bool = field(
         default=False,
         metadata=flag(
             "with priority scheduling: lower `priority` values run first (vLLM's order); "
-            "default: higher values first (SGLang's)"
+            "default: higher values first (SGLang's)",
+            scheduler="low_priority_first",
         ),
     )
     online_slo_ms: float | None = field(
@@ -302,6 +319,7 @@ class Settings:
             "with priority scheduling: the share of step time less urgent classes get while more "
             "urgent work keeps the engine busy (their starvation credit; 0 = strict priority)",
             type=float,
+            scheduler="batch_min_share",
         ),
     )
     max_queue: int = field(
@@ -417,6 +435,10 @@ class Settings:
 
 
 FIELDS: Mapping[str, Any] = {f.name: f for f in fields(Settings)}
+# Setting name -> the `sched.config.SchedulerConfig` field it sets, as each setting declares it.
+SCHEDULER_FIELDS: Mapping[str, str] = {
+    n: f.metadata["scheduler"] for n, f in FIELDS.items() if f.metadata.get("scheduler")
+}
 
 
 @dataclass(frozen=True)

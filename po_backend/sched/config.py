@@ -11,6 +11,7 @@ from po_backend.core.settings import (
     DEFAULT_FAIRNESS_LAMBDA,
     DEFAULT_MIN_SHARED_PREFIX,
     DEFAULT_PRIORITY,
+    SCHEDULER_FIELDS,
     check_priority,
     check_scheduler,
 )
@@ -66,16 +67,9 @@ class SchedulerConfig:
     @classmethod
     def from_settings(cls, s: Any) -> SchedulerConfig:
         """The scheduler part of a `core.settings.Settings`."""
-        slo = s.online_slo_ms
-        return cls(
-            s.schedule_policy,
-            s.fairness_lambda,
-            s.min_shared_prefix,
-            enable_priority=s.enable_priority_scheduling,
-            low_priority_first=s.schedule_low_priority_values_first,
-            online_slo_s=None if slo is None else slo / 1e3,
-            batch_min_share=s.batch_min_share,
-        )
+        slo = s.online_slo_ms  # the one scheduler setting in other units
+        given = {ours: getattr(s, name) for name, ours in SCHEDULER_FIELDS.items()}
+        return cls(**given, online_slo_s=None if slo is None else slo / 1e3)
 
     @property
     def needs_jct(self) -> bool:

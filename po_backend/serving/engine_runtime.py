@@ -28,7 +28,7 @@ from typing import Any, TypeVar, cast
 
 from po_backend.core.errors import InvalidRequestError
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.core.settings import FIELDS, Settings, jsonable, resolve, sglang_names
+from po_backend.core.settings import FIELDS, SCHEDULER_FIELDS, Settings, jsonable, resolve, sglang_names
 from po_backend.core.task import ModelTask, model_identity
 from po_backend.engine.engine import Engine
 from po_backend.sched.config import SchedulerConfig
@@ -40,14 +40,6 @@ R = TypeVar("R", bound="EngineRuntime")
 
 LOGPROB_FLOOR = -9999.0  # what the server puts in JSON for -inf (as SGLang does)
 # The settings' scheduler fields by their SchedulerConfig names (online_slo_ms is in seconds there).
-SCHEDULER_NAMES = {
-    "schedule_policy": "policy",
-    "fairness_lambda": "fairness_lambda",
-    "min_shared_prefix": "min_shared_prefix",
-    "enable_priority_scheduling": "enable_priority",
-    "schedule_low_priority_values_first": "low_priority_first",
-    "batch_min_share": "batch_min_share",
-}
 
 
 _LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
@@ -130,7 +122,7 @@ class EngineRuntime:
         out = {
             **self.settings.public(),
             **self.scorer.resolved_settings(),
-            **{ours: getattr(sched, theirs) for ours, theirs in SCHEDULER_NAMES.items()},
+            **{name: getattr(sched, field) for name, field in SCHEDULER_FIELDS.items()},
             "online_slo_ms": None if sched.online_slo_s is None else sched.online_slo_s * 1e3,
             "max_queue": self.loop.max_queue,
             **model_identity(self.scorer),

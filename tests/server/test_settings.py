@@ -342,3 +342,28 @@ def test_engine_settings_are_the_engine_config_fields_of_the_same_name() -> None
     assert s.overrides() == {
         "max_input_len": 64, "chunk_size": 0, "prefill_mode": "hybrid", "residual_dtype": "fp32", "enable_cache": True
     }  # fmt: skip
+
+
+def test_scheduler_settings_are_declared_with_their_scheduler_field() -> None:
+    """SchedulerConfig.from_settings takes every field a setting declares (`flag(scheduler=)`),
+    and those are SchedulerConfig's fields: neither side can drift."""
+    from dataclasses import fields as dc_fields
+
+    from po_backend.core.settings import SCHEDULER_FIELDS
+    from po_backend.sched.config import SchedulerConfig
+
+    assert set(SCHEDULER_FIELDS.values()) | {"online_slo_s"} == {f.name for f in dc_fields(SchedulerConfig)}
+    s = resolve(
+        "m",
+        schedule_policy="fcfs",
+        fairness_lambda=3.0,
+        enable_priority_scheduling=True,
+        schedule_low_priority_values_first=True,
+        online_slo_ms=400,
+        batch_min_share=0.1,
+        min_shared_prefix=7,
+    )
+    cfg = SchedulerConfig.from_settings(s)
+    assert (cfg.policy, cfg.fairness_lambda, cfg.min_shared_prefix) == ("fcfs", 3.0, 7)
+    assert (cfg.enable_priority, cfg.low_priority_first, cfg.batch_min_share) == (True, True, 0.1)
+    assert cfg.online_slo_s == 0.4
