@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from po_backend.engine.config import ModelConfig
-from po_backend.engine.models.int8 import linear
 from po_backend.engine.models.layers import Rotary, gelu_tanh_mul, gemma_rms_norm
 from po_backend.engine.models.llama import DecoderLayer, LlamaForCausalLM, WeightLoader, _param
 
@@ -34,6 +33,8 @@ _TEXT_PREFIXES = {
 
 
 class GemmaDecoderLayer(DecoderLayer):
+    act_mul = staticmethod(gelu_tanh_mul)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__(cfg, dtype)
         self.pre_feedforward_layernorm = _param(cfg.hidden_size, dtype=dtype)
@@ -44,9 +45,7 @@ class GemmaDecoderLayer(DecoderLayer):
     ) -> None:
         cfg = self.cfg
         gemma_rms_norm(h, self.input_layernorm, cfg.rms_norm_eps, out=x)
-        linear(x, self.qkv_proj, qkv)
-        if self.lora is not None:
-            self.lora.add("qkv", x, qkv)
+        self.project("qkv", x, self.qkv_proj, qkv)
         c = qkv.shape[0]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(c, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -60,22 +59,12 @@ class GemmaDecoderLayer(DecoderLayer):
         self, h: torch.Tensor, attn: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor
     ) -> None:
         """h += norm(o_proj(attn)); h += norm(mlp(norm(h))), in place on the chunk view `h`."""
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        lora = self.lora
-        linear(attn, self.o_proj, x)
-        if lora is not None:
-            lora.add("o", attn, x)
+        eps = self.cfg.rms_norm_eps
+        self.project("o", attn, self.o_proj, x)
         gemma_rms_norm(x, self.post_attention_layernorm, eps, out=x)
         h.add_(x)
         gemma_rms_norm(h, self.pre_feedforward_layernorm, eps, out=x)
-        linear(x, self.gate_up_proj, gate_up)
-        if lora is not None:
-            lora.add("gate_up", x, gate_up)
-        gelu_tanh_mul(gate_up, out=act)
-        linear(act, self.down_proj, x)
-        if lora is not None:
-            lora.add("down", act, x)
+        self.mlp(x, gate_up, act)
         gemma_rms_norm(x, self.post_feedforward_layernorm, eps, out=x)
         h.add_(x)
 
@@ -89,19 +78,10 @@ class Gemma1DecoderLayer(GemmaDecoderLayer):
     def out_mlp_chunk(
         self, h: torch.Tensor, attn: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor
     ) -> None:
-        cfg, lora = self.cfg, self.lora
-        linear(attn, self.o_proj, x)
-        if lora is not None:
-            lora.add("o", attn, x)
+        self.project("o", attn, self.o_proj, x)
         h.add_(x)
-        gemma_rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps, out=x)
-        linear(x, self.gate_up_proj, gate_up)
-        if lora is not None:
-            lora.add("gate_up", x, gate_up)
-        gelu_tanh_mul(gate_up, out=act)
-        linear(act, self.down_proj, x)
-        if lora is not None:
-            lora.add("down", act, x)
+        gemma_rms_norm(h, self.post_attention_layernorm, self.cfg.rms_norm_eps, out=x)
+        self.mlp(x, gate_up, act)
         h.add_(x)
 
 

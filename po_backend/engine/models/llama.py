@@ -59,6 +59,8 @@ def _set_loader(param: nn.Parameter, loader: FusedParam) -> None:
 class DecoderLayer(nn.Module):
     # The LoRA adapter of the running forward (`LoRARegistry.applied`); None: the base weights.
     lora: LayerLoRA | None = None
+    # The gated MLP's activation times the up projection (a gate_up buffer into act).
+    act_mul = staticmethod(silu_mul)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -84,9 +86,7 @@ class DecoderLayer(nn.Module):
         """h [c, hidden] -> qkv [c, q+k+v] with q/k rotated. `x` is a [c, hidden] scratch buffer."""
         cfg = self.cfg
         rms_norm(h, self.input_layernorm, cfg.rms_norm_eps, out=x)
-        linear(x, self.qkv_proj, qkv, self.qkv_bias)
-        if self.lora is not None:
-            self.lora.add("qkv", x, qkv)
+        self.project("qkv", x, self.qkv_proj, qkv, self.qkv_bias)
         c = qkv.shape[0]
         # q and k are adjacent in the fused buffer: one view rotates both heads' sets at once
         # (half the op calls of rotating them apart, on a memory-bound step).
@@ -106,21 +106,30 @@ class DecoderLayer(nn.Module):
         x [c, hidden], gate_up [c, 2*inter] and act [c, inter] are scratch buffers reused by every
         chunk and layer: the MLP intermediate, the largest activation, never exceeds one chunk.
         """
-        cfg = self.cfg
-        lora = self.lora
-        linear(attn, self.o_proj, x)
-        if lora is not None:
-            lora.add("o", attn, x)
+        self.project("o", attn, self.o_proj, x)
         h.add_(x)
-        rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps, out=x)
-        linear(x, self.gate_up_proj, gate_up)
-        if lora is not None:
-            lora.add("gate_up", x, gate_up)
-        silu_mul(gate_up, out=act)
-        linear(act, self.down_proj, x)
-        if lora is not None:
-            lora.add("down", act, x)
+        rms_norm(h, self.post_attention_layernorm, self.cfg.rms_norm_eps, out=x)
+        self.mlp(x, gate_up, act)
         h.add_(x)
+
+    def project(
+        self,
+        name: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        """out = x @ weight.T (+ bias), plus the running LoRA adapter's part for `name`."""
+        linear(x, weight, out, bias)
+        if self.lora is not None:
+            self.lora.add(name, x, out)
+
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor) -> None:
+        """x = down(act_fn(gate_up(x))), in place: x is read before it is overwritten."""
+        self.project("gate_up", x, self.gate_up_proj, gate_up)
+        self.act_mul(gate_up, out=act)
+        self.project("down", act, self.down_proj, x)
 
 
 # Head weights upcast to fp32 at a time by `final_logits` (16 MiB): its memory whatever the vocabulary.
