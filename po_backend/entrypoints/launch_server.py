@@ -212,7 +212,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         UnsafeCacheError,
     ) as e:  # missing hardware, a bad adapter, a foreign cache
         parser.error(str(e))
-    app = create_app(service, args)
+    try:
+        app = create_app(service, args)
+    except ValueError as e:
+        service.shutdown()
+        parser.error(str(e))
     log.info(
         "ready in %.1f s: serving %s (%s backend) on http://%s:%d",
         time.monotonic() - t0,

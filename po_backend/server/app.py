@@ -35,7 +35,8 @@ ROUTERS = (
 
 
 def create_app(service: ScoringService, args: ServerArgs) -> FastAPI:
-    """The FastAPI app over `service`. `service.shutdown()` runs when the app stops."""
+    """The FastAPI app over `service`. `service.shutdown()` runs when the app stops. ValueError
+    for settings this model cannot serve (a rerank preset it cannot use)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,6 +47,7 @@ def create_app(service: ScoringService, args: ServerArgs) -> FastAPI:
 
     app = FastAPI(title="PrefillOnly", version=VERSION, lifespan=lifespan)
     runtime = app.state.runtime = Runtime(service, args)
+    rerank.check_preset(runtime)  # a preset that cannot serve this model fails here, not per call
     add_exception_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -183,20 +183,36 @@ _PRESETS: weakref.WeakKeyDictionary[Runtime, tuple[RerankPreset, tuple[int, ...]
 )
 
 
-def preset_for(rt: Runtime) -> tuple[RerankPreset, tuple[int, ...]] | None:
-    """The server's preset and its answer token ids (None: a template), found once."""
+def check_preset(rt: Runtime) -> tuple[RerankPreset, tuple[int, ...]] | None:
+    """The server's preset and its answer token ids (None: a template or a score head), found
+    once, when the app is built: a preset named for a model that scores with its head, or one
+    whose answer tokens the vocabulary lacks, is a ValueError there, never each call's 400."""
     if rt in _PRESETS:
         return _PRESETS[rt]
     found = None
-    if not getattr(rt.args, "rerank_template", ""):
-        preset = rerank_presets.choose(getattr(rt.args, "rerank_preset", "auto"), rt.args.model_path)
+    setting = getattr(rt.args, "rerank_preset", "auto")
+    if rt.task.kind != "generate":
+        if setting not in ("auto", "none"):
+            raise ValueError(
+                f"--rerank-preset {setting}: this is a {rt.task.kind} model, which reranks with its "
+                "head; presets lay out prompts for causal LMs that answer with label tokens"
+            )
+    elif not getattr(rt.args, "rerank_template", ""):
+        preset = rerank_presets.choose(setting, rt.args.model_path)
         if preset is not None:
-            try:
-                found = (preset, rerank_presets.answer_ids(preset, rt.tokenizer))
-            except ValueError as e:
-                raise bad(str(e)) from e
+            if rt.tokenizer is None:  # a token-ids-only service: rerank needs text anyway
+                return None
+            found = (preset, rerank_presets.answer_ids(preset, rt.tokenizer))
     _PRESETS[rt] = found
     return found
+
+
+def preset_for(rt: Runtime) -> tuple[RerankPreset, tuple[int, ...]] | None:
+    """`check_preset`'s answer (an app built without it finds it here, a ValueError a 400)."""
+    try:
+        return check_preset(rt)
+    except ValueError as e:
+        raise bad(str(e)) from e
 
 
 # ---- parse --------------------------------------------------------------------------------------

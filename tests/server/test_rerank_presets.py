@@ -340,3 +340,27 @@ def test_none_keeps_the_generic_template(built: Any) -> None:
         resp = client.post("/rerank", json={"query": QUERY, "documents": DOCS})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["prompt_tokens"] != sum(map(len, ref_ids))
+
+
+def test_a_preset_that_cannot_serve_the_model_fails_at_start() -> None:
+    """Found when the app is built, never as a 400 on every rerank call: a preset named for a
+    model that reranks with its head, and a preset whose answer tokens the vocabulary lacks."""
+    from po_backend.core.task import ModelTask
+    from tests.server_utils import FakeService
+
+    head = FakeService()
+    head.task = ModelTask(kind="classify", labels=("LABEL_0",))  # type: ignore[attr-defined]
+    args = ServerArgs(engine=Settings(model_path="m"), rerank_preset="qwen3-reranker")
+    with pytest.raises(ValueError, match="reranks with its head"):
+        create_app(head, args)  # type: ignore[arg-type]
+    create_app(head, ServerArgs(engine=Settings(model_path="m")))  # auto: the head serves, no preset
+
+    class NoYes:  # a vocabulary without Qwen3-Reranker's answer tokens
+        unk_token_id = 0
+
+        def convert_tokens_to_ids(self, token: str) -> int:
+            return self.unk_token_id
+
+    args = ServerArgs(engine=Settings(model_path="m"), rerank_preset="qwen3-reranker")
+    with pytest.raises(ValueError, match="vocabulary lacks"):
+        create_app(FakeService(tokenizer=NoYes()), args)  # type: ignore[arg-type]
