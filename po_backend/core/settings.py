@@ -206,6 +206,7 @@ class Settings:
         metadata=flag(
             "share of the memory available at start for activations + prefix cache (instead of --memory-budget)",
             type=float,
+            engine=True,
         ),
     )
     chunk_size: int | None = field(
@@ -415,8 +416,8 @@ class Settings:
 
     def overrides(self) -> dict[str, Any]:
         """`Engine.from_pretrained` keyword arguments (EngineConfig field names); unset ones are
-        left out so the engine picks its defaults. mem_fraction_static becomes a memory budget
-        when the engine loads (it needs the device)."""
+        left out so the engine picks its defaults (mem_fraction_static becomes a memory budget
+        when the engine resolves its device)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine")}
         if self.enable_lora or self.lora_paths:  # --lora-paths turns LoRA on, as SGLang's does
             out["enable_lora"] = True

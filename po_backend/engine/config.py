@@ -23,6 +23,7 @@ from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
 from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from po_backend.engine.device import cuda_dtype, resolve_device
+from po_backend.engine.memory import available_bytes
 
 # model_type -> (qkv projections carry a bias, per-head RMSNorm on q and k) for the Llama family
 _FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -397,8 +398,10 @@ class EngineConfig:
     # Packing several short prompts into one forward makes GEMMs big enough to be efficient.
     max_batch_tokens: int | None = None  # None: max(max_input_len, 2048)
     enable_cache: bool = True
-    # Bytes beyond the weights (activations + prefix-KV pool); None = `memory.default_budget`.
+    # Bytes beyond the weights (activations + prefix-KV pool); None = `memory.default_budget`, or
+    # mem_fraction_static of what the device has available when the config is resolved.
     memory_budget: int | None = None
+    mem_fraction_static: float | None = None
     # Which leading tokens of a request that declares nothing enter the prefix cache.
     cache_policy: CachePolicy = "all-but-last-k"
     cache_last_k: int = 1
@@ -441,6 +444,8 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.memory_budget is not None and self.memory_budget < 1:
             raise ValueError(f"memory_budget must be >= 1 byte, got {self.memory_budget}")
         if self.prefix_pool_tokens is not None and self.prefix_pool_tokens < 1:
@@ -448,12 +453,17 @@ class EngineConfig:
 
     def resolved(self, context: int) -> EngineConfig:
         """Every None replaced by its default, for a model of `context` tokens: dtype and device
-        as `parse_dtype` / `resolve_device` choose, the device's chunk, the model's context."""
+        as `parse_dtype` / `resolve_device` choose, the device's chunk, the model's context, the
+        memory budget from mem_fraction_static when that is given."""
         dev = resolve_device(self.device)
         max_input_len = self.max_input_len if self.max_input_len is not None else context
+        budget = self.memory_budget
+        if budget is None and self.mem_fraction_static is not None:
+            budget = int(self.mem_fraction_static * available_bytes(dev))
         return replace(
             self,
             device=dev,
+            memory_budget=budget,
             dtype=parse_dtype(self.dtype, dev),
             chunk_size=default_chunk_size(dev) if self.chunk_size is None else self.chunk_size,
             max_input_len=max_input_len,

@@ -191,14 +191,7 @@ def task_of(scorer: Any) -> ModelTask:
 
 
 def _load_engine(settings: Settings) -> Engine:
-    overrides = settings.overrides()
-    if settings.mem_fraction_static is not None:  # a share of what is available now
-        from po_backend.engine.device import resolve_device
-        from po_backend.engine.memory import available_bytes
-
-        device = resolve_device(settings.device)
-        overrides["memory_budget"] = int(settings.mem_fraction_static * available_bytes(device))
-    engine = Engine.from_pretrained(settings.model_path, **overrides)
+    engine = Engine.from_pretrained(settings.model_path, **settings.overrides())
     for name, path in settings.loras():  # a bad adapter stops the start with its reason
         assert engine.loras is not None, "lora_paths turn LoRA on"
         engine.loras.load(name, path)
