@@ -8,11 +8,12 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -144,3 +145,42 @@ def sglang_frontend() -> Any:
         return import_sglang_frontend()
     except ImportError as e:
         missing(f"SGLang frontend unavailable ({e}); pip install --no-deps sglang==0.5.23")
+
+
+T = TypeVar("T")
+
+
+def probed_while(
+    url: str,
+    call: Callable[[], T],
+    probes: Sequence[Callable[[httpx.Client], httpx.Response]],
+    timeout: float,
+) -> tuple[T, list[float]]:
+    """`call()`'s result, and the slowest answer of each probe: requests another keep-alive client
+    sends back to back (every probe at least once, each answering 200) while `call` runs in
+    another thread."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    slowest = [0.0] * len(probes)
+    with httpx.Client(base_url=url, timeout=timeout) as prober:
+        prober.get("/health")  # the connection is open before the call starts
+        worker.start()
+        rounds = 0
+        while worker.is_alive() or rounds == 0:
+            for i, probe in enumerate(probes):
+                t0 = time.perf_counter()
+                assert probe(prober).status_code == 200
+                slowest[i] = max(slowest[i], time.perf_counter() - t0)
+            rounds += 1
+    worker.join()
+    if errors:
+        raise errors[0]
+    return result[0], slowest

@@ -11,8 +11,6 @@ import os
 import random
 import socket
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,7 +24,7 @@ from po_backend import Engine, ScoreRequest
 from po_backend.core.request import ScoreResult
 from po_backend.sched.jct import JCTModel
 from po_backend.serving.loop import FAILING_STEPS, EngineLoop
-from tests.server_utils import REPO_ROOT, FakeService, ServerProcess, error_message
+from tests.server_utils import REPO_ROOT, FakeService, ServerProcess, error_message, probed_while
 
 TIMEOUT = 60.0  # only hit when something hangs
 T = TypeVar("T")
@@ -164,32 +162,9 @@ def server(tokenized_llama: Path) -> Iterator[ServerProcess]:
 
 
 def while_health_probed(url: str, call: Callable[[], T]) -> tuple[T, float]:
-    """`call()`'s result, and the slowest /health answer seen while it ran (a keep-alive client
-    probing back to back from another thread, at least once)."""
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(call())
-        except BaseException as e:
-            errors.append(e)
-
-    worker = threading.Thread(target=run)
-    slowest = 0.0
-    with httpx.Client(base_url=url, timeout=30) as prober:
-        prober.get("/health")  # the connection is open before the call starts
-        worker.start()
-        probes = 0
-        while worker.is_alive() or probes == 0:
-            t0 = time.perf_counter()
-            assert prober.get("/health").status_code == 200
-            slowest = max(slowest, time.perf_counter() - t0)
-            probes += 1
-    worker.join()
-    if errors:
-        raise errors[0]
-    return result[0], slowest
+    """`call()`'s result, and the slowest /health answer seen while it ran."""
+    result, (slowest,) = probed_while(url, call, [lambda c: c.get("/health")], timeout=30)
+    return result, slowest
 
 
 def _post(url: str, path: str, body: Any) -> httpx.Response:

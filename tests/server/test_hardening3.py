@@ -22,7 +22,6 @@ import socket
 import stat
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +32,15 @@ from fastapi.testclient import TestClient
 
 from po_backend.core.request import ScoreResult
 from tests.server.test_hardening2 import _post
-from tests.server_utils import REPO_ROOT, FakeService, ServerProcess, error_message, metric, poll_until
+from tests.server_utils import (
+    REPO_ROOT,
+    FakeService,
+    ServerProcess,
+    error_message,
+    metric,
+    poll_until,
+    probed_while,
+)
 
 T = TypeVar("T")
 
@@ -58,34 +65,10 @@ def tokenized(url: str) -> float:
 
 def while_probed(url: str, call: Callable[[], T]) -> tuple[T, float, float]:
     """`call()`'s result, and the slowest /health and small /generate answers another client got
-    while it ran (probing back to back from another thread, at least once each)."""
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(call())
-        except BaseException as e:
-            errors.append(e)
-
-    worker = threading.Thread(target=run)
-    health = generate = 0.0
-    with httpx.Client(base_url=url, timeout=60) as prober:
-        prober.get("/health")  # the connection is open before the call starts
-        worker.start()
-        probes = 0
-        while worker.is_alive() or probes == 0:
-            t0 = time.perf_counter()
-            assert prober.get("/health").status_code == 200
-            t1 = time.perf_counter()
-            assert prober.post("/generate", json=SMALL).status_code == 200
-            t2 = time.perf_counter()
-            health, generate = max(health, t1 - t0), max(generate, t2 - t1)
-            probes += 1
-    worker.join()
-    if errors:
-        raise errors[0]
-    return result[0], health, generate
+    while it ran."""
+    probes = [lambda c: c.get("/health"), lambda c: c.post("/generate", json=SMALL)]
+    result, (health, generate) = probed_while(url, call, probes, timeout=60)
+    return result, health, generate
 
 
 def words(n_chars: int, seed: int = 0) -> str:
