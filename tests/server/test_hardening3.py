@@ -20,6 +20,7 @@ import random
 import signal
 import socket
 import stat
+import string
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -181,6 +182,25 @@ def test_a_client_that_leaves_stops_its_tokenizing(server: ServerProcess) -> Non
     spent = seen[-1] - before
     assert spent < full / 2, f"{spent:.0f} of {full} characters tokenized after the client left"
     assert httpx.post(server.url + "/generate", json=SMALL, timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_classify_tokenizes_each_label_once_per_call(server: ServerProcess) -> None:
+    """1,024 distinct prompts ending alike x 64 labels (one token each, so the call fits the
+    queue): each label is tokenized after the prompts' common end, not once per prompt (65,536
+    tokenizings), and every prompt gets every label's answer."""
+    prompts = [f"Post {i}: hello\nAnswer:\n" for i in range(1024)]
+    labels = list(string.ascii_letters + string.digits + "!?")
+    before = tokenized(server.url)
+    r = _post(server.url, "/v1/classify", {"prompt": prompts, "labels": labels})
+    assert r.status_code == 200, r.text[:300]
+    rows = r.json()["data"]
+    assert len(rows) == len(prompts) and all(len(row["probs"]) == len(labels) for row in rows)
+    spent = tokenized(server.url) - before
+    # The prompts once each, and the labels after at most two ends of 64 characters (the first
+    # prompt's whole end, checked against its short one).
+    bound = sum(len(p) for p in prompts) + 2 * (64 + sum(64 + len(x) + 1 for x in labels))
+    assert spent <= bound, f"{spent:.0f} characters tokenized, at most {bound} expected"
 
 
 IDLE_CONNECTIONS = 2100  # above the former default limit of 2,048 connections
