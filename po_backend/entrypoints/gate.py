@@ -93,9 +93,9 @@ class Gate:
         if scope["type"] != "http":  # no websocket route is served
             return
         headers: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
-        forwarded = self.keys.forwarded(
-            scope["method"], scope["path"], dict(headers).get(b"authorization", b"")
-        )
+        # The path as sent, which the router matches its routes on (not the percent-decoded one).
+        url = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        forwarded = self.keys.forwarded(scope["method"], url, dict(headers).get(b"authorization", b""))
         if forwarded is None:
             message = "invalid or missing API key (send 'Authorization: Bearer <key>')"
             await _error(send, 401, message, "AuthenticationError", scope["path"])
@@ -104,7 +104,6 @@ class Gate:
         if forwarded:
             out.append((b"authorization", forwarded))
         has_body = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
-        url = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
         body_read = anyio.Event()

@@ -4,7 +4,8 @@ query tokenized once and checked before its items, a per-call bound on tokenizer
 stopped for a client that left), limits checked before any tokenizing, idle sockets that lock
 nobody out, every cluster route behind a key, no data key that opens the router's control plane
 or flushes a worker, children that die with their launcher, no prefix-cache namespace promised
-that the server cannot keep, /flush_cache closed to other sites' pages, output files and cache folders that are not ours refused, strict parsing.
+that the server cannot keep, /flush_cache closed to other sites' pages, output files and cache
+folders that are not ours refused, strict parsing.
 
 What a hostile call costs the server is read from its own counter of tokenizer input
 (`po_tokenized_chars_total`), not from wall time; what a well-behaved client sees meanwhile (a
@@ -650,6 +651,7 @@ def test_gate_swaps_the_data_key_and_forwards_the_rest_unchanged() -> None:
                 for method, path in (("GET", "/v1/models"), ("GET", "/get_server_info"), ("POST", "/health")):
                     r = await c.request(method, path, headers=headers)
                     assert r.status_code == 401 and "API key" in error_message(r), (method, path, headers)
+            assert (await c.get("/%68ealth")).status_code == 401  # the path as the router matches it
             assert len(seen) == n  # none of them reached the router
             for path in ("/health", "/liveness", "/readiness"):
                 assert (await c.get(path, headers={"Authorization": "Bearer dd"})).status_code == 207
