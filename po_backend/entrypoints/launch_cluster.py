@@ -10,8 +10,8 @@ router (`pip install sglang-router`) routes between them with retries, a circuit
 health checks set so a dead worker's requests go to the others. The router listens on a private
 loopback port behind `entrypoints.gate`, which serves HOST:PORT and checks a key on every route
 (the router leaves its informational routes open). Unknown flags go to every worker.
-Ctrl-C / SIGTERM: the router stops taking requests first, then the workers drain (they answer what
-they queued, see --shutdown-timeout), then everything exits.
+Ctrl-C / SIGTERM: the public port and the router stop taking requests first, then the workers
+drain (they answer what they queued, see --shutdown-timeout), then everything exits.
 
 A worker started later, on this machine or another, joins the running router through the router's
 worker API (POST /workers, with the admin key); this launcher neither starts nor stops it. The

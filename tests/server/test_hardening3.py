@@ -281,8 +281,8 @@ def test_calls_in_flight_are_limited_and_health_never_is() -> None:
 
 
 def test_tokenizer_input_is_bounded_as_a_call_tokenizes(tokenized_llama: Path) -> None:
-    """Where the total is not known before tokenizing (a classify call's labels after each prompt
-    ending), --max-tokenize-chars is counted as the call goes: a 413, and no more tokenized."""
+    """Where the total is not known before tokenizing (a classify call's labels after each distinct
+    prompt ending), --max-tokenize-chars is counted as the call goes: a 413, and no more tokenized."""
     from transformers import AutoTokenizer
 
     from po_backend.server import ServerArgs, Settings, create_app
@@ -291,7 +291,10 @@ def test_tokenizer_input_is_bounded_as_a_call_tokenizes(tokenized_llama: Path) -
     answer = lambda r: ScoreResult([-1.0] * len(r.label_token_ids), [(7, -0.5)], prompt_tokens=3)  # noqa: E731
     service = FakeService(answer=answer, tokenizer=tok, vocab_size=len(tok))
     app = create_app(service, ServerArgs(engine=Settings(model_path="m"), max_tokenize_chars=2000))
-    body = {"prompt": [f"Post {i}: hello\nAnswer:" for i in range(40)], "labels": ["yes", "no"]}
+    # Each prompt ends differently: its labels are tokenized after it, the prompts alone fit.
+    prompts = [f"Post: hello\nAnswer for post number {i} here{i}:" for i in range(40)]
+    assert sum(map(len, prompts)) < 2000
+    body = {"prompt": prompts, "labels": ["yes", "no"]}
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/v1/classify", json=body)
         assert r.status_code == 413 and "--max-tokenize-chars" in error_message(r), r.text
