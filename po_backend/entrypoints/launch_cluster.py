@@ -173,9 +173,8 @@ def worker_env(
     env = child_env({**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))})
     # The control plane's key is the router's alone; a worker's /flush_cache takes the worker key,
     # which only the router sends (its /flush_cache fans out with it).
-    for name in (ADMIN_KEY_ENV, SERVER_ADMIN_KEY_ENV, WORKER_KEY_ENV):
+    for name in (API_KEY_ENV, ADMIN_KEY_ENV, SERVER_ADMIN_KEY_ENV, WORKER_KEY_ENV):
         env.pop(name, None)
-    env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
     if gpus:

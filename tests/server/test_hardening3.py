@@ -674,3 +674,25 @@ def test_gate_swaps_the_data_key_and_forwards_the_rest_unchanged() -> None:
                 assert r.status_code == 502 and "router" in error_message(r)
 
     asyncio.run(run())
+
+
+def test_workers_get_the_worker_key_and_no_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's environment holds the key the router sends it, not the data key, the router's
+    admin key or a single server's admin key the launcher's own environment may hold."""
+    from po_backend.entrypoints import launch_cluster as lc
+
+    for name, value in (
+        (lc.API_KEY_ENV, "data"),
+        (lc.ADMIN_KEY_ENV, "admin"),
+        (lc.SERVER_ADMIN_KEY_ENV, "x"),
+    ):
+        monkeypatch.setenv(name, value)
+    env = lc.worker_env(2, 0, [], "worker")
+    assert env[lc.API_KEY_ENV] == "worker"
+    assert not {lc.ADMIN_KEY_ENV, lc.SERVER_ADMIN_KEY_ENV, lc.WORKER_KEY_ENV} & set(env)
+    assert lc.API_KEY_ENV not in lc.worker_env(2)
+    keys = lc.keys_env(None, "admin2", "worker2")
+    assert lc.API_KEY_ENV not in keys and (keys[lc.ADMIN_KEY_ENV], keys[lc.WORKER_KEY_ENV]) == (
+        "admin2",
+        "worker2",
+    )
