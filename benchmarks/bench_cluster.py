@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import random
+import secrets
 import sys
 import threading
 import time
@@ -142,23 +143,37 @@ def workers_up(args: argparse.Namespace, seen: Seen) -> Iterator[list[Worker]]:
 
 
 @contextlib.contextmanager
-def router_up(workers: Sequence[Worker], policy: str, timeout: float) -> Iterator[tuple[str, int, list[str]]]:
-    """A fresh router (launch_cluster's command) in front of the workers' taps, ready once every
-    worker is registered and healthy (the first calls must not all go to the first one up)."""
+def router_up(
+    workers: Sequence[Worker], policy: str, timeout: float
+) -> Iterator[tuple[str, int, list[str], dict[str, str]]]:
+    """A fresh router (launch_cluster's command and keys, without the public port's gate) in front
+    of the workers' taps, ready once every worker is registered and healthy (the first calls must
+    not all go to the first one up); with the headers its data routes take."""
     port = free_port()
+    admin, worker = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    data, control = ({"Authorization": f"Bearer {k}"} for k in (worker, admin))
     cmd = lc.router_command([w.tap.url for w in workers], "127.0.0.1", port, policy)
-    with ServerProcess(cmd, f"http://127.0.0.1:{port}", health_path="/get_model_info") as router:
+    router = ServerProcess(
+        cmd, f"http://127.0.0.1:{port}", env=lc.keys_env(None, admin, worker), health_path="/get_model_info"
+    )
+    router.start()
+    try:
+        router.wait_ready(timeout, headers=data)
         assert router.proc is not None, "started"
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                listed = httpx.get(router.url + "/workers", timeout=2).json().get("workers", [])
+                listed = (
+                    httpx.get(router.url + "/workers", headers=control, timeout=2).json().get("workers", [])
+                )
                 if sum(bool(w.get("is_healthy")) for w in listed) == len(workers):
                     break
             if router.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"router ({policy}) not ready; its output ends:\n{router.log_text()}")
             time.sleep(0.3)
-        yield router.url, router.proc.pid, cmd
+        yield router.url, router.proc.pid, cmd, data
+    finally:
+        router.stop()
 
 
 def shape_calls(args: argparse.Namespace, tok: Any, shape: str) -> list[Call]:
@@ -186,7 +201,7 @@ def run_one(
     per_call = sum(len(c.suffixes) for c in calls) / len(calls)
     qps = rate / per_call  # calls/s
     arrivals = [u / qps for u in harness.poisson_arrivals(len(calls), random.Random(args.seed + 1))]
-    with router_up(workers, policy, args.startup_timeout) as (url, router_pid, cmd):
+    with router_up(workers, policy, args.startup_timeout) as (url, router_pid, cmd, headers):
         for w in workers:  # directly, not through the router: each worker must say it flushed
             httpx.post(w.url + "/flush_cache", timeout=60).raise_for_status()
         seen.clear()
@@ -196,7 +211,7 @@ def run_one(
         pids = [*(w.pid for w in workers), router_pid]
         with contextlib.ExitStack() as stack:
             shares = [stack.enter_context(harness.CpuShare(p)) for p in pids]
-            outcomes, span = asyncio.run(send_open_loop(url, calls, arrivals, args.timeout))
+            outcomes, span = asyncio.run(send_open_loop(url, calls, arrivals, args.timeout, headers))
         after = [token_counters(w.url) for w in workers]
     # Where each call went: a call the router retried counts on both workers.
     user_of = {call_key(c.body): c.user for c in calls}

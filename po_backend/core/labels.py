@@ -41,6 +41,22 @@ def label_text(label: str, prompt_text: str, leading_space: bool | None) -> str:
     return label
 
 
+def label_key(prompt_text: str) -> str:
+    """The end of `prompt_text` its labels' tokens are derived after: from the last whitespace
+    before a word on. A tokenizer that splits text into pieces that never run from a word into
+    the whitespace after it (GPT-2's, Llama 3's, Qwen's regexes) splits the prompt there whatever
+    came before, so prompts ending alike (a template's "\\nAnswer:") share one derivation whatever
+    their other text. Without such a whitespace in the last ANCHOR_CHARS, those characters."""
+    anchor = prompt_text[-ANCHOR_CHARS:]
+    for i in range(len(anchor) - 1, 0, -1):
+        if anchor[i - 1].isspace() and not anchor[i].isspace():
+            start = i - 1
+            while start > 0 and anchor[start - 1].isspace():
+                start -= 1
+            return anchor[start:]
+    return anchor
+
+
 def label_continuations(
     encode: Encode, prompt_text: str, labels: Sequence[str], leading_space: bool | None
 ) -> LabelIds:

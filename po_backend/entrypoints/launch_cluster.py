@@ -6,14 +6,17 @@
 The equivalent of `python -m sglang_router.launch_server --dp-size N`: each worker is
 `po_backend.entrypoints.launch_server` on its own loopback port with the CPU threads split between them (and
 one GPU each where there are GPUs: CUDA_VISIBLE_DEVICES, or all that torch sees); the
-router (`pip install sglang-router`) listens on HOST:PORT with retries, a circuit breaker and
-health checks set so a dead worker's requests go to the others. Unknown flags go to every worker.
-Ctrl-C / SIGTERM: the router stops taking requests first, then the workers drain (they answer what
-they queued, see --shutdown-timeout), then everything exits. Workers on other machines join with the
-router's own `--worker-urls` (run `launch_server` there and list its URL).
+router (`pip install sglang-router`) routes between them with retries, a circuit breaker and
+health checks set so a dead worker's requests go to the others. The router listens on a private
+loopback port behind `entrypoints.gate`, which serves HOST:PORT and checks a key on every route
+(the router leaves its informational routes open). Unknown flags go to every worker.
+Ctrl-C / SIGTERM: the public port and the router stop taking requests first, then the workers
+drain (they answer what they queued, see --shutdown-timeout), then everything exits.
 
 A worker started later, on this machine or another, joins the running router through the router's
-worker API (POST /workers); this launcher neither starts nor stops it:
+worker API (POST /workers, with the admin key); this launcher neither starts nor stops it. The
+router sends it the cluster's worker key (made at start, kept in a file of mode 0600 beside the
+admin key), so start it with $PREFILLONLY_API_KEY set to that key:
 
     python -m po_backend.entrypoints.launch_cluster add-worker --router http://127.0.0.1:30000 \\
         --worker-url http://10.0.0.7:30001
@@ -62,11 +65,17 @@ ROUTER_ATTEMPTS = CB_FAILURES + 3
 GPU_DEVICE_NODES = ("nvidia*", "kfd", "dxg")
 ADD_WORKER = "add-worker"  # the subcommand
 RUN_ROUTER = "run-router"  # internal: the router with its keys read from the environment
-API_KEY_ENV = "PREFILLONLY_API_KEY"  # the data plane's key: clients -> router -> workers
+RUN_GATE = "run-gate"  # internal: the public port's key check (entrypoints.gate)
+API_KEY_ENV = "PREFILLONLY_API_KEY"  # the data plane's key: what clients send the public port
 # The router's control plane (adding / removing workers, flushing caches) has a key of its own, so a
 # client that may score cannot reconfigure the cluster: given, or made at start and kept in a file
 # only this user can read.
 ADMIN_KEY_ENV = "PREFILLONLY_ROUTER_ADMIN_KEY"
+# What the router takes on its data routes and sends the workers (data calls, health checks, the
+# /flush_cache fan-out), made at every start: the gate swaps the data key for it, so a data-key
+# holder can call neither the router's private port nor a worker (its /flush_cache included).
+WORKER_KEY_ENV = "PREFILLONLY_CLUSTER_WORKER_KEY"
+SERVER_ADMIN_KEY_ENV = "PREFILLONLY_ADMIN_KEY"  # a single server's --admin-api-key; not the workers'
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,10 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--api-key",
         default=None,
-        help=f"the key every call to the router (and from it to the workers) needs; ${API_KEY_ENV} "
-        "keeps it out of `ps`. It reaches the router and the workers through their environment, never "
-        f"their command lines. The router's control plane (/workers, /flush_cache) takes ${ADMIN_KEY_ENV}, "
-        "a different key; without it one is made and kept in a file of mode 0600 (its path is printed)",
+        help=f"the key every call to HOST:PORT needs (GET /health, /liveness and /readiness excepted); "
+        f"${API_KEY_ENV} keeps it out of `ps`. Only the public port's gate sees it: the router and the "
+        "workers take a key made at start. The router's control plane (/workers, /flush_cache) takes "
+        f"${ADMIN_KEY_ENV}, a different key; without it one is made and kept in a file of mode 0600 "
+        "(its path is printed)",
     )
     return ap
 
@@ -161,7 +171,10 @@ def worker_env(
     each SGLang replica one. The worker then sees a single device and runs on cuda:0."""
     # They die with the launcher: a worker left behind would keep serving with the key.
     env = child_env({**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))})
-    env.pop(ADMIN_KEY_ENV, None)  # the control plane's key is the router's alone
+    # The control plane's key is the router's alone; a worker's /flush_cache takes the worker key,
+    # which only the router sends (its /flush_cache fans out with it).
+    for name in (API_KEY_ENV, ADMIN_KEY_ENV, SERVER_ADMIN_KEY_ENV, WORKER_KEY_ENV):
+        env.pop(name, None)
     if api_key:
         env[API_KEY_ENV] = api_key
     if gpus:
@@ -179,7 +192,7 @@ def router_command(
 ) -> list[str]:
     """The router with failover on: a failed call is retried on another worker, a worker that keeps
     failing is cut off by the circuit breaker and its health checks, its users move to the others.
-    It runs through `run-router`, which gives it the keys of its environment (`router_env`)."""
+    It runs through `run-router`, which gives it the keys of its environment (`keys_env`)."""
     return [
         sys.executable, "-m", "po_backend.entrypoints.launch_cluster", RUN_ROUTER, "--worker-urls", *worker_urls,
         "--policy", policy, "--host", host, "--port", str(port),
@@ -194,24 +207,36 @@ def router_command(
     ]  # fmt: skip
 
 
-def router_env(api_key: str | None, admin_key: str | None) -> dict[str, str]:
-    """The router's environment: ours with the keys set (or removed), for `run_router` to read."""
-    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
-    env.update({API_KEY_ENV: api_key} if api_key else {})
-    env.update({ADMIN_KEY_ENV: admin_key} if admin_key else {})
+def gate_command(upstream: str, host: str, port: int) -> list[str]:
+    """The public port: `run-gate` checks every call's key and forwards it to the router at
+    `upstream` (its keys from the environment, `keys_env`)."""
+    return [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", RUN_GATE, "--upstream", upstream,
+            "--host", host, "--port", str(port)]  # fmt: skip
+
+
+def keys_env(data_key: str | None, admin_key: str, worker_key: str) -> dict[str, str]:
+    """The router's and the gate's environment: ours with the keys set (the data key removed
+    when there is none), for `run_router` and `run_gate` to read."""
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV, WORKER_KEY_ENV)}
+    env.update({API_KEY_ENV: data_key} if data_key else {})
+    env.update({ADMIN_KEY_ENV: admin_key, WORKER_KEY_ENV: worker_key})
     return child_env(env)
 
 
+def key_path(port: int, kind: str = "admin") -> Path:
+    """Where the `kind` key ("admin" or "worker") made for the cluster on `port` is kept (a folder
+    only this user may write, the file only this user may read)."""
+    return private_cache_dir("router", what="the router's keys") / f"{kind}-key-{port}"
+
+
 def admin_key_path(port: int) -> Path:
-    """Where the admin key made for the router on `port` is kept (a folder only this user may
-    write, the file only this user may read)."""
-    return private_cache_dir("router", what="the router's admin keys") / f"admin-key-{port}"
+    return key_path(port, "admin")
 
 
-def make_admin_key(port: int) -> tuple[str, Path]:
-    """A fresh admin key for the router on `port`, written to `admin_key_path(port)` (mode 0600)."""
+def make_key(port: int, kind: str = "admin") -> tuple[str, Path]:
+    """A fresh `kind` key for the cluster on `port`, written to `key_path(port, kind)` (mode 0600)."""
     key = secrets.token_urlsafe(32)
-    path = admin_key_path(port)
+    path = key_path(port, kind)
     path.unlink(missing_ok=True)  # O_EXCL below: never through a link someone left here
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -222,25 +247,56 @@ def make_admin_key(port: int) -> tuple[str, Path]:
 def run_router(argv: Sequence[str]) -> int:
     """`sglang_router.launch_router` with `argv`, its keys taken from the environment: the router
     reads them from its command line only, where every user of the machine can read them (`ps`).
-    $PREFILLONLY_API_KEY: what clients must send, and what the router sends the workers;
+    $PREFILLONLY_CLUSTER_WORKER_KEY: what its data routes take and what it sends the workers;
     $PREFILLONLY_ROUTER_ADMIN_KEY: the control plane's (admin role)."""
     from sglang_router.launch_router import launch_router, parse_router_args
 
     die_with_parent()
     args = parse_router_args(list(argv))
-    args.api_key = os.environ.get(API_KEY_ENV) or None
+    args.api_key = os.environ.get(WORKER_KEY_ENV) or None
     admin = os.environ.get(ADMIN_KEY_ENV)
-    if not admin or admin == args.api_key:
-        # Without control-plane keys the router's /workers and /flush_cache take the data key.
-        raise SystemExit(f"run-router: ${ADMIN_KEY_ENV} must be set, and differ from ${API_KEY_ENV}")
+    if not admin or not args.api_key or admin == args.api_key:
+        # Without control-plane keys the router's /workers and /flush_cache take its data key.
+        raise SystemExit(f"run-router: ${ADMIN_KEY_ENV} and ${WORKER_KEY_ENV} must be set, and differ")
     args.control_plane_api_keys = [("admin", "launch_cluster", admin, "admin")]
     launch_router(args)
     return 0
 
 
-def stop_all(router: subprocess.Popen[bytes] | None, workers: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Router first (no new work), then the workers drain."""
-    stop([router] if router else [])
+def run_gate(argv: Sequence[str]) -> int:
+    """The public port (`entrypoints.gate`) in front of the router at --upstream, its keys taken
+    from the environment. uvicorn as a single server runs it: idle keep-alive 5 s, a request read
+    deadline, no limit on connections (idle sockets must not lock anyone out)."""
+    import uvicorn
+
+    from po_backend.entrypoints.gate import Gate, Keys
+    from po_backend.entrypoints.launch_server import ReadDeadlineH11
+
+    die_with_parent()
+    ap = argparse.ArgumentParser(prog=f"po-launch-cluster {RUN_GATE}")
+    ap.add_argument("--upstream", required=True)
+    ap.add_argument("--host", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args(argv)
+    admin, worker = os.environ.get(ADMIN_KEY_ENV), os.environ.get(WORKER_KEY_ENV)
+    if not admin or not worker:
+        raise SystemExit(f"run-gate: ${ADMIN_KEY_ENV} and ${WORKER_KEY_ENV} must be set")
+    keys = Keys(data=os.environ.get(API_KEY_ENV) or None, admin=admin, worker=worker)
+    config = uvicorn.Config(
+        Gate(args.upstream, keys), host=args.host, port=args.port, log_level="warning", backlog=4096,
+        timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024, http=ReadDeadlineH11,
+    )  # fmt: skip
+    uvicorn.Server(config).run()
+    return 0
+
+
+def stop_all(
+    gate: subprocess.Popen[bytes] | None,
+    router: subprocess.Popen[bytes] | None,
+    workers: Sequence[subprocess.Popen[bytes]],
+) -> None:
+    """The public port first, then the router (no new work), then the workers drain."""
+    stop([p for p in (gate, router) if p is not None])
     stop(workers)
 
 
@@ -286,9 +342,13 @@ def add_worker(router_url: str, worker_url: str, *, timeout: float = 600.0) -> s
     _check_url(worker_url, "worker")
     _check_url(router_url, "router")
     base = router_url.rstrip("/")
-    admin = os.environ.get(ADMIN_KEY_ENV) or _stored_admin_key(base)
+    admin = os.environ.get(ADMIN_KEY_ENV) or _stored_key(base, "admin")
     headers = {"Authorization": f"Bearer {admin}"} if admin else {}
-    resp = httpx.post(base + "/workers", json={"url": worker_url}, headers=headers, timeout=30)
+    # The key the router sends this worker (health checks, the /flush_cache fan-out), as it sends
+    # the workers it started with: the cluster's worker key, which the worker must be started with.
+    worker_key = os.environ.get(WORKER_KEY_ENV) or _stored_key(base, "worker")
+    body = {"url": worker_url, **({"api_key": worker_key} if worker_key else {})}
+    resp = httpx.post(base + "/workers", json=body, headers=headers, timeout=30)
     if resp.status_code != 202:
         raise RuntimeError(f"{base}/workers answered {resp.status_code}: {resp.text[:300]}")
     worker_id = str(resp.json()["worker_id"])
@@ -296,13 +356,13 @@ def add_worker(router_url: str, worker_url: str, *, timeout: float = 600.0) -> s
     return worker_id
 
 
-def _stored_admin_key(router_url: str) -> str | None:
-    """The key `launch_cluster` made for a router on this machine (`admin_key_path`), if any."""
+def _stored_key(router_url: str, kind: str) -> str | None:
+    """The `kind` key `launch_cluster` made for a cluster on this machine (`key_path`), if any."""
     url = httpx.URL(router_url)
     if url.host not in ("127.0.0.1", "localhost", "::1") or url.port is None:
         return None
     try:
-        return admin_key_path(url.port).read_text().strip() or None
+        return key_path(url.port, kind).read_text().strip() or None
     except OSError:
         return None
 
@@ -372,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return add_worker_main(argv[1:])
     if argv[:1] == [RUN_ROUTER]:
         return run_router(argv[1:])
+    if argv[:1] == [RUN_GATE]:
+        return run_gate(argv[1:])
     die_with_parent()
     args, extra = build_parser().parse_known_args(argv)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -386,11 +448,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"${ADMIN_KEY_ENV} must differ from the API key: the data key may not reconfigure the router"
         )
     check_worker_flags(args.model_path, extra)
-    made: Path | None = None
+    made: list[Path] = []
     if not admin_key:
-        admin_key, made = make_admin_key(args.port)
+        admin_key, path = make_key(args.port, "admin")
+        made.append(path)
         log.info("the router's control plane (/workers, /flush_cache) takes the admin key kept in %s "
-                 "(mode 0600; set $%s to choose one)", made, ADMIN_KEY_ENV)  # fmt: skip
+                 "(mode 0600; set $%s to choose one)", path, ADMIN_KEY_ENV)  # fmt: skip
+    worker_key, path = make_key(args.port, "worker")
+    made.append(path)
     gpus = visible_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPUs (round robin)", args.workers, len(gpus))
@@ -398,11 +463,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = [
         subprocess.Popen(
             worker_command(args.model_path, p, ["--log-level", "warning", *extra]),
-            env=worker_env(args.workers, i, gpus, api_key),
+            env=worker_env(args.workers, i, gpus, worker_key),
         )
         for i, p in enumerate(ports)
     ]
     router: subprocess.Popen[bytes] | None = None
+    gate: subprocess.Popen[bytes] | None = None
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -414,26 +480,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         wait_for_workers(urls, workers, args.startup_timeout)
+        private = free_port()
         cmd = router_command(
-            urls, args.host, args.port, args.router_policy, balance_abs_threshold=args.balance_abs_threshold
+            urls, "127.0.0.1", private, args.router_policy, balance_abs_threshold=args.balance_abs_threshold
         )
-        router = subprocess.Popen(cmd, env=router_env(api_key, admin_key))
+        env = keys_env(api_key, admin_key, worker_key)
+        router = subprocess.Popen(cmd, env=env)
+        wait_until(f"http://127.0.0.1:{private}/get_model_info", [router], args.startup_timeout,
+                   headers={"Authorization": f"Bearer {worker_key}"})  # fmt: skip
+        gate = subprocess.Popen(gate_command(f"http://127.0.0.1:{private}", args.host, args.port), env=env)
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        wait_until(
-            f"http://{args.host}:{args.port}/get_model_info", [router], args.startup_timeout, headers=auth
-        )
+        wait_until(f"http://{args.host}:{args.port}/get_model_info", [gate, router], args.startup_timeout,
+                   headers=auth)  # fmt: skip
         log.info("serving %s on http://%s:%d: %d workers (%s), %s", args.model_path, args.host, args.port,
                  args.workers, ", ".join(urls), args.router_policy)  # fmt: skip
         while not stopping:
-            if router.poll() is not None:
-                log.error("the router exited with %s", router.returncode)
-                return 1
+            for name, p in (("router", router), ("gate", gate)):
+                if p.poll() is not None:
+                    log.error("the %s exited with %s", name, p.returncode)
+                    return 1
             time.sleep(0.5)
         return 0
     finally:
-        stop_all(router, workers)
-        if made is not None:  # the key of a router that is gone opens nothing: not left lying around
-            made.unlink(missing_ok=True)
+        stop_all(gate, router, workers)
+        for path in made:  # the keys of a cluster that is gone open nothing: not left lying around
+            path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

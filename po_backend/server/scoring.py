@@ -24,6 +24,7 @@ from po_backend.core.labels import (
     check_distinct,
     continuation_score,
     label_continuations,
+    label_key,
     label_requests,
     single_tokens,
 )
@@ -31,7 +32,7 @@ from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server import heads
 from po_backend.server.body import BodyRoute
 from po_backend.server.context import MAX_CHARS_PER_TOKEN, Runtime, RuntimeDep
-from po_backend.server.errors import bad
+from po_backend.server.errors import HTTPError, bad
 from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
 from po_backend.server.translate import envelope, json_logprob, softmax
 
@@ -334,15 +335,16 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
     def encode(text: str) -> tuple[int, ...]:
         return rt.encode(text, add_special_tokens=False)
 
-    # A label's tokens depend on the prompt's tail only: prompts ending alike (a template's
-    # "Answer:") share one tokenizing of the labels per call.
-    by_tail: dict[str, LabelIds] = {}
+    # A label's tokens depend on the prompt's end only: prompts ending alike (a template's
+    # "\nAnswer:") share one tokenizing of the labels per call.
+    by_end: dict[str, LabelIds] = {}
+    short_ends: bool | None = None  # whether label_key's ending gives what the whole anchor does
 
-    def labels_after(tail: str) -> LabelIds:
-        label_ids = by_tail.get(tail)
+    def derive(end: str) -> LabelIds:
+        label_ids = by_end.get(end)
         if label_ids is None:
             try:
-                label_ids = by_tail[tail] = label_continuations(encode, tail, body.labels, body.leading_space)
+                label_ids = by_end[end] = label_continuations(encode, end, body.labels, body.leading_space)
                 check_distinct(body.labels, label_ids)
             except LabelTokenError as e:
                 raise bad(str(e)) from e
@@ -353,19 +355,30 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
                 )
         return label_ids
 
+    def labels_after(text: str) -> LabelIds:
+        nonlocal short_ends
+        anchor, key = text[-ANCHOR_CHARS:], label_key(text)
+        if short_ends is None:
+            # Once per call, on its first prompt: a tokenizer whose pieces do run from a word into
+            # the whitespace after it gets the whole anchor's derivation for every prompt.
+            full = derive(anchor)
+            try:
+                short_ends = key == anchor or derive(key) == full
+            except HTTPError:
+                short_ends = False
+        return derive(key if short_ends else anchor)
+
     if isinstance(p, list) and len(p) > 1 and isinstance(p[0], str):
         # Labels of several tokens take one prefill each per prompt: known from the first prompt's
         # labels, checked against the queue before any other prompt or label is tokenized.
-        if single_tokens(labels_after(p[0][-ANCHOR_CHARS:])) is None:
+        if single_tokens(labels_after(p[0])) is None:
             rt.check_queue(n_prompts * len(body.labels))
     prompts = _classify_prompts(rt, body)
     if not prompts:
         raise bad("prompt is empty")
     items = []
     for ids, text, shared in prompts:
-        label_ids = labels_after(
-            (text if text is not None else rt.decode(ids[-_TAIL_TOKENS:]))[-ANCHOR_CHARS:]
-        )
+        label_ids = labels_after(text if text is not None else rt.decode(ids[-_TAIL_TOKENS:]))
         # One next-token distribution when every label is its own single token; otherwise one
         # prefill per label over prompt + label (the prompt cached by the first).
         multi = single_tokens(label_ids) is None

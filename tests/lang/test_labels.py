@@ -53,3 +53,40 @@ def test_multi_token_labels_prompt_once(tiny_model, mode: str) -> None:
         assert continuation_score(got, "sum") == pytest.approx(
             continuation_score(today.input_token_logprobs[-len(cont) :], "sum"), abs=1e-4
         )
+
+
+def test_labels_after_the_prompts_last_word_are_those_after_its_whole_end(tmp_path) -> None:
+    """`label_key`'s short end (from the last whitespace before a word) gives each label the
+    tokens the whole 64-character end gives it, or the same refusal, on random texts of words,
+    digits, punctuation and whitespace runs (the tiny tokenizer's GPT-2-like pieces)."""
+    import random
+    import string
+
+    from po_backend.core.labels import ANCHOR_CHARS, label_continuations, label_key
+    from tests.tiny_tokenizer import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def derive(end: str, labels: list[str], leading: bool | None) -> object:
+        try:
+            return label_continuations(encode, end, labels, leading)
+        except ValueError as e:
+            return type(e).__name__
+
+    rng = random.Random(0)
+    chars = string.ascii_letters + string.digits + " \n\t:.,!?-'\""
+    shorter = 0
+    for _ in range(1500):
+        text = "".join(rng.choice(chars) for _ in range(rng.randrange(1, 100)))
+        labels = ["".join(rng.choice(chars) for _ in range(rng.randrange(1, 6))) for _ in range(3)]
+        key = label_key(text)
+        assert text.endswith(key) and len(key) <= ANCHOR_CHARS
+        shorter += len(key) < len(text[-ANCHOR_CHARS:])
+        for leading in (None, True, False):
+            whole = derive(text[-ANCHOR_CHARS:], labels, leading)
+            assert derive(key, labels, leading) == whole, (text, labels)
+    assert shorter > 1000  # most texts have a shorter end than their last 64 characters
+    assert label_key("Post 7: hello\nAnswer:") == label_key("Post 12345: bye\nAnswer:") == "\nAnswer:"

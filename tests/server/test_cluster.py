@@ -145,9 +145,14 @@ def rerank_calls(worker_url: str) -> int:
     )
 
 
+def cluster_key(router_url: str, kind: str) -> str:
+    """The `kind` key ("admin", "worker") the launcher made for the cluster at `router_url`."""
+    return launch_cluster.key_path(httpx.URL(router_url).port or 0, kind).read_text().strip()
+
+
 def worker_urls(router_url: str) -> list[str]:
     """The workers the router routes to, from its worker API (with the admin key the launcher made)."""
-    key = launch_cluster.admin_key_path(httpx.URL(router_url).port or 0).read_text().strip()
+    key = cluster_key(router_url, "admin")
     r = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
     return sorted(w["url"] for w in r.json()["workers"])
 
@@ -172,9 +177,11 @@ def test_a_hot_users_burst_spreads_over_the_workers(cluster: tuple[str, subproce
     assert sum(spread) == 60 and min(spread) > 0, spread
 
 
-def submitted(worker_url: str) -> int:
-    """Prompts the worker's scheduling loop has taken (its /server_info)."""
-    return int(httpx.get(worker_url + "/server_info", timeout=10).json()["internal_states"][0]["submitted"])
+def submitted(worker_url: str, key: str) -> int:
+    """Prompts the worker's scheduling loop has taken (its /server_info, with the worker key the
+    router sends it)."""
+    r = httpx.get(worker_url + "/server_info", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return int(r.json()["internal_states"][0]["submitted"])
 
 
 @pytest.mark.slow
@@ -188,7 +195,8 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(clusters: Clusters)
     victim = workers[0]
     victim_url = url_of(victim)
     assert victim_url in worker_urls(url)
-    before = submitted(victim_url)
+    key = cluster_key(url, "worker")
+    before = submitted(victim_url, key)
 
     async def burst() -> list[Any]:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -200,7 +208,7 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(clusters: Clusters)
             tasks = [send(i) for i in range(100)]
             # Mid-burst: once the victim holds some of the burst (the tasks send meanwhile).
             await asyncio.to_thread(
-                poll_until, lambda: submitted(victim_url) > before, "the victim worker has requests"
+                poll_until, lambda: submitted(victim_url, key) > before, "the victim worker has requests"
             )
             victim.kill()  # SIGKILL: no drain, no goodbye
             tasks += [send(i) for i in range(100, 120)]  # after the death: the router routes around it
@@ -247,6 +255,7 @@ def test_a_lone_call_routed_to_a_killed_worker_is_answered(tokenized_llama: Path
     routes = GENERATE_ROUTES if task == "generate" else EMBED_ROUTES
     with launched_cluster(tokenized_llama, ["--workers", "2", "--task", task]) as (url, proc):
         workers = {url_of(w): w for w in worker_procs(proc)}
+        key = cluster_key(url, "worker")
         # The victim: the worker the router sends the first call to; then, for every route, a
         # call it sends there (cache_aware sends a text matching no worker's tree to the worker
         # with the least; which that is, is the router's business).
@@ -255,10 +264,10 @@ def test_a_lone_call_routed_to_a_killed_worker_is_answered(tokenized_llama: Path
         with httpx.Client(timeout=60) as client:
             for route in routes:
                 for i in range(12):
-                    before = {w: submitted(w) for w in workers}
+                    before = {w: submitted(w, key) for w in workers}
                     resp = client.post(url + route, json=routed_call(route, i))
                     assert resp.status_code == 200, (route, resp.status_code, resp.text[:200])
-                    [took] = [w for w in workers if submitted(w) > before[w]]
+                    [took] = [w for w in workers if submitted(w, key) > before[w]]
                     victim_url = victim_url or took
                     if took == victim_url:
                         on_victim.append((route, routed_call(route, i)))

@@ -2,9 +2,10 @@
 model's context, 1,024) and a live cluster: no cheap call buys minutes of tokenizer CPU (a shared
 query tokenized once and checked before its items, a per-call bound on tokenizer input, work
 stopped for a client that left), limits checked before any tokenizing, idle sockets that lock
-nobody out, no data key that opens the router's control plane, children that die with their
-launcher, no prefix-cache namespace promised that the server cannot keep, /flush_cache closed to
-other sites' pages, output files and cache folders that are not ours refused, strict parsing.
+nobody out, every cluster route behind a key, no data key that opens the router's control plane
+or flushes a worker, children that die with their launcher, no prefix-cache namespace promised
+that the server cannot keep, /flush_cache closed to other sites' pages, output files and cache
+folders that are not ours refused, strict parsing.
 
 What a hostile call costs the server is read from its own counter of tokenizer input
 (`po_tokenized_chars_total`), not from wall time; what a well-behaved client sees meanwhile (a
@@ -20,6 +21,7 @@ import random
 import signal
 import socket
 import stat
+import string
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -36,6 +38,7 @@ from tests.server_utils import (
     REPO_ROOT,
     FakeService,
     ServerProcess,
+    dead_url,
     error_message,
     metric,
     poll_until,
@@ -183,6 +186,25 @@ def test_a_client_that_leaves_stops_its_tokenizing(server: ServerProcess) -> Non
     assert httpx.post(server.url + "/generate", json=SMALL, timeout=30).status_code == 200
 
 
+@pytest.mark.slow
+def test_classify_tokenizes_each_label_once_per_call(server: ServerProcess) -> None:
+    """1,024 distinct prompts ending alike x 64 labels (one token each, so the call fits the
+    queue): each label is tokenized after the prompts' common end, not once per prompt (65,536
+    tokenizings), and every prompt gets every label's answer."""
+    prompts = [f"Post {i}: hello\nAnswer:\n" for i in range(1024)]
+    labels = list(string.ascii_letters + string.digits + "!?")
+    before = tokenized(server.url)
+    r = _post(server.url, "/v1/classify", {"prompt": prompts, "labels": labels})
+    assert r.status_code == 200, r.text[:300]
+    rows = r.json()["data"]
+    assert len(rows) == len(prompts) and all(len(row["probs"]) == len(labels) for row in rows)
+    spent = tokenized(server.url) - before
+    # The prompts once each, and the labels after at most two ends of 64 characters (the first
+    # prompt's whole end, checked against its short one).
+    bound = sum(len(p) for p in prompts) + 2 * (64 + sum(64 + len(x) + 1 for x in labels))
+    assert spent <= bound, f"{spent:.0f} characters tokenized, at most {bound} expected"
+
+
 IDLE_CONNECTIONS = 2100  # above the former default limit of 2,048 connections
 
 
@@ -259,8 +281,8 @@ def test_calls_in_flight_are_limited_and_health_never_is() -> None:
 
 
 def test_tokenizer_input_is_bounded_as_a_call_tokenizes(tokenized_llama: Path) -> None:
-    """Where the total is not known before tokenizing (a classify call's labels after each prompt
-    ending), --max-tokenize-chars is counted as the call goes: a 413, and no more tokenized."""
+    """Where the total is not known before tokenizing (a classify call's labels after each distinct
+    prompt ending), --max-tokenize-chars is counted as the call goes: a 413, and no more tokenized."""
     from transformers import AutoTokenizer
 
     from po_backend.server import ServerArgs, Settings, create_app
@@ -269,7 +291,10 @@ def test_tokenizer_input_is_bounded_as_a_call_tokenizes(tokenized_llama: Path) -
     answer = lambda r: ScoreResult([-1.0] * len(r.label_token_ids), [(7, -0.5)], prompt_tokens=3)  # noqa: E731
     service = FakeService(answer=answer, tokenizer=tok, vocab_size=len(tok))
     app = create_app(service, ServerArgs(engine=Settings(model_path="m"), max_tokenize_chars=2000))
-    body = {"prompt": [f"Post {i}: hello\nAnswer:" for i in range(40)], "labels": ["yes", "no"]}
+    # Each prompt ends differently: its labels are tokenized after it, the prompts alone fit.
+    prompts = [f"Post: hello\nAnswer for post number {i} here{i}:" for i in range(40)]
+    assert sum(map(len, prompts)) < 2000
+    body = {"prompt": prompts, "labels": ["yes", "no"]}
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/v1/classify", json=body)
         assert r.status_code == 413 and "--max-tokenize-chars" in error_message(r), r.text
@@ -432,13 +457,48 @@ def test_label_refuses_an_output_it_did_not_write(
     assert "3 from an earlier run" in capsys.readouterr().out
 
 
-# ---- launch_cluster: the admin key is never the data key; children die with the launcher --------------
+# ---- launch_cluster: every route needs a key, the admin key is never the data key, no data-key
+# holder flushes a worker, children die with the launcher -------------------------------------------
+
+# The router's own routes (sglang-router 0.3.2): (method, path, the key that opens it).
+ROUTER_ROUTES = [
+    ("GET", "/v1/models", "data"), ("GET", "/get_model_info", "data"), ("GET", "/get_server_info", "data"),
+    ("GET", "/engine_metrics", "data"), ("GET", "/health_generate", "data"),
+    ("POST", "/generate", "data"), ("POST", "/v1/completions", "data"), ("POST", "/v1/rerank", "data"),
+    ("POST", "/v1/tokenize", "data"), ("GET", "/ha/status", "data"), ("GET", "/no/such/route", "data"),
+    ("POST", "/flush_cache", "admin"), ("GET", "/get_loads", "admin"), ("GET", "/workers", "admin"),
+    ("GET", "/v1/tokenizers", "admin"), ("GET", "/wasm", "admin"),
+]  # fmt: skip
+ROUTE_BODIES = {
+    "/generate": SMALL,
+    "/v1/completions": {"model": "m", "prompt": "hello cats", "max_tokens": 1},
+    "/v1/rerank": {"query": "which pets play", "documents": ["cats play", "tax news"]},
+    "/v1/tokenize": {"model": "m", "prompt": "hello"},
+}
+
+
+def child_port(proc: Any, marker: str) -> int:
+    cmdline = proc.cmdline()
+    assert marker in " ".join(cmdline)
+    return int(cmdline[cmdline.index("--port") + 1])
+
+
+def listening(proc: Any) -> list[int]:
+    """The ports `proc` answers the router's /liveness on (its metrics port answers every path
+    with the metrics)."""
+    ports = [c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN"]
+    return [p for p in ports if httpx.get(f"http://127.0.0.1:{p}/liveness", timeout=10).text == "OK"]
 
 
 @pytest.mark.slow
-def test_cluster_control_plane_needs_its_own_key_and_children_die_with_the_launcher(
+def test_cluster_routes_need_keys_no_data_key_flushes_and_children_die_with_the_launcher(
     tokenized_llama: Path, tmp_path: Path
 ) -> None:
+    """The real router behind launch_cluster's public port: every route of the router needs a key
+    (GET /health, /liveness, /readiness excepted), the data key opens the data routes and the
+    router's informational ones, only the admin key its control plane. A data-key holder cannot
+    flush a worker's cache: not through the router, not at the router's private port, not at the
+    worker itself; the admin key flushes them all through the router."""
     import psutil
 
     from po_backend.entrypoints import spawn
@@ -471,14 +531,56 @@ def test_cluster_control_plane_needs_its_own_key_and_children_die_with_the_launc
         admin = key_file.read_text().strip()
         assert admin and admin != key
         data = {"Authorization": f"Bearer {key}"}
-        fake = {"url": "http://127.0.0.1:1"}
-        for headers in ({}, data):
-            r = httpx.post(url + "/workers", json=fake, headers=headers, timeout=30)
-            assert r.status_code in (401, 403), (headers, r.status_code, r.text)
-            assert httpx.post(url + "/flush_cache", headers=headers, timeout=30).status_code in (401, 403)
-        r = httpx.post(url + "/flush_cache", headers={"Authorization": f"Bearer {admin}"}, timeout=30)
-        assert r.status_code == 200, r.text
+        keys = {"data": data, "admin": {"Authorization": f"Bearer {admin}"}}
+
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for path in ("/health", "/liveness", "/readiness"):
+                assert client.get(path).status_code == 200, path
+            for method, path, opener in ROUTER_ROUTES:
+                body = ROUTE_BODIES.get(path)
+                refused = [{}, {"Authorization": "Bearer wrong"}] + ([data] if opener == "admin" else [])
+                for given in refused:
+                    r = client.request(method, path, json=body, headers=given)
+                    assert r.status_code == 401, (method, path, given, r.status_code, r.text[:200])
+                r = client.request(method, path, json=body, headers=keys[opener])
+                assert r.status_code != 401, (method, path, opener, r.status_code, r.text[:200])
+                if path in ("/v1/models", "/get_model_info", "/get_server_info", "/generate", "/v1/rerank"):
+                    assert r.status_code == 200, (path, r.status_code, r.text[:200])
+            r = client.post("/workers", json={"url": "http://127.0.0.1:1"}, headers=data)
+            assert r.status_code == 401, r.text
+
+        # The router's private port and the worker take neither the data key nor none.
+        [worker] = [c for c in children if "launch_server" in " ".join(c.cmdline())]
+        [gate] = [c for c in children if "run-gate" in " ".join(c.cmdline())]
+        # The router renames its process: it is the other child that listens.
+        [router_port] = [p for c in children if c not in (worker, gate) for p in listening(c)]
+        router_url = f"http://127.0.0.1:{router_port}"
+        worker_url = f"http://127.0.0.1:{child_port(worker, 'launch_server')}"
+        for target in (router_url, worker_url):
+            for given in ({}, data):
+                assert (
+                    httpx.post(target + "/generate", json=SMALL, headers=given, timeout=30).status_code == 401
+                )
+        worker_key = (tmp_path / "cache" / "router" / f"worker-key-{port}").read_text().strip()
+        as_router = {"Authorization": f"Bearer {worker_key}"}
+
+        def cached() -> int:  # a prompt's cached tokens on the worker, asked as the router asks it
+            body = {"input_ids": list(range(5, 45)), "cache_prefix_len": 39}
+            r = httpx.post(worker_url + "/generate", json=body, headers=as_router, timeout=60)
+            assert r.status_code == 200, r.text
+            return int(r.json()["meta_info"]["cached_tokens"])
+
+        cached()
+        assert cached() > 0
+        for target in (url, router_url, worker_url):
+            r = httpx.post(target + "/flush_cache", headers=data, timeout=30)
+            assert r.status_code == 401, (target, r.status_code, r.text)
+        assert cached() > 0  # nobody with the data key emptied it
+        r = httpx.post(url + "/flush_cache", headers=keys["admin"], timeout=30)
+        assert r.status_code == 200 and r.json()["workers_flushed"] == 1, r.text
+        assert cached() == 0
         assert httpx.post(url + "/generate", json=SMALL, headers=data, timeout=60).status_code == 200
+
         # kill -9: no SIGTERM handler runs, nothing is stopped by the launcher itself.
         launcher.proc.send_signal(signal.SIGKILL)
         launcher.proc.wait()
@@ -486,7 +588,7 @@ def test_cluster_control_plane_needs_its_own_key_and_children_die_with_the_launc
         def gone() -> bool:
             return not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
 
-        poll_until(gone, "the workers and the router exit with their launcher", timeout=30)
+        poll_until(gone, "the workers, the router and the gate exit with their launcher", timeout=30)
     finally:
         for child in children:
             if child.is_running():
@@ -494,3 +596,103 @@ def test_cluster_control_plane_needs_its_own_key_and_children_die_with_the_launc
         if launcher.proc.poll() is None:
             launcher.proc.kill()
             launcher.proc.wait()
+
+
+def test_gate_swaps_the_data_key_and_forwards_the_rest_unchanged() -> None:
+    """The cluster's public port on its own, before an app that echoes what it got: the data key
+    reaches the router as the worker key, the admin key as itself, anything else is a 401 that
+    never reaches it (GET of the liveness probes aside); method, path, query, body and headers go
+    through unchanged, and a router that does not answer is a 502."""
+    from po_backend.entrypoints.gate import Gate, Keys
+
+    seen: list[dict[str, Any]] = []
+
+    async def router(scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = [(k.decode(), v.decode()) for k, v in scope["headers"]]
+        seen.append({"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
+                     "body": body.decode(), "headers": headers})  # fmt: skip
+        await send({"type": "http.response.start", "status": 207, "headers": [(b"x-router", b"yes")]})
+        await send({"type": "http.response.body", "body": b"answer"})
+
+    keys = Keys(data="d", admin="a", worker="w")
+    with pytest.raises(ValueError):
+        Keys(data="a", admin="a", worker="w")
+
+    async def run() -> None:
+        gate = Gate("http://router", keys, transport=httpx.ASGITransport(app=router))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://gate") as c:
+            r = await c.post(
+                "/v1/rerank?x=1", content=b'{"q": 1}', headers={"Authorization": "Bearer d", "X-Id": "7"}
+            )
+            assert (r.status_code, r.text, r.headers["x-router"]) == (207, "answer", "yes")
+            got = seen[-1]
+            assert (got["method"], got["path"], got["query"], got["body"]) == (
+                "POST",
+                "/v1/rerank",
+                "x=1",
+                '{"q": 1}',
+            )
+            assert [v for k, v in got["headers"] if k == "authorization"] == ["Bearer w"]
+            assert ("x-id", "7") in got["headers"]
+            r = await c.post("/workers", headers={"Authorization": "bearer a"})
+            assert r.status_code == 207 and [v for k, v in seen[-1]["headers"] if k == "authorization"] == [
+                "Bearer a"
+            ]
+            n = len(seen)
+            for headers in (
+                {},
+                {"Authorization": "Bearer w"},
+                {"Authorization": "Bearer dd"},
+                {"Authorization": "d"},
+            ):
+                for method, path in (("GET", "/v1/models"), ("GET", "/get_server_info"), ("POST", "/health")):
+                    r = await c.request(method, path, headers=headers)
+                    assert r.status_code == 401 and "API key" in error_message(r), (method, path, headers)
+            assert (await c.get("/%68ealth")).status_code == 401  # the path as the router matches it
+            assert len(seen) == n  # none of them reached the router
+            for path in ("/health", "/liveness", "/readiness"):
+                assert (await c.get(path, headers={"Authorization": "Bearer dd"})).status_code == 207
+                assert not any(k == "authorization" for k, _ in seen[-1]["headers"])
+        keyless = Gate(
+            "http://router", Keys(data=None, admin="a", worker="w"), transport=httpx.ASGITransport(app=router)
+        )
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyless), base_url="http://gate") as c:
+            assert (await c.get("/v1/models")).status_code == 207
+            assert [v for k, v in seen[-1]["headers"] if k == "authorization"] == ["Bearer w"]
+        with dead_url() as nobody:
+            down = Gate(nobody, keys)
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=down), base_url="http://gate"
+            ) as c:
+                r = await c.get("/v1/models", headers={"Authorization": "Bearer d"})
+                assert r.status_code == 502 and "router" in error_message(r)
+
+    asyncio.run(run())
+
+
+def test_workers_get_the_worker_key_and_no_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's environment holds the key the router sends it, not the data key, the router's
+    admin key or a single server's admin key the launcher's own environment may hold."""
+    from po_backend.entrypoints import launch_cluster as lc
+
+    for name, value in (
+        (lc.API_KEY_ENV, "data"),
+        (lc.ADMIN_KEY_ENV, "admin"),
+        (lc.SERVER_ADMIN_KEY_ENV, "x"),
+    ):
+        monkeypatch.setenv(name, value)
+    env = lc.worker_env(2, 0, [], "worker")
+    assert env[lc.API_KEY_ENV] == "worker"
+    assert not {lc.ADMIN_KEY_ENV, lc.SERVER_ADMIN_KEY_ENV, lc.WORKER_KEY_ENV} & set(env)
+    assert lc.API_KEY_ENV not in lc.worker_env(2)
+    keys = lc.keys_env(None, "admin2", "worker2")
+    assert lc.API_KEY_ENV not in keys and (keys[lc.ADMIN_KEY_ENV], keys[lc.WORKER_KEY_ENV]) == (
+        "admin2",
+        "worker2",
+    )
