@@ -190,7 +190,7 @@ def labeling(model: str, args: argparse.Namespace, dt: torch.dtype) -> dict[str,
     def record(name: str, seconds: float, probs: list[float], other: float) -> None:
         out["systems"][name] = {"seconds": seconds, "items_per_s": len(items) / seconds, "other_cores": other}
         p_yes[name] = probs
-        print(f"  labeling {name}: {len(items) / seconds:.2f} items/s ({seconds:.1f} s)")
+        print(f"  labeling {name}: {len(items) / seconds:.3g} items/s ({seconds:.1f} s)")
 
     max_len = max(len(it.ids) for it in items) + 8
     jobs: dict[str, Any] = {
@@ -291,7 +291,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"# Real shapes on {m['cpu']} ({m['cpu_class']}, {m['cores']} cores)",
         "",
         f"**{shapes.WEIGHTS_NOTE}.** CPU flags: {flags}. dtype {doc['dtype']} (what `--dtype auto` picks "
-        f"here); measured GEMM peak (2048^3, x @ W.t()) {doc['gemm_peak_gflops']:.1f} GFLOP/s in this run. "
+        f"here); measured GEMM peak (2048^3, x @ W.t()) {doc['gemm_peak_gflops']:.1f} GFLOP/s at the start "
+        f"of this run (the shares below are of it), {doc.get('gemm_peak_gflops_end', float('nan')):.1f} at its end. "
         "Best of the interleaved repeats; 'other cores' is the CPU other processes used meanwhile.",
         "",
         "| shape | tokens | ours tok/s | ours % of GEMM peak | transformers tok/s | transformers % of peak "
@@ -339,7 +340,7 @@ def markdown(doc: dict[str, Any]) -> str:
         base = job["systems"]["transformers"]["items_per_s"]
         for k, v in job["systems"].items():
             d = job["max_abs_p_yes_vs_transformers"][k]
-            lines.append(f"| {k} | {v['items_per_s']:.2f} | {v['items_per_s'] / base:.2f}x | {d:.1e} |")
+            lines.append(f"| {k} | {v['items_per_s']:.3g} | {v['items_per_s'] / base:.2f}x | {d:.1e} |")
     if not llamacpp.available():
         lines += ["", "llama.cpp: not run (llama-cpp-python is not installed: `pip install .[llamacpp]`)."]
     return "\n".join(lines) + "\n"
