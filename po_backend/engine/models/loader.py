@@ -109,7 +109,11 @@ def _convert(gguf: Path, target: Path) -> None:
     try:
         phase(2, "reading and dequantising the GGUF tensors")
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, low_cpu_mem_usage=True
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.float32,
+            low_cpu_mem_usage=True,
+            **_gguf_config_fields(gguf),
         )
         # save_pretrained refuses a GGUF-"quantized" model; the weights are already dequantised.
         model.config.quantization_config = None
@@ -135,6 +139,22 @@ def _convert(gguf: Path, target: Path) -> None:
 
 
 GGUF_SOURCE = "gguf_source.json"
+
+
+def _gguf_config_fields(gguf_path: Path) -> dict[str, Any]:
+    """config.json fields a GGUF holds that transformers' reader drops: the head size
+    (`attention.key_length`), which it reads for no Qwen3, so a Qwen3 whose head size is not the
+    config class's default (128) did not load."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.get_field("general.architecture")
+    if arch is None:
+        return {}
+    key_length = reader.get_field(f"{arch.contents()}.attention.key_length")
+    return {} if key_length is None else {"head_dim": int(key_length.contents())}
+
+
 # llama.cpp's names of a decoder layer's projections, fused as our layers fuse them.
 _GGUF_PROJECTIONS = {
     "qkv_proj": ("attn_q", "attn_k", "attn_v"),
