@@ -82,12 +82,14 @@ def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W in int8 per output channel and x quantized per token.
 
-    `qweight` is stored [in, out] (the layout `torch._int_mm` reads without a transpose);
-    `scale` [out] fp32; the bias stays the layer's own parameter, in the model dtype."""
+    `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose); `scale` [out]
+    fp32; the bias stays the layer's own parameter, in the model dtype. On fbgemm only its packed
+    copy is kept (`qweight` unpacks it when asked: the int8 cache, tests), so the weights' memory
+    is one int8 copy on every backend."""
 
     # The checkpoint loader skips a projection that is already int8 (read from the int8 cache).
     weight_loader = None
-    qweight: torch.Tensor
+    q: torch.Tensor | None
     scale: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, backend: GemmBackend = "int_mm") -> None:
@@ -98,9 +100,9 @@ class Int8Linear(nn.Module):
             # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
             qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
             qweight = qt.t().contiguous()
-        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
         self.backend: GemmBackend = backend
+        self.shape = (int(qweight.shape[0]), int(qweight.shape[1]))
         self.packed: torch.Tensor | None = None
         if backend == "fbgemm":  # fbgemm's own weight layout, packed once
             wq = torch._make_per_channel_quantized_tensor(
@@ -110,6 +112,9 @@ class Int8Linear(nn.Module):
                 0,
             )
             self.packed = torch.ops.quantized.linear_prepack(wq, None)
+            self.q = None
+        else:
+            self.register_buffer("q", qweight)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, backend: GemmBackend = "int_mm") -> Int8Linear:
@@ -118,12 +123,21 @@ class Int8Linear(nn.Module):
         return cls(q.t().contiguous(), scale, backend)
 
     @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weight [in, out]."""
+        if self.q is not None:
+            return self.q
+        assert self.packed is not None
+        wq, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return wq.int_repr().t().contiguous()
+
+    @property
     def in_features(self) -> int:
-        return int(self.qweight.shape[0])
+        return self.shape[0]
 
     @property
     def out_features(self) -> int:
-        return int(self.qweight.shape[1])
+        return self.shape[1]
 
     def dequantized(self) -> torch.Tensor:
         """The weight the int8 one stands for, [out, in] fp32 (tests and the reference path)."""
@@ -135,8 +149,9 @@ class Int8Linear(nn.Module):
         if self.packed is not None:
             out.copy_(_fbgemm_per_token(x, self.packed))
             return out
+        assert self.q is not None
         q, sx = _quantize_tokens(x)
-        acc = _gemm(q, self.qweight, self.backend)
+        acc = _gemm(q, self.q, self.backend)
         # (acc * s_x) * s_w in fp32, rounded once into a narrower `out`.
         if out.dtype == torch.float32:
             torch.mul(acc, sx, out=out)
@@ -233,6 +248,10 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (the int8 weights and their scales included)."""
+    """Bytes of every parameter and buffer (the int8 weights and their scales included; fbgemm's
+    packed int8 weights counted at one byte a value)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    packed = sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear) and m.q is None
+    )
+    return packed + sum(t.numel() * t.element_size() for t in tensors.values())
