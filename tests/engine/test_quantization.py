@@ -338,3 +338,29 @@ def test_labeling_cli_and_bench_take_the_setting() -> None:
     assert engine_options(parse_args(["x.jsonl", "--labels", "a,b"])) == {}
     with pytest.raises(SystemExit):
         parse_args(["x.jsonl", "--labels", "a,b", "--server", "http://h", "--quantization", "w8a8_int8"])
+
+
+@pytest.mark.embedded
+def test_embedded_int8_cache_hit_equals_cold_run() -> None:
+    """On the real model (outlier channels, so a last-bit difference that crossed an int8 rounding
+    boundary would show): items scored over a cached prefix, together, give the cold run's answers."""
+    engine = Engine.from_pretrained(
+        "embedded", dtype="fp32", quantization="w8a8_int8", max_input_len=128, max_batch_tokens=256
+    )
+    tok = engine.tokenizer
+    prefix = tok.encode("Profile: Ana bakes bread, hikes on weekends and reads about astronomy.\n")
+    items = [
+        tok.encode(f"Item: {t}\nWould she like it? Answer Yes or No.\nAnswer:", add_special_tokens=False)
+        for t in ("A sourdough starter guide.", "Stargazing in the desert.", "Celebrity gossip weekly.")
+    ]
+    labels = [tok.encode(" Yes")[0], tok.encode(" No")[0]]
+    cold = []
+    for it in items:
+        engine.flush_cache()
+        cold += engine.score([prefix + it], labels, cache_prefix_len=len(prefix))
+    engine.flush_cache()
+    engine.score([prefix], labels, cache_prefix_len=len(prefix))
+    hit = engine.score([prefix + it for it in items], labels, cache_prefix_len=len(prefix))
+    assert all(r.cached_tokens == len(prefix) for r in hit)
+    for a, b in zip(cold, hit, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
