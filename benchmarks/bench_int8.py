@@ -4,9 +4,10 @@
   chunk): our fp32 / bf16 matmul, `torch._int_mm` (oneDNN) with and without the per-token
   activation quantization around it (what `Int8Linear` runs), torch.ao's dynamically quantized
   linear (fbgemm, per-tensor activations) and torchao's int8 dynamic config when it is importable.
-- `forward`: one cold `--tokens` forward of a Qwen2.5-1.5B-shaped model (random weights, real shape;
-  `--layers` of its 28 decoder layers) and of the embedded model, in fp32 (the auto dtype on an
-  AVX2-only CPU) and with `--quantization w8a8_int8`, plus the weights' bytes of each.
+- `forward`: cold `--tokens` forwards of a Qwen2.5-1.5B-shaped model (random weights, real shape;
+  `--layers` of its 28 decoder layers) and of the embedded model, fp32 (the auto dtype on an
+  AVX2-only CPU) and `--quantization w8a8_int8` loaded side by side and timed in turns, with the
+  weights' bytes of each.
 
     python -m benchmarks.bench_int8 --out /tmp/int8.json
 """
