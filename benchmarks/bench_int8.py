@@ -4,9 +4,10 @@
   chunk): our fp32 / bf16 matmul, `torch._int_mm` (oneDNN) with and without the per-token
   activation quantization around it (what `Int8Linear` runs), torch.ao's dynamically quantized
   linear (fbgemm, per-tensor activations) and torchao's int8 dynamic config when it is importable.
-- `forward`: one cold `--tokens` forward of a Qwen2.5-1.5B-shaped model (random weights, real shape;
-  `--layers` of its 28 decoder layers) and of the embedded model, in fp32 (the auto dtype on an
-  AVX2-only CPU) and with `--quantization w8a8_int8`, plus the weights' bytes of each.
+- `forward`: cold `--tokens` forwards of a Qwen2.5-1.5B-shaped model (random weights, real shape;
+  `--layers` of its 28 decoder layers) and of the embedded model, fp32 (the auto dtype on an
+  AVX2-only CPU) and `--quantization w8a8_int8` loaded side by side and timed in turns, with the
+  weights' bytes of each.
 
     python -m benchmarks.bench_int8 --out /tmp/int8.json
 """
@@ -99,7 +100,11 @@ def _ops(m: int, k: int, n: int, bf16: bool, ao: Any) -> dict[str, Callable[[], 
     return ops
 
 
-def forward_rows(tokens: int, layers: int, repeats: int) -> list[dict[str, Any]]:
+def forward_rows(tokens: int, layers: int, repeats: int, models: list[str]) -> list[dict[str, Any]]:
+    """fp32 and int8 engines of each model loaded side by side and timed in turns (A B A B), so a
+    change of load on a shared machine hits both alike; best-of and median ratios."""
+    import statistics
+
     import transformers
 
     from po_backend import Engine
@@ -110,41 +115,54 @@ def forward_rows(tokens: int, layers: int, repeats: int) -> list[dict[str, Any]]
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.save_pretrained(tmp)
         del model
-        for label, path in (("Qwen2.5-1.5B shape", tmp), ("embedded (SmolLM2-135M)", "embedded")):
+        paths = {"Qwen2.5-1.5B shape": tmp, "embedded (SmolLM2-135M)": "embedded"}
+        for label in models:
             ids = torch.randint(3, 40000, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-            times = {}
-            for quant in (None, "w8a8_int8"):
-                eng = Engine.from_pretrained(
-                    path, dtype="fp32", quantization=quant, max_input_len=tokens, enable_cache=False
+            engines = {
+                quant: Engine.from_pretrained(
+                    paths[label], dtype="fp32", quantization=quant, max_input_len=tokens, enable_cache=False
                 )
-                s = best(lambda eng=eng, ids=ids: eng.score([ids], [0]), repeats)
-                times[quant] = s
-                rows.append(
-                    {
-                        "model": label,
-                        "layers": eng.model_config.num_layers,
-                        "quantization": quant,
-                        "forward_s": s,
-                        "weight_bytes": weight_bytes(eng.model),
-                        "speedup_vs_fp32": times[None] / s,
-                    }
-                )
-                print(rows[-1], flush=True)
-                del eng
+                for quant in (None, "w8a8_int8")
+            }
+            times: dict[str | None, list[float]] = {q: [] for q in engines}
+            for eng in engines.values():  # warm-up
+                eng.score([ids[:128]], [0])
+            for _ in range(repeats):
+                for quant, eng in engines.items():
+                    t = time.perf_counter()
+                    eng.score([ids], [0])
+                    times[quant].append(time.perf_counter() - t)
+            f, q = times[None], times["w8a8_int8"]
+            row = {
+                "model": label,
+                "layers": engines[None].model_config.num_layers,
+                "tokens": tokens,
+                "fp32_s": f,
+                "int8_s": q,
+                "speedup_best": min(f) / min(q),
+                "speedup_median": statistics.median(f) / statistics.median(q),
+                "speedup_per_pair": [a / b for a, b in zip(f, q, strict=True)],
+                "weight_bytes_fp32": weight_bytes(engines[None].model.layers),
+                "weight_bytes_int8": weight_bytes(engines["w8a8_int8"].model.layers),
+            }
+            rows.append(row)
+            print(row, flush=True)
+            del engines
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, None, "one repeat")
     flags(ap, tokens=(2048, "forward length"), layers=(8, "decoder layers of the 1.5B shape (it has 28)"))
-    flags(ap, repeats=(3, "best of this many"), skip_gemm=(False, "forwards only"))
+    flags(ap, repeats=(3, "pairs of forwards"), skip_gemm=(False, "forwards only"))
+    ap.add_argument("--models", nargs="+", default=["Qwen2.5-1.5B shape", "embedded (SmolLM2-135M)"])
     args = ap.parse_args(argv)
     if args.out is None:
         ap.error("--out is required")
     repeats = 1 if args.quick else args.repeats
     doc: dict[str, Any] = {"cpu_class": cpu_class(), "torch": torch.__version__}
     doc["gemm"] = [] if args.skip_gemm else gemm_rows(repeats)
-    doc["forward"] = forward_rows(args.tokens, args.layers, repeats)
+    doc["forward"] = forward_rows(args.tokens, args.layers, repeats, args.models)
     harness.save(args.out, {"machine": harness.machine_info(), **doc})
     return 0
 

@@ -31,6 +31,7 @@ from po_backend.engine.activations import activation_bytes, chunked_activation_b
 from po_backend.engine.attention import attend, attend_items
 from po_backend.engine.cache.kv_pool import KVPool
 from po_backend.engine.config import PREFILL_MODES, PrefillMode, ResidualDtype, resolve_residual
+from po_backend.engine.models.int8 import is_quantized
 from po_backend.engine.models.layers import Rotary
 from po_backend.engine.models.llama import LlamaForCausalLM
 
@@ -95,8 +96,9 @@ class Runner(ABC):
         self.attention = attention_cpu.decide(self.dtype, device, self.cfg.head_dim)
         self.attn_dtype = _attention_dtype(self.dtype, self.resid_dtype, device, self.attention)
         # Items over a shared prefix get the bits they would alone (`attend_items`' per_item)
-        # where those bits matter: under bf16/fp16 weights on a CPU (a GPU is launch-bound).
-        self.items_alone = self.dtype != torch.float32 and device.type == "cpu"
+        # where those bits matter: under bf16/fp16 weights or int8 projections on a CPU (a GPU is
+        # launch-bound); int8's per-token rounding would turn last-bit differences into steps.
+        self.items_alone = (self.dtype != torch.float32 or is_quantized(model)) and device.type == "cpu"
         log.info(
             "attention: %s in %s (%s); residual stream in %s",
             "the bf16 CPU kernel" if self.attention.attention == "kernel" else "torch SDPA",

@@ -99,12 +99,42 @@ def test_dispatch_per_cpu_class(
 def test_fbgemm_linear_within_int8_error() -> None:
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(300, 576, generator=g), torch.randn(960, 576, generator=g)
+    x[:, 3] *= 30  # an outlier channel, as trained models have
     exact = x.double() @ w.double().t()
     lin = Int8Linear.from_float(w, "fbgemm")
+    assert int(lin.qweight.abs().max()) == int8.FBGEMM_WMAX
     got = lin(x).double()
+    # 8-bit activations: the error of the same rounding emulated in fp64 (7-bit ones double it).
+    emulated = _fake_quant_rows(x) @ lin.dequantized().double().t()
+    assert (got - exact).norm() <= 1.05 * (emulated - exact).norm()
     assert (got - exact).abs().max() <= 0.05 * exact.abs().max()
-    # Per token: a row's answer does not depend on the rows beside it.
-    torch.testing.assert_close(lin(x[7:9] * 100), lin(x * 100)[7:9], rtol=1e-6, atol=1e-4)
+
+
+def test_fbgemm_never_saturates() -> None:
+    # fbgemm's AVX2 kernel adds u8 x s8 pairs in int16: rows at full range times full-range
+    # weights are its worst case (8-bit weights there would read 2 instead of 256).
+    w = torch.ones(64, 256)
+    x = torch.ones(3, 256)
+    x[1] = -1
+    x[2, ::2] = -1
+    lin = Int8Linear.from_float(w, "fbgemm")
+    torch.testing.assert_close(lin(x), x @ w.t(), rtol=0.01, atol=0.01)
+    # A weight stored at +-127 (the int8 cache of another backend, a GGUF) is re-rounded to +-63.
+    q, scale = quantize_rows(w)
+    assert int(Int8Linear(q.t().contiguous(), scale, "fbgemm").qweight.abs().max()) == 63
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "int_mm", "reference"])
+def test_a_tokens_output_does_not_depend_on_its_batch(backend: int8.GemmBackend) -> None:
+    # Per-token activations: a row gives the same bits alone, among ordinary rows, or beside an
+    # outlier row 1000x larger (one scale per tensor would crush its precision).
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(40, 576, generator=g), torch.randn(96, 576, generator=g)
+    lin = Int8Linear.from_float(w, backend)
+    alone = lin(x[7:8].clone())
+    with_outlier = lin(torch.cat([x[:10], x[10:11] * 1000]))
+    assert torch.equal(lin(x)[7:8], alone)
+    assert torch.equal(with_outlier[7:8], alone)
 
 
 def _engine(path: Path, **kw: object) -> Engine:
@@ -183,7 +213,11 @@ def test_int8_cache_skips_quantizing_and_gives_the_same_answers(
     assert qw < 0.3 * fw
 
 
-def test_cache_hit_equals_cold_run(tiny_model) -> None:
+@pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx512_vnni"}, set()])
+def test_cache_hit_equals_cold_run(tiny_model, flags: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every backend (fbgemm, _int_mm, reference): per-token int8 and items attended as they are
+    # alone make a hit compute the cold run's arithmetic, so no rounding boundary can differ.
+    monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset(flags))
     path, _ = tiny_model("llama")
     engine = _engine(path)
     prefix = _prompts(engine.vocab_size, [60], seed=3)[0]
@@ -197,7 +231,7 @@ def test_cache_hit_equals_cold_run(tiny_model) -> None:
     hit = engine.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
     assert all(r.cached_tokens == len(prefix) for r in hit)
     for a, b in zip(cold, hit, strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.logprobs == b.logprobs  # the same arithmetic: the same bits
 
 
 def test_bad_quantization_is_a_value_error(tiny_model) -> None:
@@ -255,6 +289,8 @@ def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.Monkey
     import transformers
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    # A VNNI CPU keeps the file's integers as they are (fbgemm re-rounds them to +-63).
+    monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
     cfg = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -302,3 +338,29 @@ def test_labeling_cli_and_bench_take_the_setting() -> None:
     assert engine_options(parse_args(["x.jsonl", "--labels", "a,b"])) == {}
     with pytest.raises(SystemExit):
         parse_args(["x.jsonl", "--labels", "a,b", "--server", "http://h", "--quantization", "w8a8_int8"])
+
+
+@pytest.mark.embedded
+def test_embedded_int8_cache_hit_equals_cold_run() -> None:
+    """On the real model (outlier channels, so a last-bit difference that crossed an int8 rounding
+    boundary would show): items scored over a cached prefix, together, give the cold run's answers."""
+    engine = Engine.from_pretrained(
+        "embedded", dtype="fp32", quantization="w8a8_int8", max_input_len=128, max_batch_tokens=256
+    )
+    tok = engine.tokenizer
+    prefix = tok.encode("Profile: Ana bakes bread, hikes on weekends and reads about astronomy.\n")
+    items = [
+        tok.encode(f"Item: {t}\nWould she like it? Answer Yes or No.\nAnswer:", add_special_tokens=False)
+        for t in ("A sourdough starter guide.", "Stargazing in the desert.", "Celebrity gossip weekly.")
+    ]
+    labels = [tok.encode(" Yes")[0], tok.encode(" No")[0]]
+    cold = []
+    for it in items:
+        engine.flush_cache()
+        cold += engine.score([prefix + it], labels, cache_prefix_len=len(prefix))
+    engine.flush_cache()
+    engine.score([prefix], labels, cache_prefix_len=len(prefix))
+    hit = engine.score([prefix + it for it in items], labels, cache_prefix_len=len(prefix))
+    assert all(r.cached_tokens == len(prefix) for r in hit)
+    for a, b in zip(cold, hit, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

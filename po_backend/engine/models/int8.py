@@ -7,8 +7,8 @@ caller's buffer (the model dtype, then the fp32 residual stream). Norms, attenti
 the LM head never pass through here: they stay in the model dtype.
 
 `gemm_backend` picks the GEMM from the CPU's flags: `torch._int_mm` (oneDNN: AVX512-VNNI,
-AVX-VNNI, AMX tiles), fbgemm's dynamic linear on AVX2-only CPUs (7-bit activations per token),
-or the reference path (the same integer products summed exactly in fp64).
+AVX-VNNI, AMX tiles), fbgemm's dynamic linear on AVX2-only CPUs (8-bit activations per token,
+weights within +-63), or the reference path (the same integer products summed exactly in fp64).
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ from po_backend.core.cpu import cpu_flags
 # The modes `--quantization` accepts (core.settings.QUANTIZATIONS holds the same names, torch-free).
 W8A8_INT8 = "w8a8_int8"
 QMAX = 127.0
+# fbgemm's AVX2 kernel adds pairs of u8 x s8 products in int16 with saturation (`vpmaddubsw`):
+# full 8-bit activations (up to 255) times weights within +-63 can never saturate (2*255*63 <
+# 2^15), so on that backend the weights get one bit less rather than the activations (torch's
+# `reduce_range` would halve the activations' steps, which carry the outliers).
+FBGEMM_WMAX = 63.0
 
 GemmBackend = Literal["int_mm", "fbgemm", "reference"]
 
@@ -57,12 +62,12 @@ def gemm_backend(flags: frozenset[str] | None = None, device: torch.device | Non
     return Int8Decision("reference", "no x86 int8 instructions known: fp32 reference GEMM")
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(w: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
     """w [rows, k] (any float dtype) -> (int8 [rows, k], fp32 scales [rows]): symmetric, one scale
-    per row (per output channel for a weight, per token for an activation)."""
+    per row (per output channel for a weight, per token for an activation), |q| <= qmax."""
     wf = w.float()
-    scale = wf.abs().amax(dim=-1).clamp_min(1e-12) / QMAX
-    q = torch.round(wf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    scale = wf.abs().amax(dim=-1).clamp_min(1e-12) / qmax
+    q = torch.round(wf / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -77,21 +82,27 @@ def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W in int8 per output channel and x quantized per token.
 
-    `qweight` is stored [in, out] (the layout `torch._int_mm` reads without a transpose);
-    `scale` [out] fp32; the bias stays the layer's own parameter, in the model dtype."""
+    `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose); `scale` [out]
+    fp32; the bias stays the layer's own parameter, in the model dtype. On fbgemm only its packed
+    copy is kept (`qweight` unpacks it when asked: the int8 cache, tests), so the weights' memory
+    is one int8 copy on every backend."""
 
     # The checkpoint loader skips a projection that is already int8 (read from the int8 cache).
     weight_loader = None
-    qweight: torch.Tensor
+    q: torch.Tensor | None
     scale: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, backend: GemmBackend = "int_mm") -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8 [in, out]"
         assert scale.shape == (qweight.shape[1],), "one scale per output channel"
-        self.register_buffer("qweight", qweight)
+        if backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
+            # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
+            qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
+            qweight = qt.t().contiguous()
         self.register_buffer("scale", scale.float())
         self.backend: GemmBackend = backend
+        self.shape = (int(qweight.shape[0]), int(qweight.shape[1]))
         self.packed: torch.Tensor | None = None
         if backend == "fbgemm":  # fbgemm's own weight layout, packed once
             wq = torch._make_per_channel_quantized_tensor(
@@ -101,20 +112,32 @@ class Int8Linear(nn.Module):
                 0,
             )
             self.packed = torch.ops.quantized.linear_prepack(wq, None)
+            self.q = None
+        else:
+            self.register_buffer("q", qweight)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, backend: GemmBackend = "int_mm") -> Int8Linear:
         """From a float weight [out, in] (a checkpoint's layout)."""
-        q, scale = quantize_rows(weight)
+        q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
         return cls(q.t().contiguous(), scale, backend)
 
     @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weight [in, out]."""
+        if self.q is not None:
+            return self.q
+        assert self.packed is not None
+        wq, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return wq.int_repr().t().contiguous()
+
+    @property
     def in_features(self) -> int:
-        return int(self.qweight.shape[0])
+        return self.shape[0]
 
     @property
     def out_features(self) -> int:
-        return int(self.qweight.shape[1])
+        return self.shape[1]
 
     def dequantized(self) -> torch.Tensor:
         """The weight the int8 one stands for, [out, in] fp32 (tests and the reference path)."""
@@ -126,8 +149,9 @@ class Int8Linear(nn.Module):
         if self.packed is not None:
             out.copy_(_fbgemm_per_token(x, self.packed))
             return out
+        assert self.q is not None
         q, sx = _quantize_tokens(x)
-        acc = _gemm(q, self.qweight, self.backend)
+        acc = _gemm(q, self.q, self.backend)
         # (acc * s_x) * s_w in fp32, rounded once into a narrower `out`.
         if out.dtype == torch.float32:
             torch.mul(acc, sx, out=out)
@@ -152,15 +176,15 @@ def _fbgemm_per_token(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     row's answer would depend on the rows beside it (a cache hit would differ from the cold run).
     Each row is scaled to max |x| = 1 and one row holding -1 and +1 is appended: the tensor's
     range is then [-1, 1] whatever the batch, every row is quantized with the same fixed step, and
-    its output is scaled back by its own factor: per-token quantization through fbgemm's kernels
-    (7-bit activations there: x86 fbgemm reduces the range to avoid int16 saturation)."""
+    its output is scaled back by its own factor: per-token quantization through fbgemm's kernels,
+    8-bit (no `reduce_range`: the weights' +-63 rule out int16 saturation)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12)
     xn = torch.empty(x.shape[0] + 1, x.shape[1], dtype=torch.float32, device=x.device)
     torch.div(xf, scale, out=xn[:-1])
     xn[-1].zero_()
     xn[-1, 0], xn[-1, -1] = -1.0, 1.0
-    y = torch.ops.quantized.linear_dynamic(xn, packed, True)[:-1]
+    y = torch.ops.quantized.linear_dynamic(xn, packed, False)[:-1]
     return y.mul_(scale)
 
 
@@ -218,7 +242,16 @@ def load_int8_state(
             setattr(layer, name, q)
 
 
+def is_quantized(model: nn.Module) -> bool:
+    """Whether any of the model's projections is int8."""
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (the int8 weights and their scales included)."""
+    """Bytes of every parameter and buffer (the int8 weights and their scales included; fbgemm's
+    packed int8 weights counted at one byte a value)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    packed = sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear) and m.q is None
+    )
+    return packed + sum(t.numel() * t.element_size() for t in tensors.values())

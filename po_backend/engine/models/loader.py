@@ -266,8 +266,8 @@ def load_model(
             "random weights (%s) for %s in %.1f s", shapes.WEIGHTS_NOTE, model_dir, time.perf_counter() - t0
         )
         return model.eval()
-    int8_file = _int8_cache_file(model_dir, files, quantization) if quantization else None
     backend = gemm_backend(device=device).backend
+    int8_file = _int8_cache_file(model_dir, files, quantization, backend) if quantization else None
     cached_int8 = int8_file is not None and int8_file.is_file()
     if cached_int8:
         assert int8_file is not None
@@ -315,16 +315,17 @@ def load_model(
 
 
 # Bumped when the int8 cache's layout or rounding changes: older files are then not read.
-INT8_CACHE_VERSION = 1
+INT8_CACHE_VERSION = 2
 
 
-def _int8_cache_file(model_dir: Path, files: list[Path], quantization: str) -> Path:
+def _int8_cache_file(model_dir: Path, files: list[Path], quantization: str, backend: str) -> Path:
     """Where the int8 weights of these checkpoint files live: keyed by the files' paths, sizes and
-    modification times, so a changed checkpoint is quantized again."""
+    modification times, so a changed checkpoint is quantized again, and by the GEMM backend (fbgemm's
+    weights are rounded to +-63)."""
     if quantization != W8A8_INT8:
         raise UnsupportedModelError(f"unknown quantization {quantization!r}")
     stamp = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
-    key = hashlib.sha256(f"{quantization}:{INT8_CACHE_VERSION}:{stamp}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{quantization}:{backend}:{INT8_CACHE_VERSION}:{stamp}".encode()).hexdigest()[:16]
     return (
         private_cache_dir("int8", what="int8 weights") / f"{model_dir.name}-{quantization}-{key}.safetensors"
     )
