@@ -136,17 +136,19 @@ class Ranking:
             if not self._declared_lens[len(key)]:
                 del self._declared_lens[len(key)]
 
-    def cache_changed(self, changes: Changes) -> None:
-        """The cache changed (`Changes`): the requests it may have changed are probed again."""
+    def cache_changed(self, changes: Changes) -> list[int]:
+        """The cache changed (`Changes`): the requests it may have changed are probed again.
+        Returns every request the next `refresh` probes (these and the newly added)."""
         if changes is None:
             self._probe.update(self._q.waiting)
-            return
+            return list(self._probe)
         by_ids = self._q.by_ids
         for prefix in changes:
             i = bisect.bisect_left(by_ids, prefix, key=itemgetter(0))
             while i < len(by_ids) and by_ids[i][0][: len(prefix)] == prefix:
                 self._probe.add(by_ids[i][1])
                 i += 1
+        return list(self._probe)
 
     # ---- pricing -----------------------------------------------------------------------------
 

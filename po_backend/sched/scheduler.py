@@ -322,6 +322,12 @@ class Scheduler:
                 best, saved = n, (k + 1) * n
         return best
 
+    def to_probe(self, changes: Changes) -> list[Any]:
+        """Take what changed in the cache since the last pick (`ranking.Changes`, then passed to
+        `pick` no more) and return the waiting requests the next pick probes: a caller whose
+        scorer memoises `cached_len` may probe them first, outside its lock."""
+        return [self._waiting[rid].req for rid in self._ranking.cache_changed(changes)]
+
     def order(
         self, cached_len: CachedLen[Any], batchable: Batchable[Any], pool: Pool | None, changes: Changes
     ) -> tuple[Callable[[Waiting], float], float]:
