@@ -33,6 +33,7 @@ from po_backend.sched.jct import CalibratedJCT
 from po_backend.sched.ranking import Changes, Ranking
 from po_backend.sched.reuse import Pool, ReuseCost
 from po_backend.sched.steps import (
+    SHARE_LEAD_S,
     Pick,
     Predictor,
     Waiting,
@@ -80,6 +81,7 @@ class Scheduler:
         # The waiting requests sorted by token ids (a flattened radix over the queue): the ones
         # sharing the most leading tokens with a request are its neighbours in this order.
         self._by_ids: list[tuple[tuple[int, ...], int]] = []
+        self._by_arrival: list[tuple[float, int]] = []  # (arrival, rid), sorted
         self._call_waiting: Counter[int] = Counter()  # waiting requests per client call
         # srjf's JCT "at arrival": set at the first pick after arrival (the first moment the loop
         # may read the cache; the cache cannot change between an arrival and that pick).
@@ -111,6 +113,7 @@ class Scheduler:
         w = Waiting(rid, req, self.clock() if arrival is None else arrival, call)
         self._waiting[rid] = w
         bisect.insort(self._by_ids, (tuple(req.input_ids), rid))
+        bisect.insort(self._by_arrival, (w.arrival, rid))
         if call >= 0:
             self._call_waiting[call] += 1
         self._class_waiting[self.config.priority_class(req)] += 1
@@ -131,6 +134,7 @@ class Scheduler:
         i = bisect.bisect_left(self._by_ids, (tuple(w.req.input_ids), rid))
         assert self._by_ids[i][1] == rid, "the sorted queue lost a request"
         del self._by_ids[i]
+        del self._by_arrival[bisect.bisect_left(self._by_arrival, (w.arrival, rid))]
         self._class_waiting[self.config.priority_class(w.req)] -= 1
         self._ranking.remove(w)
         if w.call >= 0:
@@ -190,6 +194,7 @@ class Scheduler:
         out = list(self._waiting.values())
         self._waiting.clear()
         self._by_ids.clear()
+        self._by_arrival.clear()
         self._arrival_jct.clear()
         self._call_waiting.clear()
         self._class_waiting.clear()
@@ -414,6 +419,12 @@ class Scheduler:
             n_base = 1 + sum(1 for _ in takewhile(lambda w: w.rid in sharers, group[1:]))
         else:
             mates = [self._waiting[r] for r in sharers if r != head.rid]
+            if cfg.policy == "po" and cfg.fairness_lambda > 0:
+                # the oldest request outside the step: the first in arrival order not sharing
+                oldest = next((a for a, r in self._by_arrival if r not in sharers), None)
+                if oldest is not None:
+                    cut = oldest + SHARE_LEAD_S / cfg.fairness_lambda
+                    mates = [w for w in mates if w.arrival <= cut]
             base = [head] + sorted(
                 (w for w in mates if cfg.rank(w.req) <= rank),
                 key=lambda w: (cfg.rank(w.req), score(w), w.arrival, w.rid),

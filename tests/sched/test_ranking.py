@@ -4,6 +4,7 @@ queues, clocks, priorities, client calls, cancellations and cache states."""
 
 from __future__ import annotations
 
+import math
 from itertools import takewhile
 from typing import Any
 
@@ -14,7 +15,7 @@ from po_backend.core.request import ScoreRequest
 from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
 from po_backend.sched.scheduler import MAX_STEP_CANDIDATES, Scheduler
-from po_backend.sched.steps import Pick, fill_step, prefix_step_len, within_budget
+from po_backend.sched.steps import SHARE_LEAD_S, Pick, fill_step, prefix_step_len, within_budget
 from po_backend.sim.simulator import PrefixLRU, VirtualClock
 
 
@@ -48,7 +49,11 @@ def reference_pick(s: Scheduler, cached_len: Any, batchable: Any, pool: Any) -> 
         base = [head, *takewhile(lambda w: w.rid in sharers, rest)]
         fill = rest[len(base) - 1 :]
     else:
-        base = [head] + [w for w in rest if w.rid in sharers]
+        outside = [w.arrival for w in s.waiting.values() if w.rid not in sharers]
+        cut = min(outside) + SHARE_LEAD_S / cfg.fairness_lambda if outside and cfg.fairness_lambda else None
+        if cfg.policy != "po" or cut is None:
+            cut = math.inf
+        base = [head] + [w for w in rest if w.rid in sharers and w.arrival <= cut]
         fill = [w for w in rest if w.rid not in sharers]
     group = (base + fill)[:MAX_STEP_CANDIDATES]
     chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, cached[head.rid])]
