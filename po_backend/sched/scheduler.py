@@ -390,7 +390,12 @@ class Scheduler:
         step), computes its prompt over several prefix-only steps.
 
         `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
-        request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF."""
+        request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF.
+        `changes`: what the cache reports changed since the last pick (`ranking.Changes`): only
+        the requests under those prefixes are probed again; None (unknown) probes every one.
+
+        A request sharing the head's prefix joins ahead of an older request outside the step only
+        within `SHARE_LEAD_S` (po)."""
         if not self._waiting:
             return None
         cfg, ranking = self.config, self._ranking
