@@ -40,6 +40,10 @@ HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
      b"transfer-encoding", b"upgrade", b"host"}
 )  # fmt: skip
+# What the gate's own HTTP server writes on every answer: the router's copies are dropped, so an
+# answer carries one of each.
+OWN_HEADERS = frozenset({b"date", b"server"})
+NOT_RETURNED = HOP_BY_HOP | OWN_HEADERS
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -134,7 +138,7 @@ class Gate:
             await _error(send, 502, "the router is not answering", "BadGatewayError", scope["path"])
             return
         try:
-            kept = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+            kept = [(k, v) for k, v in response.headers.raw if k.lower() not in NOT_RETURNED]
             await send({"type": "http.response.start", "status": response.status_code, "headers": kept})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

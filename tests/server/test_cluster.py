@@ -133,6 +133,25 @@ def test_cluster_answers_like_one_server(
     )
 
 
+@pytest.mark.slow
+def test_answers_through_the_gate_carry_one_date_and_one_server_header(
+    cluster: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """The router's answers pass the public port's HTTP server, which writes its own `date` and
+    `server`: the router's are dropped, so a client sees one of each (answers the router builds,
+    those a worker built, a 404, the gate's own liveness probe alike)."""
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for method, path, body in (
+            ("GET", "/v1/models", None), ("POST", "/v1/rerank", QUERY), ("POST", "/generate", routed_call("/generate", 0)),
+            ("GET", "/no/such/route", None), ("GET", "/health", None),
+        ):  # fmt: skip
+            r = client.request(method, path, json=body)
+            assert r.status_code in (200, 404), (path, r.status_code, r.text[:200])
+            assert len(r.headers.get_list("date")) == 1, (path, r.headers)
+            assert len(r.headers.get_list("server")) == 1, (path, r.headers)
+
+
 def rerank_calls(worker_url: str) -> int:
     """/v1/rerank calls the worker answered 200 (its po_http_requests counter)."""
     text = httpx.get(worker_url + "/metrics", timeout=10).text
