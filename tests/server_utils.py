@@ -82,6 +82,50 @@ class ServerProcess(spawn.ServerProcess):
         return self
 
 
+# Small prompts, both classify labels: what every cluster test's workers serve.
+CLUSTER_WORKER_FLAGS = ("--dtype", "fp32", "--max-input-len", "256", "--classify-labels", "yes,no")
+
+
+@contextlib.contextmanager
+def launched_cluster(
+    model: Path,
+    flags: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 240.0,
+) -> Iterator[spawn.ServerProcess]:
+    """`launch_cluster` (`CLUSTER_WORKER_FLAGS` and `flags`) on a free loopback port, with `env`
+    as its whole environment (default ours), ready once its public port answers /get_model_info
+    with `headers` (a data key's). Its workers, router and gate are killed on the way out, with
+    the launcher, unless a test already stopped them."""
+    import psutil
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", "--model-path", str(model)]
+    cmd += ["--port", str(port), *flags, *CLUSTER_WORKER_FLAGS]
+    launcher = spawn.ServerProcess(
+        cmd, f"http://127.0.0.1:{port}", env=None if env is None else dict(env), cwd=REPO_ROOT,
+        health_path="/get_model_info",
+    )  # fmt: skip
+    launcher.start()
+    proc = launcher.proc
+    assert proc is not None
+    children: list[psutil.Process] = []
+    try:
+        launcher.wait_ready(timeout, headers)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        yield launcher
+    finally:
+        if proc.poll() is None:
+            children += psutil.Process(proc.pid).children(recursive=True)
+            proc.kill()
+            proc.wait()
+        for child in children:  # a test that killed the launcher leaves none behind either
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
 class FakeService:
     """A scoring service without a model, for the server's failure paths (`create_app` takes it in
     place of a `LoopService`): `submit_many` raises `refuse` when given; else it answers every
