@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.entrypoints import spawn
+from po_backend.entrypoints import launch_cluster, spawn
 from po_backend.entrypoints.spawn import free_port
 from po_lang.sglang_shim import import_sglang_frontend
 from tests.deps import missing
@@ -124,6 +125,37 @@ def launched_cluster(
         for child in children:  # a test that killed the launcher leaves none behind either
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+
+
+def cluster_key(router_url: str, kind: str) -> str:
+    """The `kind` key ("admin", "worker") the launcher made for the cluster at `router_url`."""
+    return launch_cluster.key_path(httpx.URL(router_url).port or 0, kind).read_text().strip()
+
+
+def worker_urls(router_url: str) -> list[str]:
+    """The workers the router routes to, from its worker API (with the admin key the launcher made)."""
+    key = cluster_key(router_url, "admin")
+    r = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return sorted(w["url"] for w in r.json()["workers"])
+
+
+def assert_same_answer(a: Any, b: Any, where: str = "answer") -> None:
+    """`a` and `b` equal, floats within fp32 round-off: one of two calls may read the prompt from
+    the prefix cache, which moves the last digits (fp32 sums in another order); a rounded
+    comparison would still differ where a value sits on a rounding boundary."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, int | float) and isinstance(b, int | float), (where, a, b)
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (where, a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a, b)
+        for k in a:
+            assert_same_answer(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_answer(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
 
 
 class FakeService:

@@ -388,6 +388,14 @@ async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep
     if body.max_tokens_per_doc is not None:
         docs = await rt.parse(_truncate_all, rt, docs, body.max_tokens_per_doc)
     ranked = await rerank(rt, request, body.query, docs, body.instruct, body.priority)
+    return cohere_answer(body, docs, ranked, rt.args.model_name)
+
+
+def cohere_answer(
+    body: CohereRerankBody, docs: Sequence[str], ranked: Sequence[Ranked], model: str
+) -> dict[str, Any]:
+    """The vLLM/Jina/Cohere answer to `body` from its documents' relevance (also what the
+    cluster's gate answers from the router's SGLang-shaped reply)."""
     results = []
     for r in top(ranked, body.top_n):
         item: dict[str, Any] = {"index": r.index, "relevance_score": r.score}
@@ -397,7 +405,7 @@ async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep
     tokens = sum(r.prompt_tokens for r in ranked)
     return {
         "id": f"rerank-{uuid.uuid4().hex}",
-        "model": body.model or rt.args.model_name,
+        "model": body.model or model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": results,
     }

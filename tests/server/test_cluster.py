@@ -25,9 +25,11 @@ from tests.server_utils import (
     CLUSTER_WORKER_FLAGS,
     REPO_ROOT,
     ServerProcess,
+    cluster_key,
     dead_url,
     launched_cluster,
     poll_until,
+    worker_urls,
 )
 
 require("sglang_router", "pip install sglang-router")
@@ -144,18 +146,6 @@ def rerank_calls(worker_url: str) -> int:
         if sample.name == "po_http_requests_total"
         and sample.labels == {"endpoint": "/v1/rerank", "status": "200"}
     )
-
-
-def cluster_key(router_url: str, kind: str) -> str:
-    """The `kind` key ("admin", "worker") the launcher made for the cluster at `router_url`."""
-    return launch_cluster.key_path(httpx.URL(router_url).port or 0, kind).read_text().strip()
-
-
-def worker_urls(router_url: str) -> list[str]:
-    """The workers the router routes to, from its worker API (with the admin key the launcher made)."""
-    key = cluster_key(router_url, "admin")
-    r = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-    return sorted(w["url"] for w in r.json()["workers"])
 
 
 @pytest.mark.slow
