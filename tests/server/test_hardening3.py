@@ -204,6 +204,37 @@ def test_classify_tokenizes_each_label_once_per_call(server: ServerProcess) -> N
     assert spent <= bound, f"{spent:.0f} characters tokenized, at most {bound} expected"
 
 
+def test_each_short_end_is_checked_against_its_whole_end_once() -> None:
+    """A call's prompts ending in different short ends (`label_key`): each short end is checked
+    once against the first whole end it stands for, so a later prompt whose short end tokenizes
+    otherwise (or is refused) gets its whole end's labels, not the short end's; a checked short
+    end then serves every prompt ending in it, with no other whole end tokenized."""
+    from po_backend.server.errors import bad
+    from po_backend.server.scoring import LabelsByEnd
+
+    derived: list[str] = []
+
+    def derive(end: str) -> tuple[tuple[int, ...], ...]:
+        derived.append(end)
+        if end == "\nC:":
+            raise bad("a label merges with this end")
+        # A tokenizer that splits "\nB:" alone otherwise than after a word.
+        return ((9,),) if end == "\nB:" else ((1,),)
+
+    after = LabelsByEnd(derive).after
+    prompts = [
+        "first prompt\nA:",
+        "second\nA:",
+        "third prompt\nB:",
+        "fourth\nB:",
+        "fifth one\nC:",
+        "sixth\nC:",
+    ]
+    assert [after(p) for p in prompts] == [((1,),)] * len(prompts)
+    assert derived == ["first prompt\nA:", "\nA:", "third prompt\nB:", "\nB:", "fourth\nB:", "fifth one\nC:", "\nC:",
+                       "sixth\nC:"]  # fmt: skip
+
+
 IDLE_CONNECTIONS = 2100  # above the former default limit of 2,048 connections
 
 
