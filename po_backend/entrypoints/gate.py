@@ -21,7 +21,8 @@ workers' --max-body-bytes) and translated, their limits checked before any is fo
   one server answers the batch (the list in order, or its stream), or with the first failing
   prompt's answer, as one server fails the whole batch;
 - `/v2/rerank` and `/rerank` (Cohere's and vLLM/Jina's shape; the router 404s the one and
-  answers the other in SGLang's): the router's `/v1/rerank`, its answer rebuilt in their shape;
+  answers the other in SGLang's), and `/v1/rerank` from Cohere's v1 client (its SDK header, as
+  one server tells it): the router's `/v1/rerank`, its answer rebuilt in Cohere's shape;
 - `/v1/classify` without `model` (the router requires it): the served model's name filled in.
 
 GET and HEAD of /health, /liveness and /readiness stay open for load balancers, as a single
@@ -44,7 +45,14 @@ from pydantic import ValidationError
 
 from po_backend.server.errors import HTTPError, bad, check_items, error_body, validation_message
 from po_backend.server.middleware import BodyLimitMiddleware
-from po_backend.server.rerank import CohereRerankBody, Ranked, cohere_answer, document_text
+from po_backend.server.rerank import (
+    SDK_HEADER,
+    CohereRerankBody,
+    Ranked,
+    cohere_answer,
+    document_text,
+    from_cohere_sdk,
+)
 from po_backend.server.sglang_native import split_batch
 
 log = logging.getLogger("po_backend.entrypoints.gate")
@@ -118,7 +126,9 @@ class Gate:
         limits: Limits | None = None,
     ) -> None:
         self.keys, self.limits = keys, limits or Limits()
-        self.read_whole = BodyLimitMiddleware(self._read_whole, self.limits.max_body_bytes, READ_WHOLE)
+        self.read_whole = BodyLimitMiddleware(
+            self._read_whole, self.limits.max_body_bytes, READ_WHOLE | {"/v1/rerank"}
+        )
         # No read deadline: a long prefill answers when it is done, as a direct call would.
         self.client = httpx.AsyncClient(
             base_url=upstream,
@@ -147,7 +157,8 @@ class Gate:
         has_body = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
-        if scope["method"] == "POST" and scope["path"] in READ_WHOLE:
+        cohere_v1 = scope["path"] == "/v1/rerank" and from_cohere_sdk(dict(headers).get(SDK_HEADER.encode()))
+        if scope["method"] == "POST" and (scope["path"] in READ_WHOLE or cohere_v1):
             # httpx sets the length of what it sends.
             out = [(k, v) for k, v in out if k.lower() != b"content-length"]
             await self.read_whole({**scope, FORWARDED: (url, out)}, receive, send)
@@ -219,7 +230,7 @@ class Gate:
         except ValueError:  # not JSON (UnicodeDecodeError included): the router's own answer
             data = None
         body = data if isinstance(data, dict) else None
-        if path in ("/rerank", "/v2/rerank"):
+        if path in ("/rerank", "/v2/rerank", "/v1/rerank"):  # the last from Cohere's v1 client only
             await self._cohere_rerank(send, path, headers, body)
             return
         if path == "/generate" and body is not None and isinstance(body.get("text"), list):

@@ -150,8 +150,9 @@ def test_sgl_select_and_batched_generate(cluster: str, single: ServerProcess) ->
 
 @pytest.mark.slow
 def test_cohere_and_vllm_rerank(cluster: str, single: ServerProcess) -> None:
-    """Cohere's ClientV2.rerank (/v2/rerank, which the router 404s) and vLLM/Jina's /rerank (which
-    it answers in SGLang's shape) get one server's answer: the same ranking and documents, the
+    """Cohere's ClientV2.rerank (/v2/rerank, which the router 404s), its v1 Client.rerank (SGLang's
+    /v1/rerank, told by its SDK header) and vLLM/Jina's /rerank (which the router answers in
+    SGLang's shape) get one server's answer: the same ranking and documents, the
     scores as the router carries them (float32)."""
     import cohere
 
@@ -168,6 +169,19 @@ def test_cohere_and_vllm_rerank(cluster: str, single: ServerProcess) -> None:
         )
         assert [r.document for r in got.results] == [r.document for r in want.results]
         assert got.model == want.model == "tiny" and got.usage == want.usage
+
+    v1_via = cohere.Client(base_url=cluster, api_key=KEY).rerank(
+        model="tiny", query=QUERY, documents=DOCS, top_n=2
+    )
+    v1_direct = cohere.Client(base_url=single.url, api_key="x").rerank(
+        model="tiny", query=QUERY, documents=DOCS, top_n=2
+    )
+    assert [r.index for r in v1_via.results] == [r.index for r in v1_direct.results] and len(
+        v1_via.results
+    ) == 2
+    assert [r.relevance_score for r in v1_via.results] == pytest.approx(
+        [r.relevance_score for r in v1_direct.results], abs=1e-6
+    )
 
     body = {"query": QUERY, "documents": [{"text": d} for d in DOCS], "return_documents": False}
     with httpx.Client(timeout=120) as client:
@@ -278,6 +292,14 @@ def test_gate_translates_before_a_router_and_checks_limits_first() -> None:
             assert seen[-1] == ("/generate", {"input_ids": [[1, 2], [3]]})
             await c.post("/generate", content=b"not json", headers=auth)  # the router's to answer
             assert seen[-1] == ("/generate", "not json")
+            sglang = {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 1}
+            await c.post("/v1/rerank", json=sglang, headers=auth)
+            assert seen[-1] == ("/v1/rerank", sglang)  # SGLang's callers: as sent
+            await c.post("/v1/rerank", json=sglang, headers={**auth, "X-Fern-SDK-Name": "cohere"})
+            assert seen[-1] == (
+                "/v1/rerank",
+                {"query": "q", "documents": ["a", "b"], "return_documents": False},
+            )
 
         with dead_url() as nobody:
             down = Gate(nobody, Keys(data="d", admin="a", worker="w"))
