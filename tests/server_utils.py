@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 
 from po_backend.core.request import ScoreRequest, ScoreResult
-from po_backend.entrypoints import spawn
+from po_backend.entrypoints import launch_cluster, spawn
 from po_backend.entrypoints.spawn import free_port
 from po_lang.sglang_shim import import_sglang_frontend
 from tests.deps import missing
@@ -80,6 +81,81 @@ class ServerProcess(spawn.ServerProcess):
     def wait_ready(self, timeout: float = 120.0, headers: Mapping[str, str] | None = None) -> ServerProcess:
         super().wait_ready(timeout, headers)
         return self
+
+
+# Small prompts, both classify labels: what every cluster test's workers serve.
+CLUSTER_WORKER_FLAGS = ("--dtype", "fp32", "--max-input-len", "256", "--classify-labels", "yes,no")
+
+
+@contextlib.contextmanager
+def launched_cluster(
+    model: Path,
+    flags: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 240.0,
+) -> Iterator[spawn.ServerProcess]:
+    """`launch_cluster` (`CLUSTER_WORKER_FLAGS` and `flags`) on a free loopback port, with `env`
+    as its whole environment (default ours), ready once its public port answers /get_model_info
+    with `headers` (a data key's). Its workers, router and gate are killed on the way out, with
+    the launcher, unless a test already stopped them."""
+    import psutil
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", "--model-path", str(model)]
+    cmd += ["--port", str(port), *flags, *CLUSTER_WORKER_FLAGS]
+    launcher = spawn.ServerProcess(
+        cmd, f"http://127.0.0.1:{port}", env=None if env is None else dict(env), cwd=REPO_ROOT,
+        health_path="/get_model_info",
+    )  # fmt: skip
+    launcher.start()
+    proc = launcher.proc
+    assert proc is not None
+    children: list[psutil.Process] = []
+    try:
+        launcher.wait_ready(timeout, headers)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        yield launcher
+    finally:
+        if proc.poll() is None:
+            children += psutil.Process(proc.pid).children(recursive=True)
+            proc.kill()
+            proc.wait()
+        for child in children:  # a test that killed the launcher leaves none behind either
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def cluster_key(router_url: str, kind: str) -> str:
+    """The `kind` key ("admin", "worker") the launcher made for the cluster at `router_url`."""
+    return launch_cluster.key_path(httpx.URL(router_url).port or 0, kind).read_text().strip()
+
+
+def worker_urls(router_url: str) -> list[str]:
+    """The workers the router routes to, from its worker API (with the admin key the launcher made)."""
+    key = cluster_key(router_url, "admin")
+    r = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return sorted(w["url"] for w in r.json()["workers"])
+
+
+def assert_same_answer(a: Any, b: Any, where: str = "answer") -> None:
+    """`a` and `b` equal, floats within fp32 round-off: one of two calls may read the prompt from
+    the prefix cache, which moves the last digits (fp32 sums in another order); a rounded
+    comparison would still differ where a value sits on a rounding boundary."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, int | float) and isinstance(b, int | float), (where, a, b)
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (where, a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a, b)
+        for k in a:
+            assert_same_answer(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_answer(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
 
 
 class FakeService:

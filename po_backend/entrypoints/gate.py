@@ -13,6 +13,18 @@ to protect them, so `launch_cluster` runs it on a private loopback port behind t
   data routes and sends the workers, so a data-key holder can call neither the router's private
   port nor a worker directly (a worker's /flush_cache included).
 
+Calls sglang-router 0.3.2 cannot take as the clients send them are read whole (within the
+workers' --max-body-bytes) and translated, their limits checked before any is forwarded:
+
+- a batched `/generate` with `text` a list (what `sgl.select` sends; the router's typed body
+  takes one string): one routed call per prompt, at most `Limits.fan_out` at a time, answered as
+  one server answers the batch (the list in order, or its stream), or with the first failing
+  prompt's answer, as one server fails the whole batch;
+- `/v2/rerank` and `/rerank` (Cohere's and vLLM/Jina's shape; the router 404s the one and
+  answers the other in SGLang's), and `/v1/rerank` from Cohere's v1 client (its SDK header, as
+  one server tells it): the router's `/v1/rerank`, its answer rebuilt in Cohere's shape;
+- `/v1/classify` without `model` (the router requires it): the served model's name filled in.
+
 GET and HEAD of /health, /liveness and /readiness stay open for load balancers, as a single
 server's /health and /ready do (SGLang and vLLM leave their liveness probes open too); on a
 cluster without a data key every call is let through with the worker key.
@@ -29,8 +41,19 @@ from typing import Any
 
 import anyio
 import httpx
+from pydantic import ValidationError
 
-from po_backend.server.errors import error_body
+from po_backend.server.errors import HTTPError, bad, check_items, error_body, validation_message
+from po_backend.server.middleware import BodyLimitMiddleware
+from po_backend.server.rerank import (
+    SDK_HEADER,
+    CohereRerankBody,
+    Ranked,
+    cohere_answer,
+    document_text,
+    from_cohere_sdk,
+)
+from po_backend.server.sglang_native import split_batch
 
 log = logging.getLogger("po_backend.entrypoints.gate")
 
@@ -40,6 +63,14 @@ HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
      b"transfer-encoding", b"upgrade", b"host"}
 )  # fmt: skip
+# What the gate's own HTTP server writes on every answer: the router's copies are dropped, so an
+# answer carries one of each.
+OWN_HEADERS = frozenset({b"date", b"server"})
+NOT_RETURNED = HOP_BY_HOP | OWN_HEADERS
+
+# Calls read whole and translated (see the module's docstring).
+READ_WHOLE = frozenset({"/generate", "/v1/classify", "/rerank", "/v2/rerank"})
+FORWARDED = "po_gate.forwarded"  # the scope key carrying a read-whole call's URL and headers
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -72,12 +103,32 @@ class Keys:
         return b"Bearer " + self.worker.encode() if is_data else None
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the workers serve and take: the gate checks a translated call against these before it
+    forwards any of it (the workers' --max-body-bytes, --max-items-per-request and served name)."""
+
+    max_body_bytes: int = 2 << 20
+    max_items: int = 1024
+    model_name: str = ""
+    fan_out: int = 16  # a batch's prompts in flight at a time
+
+
 class Gate:
     """The ASGI app: each call streamed to `upstream` (its body as it arrives, its answer as the
     router sends it), a client that leaves closing the upstream call."""
 
-    def __init__(self, upstream: str, keys: Keys, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.keys = keys
+    def __init__(
+        self,
+        upstream: str,
+        keys: Keys,
+        transport: httpx.AsyncBaseTransport | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.keys, self.limits = keys, limits or Limits()
+        self.read_whole = BodyLimitMiddleware(
+            self._read_whole, self.limits.max_body_bytes, READ_WHOLE | {"/v1/rerank"}
+        )
         # No read deadline: a long prefill answers when it is done, as a direct call would.
         self.client = httpx.AsyncClient(
             base_url=upstream,
@@ -106,6 +157,12 @@ class Gate:
         has_body = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
+        cohere_v1 = scope["path"] == "/v1/rerank" and from_cohere_sdk(dict(headers).get(SDK_HEADER.encode()))
+        if scope["method"] == "POST" and (scope["path"] in READ_WHOLE or cohere_v1):
+            # httpx sets the length of what it sends.
+            out = [(k, v) for k, v in out if k.lower() != b"content-length"]
+            await self.read_whole({**scope, FORWARDED: (url, out)}, receive, send)
+            return
         body_read = anyio.Event()
         if not has_body:
             body_read.set()
@@ -134,7 +191,7 @@ class Gate:
             await _error(send, 502, "the router is not answering", "BadGatewayError", scope["path"])
             return
         try:
-            kept = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+            kept = [(k, v) for k, v in response.headers.raw if k.lower() not in NOT_RETURNED]
             await send({"type": "http.response.start", "status": response.status_code, "headers": kept})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -143,6 +200,127 @@ class Gate:
             log.info("an answer was cut: %s", e)
         finally:
             await response.aclose()
+
+    async def _read_whole(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A translated call, its body read (and bounded) by `BodyLimitMiddleware`; the client
+        leaving ends its upstream calls."""
+        message = await receive()
+        raw = message.get("body", b"") if message["type"] == "http.request" else None
+        if raw is None:
+            return
+        async with anyio.create_task_group() as calls:
+
+            async def until_the_client_leaves() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                calls.cancel_scope.cancel()
+
+            calls.start_soon(until_the_client_leaves)
+            try:
+                await self._translate(scope, send, raw)
+            except HTTPError as e:
+                await _error(send, e.status, e.message, e.kind, scope["path"])
+            calls.cancel_scope.cancel()
+
+    async def _translate(self, scope: Scope, send: Send, raw: bytes) -> None:
+        url, headers = scope[FORWARDED]
+        path = scope["path"]
+        try:
+            data = await anyio.to_thread.run_sync(json.loads, raw)
+        except ValueError:  # not JSON (UnicodeDecodeError included): the router's own answer
+            data = None
+        body = data if isinstance(data, dict) else None
+        if path in ("/rerank", "/v2/rerank", "/v1/rerank"):  # the last from Cohere's v1 client only
+            await self._cohere_rerank(send, path, headers, body)
+            return
+        if path == "/generate" and body is not None and isinstance(body.get("text"), list):
+            await self._fan_out(send, headers, body)
+            return
+        if path == "/v1/classify" and body is not None and body.get("model") is None:
+            raw = json.dumps({**body, "model": self.limits.model_name}).encode()
+        request = self.client.build_request("POST", url, headers=headers, content=raw)
+        await self._forward(request, scope, send)
+
+    async def _fan_out(self, send: Send, headers: list[tuple[bytes, bytes]], body: dict[str, Any]) -> None:
+        """A batched /generate as one routed call per prompt (the router routes each by its text),
+        answered as one server answers the batch."""
+        n = len(body["text"])
+        if n == 0:
+            raise bad("the batch is empty")
+        check_items(n, "prompts", self.limits.max_items)
+        elements = split_batch(body, n)
+        answers: list[httpx.Response | BaseException | None] = [None] * n
+        in_flight = anyio.Semaphore(self.limits.fan_out)
+
+        async def one(i: int) -> None:
+            async with in_flight:
+                try:
+                    answers[i] = await self.client.post(
+                        "/generate", headers=headers, json={**elements[i], "stream": False}
+                    )
+                except (httpx.HTTPError, OSError) as e:
+                    answers[i] = e
+
+        async with anyio.create_task_group() as calls:
+            for i in range(n):
+                calls.start_soon(one, i)
+        for answer in answers:
+            if not isinstance(answer, httpx.Response):
+                log.warning("the router did not answer a batch's prompt: %s", answer)
+                await _error(send, 502, "the router is not answering", "BadGatewayError", "/generate")
+                return
+            if not answer.is_success:  # a single server fails the whole batch on any prompt
+                await _send_answer(send, answer)
+                return
+        try:
+            out = [a.json() for a in answers if isinstance(a, httpx.Response)]
+        except ValueError:
+            raise HTTPError(502, "the router answered a prompt with no JSON", "BadGatewayError") from None
+        if body.get("stream"):  # a single server's stream of a batch: one event per prompt
+            events = b"".join(
+                b"data: " + json.dumps({**o, "index": i}).encode() + b"\n\n" for i, o in enumerate(out)
+            )
+            await _send(send, 200, events + b"data: [DONE]\n\n", b"text/event-stream")
+        else:
+            await _send(send, 200, json.dumps(out).encode())
+
+    async def _cohere_rerank(
+        self, send: Send, path: str, headers: list[tuple[bytes, bytes]], data: dict[str, Any] | None
+    ) -> None:
+        """Cohere's and vLLM/Jina's rerank through the router's /v1/rerank, answered as one server
+        answers them. The router forwards only the query and the documents, so the fields it would
+        drop are refused rather than ignored (`top_n` is applied here)."""
+        if data is None:
+            raise bad("the body must be a JSON object")
+        try:
+            body = CohereRerankBody.model_validate(data)
+        except ValidationError as e:
+            raise bad(validation_message(e.errors())) from None
+        check_items(len(body.documents), "documents", self.limits.max_items)
+        for name in ("max_tokens_per_doc", "instruct"):
+            if getattr(body, name) is not None:
+                raise bad(f"{name} is not supported through the cluster (its router does not forward it)")
+        docs = [document_text(d) for d in body.documents]
+        sent = {"query": body.query, "documents": docs, "return_documents": False}
+        try:
+            answer = await self.client.post("/v1/rerank", headers=headers, json=sent)
+        except (httpx.HTTPError, OSError) as e:
+            log.warning("the router did not answer a rerank: %s", e)
+            raise HTTPError(502, "the router is not answering", "BadGatewayError") from None
+        if not answer.is_success:
+            await _send_answer(send, answer)
+            return
+        try:
+            ranked = sorted(
+                (Ranked(r["index"], r["score"], r["meta_info"]["prompt_tokens"], r["meta_info"]["cached_tokens"])
+                 for r in answer.json()["results"]),
+                key=lambda r: r.index,
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError) as e:
+            raise HTTPError(
+                502, f"the router's rerank answer is not SGLang's: {e!r}", "BadGatewayError"
+            ) from None
+        await _send(send, 200, json.dumps(cohere_answer(body, docs, ranked, self.limits.model_name)).encode())
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -168,7 +346,19 @@ async def _body(receive: Receive, read: anyio.Event) -> AsyncIterator[bytes]:
 
 
 async def _error(send: Send, status: int, message: str, kind: str, path: str) -> None:
-    data = json.dumps(error_body(status, message, kind, path)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await _send(send, status, json.dumps(error_body(status, message, kind, path)).encode())
+
+
+async def _send(send: Send, status: int, data: bytes, content_type: bytes = b"application/json") -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
+
+
+async def _send_answer(send: Send, answer: httpx.Response) -> None:
+    """An upstream answer read whole, passed on as it came (its own headers excepted)."""
+    headers = [(k, v) for k, v in answer.headers.raw if k.lower() not in NOT_RETURNED | {b"content-length",
+               b"content-encoding"}]  # fmt: skip
+    headers.append((b"content-length", str(len(answer.content)).encode()))
+    await send({"type": "http.response.start", "status": answer.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.content})

@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -47,6 +48,9 @@ from po_backend.entrypoints.spawn import (
     stop,
     wait_until,
 )
+
+if TYPE_CHECKING:
+    from po_backend.server.args import ServerArgs
 
 log = logging.getLogger("po_backend.entrypoints.launch_cluster")
 
@@ -113,10 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_worker_flags(model_path: str, extra: Sequence[str]) -> None:
+def check_worker_flags(model_path: str, extra: Sequence[str]) -> ServerArgs:
     """Parse the worker flags with the server's own parser and settings (`launch_server`,
     `core.settings.resolve`) before anything starts: a bad flag fails once, here, with the text
-    a single server gives, instead of once per worker after the spawn."""
+    a single server gives, instead of once per worker after the spawn. Returns the workers'
+    settings (the gate checks their limits)."""
     from po_backend.entrypoints.launch_server import build_parser as server_parser
     from po_backend.entrypoints.launch_server import server_args
 
@@ -124,7 +129,7 @@ def check_worker_flags(model_path: str, extra: Sequence[str]) -> None:
     parser.prog = "po-launch-cluster (worker flags)"
     ns = parser.parse_args(["--model-path", model_path, "--port", "0", *extra])  # exits on a bad flag
     try:
-        server_args(ns)
+        return server_args(ns)
     except ValueError as e:
         parser.error(str(e))
 
@@ -207,11 +212,16 @@ def router_command(
     ]  # fmt: skip
 
 
-def gate_command(upstream: str, host: str, port: int) -> list[str]:
+def gate_command(upstream: str, host: str, port: int, workers: ServerArgs | None = None) -> list[str]:
     """The public port: `run-gate` checks every call's key and forwards it to the router at
-    `upstream` (its keys from the environment, `keys_env`)."""
+    `upstream` (its keys from the environment, `keys_env`), checking the calls it translates
+    against the limits of the `workers`' settings."""
+    limits = [] if workers is None else [
+        "--max-body-bytes", str(workers.max_body_bytes), "--max-items-per-request", str(workers.max_items_per_request),
+        "--served-model-name", workers.model_name,
+    ]  # fmt: skip
     return [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", RUN_GATE, "--upstream", upstream,
-            "--host", host, "--port", str(port)]  # fmt: skip
+            "--host", host, "--port", str(port), *limits]  # fmt: skip
 
 
 def keys_env(data_key: str | None, admin_key: str, worker_key: str) -> dict[str, str]:
@@ -269,7 +279,7 @@ def run_gate(argv: Sequence[str]) -> int:
     deadline, no limit on connections (idle sockets must not lock anyone out)."""
     import uvicorn
 
-    from po_backend.entrypoints.gate import Gate, Keys
+    from po_backend.entrypoints.gate import Gate, Keys, Limits
     from po_backend.entrypoints.launch_server import ReadDeadlineH11
 
     die_with_parent()
@@ -277,13 +287,17 @@ def run_gate(argv: Sequence[str]) -> int:
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--host", required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    ap.add_argument("--max-items-per-request", type=int, default=Limits.max_items)
+    ap.add_argument("--served-model-name", default=Limits.model_name)
     args = ap.parse_args(argv)
     admin, worker = os.environ.get(ADMIN_KEY_ENV), os.environ.get(WORKER_KEY_ENV)
     if not admin or not worker:
         raise SystemExit(f"run-gate: ${ADMIN_KEY_ENV} and ${WORKER_KEY_ENV} must be set")
     keys = Keys(data=os.environ.get(API_KEY_ENV) or None, admin=admin, worker=worker)
+    limits = Limits(args.max_body_bytes, args.max_items_per_request, args.served_model_name)
     config = uvicorn.Config(
-        Gate(args.upstream, keys), host=args.host, port=args.port, log_level="warning", backlog=4096,
+        Gate(args.upstream, keys, limits=limits), host=args.host, port=args.port, log_level="warning", backlog=4096,
         timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024, http=ReadDeadlineH11,
     )  # fmt: skip
     uvicorn.Server(config).run()
@@ -447,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(
             f"${ADMIN_KEY_ENV} must differ from the API key: the data key may not reconfigure the router"
         )
-    check_worker_flags(args.model_path, extra)
+    settings = check_worker_flags(args.model_path, extra)
     made: list[Path] = []
     if not admin_key:
         admin_key, path = make_key(args.port, "admin")
@@ -488,7 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         router = subprocess.Popen(cmd, env=env)
         wait_until(f"http://127.0.0.1:{private}/get_model_info", [router], args.startup_timeout,
                    headers={"Authorization": f"Bearer {worker_key}"})  # fmt: skip
-        gate = subprocess.Popen(gate_command(f"http://127.0.0.1:{private}", args.host, args.port), env=env)
+        gate = subprocess.Popen(
+            gate_command(f"http://127.0.0.1:{private}", args.host, args.port, settings), env=env
+        )
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
         wait_until(f"http://{args.host}:{args.port}/get_model_info", [gate, router], args.startup_timeout,
                    headers=auth)  # fmt: skip

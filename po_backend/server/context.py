@@ -23,7 +23,7 @@ from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.task import ModelTask
 from po_backend.server.adapters import adapter_of
 from po_backend.server.args import ServerArgs
-from po_backend.server.errors import ClientGone, HTTPError, bad
+from po_backend.server.errors import ClientGone, HTTPError, bad, check_items
 from po_backend.server.metrics import Metrics
 from po_backend.server.service import ScoringService
 from po_backend.server.translate import json_logprob
@@ -131,13 +131,7 @@ class Runtime:
     def check_items(self, n: int, what: str) -> None:
         """The per-call item limit, checked on the parsed body before anything is tokenized (a
         call over it could never be served, so it is a 413, not a 503 to retry)."""
-        if n > self.args.max_items_per_request:
-            raise HTTPError(
-                413,
-                f"{n} {what} in one call, more than the limit of {self.args.max_items_per_request} "
-                "(--max-items-per-request): split the call",
-                "PayloadTooLargeError",
-            )
+        check_items(n, what, self.args.max_items_per_request)
 
     def check_queue(self, prefills: int) -> None:
         """A call that could never be queued however long its client waits: 413, not a 503 to

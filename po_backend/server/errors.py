@@ -46,6 +46,17 @@ def bad(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
+def check_items(n: int, what: str, limit: int) -> None:
+    """The per-call item limit (--max-items-per-request): a call over it could never be served,
+    so it is a 413, not a 503 to retry."""
+    if n > limit:
+        raise HTTPError(
+            413,
+            f"{n} {what} in one call, more than the limit of {limit} (--max-items-per-request): split the call",
+            "PayloadTooLargeError",
+        )
+
+
 _KINDS = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "PayloadTooLargeError"}
 
 RETRY_AFTER_S = 1  # seconds a 503's Retry-After asks for
@@ -78,8 +89,8 @@ def _field_path(loc: Sequence[Any]) -> str:
     return ".".join(keep)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    errors = list(exc.errors())
+def validation_message(errors: Sequence[Any]) -> str:
+    """A readable 400 message from pydantic's (or FastAPI's) validation errors."""
     for e in errors:
         if e.get("type") == "json_invalid":
             return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
@@ -114,7 +125,7 @@ def add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc), "BadRequestError", request.url.path)
+        return error_response(400, validation_message(exc.errors()), "BadRequestError", request.url.path)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:

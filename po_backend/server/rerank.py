@@ -29,7 +29,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from po_backend.core.labels import (
     LabelIds,
@@ -44,7 +44,7 @@ from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server import heads, rerank_presets
 from po_backend.server.body import BodyRoute
 from po_backend.server.context import Runtime, RuntimeDep
-from po_backend.server.errors import bad
+from po_backend.server.errors import bad, validation_message
 from po_backend.server.protocol import TolerantBody
 from po_backend.server.rerank_presets import RerankPreset
 from po_backend.server.translate import softmax
@@ -360,10 +360,27 @@ def top(ranked: Sequence[Ranked], n: int | None) -> list[Ranked]:
 # ---- endpoints ----------------------------------------------------------------------------------
 
 
+# Cohere's SDK names itself in this header; its v1 client posts Cohere's rerank to /v1/rerank,
+# SGLang's route, with a body SGLang's parses alike: only the header tells which answer it reads.
+SDK_HEADER = "x-fern-sdk-name"
+
+
+def from_cohere_sdk(sdk_name: str | bytes | None) -> bool:
+    """Whether a call's `SDK_HEADER` names Cohere's SDK."""
+    name = sdk_name.decode("latin-1") if isinstance(sdk_name, bytes) else sdk_name or ""
+    return name.strip().lower() == "cohere"
+
+
 @router.post("/v1/rerank")
-async def sglang_rerank(body: SGLangRerankBody, request: Request, rt: RuntimeDep) -> JSONResponse:
+async def sglang_rerank(body: SGLangRerankBody, request: Request, rt: RuntimeDep) -> Any:
     """SGLang's shape: a JSON list of `{score, document?, index, meta_info}`, best first (the
-    SGLang router builds its own reply from exactly this)."""
+    SGLang router builds its own reply from exactly this); Cohere's for Cohere's v1 client."""
+    if from_cohere_sdk(request.headers.get(SDK_HEADER)):
+        try:
+            cohere_body = CohereRerankBody.model_validate(await request.json())
+        except ValidationError as e:
+            raise bad(validation_message(e.errors())) from None
+        return await cohere_rerank(cohere_body, request, rt)
     rt.check_items(len(body.documents), "documents")
     query = body.query if isinstance(body.query, str) else document_text(body.query)
     docs = [document_text(d) for d in body.documents]
@@ -388,6 +405,14 @@ async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep
     if body.max_tokens_per_doc is not None:
         docs = await rt.parse(_truncate_all, rt, docs, body.max_tokens_per_doc)
     ranked = await rerank(rt, request, body.query, docs, body.instruct, body.priority)
+    return cohere_answer(body, docs, ranked, rt.args.model_name)
+
+
+def cohere_answer(
+    body: CohereRerankBody, docs: Sequence[str], ranked: Sequence[Ranked], model: str
+) -> dict[str, Any]:
+    """The vLLM/Jina/Cohere answer to `body` from its documents' relevance (also what the
+    cluster's gate answers from the router's SGLang-shaped reply)."""
     results = []
     for r in top(ranked, body.top_n):
         item: dict[str, Any] = {"index": r.index, "relevance_score": r.score}
@@ -397,7 +422,7 @@ async def cohere_rerank(body: CohereRerankBody, request: Request, rt: RuntimeDep
     tokens = sum(r.prompt_tokens for r in ranked)
     return {
         "id": f"rerank-{uuid.uuid4().hex}",
-        "model": body.model or rt.args.model_name,
+        "model": body.model or model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": results,
     }

@@ -8,7 +8,7 @@ same rule as po_lang's `@po.classify`."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, cast
 
@@ -335,38 +335,20 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
     def encode(text: str) -> tuple[int, ...]:
         return rt.encode(text, add_special_tokens=False)
 
-    # A label's tokens depend on the prompt's end only: prompts ending alike (a template's
-    # "\nAnswer:") share one tokenizing of the labels per call.
-    by_end: dict[str, LabelIds] = {}
-    short_ends: bool | None = None  # whether label_key's ending gives what the whole anchor does
-
     def derive(end: str) -> LabelIds:
-        label_ids = by_end.get(end)
-        if label_ids is None:
-            try:
-                label_ids = by_end[end] = label_continuations(encode, end, body.labels, body.leading_space)
-                check_distinct(body.labels, label_ids)
-            except LabelTokenError as e:
-                raise bad(str(e)) from e
-            longest = max(len(c) for c in label_ids)
-            if longest > max_tokens:
-                raise bad(
-                    f"a label has {longest} tokens, more than the limit of {max_tokens} (--max-label-tokens)"
-                )
+        try:
+            label_ids = label_continuations(encode, end, body.labels, body.leading_space)
+            check_distinct(body.labels, label_ids)
+        except LabelTokenError as e:
+            raise bad(str(e)) from e
+        longest = max(len(c) for c in label_ids)
+        if longest > max_tokens:
+            raise bad(
+                f"a label has {longest} tokens, more than the limit of {max_tokens} (--max-label-tokens)"
+            )
         return label_ids
 
-    def labels_after(text: str) -> LabelIds:
-        nonlocal short_ends
-        anchor, key = text[-ANCHOR_CHARS:], label_key(text)
-        if short_ends is None:
-            # Once per call, on its first prompt: a tokenizer whose pieces do run from a word into
-            # the whitespace after it gets the whole anchor's derivation for every prompt.
-            full = derive(anchor)
-            try:
-                short_ends = key == anchor or derive(key) == full
-            except HTTPError:
-                short_ends = False
-        return derive(key if short_ends else anchor)
+    labels_after = LabelsByEnd(derive).after
 
     if isinstance(p, list) and len(p) > 1 and isinstance(p[0], str):
         # Labels of several tokens take one prefill each per prompt: known from the first prompt's
@@ -384,6 +366,38 @@ def parse_classify(rt: Runtime, body: ClassifyRequest) -> list[ClassifyItem]:
         multi = single_tokens(label_ids) is None
         items.append(ClassifyItem(ids, label_ids, multi, label_requests(ids, label_ids, shared, multi)))
     return items
+
+
+class LabelsByEnd:
+    """A call's labels' tokens after each prompt, derived once per distinct prompt end: a label's
+    tokens depend on the prompt's end only, so prompts ending alike (a template's "\nAnswer:")
+    share one tokenizing of the labels. The short end (`label_key`) stands for the whole
+    ANCHOR_CHARS end once it was seen to give the same tokens, checked once per distinct short
+    end: a tokenizer whose pieces run from a word into the whitespace after it may split a short
+    end otherwise, and then that end's prompts get their whole end's derivation."""
+
+    def __init__(self, derive: Callable[[str], LabelIds]) -> None:
+        self.derive = derive
+        self.by_end: dict[str, LabelIds] = {}
+        self.short_ok: dict[str, bool] = {}
+
+    def ids(self, end: str) -> LabelIds:
+        label_ids = self.by_end.get(end)
+        if label_ids is None:
+            label_ids = self.by_end[end] = self.derive(end)
+        return label_ids
+
+    def after(self, text: str) -> LabelIds:
+        anchor, key = text[-ANCHOR_CHARS:], label_key(text)
+        ok = self.short_ok.get(key)
+        if ok is None:
+            full = self.ids(anchor)
+            try:
+                ok = key == anchor or self.ids(key) == full
+            except HTTPError:  # the short end refused what the whole end takes
+                ok = False
+            self.short_ok[key] = ok
+        return self.ids(key if ok else anchor)
 
 
 def _classify_prompts(

@@ -323,6 +323,32 @@ def _check_sampling(sp: SamplingParams, max_new_tokens: int) -> None:
         raise bad(f"min_new_tokens={sp.min_new_tokens} exceeds max_new_tokens={max_new_tokens}")
 
 
+# The fields that take one value per prompt of a batch (a list) or one for all (`per_item`).
+PER_PROMPT_FIELDS = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                     "cache_prefix_len", "rid")  # fmt: skip
+
+
+def split_batch(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """A batched /generate body with its `n` prompts under `text` as `n` single-prompt bodies,
+    each with its own values of the per-prompt fields and the shared ones unchanged (what a
+    front end that cannot send batches forwards). A per-prompt list of another length is the
+    400 `parse_generate` gives."""
+    own = {name: per_item(body[name], n, name, None) for name in PER_PROMPT_FIELDS if name in body}
+    token_ids = body.get("token_ids_logprob")
+    if isinstance(token_ids, list) and token_ids and isinstance(token_ids[0], list):
+        own["token_ids_logprob"] = per_item(token_ids, n, "token_ids_logprob", None)
+    out = []
+    for i, text in enumerate(body["text"]):
+        one = {**body, "text": text}
+        for name, values in own.items():
+            if values[i] is None:
+                one.pop(name, None)
+            else:
+                one[name] = values[i]
+        out.append(one)
+    return out
+
+
 # ---- /generate: format --------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ from po_backend.sched.steps import MIN_PREFIX_STEP
 from po_backend.sim.simulator import PrefixLRU, SimRun, simulate
 from po_lang.backends import LabelRequest
 from po_lang.label.cli import parse_args
+from tests.fake_scorer import FakeScorer
 from tests.server_utils import ServerProcess, metric
 
 JCT = JCTModel.proxy(seconds_per_ktok=1.0)  # a step costs 1 ms per computed token
@@ -610,38 +611,6 @@ def test_a_prefix_read_by_both_classes_in_one_step_is_kept_as_online(
 # ---- a full queue admits a more urgent call ----------------------------------------------------
 
 
-class _Scorer:
-    """A scorer without a model: every step answers at once (the queue is what is tested)."""
-
-    vocab_size = 100
-    tokenizer = None
-
-    def validate(self, req: ScoreRequest) -> None: ...
-
-    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[Any]:
-        from po_backend.core.request import ScoreResult
-
-        top = [(t, -0.5 - t) for t in range(max(r.top_k for r in requests))]
-        return [
-            ScoreResult([-1.0] * len(r.label_token_ids), top, prompt_tokens=len(r.input_ids))
-            for r in requests
-        ]
-
-    def cached_len(self, req: ScoreRequest) -> int:
-        return 0
-
-    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
-        return [(0, 0)]
-
-    def stats(self) -> Any:
-        return type("S", (), {"hit_rate": 0.0})()
-
-    def cache_pool(self) -> None:
-        return None
-
-    def flush_cache(self) -> None: ...
-
-
 def test_full_queue_aborts_the_least_urgent_queued_call_over_http() -> None:
     """--max-queue 3 full of priority -1, -2, -1 calls (the loop not started, so they stay queued):
     a priority 5 call aborts the least urgent (-2), the next one the newest -1, each aborted call
@@ -657,9 +626,9 @@ def test_full_queue_aborts_the_least_urgent_queued_call_over_http() -> None:
     from tests.server_utils import error_message, poll_until
 
     cfg = SchedulerConfig("fcfs", enable_priority=True)
-    loop = EngineLoop(_Scorer(), scheduler=cfg, jct=JCT, max_queue=3, start=False)  # type: ignore[arg-type]
+    loop = EngineLoop(FakeScorer(), scheduler=cfg, jct=JCT, max_queue=3, start=False)  # type: ignore[arg-type]
     app = create_app(
-        LoopService(_Scorer(), loop, max_input_len=64), ServerArgs(engine=Settings(model_path="m"))
+        LoopService(FakeScorer(), loop, max_input_len=64), ServerArgs(engine=Settings(model_path="m"))
     )
 
     def call(client: TestClient, tag: int, priority: int) -> httpx.Response:
@@ -693,7 +662,7 @@ def test_abort_takes_a_whole_call_and_only_less_urgent_ones() -> None:
     from po_backend.serving.loop import ABORTED_BY_PRIORITY, EngineLoop
 
     cfg = SchedulerConfig("fcfs", enable_priority=True)
-    loop = EngineLoop(_Scorer(), scheduler=cfg, jct=JCT, max_queue=4, start=False)  # type: ignore[arg-type]
+    loop = EngineLoop(FakeScorer(), scheduler=cfg, jct=JCT, max_queue=4, start=False)  # type: ignore[arg-type]
     batch = loop.submit_many([req(1, 5, -3), req(2, 5, -3)])  # one call of two
     other = [loop.submit(req(3, 5, -1)), loop.submit(req(4, 5, 0))]
     admitted = loop.submit(req(5, 5, 1))  # one place needed: the whole -3 call goes
@@ -703,7 +672,7 @@ def test_abort_takes_a_whole_call_and_only_less_urgent_ones() -> None:
     assert loop.stats().queued == 3
     with pytest.raises(OverloadedError, match="queue is full"):  # needs two: only one is less urgent
         loop.submit_many([req(6, 5, 0), req(7, 5, 0), req(8, 5, 0)])
-    off = EngineLoop(_Scorer(), scheduler=SchedulerConfig("fcfs"), max_queue=1, start=False)  # type: ignore[arg-type]
+    off = EngineLoop(FakeScorer(), scheduler=SchedulerConfig("fcfs"), max_queue=1, start=False)  # type: ignore[arg-type]
     off.submit(req(8, 5, -3))
     with pytest.raises(OverloadedError, match="queue is full"):  # priority scheduling off: no abort
         off.submit(req(9, 5, 9))

@@ -9,7 +9,7 @@ import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +18,23 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from po_backend.entrypoints import launch_cluster, spawn
+from po_backend.entrypoints import launch_cluster
 from po_backend.entrypoints.launch_cluster import add_worker, visible_gpus, worker_env
 from tests.deps import require
-from tests.server_utils import REPO_ROOT, ServerProcess, dead_url, free_port, poll_until
+from tests.server_utils import (
+    CLUSTER_WORKER_FLAGS,
+    REPO_ROOT,
+    ServerProcess,
+    cluster_key,
+    dead_url,
+    launched_cluster,
+    poll_until,
+    worker_urls,
+)
 
 require("sglang_router", "pip install sglang-router")
 
 QUERY = {"query": "which pets like to play", "documents": ["cats like to play", "tax news", "dogs play"]}
-
-
-WORKER_FLAGS = ["--dtype", "fp32", "--max-input-len", "256", "--classify-labels", "yes,no"]
 
 
 def routed_call(route: str, i: int) -> dict[str, Any]:
@@ -48,30 +54,6 @@ GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/rerank", "/v1/classify")
 EMBED_ROUTES = ("/v1/embeddings",)
 
 
-@contextlib.contextmanager
-def launched_cluster(model: Path, flags: Sequence[str]) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`launch_cluster` on a free loopback port, ready; killed with all its children on the way out
-    unless a test already stopped it."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", "--model-path", str(model)]
-    cmd += ["--port", str(port), *flags, *WORKER_FLAGS]
-    launcher = spawn.ServerProcess(
-        cmd, f"http://127.0.0.1:{port}", cwd=REPO_ROOT, health_path="/get_model_info"
-    )
-    launcher.start()
-    proc = launcher.proc
-    assert proc is not None
-    try:
-        launcher.wait_ready(180)
-        yield launcher.url, proc
-    finally:
-        if proc.poll() is None:  # a test failed before its SIGTERM: leave no worker behind
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
-
-
 class Clusters:
     """The module's 2-worker cluster, started once for the tests that share it. A test that ends
     it (SIGTERM) takes it instead (`take`): no later test can get a cluster that is gone, a later
@@ -83,7 +65,9 @@ class Clusters:
 
     def shared(self) -> tuple[str, subprocess.Popen[bytes]]:
         if self.running is None:
-            self.running = self.stack.enter_context(launched_cluster(self.model, ["--workers", "2"]))
+            launcher = self.stack.enter_context(launched_cluster(self.model, ["--workers", "2"]))
+            assert launcher.proc is not None
+            self.running = launcher.url, launcher.proc
         return self.running
 
     def take(self) -> tuple[str, subprocess.Popen[bytes]]:
@@ -107,7 +91,7 @@ def cluster(clusters: Clusters) -> tuple[str, subprocess.Popen[bytes]]:
 def single(tokenized_llama: Path) -> Iterator[ServerProcess]:
     """One server with the workers' flags: the reference a cluster must answer like, and the worker
     added at runtime (joining a router changes nothing in it; its calls are counted as deltas)."""
-    proc = ServerProcess(["--model-path", str(tokenized_llama), *WORKER_FLAGS]).start()
+    proc = ServerProcess(["--model-path", str(tokenized_llama), *CLUSTER_WORKER_FLAGS]).start()
     try:
         yield proc
     finally:
@@ -133,6 +117,25 @@ def test_cluster_answers_like_one_server(
     )
 
 
+@pytest.mark.slow
+def test_answers_through_the_gate_carry_one_date_and_one_server_header(
+    cluster: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """The router's answers pass the public port's HTTP server, which writes its own `date` and
+    `server`: the router's are dropped, so a client sees one of each (answers the router builds,
+    those a worker built, a 404, the gate's own liveness probe alike)."""
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for method, path, body in (
+            ("GET", "/v1/models", None), ("POST", "/v1/rerank", QUERY), ("POST", "/generate", routed_call("/generate", 0)),
+            ("GET", "/no/such/route", None), ("GET", "/health", None),
+        ):  # fmt: skip
+            r = client.request(method, path, json=body)
+            assert r.status_code in (200, 404), (path, r.status_code, r.text[:200])
+            assert len(r.headers.get_list("date")) == 1, (path, r.headers)
+            assert len(r.headers.get_list("server")) == 1, (path, r.headers)
+
+
 def rerank_calls(worker_url: str) -> int:
     """/v1/rerank calls the worker answered 200 (its po_http_requests counter)."""
     text = httpx.get(worker_url + "/metrics", timeout=10).text
@@ -143,18 +146,6 @@ def rerank_calls(worker_url: str) -> int:
         if sample.name == "po_http_requests_total"
         and sample.labels == {"endpoint": "/v1/rerank", "status": "200"}
     )
-
-
-def cluster_key(router_url: str, kind: str) -> str:
-    """The `kind` key ("admin", "worker") the launcher made for the cluster at `router_url`."""
-    return launch_cluster.key_path(httpx.URL(router_url).port or 0, kind).read_text().strip()
-
-
-def worker_urls(router_url: str) -> list[str]:
-    """The workers the router routes to, from its worker API (with the admin key the launcher made)."""
-    key = cluster_key(router_url, "admin")
-    r = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-    return sorted(w["url"] for w in r.json()["workers"])
 
 
 @pytest.mark.slow
@@ -253,7 +244,8 @@ def test_a_lone_call_routed_to_a_killed_worker_is_answered(tokenized_llama: Path
     attempts there, and with no more attempts than the breaker's threshold it got a 500.
     The router does not forward /v1/score (sglang-router 0.3.2): a 404 from it, never a 5xx."""
     routes = GENERATE_ROUTES if task == "generate" else EMBED_ROUTES
-    with launched_cluster(tokenized_llama, ["--workers", "2", "--task", task]) as (url, proc):
+    with launched_cluster(tokenized_llama, ["--workers", "2", "--task", task]) as launcher:
+        url, proc = launcher.url, launcher.proc
         workers = {url_of(w): w for w in worker_procs(proc)}
         key = cluster_key(url, "worker")
         # The victim: the worker the router sends the first call to; then, for every route, a
@@ -288,7 +280,8 @@ def test_a_lone_call_routed_to_a_killed_worker_is_answered(tokenized_llama: Path
 def test_a_worker_added_at_runtime_takes_calls(tokenized_llama: Path, single: ServerProcess) -> None:
     extra = single
     flags = ["--workers", "1", "--router-policy", "round_robin"]
-    with launched_cluster(tokenized_llama, flags) as (url, _):
+    with launched_cluster(tokenized_llama, flags) as launcher:
+        url = launcher.url
         [first] = worker_urls(url)
         extra.wait_ready()
         # The reference: the new worker on its own (a single server), before it joins.

@@ -10,8 +10,7 @@ import json
 import os
 import random
 import socket
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +23,14 @@ from po_backend import Engine, ScoreRequest
 from po_backend.core.request import ScoreResult
 from po_backend.sched.jct import JCTModel
 from po_backend.serving.loop import FAILING_STEPS, EngineLoop
-from tests.server_utils import REPO_ROOT, FakeService, ServerProcess, error_message, probed_while
+from tests.fake_scorer import FakeScorer
+from tests.server_utils import (
+    FakeService,
+    ServerProcess,
+    error_message,
+    launched_cluster,
+    probed_while,
+)
 
 TIMEOUT = 60.0  # only hit when something hangs
 T = TypeVar("T")
@@ -67,46 +73,11 @@ def test_cache_probes_run_outside_the_loop_lock(engine: Engine) -> None:
     assert held and not any(held), f"{sum(held)} of {len(held)} cache probes ran under the loop lock"
 
 
-class _FlakyScorer:
-    """A scorer whose steps fail while `broken` is set (a device error every step hits)."""
-
-    vocab_size = 100
-    tokenizer = None
-
-    def __init__(self) -> None:
-        self.broken = True
-
-    def validate(self, req: ScoreRequest) -> None: ...
-
-    def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
-        if self.broken:
-            raise RuntimeError("device lost")
-        top = [(t, -0.5 - t) for t in range(max(r.top_k for r in requests))]
-        return [
-            ScoreResult([-1.0] * len(r.label_token_ids), top, prompt_tokens=len(r.input_ids))
-            for r in requests
-        ]
-
-    def cached_len(self, req: ScoreRequest) -> int:
-        return 0
-
-    def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
-        return [(0, 0)]
-
-    def stats(self) -> Any:
-        return type("S", (), {"hit_rate": 0.0})()
-
-    def flush_cache(self) -> None: ...
-
-    def cache_pool(self) -> None:
-        return None
-
-
 def test_health_fails_while_every_recent_step_fails() -> None:
     from po_backend.server import ServerArgs, Settings, create_app
     from po_backend.server.service import LoopService
 
-    scorer = _FlakyScorer()
+    scorer = FakeScorer(broken=True)
     loop = EngineLoop(scorer, policy="fcfs")  # type: ignore[arg-type]  # a duck-typed scorer
     service = LoopService(scorer, loop, max_input_len=64)
     app = create_app(service, ServerArgs(engine=Settings(model_path="m")))
@@ -124,7 +95,7 @@ def test_health_fails_while_every_recent_step_fails() -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # its re-raise
 def test_a_dead_loop_answers_503_without_internals() -> None:
-    scorer = _FlakyScorer()
+    scorer = FakeScorer(broken=True)
     loop = EngineLoop(scorer, policy="fcfs", start=False)  # type: ignore[arg-type]
 
     def boom(*_: Any) -> None:
@@ -333,32 +304,16 @@ def test_host_check_and_our_error_shape_for_what_the_framework_answers() -> None
 def test_cluster_keys_reach_router_and_workers_by_environment_only(tokenized_llama: Path) -> None:
     import psutil
 
-    from po_backend.entrypoints import spawn
-
     key, admin = "data-key-123", "admin-key-456"
-    port = spawn.free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "po_backend.entrypoints.launch_cluster",
-        "--model-path",
-        str(tokenized_llama),
-    ]
-    cmd += ["--port", str(port), "--workers", "1", "--dtype", "fp32", "--max-input-len", "256"]
     env = {**os.environ, "PREFILLONLY_API_KEY": key, "PREFILLONLY_ROUTER_ADMIN_KEY": admin}
-    launcher = spawn.ServerProcess(
-        cmd, f"http://127.0.0.1:{port}", env=env, cwd=REPO_ROOT, health_path="/get_model_info"
-    )
-    launcher.start()
-    assert launcher.proc is not None
-    try:
-        # The start-up wait through the router sends the key too (it would never answer 200 without).
-        launcher.wait_ready(240, headers={"Authorization": f"Bearer {key}"})
+    data = {"Authorization": f"Bearer {key}"}
+    # The start-up wait through the router sends the key too (it would never answer 200 without).
+    with launched_cluster(tokenized_llama, ["--workers", "1"], env=env, headers=data) as launcher:
+        assert launcher.proc is not None
         url = launcher.url
         children = psutil.Process(launcher.proc.pid).children(recursive=True)
         lines = [" ".join(c.cmdline()) for c in children]
         assert lines and not any(key in x or admin in x for x in lines), lines  # `ps` shows no key
-        data = {"Authorization": f"Bearer {key}"}
         body = {"input_ids": [5, 6, 7]}
         assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 401
         assert httpx.post(url + "/generate", json=body, headers=data, timeout=60).status_code == 200
@@ -369,8 +324,3 @@ def test_cluster_keys_reach_router_and_workers_by_environment_only(tokenized_lla
             assert httpx.post(url + "/flush_cache", headers=headers, timeout=30).status_code in (401, 403)
         r = httpx.post(url + "/flush_cache", headers={"Authorization": f"Bearer {admin}"}, timeout=30)
         assert r.status_code == 200, r.text
-    finally:
-        for child in psutil.Process(launcher.proc.pid).children(recursive=True):
-            child.kill()
-        launcher.proc.kill()
-        launcher.proc.wait()

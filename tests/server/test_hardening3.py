@@ -22,7 +22,6 @@ import signal
 import socket
 import stat
 import string
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,11 +34,11 @@ from fastapi.testclient import TestClient
 from po_backend.core.request import ScoreResult
 from tests.server.test_hardening2 import _post
 from tests.server_utils import (
-    REPO_ROOT,
     FakeService,
     ServerProcess,
     dead_url,
     error_message,
+    launched_cluster,
     metric,
     poll_until,
     probed_while,
@@ -203,6 +202,37 @@ def test_classify_tokenizes_each_label_once_per_call(server: ServerProcess) -> N
     # prompt's whole end, checked against its short one).
     bound = sum(len(p) for p in prompts) + 2 * (64 + sum(64 + len(x) + 1 for x in labels))
     assert spent <= bound, f"{spent:.0f} characters tokenized, at most {bound} expected"
+
+
+def test_each_short_end_is_checked_against_its_whole_end_once() -> None:
+    """A call's prompts ending in different short ends (`label_key`): each short end is checked
+    once against the first whole end it stands for, so a later prompt whose short end tokenizes
+    otherwise (or is refused) gets its whole end's labels, not the short end's; a checked short
+    end then serves every prompt ending in it, with no other whole end tokenized."""
+    from po_backend.server.errors import bad
+    from po_backend.server.scoring import LabelsByEnd
+
+    derived: list[str] = []
+
+    def derive(end: str) -> tuple[tuple[int, ...], ...]:
+        derived.append(end)
+        if end == "\nC:":
+            raise bad("a label merges with this end")
+        # A tokenizer that splits "\nB:" alone otherwise than after a word.
+        return ((9,),) if end == "\nB:" else ((1,),)
+
+    after = LabelsByEnd(derive).after
+    prompts = [
+        "first prompt\nA:",
+        "second\nA:",
+        "third prompt\nB:",
+        "fourth\nB:",
+        "fifth one\nC:",
+        "sixth\nC:",
+    ]
+    assert [after(p) for p in prompts] == [((1,),)] * len(prompts)
+    assert derived == ["first prompt\nA:", "\nA:", "third prompt\nB:", "\nB:", "fourth\nB:", "fifth one\nC:", "\nC:",
+                       "sixth\nC:"]  # fmt: skip
 
 
 IDLE_CONNECTIONS = 2100  # above the former default limit of 2,048 connections
@@ -501,36 +531,20 @@ def test_cluster_routes_need_keys_no_data_key_flushes_and_children_die_with_the_
     worker itself; the admin key flushes them all through the router."""
     import psutil
 
-    from po_backend.entrypoints import spawn
-
     key = "data-key-789"
-    port = spawn.free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "po_backend.entrypoints.launch_cluster",
-        "--model-path",
-        str(tokenized_llama),
-    ]
-    cmd += ["--port", str(port), "--workers", "1", "--dtype", "fp32"]
     env = {k: v for k, v in os.environ.items() if k != "PREFILLONLY_ROUTER_ADMIN_KEY"}
     env |= {"PREFILLONLY_API_KEY": key, "PREFILLONLY_CACHE": str(tmp_path / "cache")}
-    launcher = spawn.ServerProcess(
-        cmd, f"http://127.0.0.1:{port}", env=env, cwd=REPO_ROOT, health_path="/get_model_info"
-    )
-    launcher.start()
-    assert launcher.proc is not None
-    children: list[psutil.Process] = []
-    try:
-        launcher.wait_ready(240, headers={"Authorization": f"Bearer {key}"})
+    data = {"Authorization": f"Bearer {key}"}
+    with launched_cluster(tokenized_llama, ["--workers", "1"], env=env, headers=data) as launcher:
+        assert launcher.proc is not None
         children = psutil.Process(launcher.proc.pid).children(recursive=True)
+        port = httpx.URL(launcher.url).port
         url = launcher.url
         key_file = tmp_path / "cache" / "router" / f"admin-key-{port}"
         assert str(key_file) in launcher.log_text(20_000)
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         admin = key_file.read_text().strip()
         assert admin and admin != key
-        data = {"Authorization": f"Bearer {key}"}
         keys = {"data": data, "admin": {"Authorization": f"Bearer {admin}"}}
 
         with httpx.Client(base_url=url, timeout=60) as client:
@@ -589,13 +603,6 @@ def test_cluster_routes_need_keys_no_data_key_flushes_and_children_die_with_the_
             return not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
 
         poll_until(gone, "the workers, the router and the gate exit with their launcher", timeout=30)
-    finally:
-        for child in children:
-            if child.is_running():
-                child.kill()
-        if launcher.proc.poll() is None:
-            launcher.proc.kill()
-            launcher.proc.wait()
 
 
 def test_gate_swaps_the_data_key_and_forwards_the_rest_unchanged() -> None:

@@ -128,6 +128,17 @@ def test_cohere_sdk_rerank(url: str, engine: Engine) -> None:
     assert resp.id
 
 
+def test_cohere_v1_client_rerank_gets_cohere_shape_on_sglang_route(url: str, engine: Engine) -> None:
+    """Cohere's v1 client posts to /v1/rerank, SGLang's route: its SDK header gets Cohere's shape
+    there, while SGLang's callers keep SGLang's list."""
+    expected = expected_scores(engine, QUERY, DOCS)
+    resp = cohere.Client(base_url=url, api_key="x").rerank(model="tiny", query=QUERY, documents=DOCS, top_n=2)
+    assert [r.index for r in resp.results] == sorted(range(len(DOCS)), key=lambda i: -expected[i])[:2]
+    for r in resp.results:
+        assert r.relevance_score == pytest.approx(expected[r.index], abs=1e-5)
+    assert isinstance(ok(post(url, "/v1/rerank", {"query": QUERY, "documents": DOCS})), list)
+
+
 def test_jina_rerank_shape(url: str, engine: Engine) -> None:
     expected = expected_scores(engine, QUERY, DOCS)
     body = {"model": "tiny", "query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 0}

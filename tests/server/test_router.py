@@ -16,7 +16,7 @@ import pytest
 from po_backend.entrypoints import spawn
 from tests.deps import require
 from tests.server.test_rerank import ALPHABET, CORPUS
-from tests.server_utils import REPO_ROOT, ServerProcess, free_port, poll_until
+from tests.server_utils import REPO_ROOT, ServerProcess, assert_same_answer, free_port, poll_until
 from tests.tiny_tokenizer import tokenized_copy
 
 require("sglang_router", "pip install sglang-router")
@@ -169,25 +169,6 @@ def _stable_generate(out: dict[str, Any]) -> Any:
     """The answer without per-call fields."""
     meta = {k: v for k, v in out["meta_info"].items() if k not in ("id", "e2e_latency", "cached_tokens")}
     return {**out, "meta_info": meta}
-
-
-def assert_same_answer(a: Any, b: Any, where: str = "answer") -> None:
-    """`a` and `b` equal, floats within fp32 round-off: one of two calls may read the prompt from
-    the prefix cache, which moves the last digits (fp32 sums in another order); a rounded
-    comparison would still differ where a value sits on a rounding boundary."""
-    if isinstance(a, float) or isinstance(b, float):
-        assert isinstance(a, int | float) and isinstance(b, int | float), (where, a, b)
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (where, a, b)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a, b)
-        for k in a:
-            assert_same_answer(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b), (where, a, b)
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same_answer(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def test_generate(router: RouterProcess, server: str) -> None:
