@@ -241,6 +241,8 @@ def test_bad_quantization_is_a_value_error(tiny_model) -> None:
     path, _ = tiny_model("llama")
     with pytest.raises(ValueError, match="quantization must be one of"):
         _engine(path, quantization="int4")
+    with pytest.raises(ValueError, match="enable_lora does not combine with quantization"):
+        _engine(path, enable_lora=True)
 
 
 def _write_q8_0_gguf(hf: torch.nn.Module, path: Path) -> None:

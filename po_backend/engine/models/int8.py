@@ -65,7 +65,7 @@ class Int8Recipe:
 
 PLAIN = Int8Recipe()
 # What `--quantization w8a8_int8` runs (docs/quantization.md has the measurements behind it).
-DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(0, 0, 0, 16))
+DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
 
 
 class ActivationMaxima:
