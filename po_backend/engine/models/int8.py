@@ -246,7 +246,8 @@ class Int8Linear(nn.Module):
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         skip = self.outlier_idx
         if self.packed is not None:
-            out.copy_(_fbgemm_per_token(x, self.packed, skip))
+            y, sx = _fbgemm_per_token(x, self.packed, skip)
+            torch.mul(y, sx, out=out)  # one pass: scaled back and rounded into `out`
         else:
             assert self.q is not None
             q, sx = _quantize_tokens(x, skip)
@@ -262,7 +263,7 @@ class Int8Linear(nn.Module):
             # the GEMM had (a float GEMM's blocking does): a cache hit keeps the cold run's answer.
             assert self.outlier_w is not None
             part = torch.matmul(x.index_select(1, skip).double(), self.outlier_w.double())
-            out.add_(part.to(out.dtype))
+            out.add_(part.to(out.dtype))  # cast first: a mixed-dtype add_ is a slow path
         return out
 
 
@@ -278,12 +279,13 @@ def _gemm(q: torch.Tensor, w: torch.Tensor, backend: GemmBackend) -> torch.Tenso
 
 def _fbgemm_per_token(
     x: torch.Tensor, packed: torch.Tensor, skip: torch.Tensor | None = None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fbgemm's dynamic linear quantizes its input per tensor, from the tensor's min and max, so a
     row's answer would depend on the rows beside it (a cache hit would differ from the cold run).
     Each row is scaled to max |x| = 1 and one row holding -1 and +1 is appended: the tensor's
     range is then [-1, 1] whatever the batch, every row is quantized with the same fixed step, and
-    its output is scaled back by its own factor: per-token quantization through fbgemm's kernels,
+    its output (returned with the factors [m, 1], unscaled) is scaled back by its own factor:
+    per-token quantization through fbgemm's kernels,
     8-bit (no `reduce_range`: the weights' +-63 rule out int16 saturation). The `skip` columns
     (outlier channels, whose int8 weights are zero) are zeroed so they cannot widen the range."""
     scale = _row_absmax(x, skip)
@@ -293,8 +295,7 @@ def _fbgemm_per_token(
         xn[:-1].index_fill_(1, skip, 0)
     xn[-1].zero_()
     xn[-1, 0], xn[-1, -1] = -1.0, 1.0
-    y = torch.ops.quantized.linear_dynamic(xn, packed, False)[:-1]
-    return y.mul_(scale)
+    return torch.ops.quantized.linear_dynamic(xn, packed, False)[:-1], scale
 
 
 def linear(
