@@ -434,6 +434,11 @@ class EngineConfig:
         check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         if self.quantization is not None:
             check_choice("quantization", self.quantization, QUANTIZATIONS)
+            if self.enable_lora:
+                # Smoothing rescales the projections' inputs, which a LoRA adapter reads as trained.
+                raise ValueError(
+                    "enable_lora does not combine with quantization (int8 smooths the adapters' inputs)"
+                )
         for name, low in (
             ("cache_last_k", 0),
             ("chunk_size", 0),  # 0 = no chunking

@@ -165,6 +165,7 @@ def _emulate_int8(hf: torch.nn.Module) -> torch.nn.Module:
 def test_quantized_model_matches_transformers(tiny_model, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Per-token activations (int_mm, as on a VNNI or AMX CPU; exact int32 sums wherever it runs).
     monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PLAIN)  # the emulation rounds plain per-token int8
     path, hf = tiny_model(kind)
     engine = _engine(path, chunk_size=64)
     assert all(
@@ -192,9 +193,11 @@ def test_int8_cache_skips_quantizing_and_gives_the_same_answers(
     tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    # Plain int8 (no float outlier columns): the weights' memory below is the int8 format's own.
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PLAIN)
     path, _ = tiny_model("llama")
     cold = _engine(path)
-    files = list((tmp_path / "int8").glob("*.safetensors"))
+    files = list((tmp_path / "int8").glob("*-w8a8_int8-*.safetensors"))
     assert len(files) == 1
     ids = _prompts(cold.vocab_size, [90])[0]
     expected = cold.score([ids], [0, 5])[0].logprobs
@@ -238,6 +241,8 @@ def test_bad_quantization_is_a_value_error(tiny_model) -> None:
     path, _ = tiny_model("llama")
     with pytest.raises(ValueError, match="quantization must be one of"):
         _engine(path, quantization="int4")
+    with pytest.raises(ValueError, match="enable_lora does not combine with quantization"):
+        _engine(path, enable_lora=True)
 
 
 def _write_q8_0_gguf(hf: torch.nn.Module, path: Path) -> None:
@@ -291,6 +296,7 @@ def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
     # A VNNI CPU keeps the file's integers as they are (fbgemm re-rounds them to +-63).
     monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PLAIN)  # smoothing would change the integers
     cfg = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -311,7 +317,7 @@ def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.Monkey
     hf.save_pretrained(folder)
     (folder / loader.GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf_path)}))
 
-    def refuse(layers: list[torch.nn.Module], backend: object) -> None:
+    def refuse(layers: list[torch.nn.Module], backend: object, *_: object) -> None:
         assert all(isinstance(getattr(x, n), Int8Linear) for x in layers for n in int8.QUANTIZED_PROJECTIONS)
 
     monkeypatch.setattr(loader, "quantize_model", refuse)  # nothing is left to quantize from floats
@@ -364,3 +370,133 @@ def test_embedded_int8_cache_hit_equals_cold_run() -> None:
     assert all(r.cached_tokens == len(prefix) for r in hit)
     for a, b in zip(cold, hit, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+# ---- calibration, smoothing and outlier channels ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_smoothing_leaves_the_fp32_model_unchanged(tiny_model, kind: str) -> None:
+    # SmoothQuant folded into the norms, v rows and up rows is an identity on the float model
+    # (GQA's shared kv channels, qwen2's v bias, qwen3's q/k norms included): only int8 sees it.
+    from po_backend.engine.calibration import activation_maxima, calibration_ids
+
+    path, _ = tiny_model(kind)
+    engine = Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
+    prompts = _prompts(engine.vocab_size, [3, 40, 120], seed=7)
+    labels = list(range(0, engine.vocab_size, 17))
+    before = [torch.tensor(r.logprobs) for r in engine.score(prompts, labels)]
+    maxima = activation_maxima(engine.model, torch.device("cpu"), calibration_ids(None, engine.vocab_size))
+    recipe = int8.Int8Recipe(alpha=(0.5, 0.7, 0.4, 0.6))
+    layers = engine.model.decoder_layers
+    old = [{n: getattr(x, n).detach().clone() for n in int8.QUANTIZED_PROJECTIONS} for x in layers]
+    for layer, m in zip(layers, maxima, strict=True):
+        after = int8.smooth_layer(layer, m, recipe)
+        assert set(after) == set(int8.QUANTIZED_PROJECTIONS)
+    for layer, w in zip(layers, old, strict=True):  # every projection's input was rescaled
+        for n in int8.QUANTIZED_PROJECTIONS:
+            assert not torch.equal(getattr(layer, n), w[n]), n
+    engine.flush_cache()
+    for b, r in zip(before, engine.score(prompts, labels), strict=True):
+        torch.testing.assert_close(torch.tensor(r.logprobs), b, rtol=0, atol=1e-5)
+
+
+def test_smoothing_flattens_the_activations_int8_sees(tiny_model) -> None:
+    from po_backend.engine.calibration import activation_maxima, calibration_ids
+
+    path, _ = tiny_model("llama")
+    engine = Engine.from_pretrained(path, dtype="fp32", max_input_len=256)
+    ids = calibration_ids(None, engine.vocab_size)
+    maxima = activation_maxima(engine.model, torch.device("cpu"), ids)
+    recipe = int8.Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5))
+    predicted = [
+        int8.smooth_layer(x, m, recipe) for x, m in zip(engine.model.decoder_layers, maxima, strict=True)
+    ]
+    # The smoothed model's own calibration maxima are what smooth_layer said they would be.
+    again = activation_maxima(engine.model, torch.device("cpu"), ids)
+    for p, a in zip(predicted, again, strict=True):
+        for n in int8.QUANTIZED_PROJECTIONS:
+            torch.testing.assert_close(a[n], p[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["int_mm", "fbgemm", "reference"])
+def test_outlier_channels_run_in_float_beside_the_int8_gemm(backend: int8.GemmBackend) -> None:
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(50, 576, generator=g), torch.randn(200, 576, generator=g) * 0.1
+    idx = torch.tensor([3, 100, 575])
+    x[:, idx] *= 1000  # massive outliers, as before SmolLM2's down_proj
+    lin = Int8Linear.from_float(w, backend, idx)
+    assert lin.outlier_w is not None and torch.equal(lin.outlier_w, w[:, idx].t())
+    assert not lin.qweight[idx].any(), "outlier columns are out of the int8 weight"
+    got = lin(x).double()
+    # Reference: the int8 part (rows quantized without the outlier channels) plus the float part.
+    xm = x.index_fill(1, idx, 0)
+    wq = (lin.qweight.double() * lin.scale.double()).t()
+    ref = _fake_quant_rows(xm) @ wq.t() + x[:, idx].double() @ w[:, idx].double().t()
+    exact = x.double() @ w.double().t()
+    if backend == "fbgemm":  # fbgemm's activation steps are 2/255 of the row's max, not 1/127
+        assert (got - exact).norm() <= 1.05 * (ref - exact).norm()
+    else:  # exact int32 sums: fp32 rounding only
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # Without the split one activation step is 1/127 of the outliers: the rest are lost.
+    plain = Int8Linear.from_float(w, backend)(x).double()
+    assert (got - exact).norm() * 20 < (plain - exact).norm()
+    # A token's answer still does not depend on the rows beside it.
+    torch.testing.assert_close(lin(x[7:8]), lin(x)[7:8], rtol=0, atol=0)
+
+
+def test_calibration_is_cached_reused_and_invalidated(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import shutil
+
+    from po_backend.engine import calibration
+    from po_backend.engine.models import loader
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    src, _ = tiny_model("llama")
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    runs = []
+    real = calibration.activation_maxima
+    monkeypatch.setattr(calibration, "activation_maxima", lambda *a: runs.append(1) or real(*a))
+    first = _engine(path)
+    ids = _prompts(first.vocab_size, [50])[0]
+    expected = first.score([ids], [0, 5])[0].logprobs
+    assert runs == [1] and len(list((tmp_path / "cache" / "int8").glob("model-calibration-*"))) == 1
+    # A second start reads the int8 weights (and smoothed norms) without calibrating or quantizing.
+    monkeypatch.setattr(loader, "quantize_model", lambda *a: pytest.fail("quantized again"))
+    assert _engine(path).score([ids], [0, 5])[0].logprobs == expected
+    monkeypatch.undo()
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "activation_maxima", lambda *a: runs.append(1) or real(*a))
+    # Another recipe quantizes again, from the cached maxima.
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe(alpha=(0.3, 0.3, 0.3, 0.3)))
+    _engine(path)
+    assert runs == [1]
+    # Changed weights: calibrated again.
+    import safetensors.torch
+
+    (file,) = path.glob("*.safetensors")
+    state = safetensors.torch.load_file(file)
+    state["model.layers.0.mlp.down_proj.weight"] *= 2
+    safetensors.torch.save_file(state, str(file), metadata={"format": "pt"})
+    changed = _engine(path)
+    assert runs == [1, 1]
+    assert changed.score([ids], [0, 5])[0].logprobs != expected
+
+
+def test_default_recipe_is_close_to_fp32_and_keeps_outliers_in_float(
+    tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2"}))
+    path, hf = tiny_model("qwen2")
+    engine = _engine(path, chunk_size=64)
+    k = int8.DEFAULT_RECIPE.of("down_proj")[1]
+    down = engine.model.decoder_layers[0].down_proj
+    assert isinstance(down, Int8Linear) and down.outlier_idx is not None and down.outlier_idx.numel() == k
+    labels = [0, 7, engine.vocab_size - 1]
+    for ids, res in zip(
+        prompts := _prompts(engine.vocab_size, [5, 33, 200]), engine.score(prompts, labels), strict=True
+    ):
+        assert (torch.tensor(res.logprobs) - hf_next_logprobs(hf, ids)[labels]).abs().max() <= 0.25

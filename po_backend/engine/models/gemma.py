@@ -18,6 +18,8 @@ tower's tensors are ignored.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from po_backend.engine.config import ModelConfig
@@ -34,6 +36,8 @@ _TEXT_PREFIXES = {
 
 class GemmaDecoderLayer(DecoderLayer):
     act_mul = staticmethod(gelu_tanh_mul)
+    # Gemma's norms scale by (1 + w) and sandwich the MLP: int8's smoothing does not fold into them.
+    smooth_norms: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__(cfg, dtype)

@@ -13,9 +13,10 @@ weights within +-63), or the reference path (the same integer products summed ex
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,64 @@ GemmBackend = Literal["int_mm", "fbgemm", "reference"]
 
 # The decoder layers' projections that the int8 mode quantizes (their attribute names).
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Int8Recipe:
+    """How the int8 mode meets activations' outlier channels, per projection (in the order of
+    `QUANTIZED_PROJECTIONS`), from per-input-channel activation maxima of a calibration forward.
+
+    `alpha`: SmoothQuant's migration strength (None: not smoothed): input channel j is divided by
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) where the layer computes it for free (the RMSNorm
+    weight before qkv and gate/up, the v rows before o_proj, the up rows before down_proj) and W's
+    column j is multiplied by it, so the float model is unchanged and the int8 one sees flatter rows.
+    `outliers`: that many input channels with the largest calibration maxima (after smoothing) are
+    taken out of the int8 GEMM and multiplied in the model dtype (LLM.int8()'s decomposition)."""
+
+    alpha: tuple[float | None, float | None, float | None, float | None] = (None, None, None, None)
+    outliers: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether this recipe needs the calibration forward's activation maxima."""
+        return any(a is not None for a in self.alpha) or any(self.outliers)
+
+    def of(self, name: str) -> tuple[float | None, int]:
+        i = QUANTIZED_PROJECTIONS.index(name)
+        return self.alpha[i], self.outliers[i]
+
+
+PLAIN = Int8Recipe()
+# What `--quantization w8a8_int8` runs (docs/quantization.md has the measurements behind it).
+DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
+
+
+class ActivationMaxima:
+    """Per-input-channel max |x| of every float projection `linear` runs while it is installed
+    (`recording`): the calibration forward's statistics, keyed by the weight's id."""
+
+    def __init__(self) -> None:
+        self.absmax: dict[int, torch.Tensor] = {}
+
+    def add(self, weight: torch.Tensor, x: torch.Tensor) -> None:
+        m = x.detach().abs().amax(dim=0).float()
+        seen = self.absmax.get(id(weight))
+        self.absmax[id(weight)] = m if seen is None else torch.maximum(seen, m)
+
+
+_recorder: ActivationMaxima | None = None
+
+
+@contextmanager
+def recording() -> Iterator[ActivationMaxima]:
+    """Collect `ActivationMaxima` of the projections run inside (one calibration at a time)."""
+    global _recorder
+    assert _recorder is None, "one calibration at a time"
+    _recorder = rec = ActivationMaxima()
+    try:
+        yield rec
+    finally:
+        _recorder = None
 
 
 @dataclass(frozen=True)
@@ -71,12 +130,21 @@ def quantize_rows(w: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, to
     return q, scale
 
 
-def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [m, k] -> (int8 [m, k], fp32 [m, 1]); in fp32 whatever x's dtype, with one temporary."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12).div_(QMAX)
-    q = xf.div(scale).round_().to(torch.int8)  # |x / scale| <= 127 by construction: no clamp
-    return q, scale
+def _row_absmax(x: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+    """max |x| per row [m, 1] in fp32, over the columns not in `skip` (the outlier channels)."""
+    a = x.abs()
+    if skip is not None:
+        a.index_fill_(1, skip, 0)
+    return a.amax(dim=-1, keepdim=True).float().clamp_min_(1e-12)
+
+
+def _quantize_tokens(x: torch.Tensor, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] -> (int8 [m, k], fp32 [m, 1]), the `skip` columns zero; in fp32 whatever x's dtype."""
+    scale = _row_absmax(x, skip).div_(QMAX)
+    q = x.float().div(scale).round_()  # |x / scale| <= 127 outside `skip` by construction
+    if skip is not None:
+        q.index_fill_(1, skip, 0)
+    return q.to(torch.int8), scale
 
 
 class Int8Linear(nn.Module):
@@ -91,11 +159,29 @@ class Int8Linear(nn.Module):
     weight_loader = None
     q: torch.Tensor | None
     scale: torch.Tensor
+    # Input channels kept out of the int8 GEMM ([k_out] int64; their int8 columns are zero) and
+    # their float weight [k_out, out] in the model dtype: LLM.int8()'s outlier decomposition.
+    outlier_idx: torch.Tensor | None
+    outlier_w: torch.Tensor | None
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, backend: GemmBackend = "int_mm") -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        backend: GemmBackend = "int_mm",
+        outlier_idx: torch.Tensor | None = None,
+        outlier_w: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8 [in, out]"
         assert scale.shape == (qweight.shape[1],), "one scale per output channel"
+        assert (outlier_idx is None) == (outlier_w is None), "outlier channels come with their weights"
+        if outlier_idx is not None and outlier_idx.numel() == 0:
+            outlier_idx = outlier_w = None
+        if outlier_idx is not None:
+            assert outlier_w is not None and outlier_w.shape == (outlier_idx.numel(), qweight.shape[1])
+        self.register_buffer("outlier_idx", None if outlier_idx is None else outlier_idx.long())
+        self.register_buffer("outlier_w", outlier_w)
         if backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
             # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
             qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
@@ -117,10 +203,17 @@ class Int8Linear(nn.Module):
             self.register_buffer("q", qweight)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, backend: GemmBackend = "int_mm") -> Int8Linear:
-        """From a float weight [out, in] (a checkpoint's layout)."""
+    def from_float(
+        cls, weight: torch.Tensor, backend: GemmBackend = "int_mm", outlier_idx: torch.Tensor | None = None
+    ) -> Int8Linear:
+        """From a float weight [out, in] (a checkpoint's layout); the `outlier_idx` input channels
+        stay in the weight's dtype, outside the int8 GEMM (and outside its per-channel scales)."""
+        outlier_w = None
+        if outlier_idx is not None and outlier_idx.numel():
+            outlier_w = weight[:, outlier_idx].t().contiguous()
+            weight = weight.index_fill(1, outlier_idx, 0)
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
-        return cls(q.t().contiguous(), scale, backend)
+        return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w)
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -140,24 +233,37 @@ class Int8Linear(nn.Module):
         return self.shape[1]
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the int8 one stands for, [out, in] fp32 (tests and the reference path)."""
-        return (self.qweight.float() * self.scale).t()
+        """The weight the int8 one stands for, [out, in] fp32 (tests and the reference path),
+        outlier channels included."""
+        w = (self.qweight.float() * self.scale).t().contiguous()
+        if self.outlier_idx is not None:
+            assert self.outlier_w is not None
+            w[:, self.outlier_idx] = self.outlier_w.float().t()
+        return w
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        skip = self.outlier_idx
         if self.packed is not None:
-            out.copy_(_fbgemm_per_token(x, self.packed))
-            return out
-        assert self.q is not None
-        q, sx = _quantize_tokens(x)
-        acc = _gemm(q, self.q, self.backend)
-        # (acc * s_x) * s_w in fp32, rounded once into a narrower `out`.
-        if out.dtype == torch.float32:
-            torch.mul(acc, sx, out=out)
-            out.mul_(self.scale)
+            y, sx = _fbgemm_per_token(x, self.packed, skip)
+            torch.mul(y, sx, out=out)  # one pass: scaled back and rounded into `out`
         else:
-            out.copy_(acc.to(torch.float32).mul_(sx).mul_(self.scale))
+            assert self.q is not None
+            q, sx = _quantize_tokens(x, skip)
+            acc = _gemm(q, self.q, self.backend)
+            # (acc * s_x) * s_w in fp32, rounded once into a narrower `out`.
+            if out.dtype == torch.float32:
+                torch.mul(acc, sx, out=out)
+                out.mul_(self.scale)
+            else:
+                out.copy_(acc.to(torch.float32).mul_(sx).mul_(self.scale))
+        if skip is not None:
+            # Summed in fp64 (k_out terms: cheap), so a token's bits do not depend on how many rows
+            # the GEMM had (a float GEMM's blocking does): a cache hit keeps the cold run's answer.
+            assert self.outlier_w is not None
+            part = torch.matmul(x.index_select(1, skip).double(), self.outlier_w.double())
+            out.add_(part.to(out.dtype))  # cast first: a mixed-dtype add_ is a slow path
         return out
 
 
@@ -171,21 +277,25 @@ def _gemm(q: torch.Tensor, w: torch.Tensor, backend: GemmBackend) -> torch.Tenso
     return torch.matmul(q.double(), w.double()).to(torch.int32)
 
 
-def _fbgemm_per_token(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def _fbgemm_per_token(
+    x: torch.Tensor, packed: torch.Tensor, skip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fbgemm's dynamic linear quantizes its input per tensor, from the tensor's min and max, so a
     row's answer would depend on the rows beside it (a cache hit would differ from the cold run).
     Each row is scaled to max |x| = 1 and one row holding -1 and +1 is appended: the tensor's
     range is then [-1, 1] whatever the batch, every row is quantized with the same fixed step, and
-    its output is scaled back by its own factor: per-token quantization through fbgemm's kernels,
-    8-bit (no `reduce_range`: the weights' +-63 rule out int16 saturation)."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12)
+    its output (returned with the factors [m, 1], unscaled) is scaled back by its own factor:
+    per-token quantization through fbgemm's kernels,
+    8-bit (no `reduce_range`: the weights' +-63 rule out int16 saturation). The `skip` columns
+    (outlier channels, whose int8 weights are zero) are zeroed so they cannot widen the range."""
+    scale = _row_absmax(x, skip)
     xn = torch.empty(x.shape[0] + 1, x.shape[1], dtype=torch.float32, device=x.device)
-    torch.div(xf, scale, out=xn[:-1])
+    torch.div(x, scale, out=xn[:-1])
+    if skip is not None:
+        xn[:-1].index_fill_(1, skip, 0)
     xn[-1].zero_()
     xn[-1, 0], xn[-1, -1] = -1.0, 1.0
-    y = torch.ops.quantized.linear_dynamic(xn, packed, False)[:-1]
-    return y.mul_(scale)
+    return torch.ops.quantized.linear_dynamic(xn, packed, False)[:-1], scale
 
 
 def linear(
@@ -193,6 +303,8 @@ def linear(
 ) -> None:
     """out = x weight^T (+ bias): a float weight [out, in] through torch.matmul, an int8 one
     through its int8 GEMM. The decoder layers call this for every projection."""
+    if _recorder is not None and not isinstance(weight, Int8Linear):
+        _recorder.add(weight, x)
     if isinstance(weight, Int8Linear):
         weight(x, out=out)
         if bias is not None:
@@ -203,26 +315,107 @@ def linear(
         torch.matmul(x, weight.t(), out=out)
 
 
-def quantize_model(layers: Sequence[nn.Module], backend: GemmBackend) -> None:
+# The float tensors smoothing rescales besides the projections (kept in the int8 cache with them).
+SMOOTHED_FLOATS = ("input_layernorm", "post_attention_layernorm", "qkv_bias")
+
+
+def _smoothing_factors(a: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's s_j = max|X_j|^alpha / max|W_j|^(1-alpha) for activation maxima a [k] and the
+    weight columns' maxima w [k] (clamped: a channel silent in calibration must not explode)."""
+    s = a.float().clamp_min(1e-5).pow(alpha) / w.float().clamp_min(1e-5).pow(1 - alpha)
+    return s.clamp_(1e-3, 1e3)
+
+
+def smooth_layer(
+    layer: nn.Module, maxima: dict[str, torch.Tensor], recipe: Int8Recipe
+) -> dict[str, torch.Tensor]:
+    """Fold the recipe's smoothing into one decoder layer's float weights, in place (the layer
+    computes the same function up to rounding); returns the activation maxima it leaves per
+    projection. qkv and gate/up: the RMSNorm weight before them is divided by s (only where the
+    layer says which plain RMSNorm that is: `smooth_norms`). o_proj: v's rows (and bias), with one s
+    per kv channel shared by the query heads that read it. down_proj: the up rows (act = f(gate)
+    * up)."""
+    cfg: Any = layer.cfg  # a ModelConfig (int8 sits below the model classes that import it)
+    norms: dict[str, str] = getattr(layer, "smooth_norms", {})
+    qkv, gate_up = cast(torch.Tensor, layer.qkv_proj).data, cast(torch.Tensor, layer.gate_up_proj).data
+    after = dict(maxima)
+    for name in QUANTIZED_PROJECTIONS:
+        alpha, _ = recipe.of(name)
+        if alpha is None:
+            continue
+        w = getattr(layer, name).data
+        if name == "o_proj":
+            kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+            a_kv = maxima[name].view(kv, g, hd).amax(1).flatten()
+            w_kv = w.abs().amax(0).view(kv, g, hd).amax(1).flatten()
+            s_kv = _smoothing_factors(a_kv, w_kv, alpha)
+            s = s_kv.view(kv, 1, hd).expand(kv, g, hd).flatten()
+            v = slice(cfg.q_size + cfg.kv_size, None)
+            qkv[v].copy_(qkv[v].float() / s_kv[:, None])
+            if isinstance(bias := getattr(layer, "qkv_bias", None), torch.Tensor):
+                bias.data[v].copy_(bias.data[v].float() / s_kv)
+        else:
+            if name in ("qkv_proj", "gate_up_proj") and name not in norms:
+                continue
+            s = _smoothing_factors(maxima[name], w.abs().amax(0), alpha)
+            if name == "down_proj":
+                up = slice(cfg.intermediate_size, None)
+                gate_up[up].copy_(gate_up[up].float() / s[:, None])
+            else:
+                norm = getattr(layer, norms[name]).data
+                norm.copy_(norm.float() / s)
+        w.copy_(w.float() * s)
+        after[name] = maxima[name] / s
+    return after
+
+
+def outlier_channels(maxima: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The k input channels with the largest activation maxima, ascending (None for k = 0)."""
+    if k <= 0:
+        return None
+    return torch.topk(maxima.float(), min(k, maxima.numel())).indices.sort().values
+
+
+def quantize_model(
+    layers: Sequence[nn.Module],
+    backend: GemmBackend,
+    recipe: Int8Recipe = PLAIN,
+    maxima: Sequence[dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Replace each decoder layer's projections (`QUANTIZED_PROJECTIONS`) by their int8 form, one
-    at a time, so the float copy of only one projection is alive beside the int8 weights."""
-    for layer in layers:
+    at a time, so the float copy of only one projection is alive beside the int8 weights. A
+    calibrated recipe needs `maxima` (per layer, per projection: `calibration.activation_maxima`):
+    each layer is smoothed first, and its outlier channels stay in the model dtype."""
+    assert not recipe.calibrated or maxima is not None, "this recipe needs calibration maxima"
+    for i, layer in enumerate(layers):
+        if any(isinstance(getattr(layer, n), Int8Linear) for n in QUANTIZED_PROJECTIONS):
+            assert not recipe.calibrated, "a calibrated recipe quantizes from float weights"
+        after = smooth_layer(layer, maxima[i], recipe) if maxima is not None and recipe.calibrated else {}
         for name in QUANTIZED_PROJECTIONS:
             w = getattr(layer, name)
             if not isinstance(w, Int8Linear):
-                q = Int8Linear.from_float(w.data, backend)
+                idx = outlier_channels(after[name], recipe.of(name)[1]) if name in after else None
+                q = Int8Linear.from_float(w.data, backend, idx)
                 delattr(layer, name)
                 setattr(layer, name, q)
 
 
 def int8_state(layers: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """The int8 weights and scales of quantized layers, by "layer.projection.tensor" (the cache)."""
+    """The int8 weights and scales of quantized layers, by "layer.projection.tensor", their outlier
+    channels, and the float tensors smoothing may have rescaled (`SMOOTHED_FLOATS`): the cache."""
     out = {}
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
             q = getattr(layer, name)
             assert isinstance(q, Int8Linear), f"layer {i}'s {name} is not quantized"
             out[f"{i}.{name}.qweight"], out[f"{i}.{name}.scale"] = q.qweight, q.scale
+            if q.outlier_idx is not None:
+                assert q.outlier_w is not None
+                out[f"{i}.{name}.outlier_idx"], out[f"{i}.{name}.outlier_w"] = q.outlier_idx, q.outlier_w
+        for attr in SMOOTHED_FLOATS:
+            t = getattr(layer, attr, None)
+            if t is not None:
+                out[f"{i}.{attr}"] = t.data.clone()
     return out
 
 
@@ -230,16 +423,30 @@ def load_int8_state(
     layers: Sequence[nn.Module], state: dict[str, torch.Tensor], backend: GemmBackend
 ) -> None:
     """Put `int8_state`'s tensors in place of the layers' float projections (before any float
-    weight is read: those tensors are then skipped)."""
+    weight is read: those tensors are then skipped; `load_smoothed_floats` follows the read)."""
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
             w = getattr(layer, name)
-            q = Int8Linear(state[f"{i}.{name}.qweight"], state[f"{i}.{name}.scale"], backend)
+            q = Int8Linear(
+                state[f"{i}.{name}.qweight"],
+                state[f"{i}.{name}.scale"],
+                backend,
+                state.get(f"{i}.{name}.outlier_idx"),
+                state.get(f"{i}.{name}.outlier_w"),
+            )
             assert (q.out_features, q.in_features) == tuple(w.shape), (
                 f"cached {name} of layer {i}: wrong shape"
             )
             delattr(layer, name)
             setattr(layer, name, q)
+
+
+def load_smoothed_floats(layers: Sequence[nn.Module], state: dict[str, torch.Tensor]) -> None:
+    """The cached (smoothed) norms and biases over the checkpoint's, once the checkpoint is read."""
+    for i, layer in enumerate(layers):
+        for attr in SMOOTHED_FLOATS:
+            if f"{i}.{attr}" in state:
+                getattr(layer, attr).data.copy_(state[f"{i}.{attr}"])
 
 
 def is_quantized(model: nn.Module) -> bool:

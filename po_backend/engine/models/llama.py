@@ -9,7 +9,7 @@ chunked and where attention runs (hybrid prefilling), so no op here sees more th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -61,6 +61,11 @@ class DecoderLayer(nn.Module):
     lora: LayerLoRA | None = None
     # The gated MLP's activation times the up projection (a gate_up buffer into act).
     act_mul = staticmethod(silu_mul)
+    # The plain RMSNorm (x * w) right before a projection: int8's smoothing folds into its weight.
+    smooth_norms: ClassVar[dict[str, str]] = {
+        "qkv_proj": "input_layernorm",
+        "gate_up_proj": "post_attention_layernorm",
+    }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()

@@ -23,13 +23,15 @@ from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
 from po_backend.core.fs import cache_root, file_lock, private_cache_dir, private_dir, replacing
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
-from po_backend.engine.models import model_class, shapes
+from po_backend.engine.models import int8, model_class, shapes
 from po_backend.engine.models.int8 import (
     W8A8_INT8,
     Int8Linear,
+    Int8Recipe,
     gemm_backend,
     int8_state,
     load_int8_state,
+    load_smoothed_floats,
     quantize_model,
 )
 from po_backend.engine.models.llama import LlamaForCausalLM
@@ -267,15 +269,21 @@ def load_model(
         )
         return model.eval()
     backend = gemm_backend(device=device).backend
-    int8_file = _int8_cache_file(model_dir, files, quantization, backend) if quantization else None
+    recipe = int8.DEFAULT_RECIPE
+    int8_file = _int8_cache_file(model_dir, files, quantization, backend, recipe) if quantization else None
     cached_int8 = int8_file is not None and int8_file.is_file()
+    int8_cached: dict[str, torch.Tensor] = {}
     if cached_int8:
         assert int8_file is not None
-        load_int8_state(
-            model.decoder_layers, safetensors.torch.load_file(int8_file, device=str(device)), backend
-        )
-    elif int8_file is not None and (q8 := gguf_q8_0_state(model_dir, cfg)) is not None:
-        # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read.
+        int8_cached = safetensors.torch.load_file(int8_file, device=str(device))
+        load_int8_state(model.decoder_layers, int8_cached, backend)
+    elif (
+        int8_file is not None
+        and not recipe.calibrated
+        and (q8 := gguf_q8_0_state(model_dir, cfg)) is not None
+    ):
+        # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read
+        # (a calibrated recipe changes the weights first: it quantizes the float copy instead).
         load_int8_state(model.decoder_layers, {k: v.to(device) for k, v in q8.items()}, backend)
         log.info("int8 weights read from the Q8_0 GGUF's blocks")
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
@@ -305,8 +313,11 @@ def load_model(
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
     log.info("loaded %d weight tensors from %s in %.1f s", len(loaded), model_dir, time.perf_counter() - t0)
+    load_smoothed_floats(model.decoder_layers, int8_cached)  # over the checkpoint's norms
     if int8_file is not None and not cached_int8:
-        quantize_model(model.decoder_layers, backend)  # what is not int8 yet (no-op after Q8_0)
+        maxima = _calibration(model_dir, files, model, device) if recipe.calibrated else None
+        # What is not int8 yet (no-op after Q8_0), smoothed and split as the recipe says.
+        quantize_model(model.decoder_layers, backend, recipe, maxima)
         _save_atomic(int8_state(model.decoder_layers), int8_file)
         log.info(
             "quantized to %s and cached in %s (%.1f s)", quantization, int8_file, time.perf_counter() - t0
@@ -315,20 +326,57 @@ def load_model(
 
 
 # Bumped when the int8 cache's layout or rounding changes: older files are then not read.
-INT8_CACHE_VERSION = 2
+INT8_CACHE_VERSION = 3
 
 
-def _int8_cache_file(model_dir: Path, files: list[Path], quantization: str, backend: str) -> Path:
-    """Where the int8 weights of these checkpoint files live: keyed by the files' paths, sizes and
-    modification times, so a changed checkpoint is quantized again, and by the GEMM backend (fbgemm's
-    weights are rounded to +-63)."""
+def _stamp(files: list[Path]) -> list[str]:
+    """The checkpoint files' paths, sizes and modification times: a changed checkpoint changes it."""
+    return [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+
+
+def _int8_cache_file(
+    model_dir: Path, files: list[Path], quantization: str, backend: str, recipe: Int8Recipe
+) -> Path:
+    """Where the int8 weights of these checkpoint files live: keyed by the files (`_stamp`), so a
+    changed checkpoint is quantized again, by the GEMM backend (fbgemm's weights are rounded to
+    +-63) and by the recipe (smoothing and outlier channels change the weights)."""
     if quantization != W8A8_INT8:
         raise UnsupportedModelError(f"unknown quantization {quantization!r}")
-    stamp = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
-    key = hashlib.sha256(f"{quantization}:{backend}:{INT8_CACHE_VERSION}:{stamp}".encode()).hexdigest()[:16]
+    from po_backend.engine.calibration import CALIBRATION_VERSION
+
+    calib = CALIBRATION_VERSION if recipe.calibrated else None
+    text = f"{quantization}:{backend}:{INT8_CACHE_VERSION}:{recipe}:{calib}:{_stamp(files)}"
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     return (
         private_cache_dir("int8", what="int8 weights") / f"{model_dir.name}-{quantization}-{key}.safetensors"
     )
+
+
+def _calibration(
+    model_dir: Path, files: list[Path], model: LlamaForCausalLM, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """The float model's activation maxima per projection (`calibration.activation_maxima`), cached
+    by checkpoint (`_stamp`), dtype and calibration version: computed once per set of weights."""
+    from po_backend.engine.calibration import CALIBRATION_VERSION, activation_maxima, calibration_ids
+
+    dtype = model.embed_tokens.dtype
+    key = hashlib.sha256(f"{CALIBRATION_VERSION}:{dtype}:{_stamp(files)}".encode()).hexdigest()[:16]
+    path = private_cache_dir("int8", what="int8 weights") / f"{model_dir.name}-calibration-{key}.safetensors"
+    n = len(model.decoder_layers)
+    if path.is_file():
+        flat = safetensors.torch.load_file(path)
+        return [
+            {k.split(".", 1)[1]: v for k, v in flat.items() if k.split(".", 1)[0] == str(i)} for i in range(n)
+        ]
+    t0 = time.perf_counter()
+    ids = calibration_ids(load_tokenizer(model_dir), model.cfg.vocab_size)
+    maxima = activation_maxima(model, device, ids)
+    _save_atomic({f"{i}.{k}": v for i, m in enumerate(maxima) for k, v in m.items()}, path)
+    log.info(
+        "int8 calibration: %d prompts, %d tokens, %.1f s (cached in %s)",
+        len(ids), sum(map(len, ids)), time.perf_counter() - t0, path,
+    )  # fmt: skip
+    return maxima
 
 
 def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
