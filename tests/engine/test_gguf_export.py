@@ -62,6 +62,10 @@ def test_llama_cpp_scores_the_same_tokens(
     # The first 40 tokens' cache reused: the same answer.
     again = torch.tensor(llamacpp.last_logprobs(llm, IDS, keep=40)[LABELS], dtype=torch.float32)
     torch.testing.assert_close(again, got, atol=1e-5, rtol=0)
+    # What the context holds of the next prompt: its shared head, never its last token.
+    assert llamacpp.shared_prefix(llm, [*IDS[:30], 7, 8]) == 30
+    assert llamacpp.shared_prefix(llm, IDS) == len(IDS) - 1
+    assert llamacpp.shared_prefix(llm, [1, *IDS]) == 0
 
 
 def test_unsupported_architecture_is_refused(cache: Path) -> None:
