@@ -126,6 +126,10 @@ def _convert(gguf: Path, target: Path) -> None:
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.pop("quantization_config", None)
+        rope = _gguf_rope_parameters(gguf)
+        if rope is not None:  # scaled RoPE our exporter wrote: transformers' reader drops it
+            cfg.pop("rope_scaling", None)
+            cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {}), **rope}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         # Where the int8 mode reads a Q8_0 file's own integers (`gguf_q8_0_state`).
         (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
@@ -154,6 +158,16 @@ def _gguf_config_fields(gguf_path: Path) -> dict[str, Any]:
         return {}
     key_length = reader.get_field(f"{arch.contents()}.attention.key_length")
     return {} if key_length is None else {"head_dim": int(key_length.contents())}
+
+
+def _gguf_rope_parameters(gguf_path: Path) -> dict[str, Any] | None:
+    """The checkpoint's RoPE fields our GGUF export keeps beside llama.cpp's `rope_freqs`, if any."""
+    import gguf
+
+    from po_backend.engine.models.gguf_export import ROPE_KEY
+
+    field = gguf.GGUFReader(gguf_path).get_field(ROPE_KEY)
+    return None if field is None else dict(json.loads(str(field.contents())))
 
 
 # llama.cpp's names of a decoder layer's projections, fused as our layers fuse them.
