@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from po_backend.engine.engine import Engine
 
-    model = f"shape:{args.shape}?num_hidden_layers={args.layers}"
+    # A shape's name may carry its own overrides (`NAME?field=value&...`): the layer count joins them.
+    model = f"shape:{args.shape}{'&' if '?' in args.shape else '?'}num_hidden_layers={args.layers}"
     dt = parse_dtype(args.dtype, torch.device("cpu"))
     cfg = read_config(resolve_model_dir(model))
     ids = torch.randint(
