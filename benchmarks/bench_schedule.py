@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import itertools
 import json
 import math
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness, report
+from benchmarks import llamacpp as llamacpp_lib
 from benchmarks.workloads import build_traces, label_ids
 from po_backend.core.cpu import cpu_flags
 from po_backend.core.request import ScoreRequest
@@ -420,14 +420,12 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
         "machine": harness.machine_info(),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    if importlib.util.find_spec("llama_cpp") is None:
+    if not llamacpp_lib.available():
         on = ["ON" if f in cpu_flags() else "OFF" for f in ("avx512f", "avx512_bf16", "avx512_vnni")]
         doc["status"] = "not run: llama-cpp-python not installed"
         doc["install"] = INSTALL.format(*on, w=Path("~/.cache/prefillonly/wheels").expanduser())
         print(doc["status"] + "\n  install: " + doc["install"])
         return harness.save(args.out, doc)
-    import llama_cpp
-
     from po_backend.engine.models.loader import embedded_model_file
 
     def p_yes(logit_yes: float, logit_no: float) -> float:  # a log-softmax's normaliser cancels here
@@ -447,17 +445,12 @@ def llamacpp(args: argparse.Namespace, items: list[Any], labels: tuple[int, int]
         return p_yes(*engine.score([list(it.ids)], labels, cache_prefix_len=len(it.prefix))[0].logprobs)
 
     ours = timed(score_ours)
-    n_ctx = max(len(it.ids) for it in items) + 16
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
+    llm = llamacpp_lib.load(gguf, n_ctx=max(len(it.ids) for it in items) + 16)
 
     def score_llamacpp(it: Any) -> float:
-        ids, past, k = it.ids, list(llm.input_ids[: llm.n_tokens]), 0
-        while k < min(len(past), len(ids) - 1) and past[k] == ids[k]:
-            k += 1
-        llm.n_tokens = k  # keep the shared prefix's KV; eval() drops the rest and computes the suffix
-        llm.eval(list(ids[k:]))
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
-        return p_yes(float(logits[labels[0]]), float(logits[labels[1]]))
+        ids = list(it.ids)
+        logprobs = llamacpp_lib.last_logprobs(llm, ids, keep=llamacpp_lib.shared_prefix(llm, ids))
+        return p_yes(float(logprobs[labels[0]]), float(logprobs[labels[1]]))
 
     lc = timed(score_llamacpp)
     pairs = list(zip(ours["p_yes"], lc["p_yes"], strict=True))

@@ -44,3 +44,12 @@ def last_logprobs(llm: Any, ids: list[int], keep: int = 0) -> np.ndarray:
     logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float64)
     logits -= logits.max()
     return logits - np.log(np.exp(logits).sum())
+
+
+def shared_prefix(llm: Any, ids: list[int]) -> int:
+    """How many leading tokens of `ids` the context already holds (its last evaluated prompt's),
+    at most all but the last, whose logits must be computed: the `keep` of `last_logprobs`."""
+    past, k = list(llm.input_ids[: llm.n_tokens]), 0
+    while k < min(len(past), len(ids) - 1) and past[k] == ids[k]:
+        k += 1
+    return k

@@ -21,7 +21,7 @@ from po_backend.core.choices import (
 )
 from po_backend.core.cpu import cpu_has_fast_bf16
 from po_backend.core.errors import UnsupportedModelError
-from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
+from po_backend.core.settings import CPU_HYBRID_CHUNK_SIZE, CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from po_backend.engine.device import cuda_dtype, resolve_device
 from po_backend.engine.memory import available_bytes
 
@@ -338,9 +338,12 @@ def default_device() -> torch.device:
     return resolve_device(None)
 
 
-def default_chunk_size(device: torch.device) -> int:
-    """The hybrid chunk when none is asked for: longer on CUDA (see CUDA_CHUNK_SIZE)."""
-    return CUDA_CHUNK_SIZE if device.type == "cuda" else DEFAULT_CHUNK_SIZE
+def default_chunk_size(device: torch.device, prefill_mode: str = "hybrid") -> int:
+    """The chunk when none is asked for: longer on CUDA (see CUDA_CHUNK_SIZE) and for hybrid
+    prefilling on a CPU (CPU_HYBRID_CHUNK_SIZE); the chunked baseline's is Sarathi's 512 there."""
+    if device.type == "cuda":
+        return CUDA_CHUNK_SIZE
+    return CPU_HYBRID_CHUNK_SIZE if prefill_mode == "hybrid" else DEFAULT_CHUNK_SIZE
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -470,7 +473,9 @@ class EngineConfig:
             device=dev,
             memory_budget=budget,
             dtype=parse_dtype(self.dtype, dev),
-            chunk_size=default_chunk_size(dev) if self.chunk_size is None else self.chunk_size,
+            chunk_size=default_chunk_size(dev, self.prefill_mode)
+            if self.chunk_size is None
+            else self.chunk_size,
             max_input_len=max_input_len,
             max_batch_tokens=self.max_batch_tokens
             if self.max_batch_tokens is not None

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from po_backend import DeviceUnavailableError, Engine
-from po_backend.core.settings import CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
+from po_backend.core.settings import CPU_HYBRID_CHUNK_SIZE, CUDA_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from po_backend.engine import attention, engine
 from po_backend.engine.cache.kv_pool import KVPool
 from po_backend.engine.config import ModelConfig, default_chunk_size, default_dtype, parse_dtype
@@ -105,7 +105,7 @@ def test_auto_dtype_on_cuda_by_compute_capability(monkeypatch, capability, want)
     assert parse_dtype("fp32", cuda) == torch.float32  # an explicit dtype is kept
 
 
-@pytest.mark.parametrize(("device", "want"), [("cpu", DEFAULT_CHUNK_SIZE), ("cuda", CUDA_CHUNK_SIZE)])
+@pytest.mark.parametrize(("device", "want"), [("cpu", CPU_HYBRID_CHUNK_SIZE), ("cuda", CUDA_CHUNK_SIZE)])
 def test_default_chunk_by_device(tiny_model, monkeypatch, device: str, want: int) -> None:
     """Unset, the hybrid chunk is the device's: longer on CUDA, where a small model is bound by
     the kernel launches of each chunk. An explicit one is kept."""
@@ -119,6 +119,9 @@ def test_default_chunk_by_device(tiny_model, monkeypatch, device: str, want: int
     assert seen["config"].chunk_size == want == default_chunk_size(torch.device(device))
     Engine.from_pretrained(path, device=device, chunk_size=128)
     assert seen["config"].chunk_size == 128
+    # The chunked baseline keeps Sarathi's chunk on a CPU.
+    Engine.from_pretrained(path, device=device, prefill_mode="chunked")
+    assert seen["config"].chunk_size == (DEFAULT_CHUNK_SIZE if device == "cpu" else CUDA_CHUNK_SIZE)
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -19,11 +19,15 @@ import numpy as np
 import torch
 
 from po_backend.core.errors import UnsupportedModelError
+from po_backend.engine.config import RopeConfig
 
 TYPES = ("f16", "bf16", "q8_0")
 ARCHS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 # Tokenizer pre-splitting llama.cpp applies before BPE: the shapes' tokenizer is SmolLM2's.
 PRE_TOKENIZER = "smollm"
+# The checkpoint's RoPE fields (JSON), for our GGUF loader: llama.cpp reads Llama-3's scaling from
+# the `rope_freqs` tensor alone, which transformers' GGUF reader drops.
+ROPE_KEY = "prefillonly.rope_parameters"
 
 
 def _qtype(kind: str) -> Any:
@@ -64,6 +68,19 @@ def _encode(data: np.ndarray, kind: str, qtype: Any) -> tuple[np.ndarray, Any]:
     if kind == "q8_0" and data.shape[-1] % 32:
         return data.astype(np.float16), gguf.GGMLQuantizationType.F16
     return gguf.quants.quantize(data, qtype), qtype
+
+
+def _rope_freqs(model: str, arch: str, cfg: dict[str, Any], head_dim: int) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` tensor of a Llama with scaled RoPE (Llama-3's "llama3", or
+    "linear"): each rotary pair's frequency divisor, the unscaled frequency over the scaled one
+    (llama.cpp's converter computes the same from the llama3 formula). None: no scaling."""
+    rope = RopeConfig.from_hf(cfg)
+    if rope.kind == "default" and rope.partial_rotary_factor == 1.0:
+        return None
+    if arch != "llama" or rope.kind not in ("llama3", "linear") or rope.partial_rotary_factor != 1.0:
+        raise UnsupportedModelError(f"{model}: RoPE {rope.kind!r} on {arch} is not written to GGUF")
+    unscaled = RopeConfig(theta=rope.theta).inv_freq(head_dim)
+    return (unscaled / rope.inv_freq(head_dim)).numpy().astype(np.float32)
 
 
 def _vocab(model_dir: Path, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -112,13 +129,10 @@ def write_gguf(model: str | Path, out: Path, kind: str = "f16") -> Path:
         raise UnsupportedModelError(
             f"{model}: GGUF export covers {', '.join(ARCHS)}, not {cfg.get('architectures')}"
         )
-    if arch == "llama" and (
-        cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default"
-    ):
-        raise UnsupportedModelError(f"{model}: Llama RoPE scaling (rope_freqs) is not written")
     n_layers, n_head = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_head)
+    rope_freqs = _rope_freqs(str(model), arch, cfg, head_dim)
     vocab_size = int(cfg["vocab_size"])
     qtype = _qtype(kind)
 
@@ -159,6 +173,9 @@ def write_gguf(model: str | Path, out: Path, kind: str = "f16") -> Path:
         if isinstance(cfg.get(key), int) and cfg[key] < vocab_size:
             add(cfg[key])
     w.add_add_bos_token(False)
+    if rope_freqs is not None:
+        rope_fields = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        w.add_string(ROPE_KEY, json.dumps(rope_fields))
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers)
 
@@ -172,6 +189,12 @@ def write_gguf(model: str | Path, out: Path, kind: str = "f16") -> Path:
                 t = _permute(t, n_head if "attn_q" in name else n_kv)
             data, raw = _encode(t.numpy(), kind, qtype)
             yield name, data, raw
+        if rope_freqs is not None:
+            yield (
+                gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                rope_freqs,
+                gguf.GGMLQuantizationType.F32,
+            )
 
     # Two passes over the checkpoint: the tensor table first (shapes and sizes), then the data, so
     # one tensor is in memory at a time.

@@ -26,7 +26,7 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def _copy_loader(param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None = None) -> None:
+def copy_loader(param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None = None) -> None:
     assert param.shape == loaded.shape, f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}"
     param.copy_(loaded)
 
@@ -43,11 +43,11 @@ class FusedParam:
 
     def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None = None) -> None:
         if shard is None:  # a checkpoint that stores the fused tensor itself (Phi-3's qkv_proj)
-            _copy_loader(param, loaded, None)
+            copy_loader(param, loaded, None)
             return
         assert shard in self.offsets, f"unknown shard {shard!r} (known: {list(self.offsets)})"
         start, size = self.offsets[shard]
-        _copy_loader(param.narrow(0, start, size), loaded, None)
+        copy_loader(param.narrow(0, start, size), loaded, None)
 
 
 def _set_loader(param: nn.Parameter, loader: FusedParam) -> None:
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
             attr = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}.get(
                 name, "norm"
             )
-            return getattr(self, attr), _copy_loader, None
+            return getattr(self, attr), copy_loader, None
         if not name.startswith("model.layers."):
             return None
         idx, rest = name[len("model.layers.") :].split(".", 1)
@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
             return (param, getattr(param, "weight_loader"), shard) if param is not None else None  # noqa: B009
         if rest in self.renamed:
             param = getattr(layer, self.renamed[rest])
-            return (param, _copy_loader, None) if param is not None else None
+            return (param, copy_loader, None) if param is not None else None
         return None
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:

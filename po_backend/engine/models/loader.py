@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from po_backend.engine.models.int8 import (
     load_smoothed_floats,
     quantize_model,
 )
-from po_backend.engine.models.llama import LlamaForCausalLM
+from po_backend.engine.models.llama import FusedParam, LlamaForCausalLM, copy_loader
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,10 @@ def _convert(gguf: Path, target: Path) -> None:
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.pop("quantization_config", None)
+        rope = _gguf_rope_parameters(gguf)
+        if rope is not None:  # scaled RoPE our exporter wrote: transformers' reader drops it
+            cfg.pop("rope_scaling", None)
+            cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {}), **rope}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         # Where the int8 mode reads a Q8_0 file's own integers (`gguf_q8_0_state`).
         (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
@@ -155,6 +160,16 @@ def _gguf_config_fields(gguf_path: Path) -> dict[str, Any]:
         return {}
     key_length = reader.get_field(f"{arch.contents()}.attention.key_length")
     return {} if key_length is None else {"head_dim": int(key_length.contents())}
+
+
+def _gguf_rope_parameters(gguf_path: Path) -> dict[str, Any] | None:
+    """The checkpoint's RoPE fields our GGUF export keeps beside llama.cpp's `rope_freqs`, if any."""
+    import gguf
+
+    from po_backend.engine.models.gguf_export import ROPE_KEY
+
+    field = gguf.GGUFReader(gguf_path).get_field(ROPE_KEY)
+    return None if field is None else dict(json.loads(str(field.contents())))
 
 
 # llama.cpp's names of a decoder layer's projections, fused as our layers fuse them.
@@ -295,8 +310,9 @@ def load_model(
     ids = {id(p): name for name, p in model.named_parameters()}
     loaded: set[tuple[str, str | int | None]] = set()
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
+        entries, data_start = safetensors_entries(file)
+        with open(file, "rb", buffering=0) as fh:
+            for name, entry in entries.items():
                 target = _resolve(model, name, task)
                 if target is None:
                     log.debug("ignoring checkpoint tensor %s", name)
@@ -304,7 +320,13 @@ def load_model(
                 param, loader, shard = target
                 if isinstance(param, Int8Linear):
                     continue  # read from the int8 cache
-                loader(param.data, f.get_tensor(name).to(dtype), shard)
+                dest = _destination(param.data, loader, shard)
+                if entry.dtype is None or dest is None:  # a dtype or loader streaming does not take
+                    with safe_open(file, framework="pt", device="cpu") as f:
+                        loader(param.data, f.get_tensor(name).to(dtype), shard)
+                else:
+                    _check_shape(name, dest, entry.shape)
+                    stream_tensor(fh, data_start, entry, dest)
                 # A fused tensor stored whole (shard None) fills every shard of its parameter.
                 shards = getattr(getattr(param, "weight_loader", None), "offsets", None)
                 for s in shards if shard is None and shards else [shard]:
@@ -323,6 +345,107 @@ def load_model(
             "quantized to %s and cached in %s (%.1f s)", quantization, int8_file, time.perf_counter() - t0
         )
     return model.eval()
+
+
+# safetensors' dtype names -> torch's, for the dtypes `stream_tensor` reads itself.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+# At most this many bytes of a checkpoint tensor are held outside its parameter while it loads
+# (a block of rows in the file's dtype), whatever the tensor's size.
+STREAM_BLOCK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """Where one tensor's bytes lie in a safetensors file; dtype None: one `stream_tensor` does not read."""
+
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    begin: int  # byte offsets from the start of the data section
+    end: int
+
+
+def safetensors_entries(file: Path) -> tuple[dict[str, SafetensorsEntry], int]:
+    """The file's tensors in the order their bytes lie (the header's own format: an 8-byte
+    little-endian length, then JSON), and where the data section starts."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    entries = {
+        name: SafetensorsEntry(_SAFETENSORS_DTYPES.get(h["dtype"]), tuple(h["shape"]), *h["data_offsets"])
+        for name, h in header.items()
+    }
+    return dict(sorted(entries.items(), key=lambda kv: kv[1].begin)), 8 + size
+
+
+def _destination(param: torch.Tensor, loader: Any, shard: str | int | None) -> torch.Tensor | None:
+    """The part of `param` a checkpoint tensor fills (a fused parameter's rows for a shard), or
+    None for a loader `stream_tensor` cannot serve (it then gets the whole tensor)."""
+    if not param.is_contiguous():
+        return None
+    if loader is _copy or loader is copy_loader or (isinstance(loader, FusedParam) and shard is None):
+        return param
+    if isinstance(loader, FusedParam) and shard in loader.offsets:
+        return param.narrow(0, *loader.offsets[shard])
+    return None
+
+
+def _check_shape(name: str, dest: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(dest.shape) != shape:
+        raise UnsupportedModelError(
+            f"checkpoint tensor {name} has shape {shape}, the config says {tuple(dest.shape)}"
+        )
+
+
+def _read_exactly(fh: Any, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = fh.readinto(view[got:])
+        if not n:
+            raise UnsupportedModelError(f"{fh.name} ends before a tensor's last byte (truncated?)")
+        got += n
+
+
+def stream_tensor(fh: Any, data_start: int, entry: SafetensorsEntry, dest: torch.Tensor) -> None:
+    """Read one tensor from an open safetensors file into `dest` (its shape; any dtype or device).
+
+    Plain reads, not a memory map: the file's pages never count in this process's memory, and a
+    dtype change or a copy to a device goes through a buffer of at most `STREAM_BLOCK_BYTES`, so
+    loading peaks near the model's own size. The file's own dtype into a CPU tensor is read in place."""
+    assert entry.dtype is not None and dest.is_contiguous(), (
+        "a dtype of _SAFETENSORS_DTYPES, a contiguous dest"
+    )
+    itemsize = torch.empty((), dtype=entry.dtype).element_size()
+    if entry.end - entry.begin != dest.numel() * itemsize:
+        raise UnsupportedModelError(f"{fh.name}: a tensor's byte range does not match its shape and dtype")
+    fh.seek(data_start + entry.begin)
+    if dest.numel() == 0:
+        return
+    if dest.dtype == entry.dtype and dest.device.type == "cpu":
+        _read_exactly(fh, dest.view(-1).view(torch.uint8).numpy().data)
+        return
+    rows = entry.shape[0] if entry.shape else 1
+    per_row = dest.numel() // rows
+    row_bytes = per_row * itemsize
+    block = max(1, STREAM_BLOCK_BYTES // max(row_bytes, 1))
+    buf = torch.empty(min(block, rows) * per_row, dtype=entry.dtype)
+    out = dest.view(rows, per_row)
+    for a in range(0, rows, block):
+        k = min(block, rows - a)
+        part = buf[: k * per_row]
+        _read_exactly(fh, part.view(torch.uint8).numpy().data)
+        out[a : a + k].copy_(part.view(k, per_row))
 
 
 # Bumped when the int8 cache's layout or rounding changes: older files are then not read.
