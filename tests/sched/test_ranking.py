@@ -8,6 +8,7 @@ import math
 from itertools import takewhile
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -162,3 +163,59 @@ def test_the_incremental_pick_equals_the_reference(
             for s in (new, ref):
                 s.step_done(start, clock.now, ran, clock.now - start, prefix_step=bool(got.prefix_only))
     assert list(new.waiting) == list(ref.waiting)
+
+
+def _one_call(policy: str, n: int, model: JCTModel) -> tuple[Scheduler, VirtualClock]:
+    """A scheduler holding one client call of `n` distinct prompts (nothing shared)."""
+    clock = VirtualClock()
+    s = Scheduler(SchedulerConfig(policy, fairness_lambda=0.125), model, clock)
+    for i in range(n):
+        s.add(i, ScoreRequest((5000 + i, 7, 7, 7, 9 + i % 13)), call=0)
+    return s, clock
+
+
+@pytest.mark.parametrize("policy", ["po", "fcfs", "lpm", "srjf"])
+def test_draining_one_large_call_files_each_request_a_bounded_number_of_times(policy: str) -> None:
+    """A call of 2,048 items drained one item a step: its size changes every step, which moves
+    the call's one cohort entry, not its members. Each request is pushed onto and popped off a
+    heap a bounded number of times (O(n) heap operations of O(log n) each, O(n log n) in all;
+    re-filing every member at every step would be O(n^2)), and each step reads a few entries."""
+    n = 2048
+    s, clock = _one_call(policy, n, JCTModel((0.002, 0.001, 1.0, 3.0, 0.1)))
+    cache = PrefixLRU(1000)
+    ranking = s._ranking
+    while len(s):
+        score, now = s.order(cache.cached_len, cache.batchable, None, cache.changes())
+        head = next(ranking.ordered(ranking.ranks(), score, now))
+        assert head.rid == min(s.waiting), "one call of equal prices runs in submission order"
+        s.remove(head.rid)
+        cache.step([head.req], [0])
+        clock.now += 0.01
+    assert ranking.filed <= 4 * n, f"{ranking.filed} heap operations for {n} requests"
+    assert ranking.read <= 2 * n, f"{ranking.read} heap entries read over {n} steps"
+
+
+def test_a_large_call_is_picked_with_bounded_ranking_work_per_finished_item() -> None:
+    """`Scheduler.pick` drains a call of 4,096 items, several per step, while single calls keep
+    arriving: each pick files at most a few heap entries per request it finished or that arrived,
+    and reads at most its candidates' worth, however many of the call's items still wait."""
+    n = 4096
+    s, clock = _one_call("po", n, JCTModel((0.5, 0.001, 0.1, 0.0, 0.01)))
+    cache = PrefixLRU(2000, max_batch_tokens=40)
+    ranking, rid, sizes, arrived = s._ranking, n, [], n
+    while len(s):
+        if rid < n + 256:  # a single call arrives before each of the first picks
+            s.add(rid, ScoreRequest((9000 + rid, 3, 3, 3)), call=rid)
+            rid += 1
+            arrived += 1
+        filed, read = ranking.filed, ranking.read
+        pick = s.pick(cache.cached_len, cache.batchable, cache, cache.changes())
+        assert pick is not None
+        finished = len(pick.entries)
+        sizes.append(finished)
+        assert ranking.filed - filed <= 4 * (finished + arrived) + 8, (len(s), finished)
+        assert ranking.read - read <= 2 * MAX_STEP_CANDIDATES + 16, (len(s), finished)
+        arrived = 0
+        cache.step([e.req for e in pick.entries], [0] * finished)
+        clock.now += 0.01
+    assert max(sizes) > 1, "steps took several items (the per-item bound is exercised)"
