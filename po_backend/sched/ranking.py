@@ -53,7 +53,7 @@ class _Members:
     def __init__(self) -> None:
         self.heap: list[Member] = []
         self.live = 0  # waiting members
-        self.filed: tuple[int, int, float] | None = None  # (rank, siblings, key) of its live entry
+        self.filed: tuple[int, int, float, int] | None = None  # (rank, siblings, key, rid) of its live entry
         self.version = 0
 
 
@@ -269,11 +269,11 @@ class Ranking:
         a stale entry's key is never reused. A cohort with no waiting member is dropped."""
         members = self._members[cohort]
         heap = members.heap
-        while heap and not self._live_member(heap[0]):
-            heapq.heappop(heap)
-            self.filed += 1
         rank, arrival = cohort[2], cohort[1]
         old = None if members.filed is None else members.filed[:2]
+        while members.live and heap and not self._live_member(heap[0]):
+            heapq.heappop(heap)
+            self.filed += 1
         if not members.live:
             del self._members[cohort]
             if cohort[0] >= 0:
@@ -293,14 +293,14 @@ class Ranking:
         if self._q.config.policy == "po":
             siblings = self._q.siblings(self._q.waiting[rid])
             key = price + self._q.config.fairness_lambda * arrival / siblings
-        if members.filed == (rank, siblings, key):
+        if members.filed == (rank, siblings, key, rid):
             return
         if old is not None:
             self._live[old] -= 1
             touched.add(old)
         self._versions += 1
         members.version = self._versions
-        members.filed = (rank, siblings, key)
+        members.filed = (rank, siblings, key, rid)
         self._live[rank, siblings] += 1
         h = self._heaps.setdefault(rank, {}).setdefault(siblings, [])
         heapq.heappush(h, (key, arrival, rid, self._versions, cohort))
@@ -351,6 +351,7 @@ class Ranking:
         only when nothing still unread could come before it. Reads the heaps as `refresh` left
         them and changes nothing."""
         waiting, lam = self._q.waiting, self._q.config.fairness_lambda
+        cohorts_of, version = self._members, self._version
         for rank in ranks:
             # the heaps read: the class's cohort heaps (cohort None), then the member heaps of
             # the cohorts reached, each with its siblings and its members' starvation credit
@@ -369,22 +370,28 @@ class Ranking:
                 _, arrival, rid, j, i = heapq.heappop(frontier)
                 self.read += 1
                 h, s, credit, cohort = heaps[j]
-                if cohort is None:  # a cohort's entry: its members join the frontier
+                if cohort is None:  # a cohort: its best member is read, the others join the frontier
                     e = h[i]
-                    if self._live_entry(e):
-                        members = self._members[e[4]]
-                        price, rid, _ = members.heap[0]
+                    members = cohorts_of.get(e[4])
+                    if members is not None and members.version == e[3]:
+                        top = members.heap[0]  # live, and the entry's rid, after `refresh`
+                        if version.get(top[1]) == top[2]:
+                            heapq.heappush(ready, (score(waiting[top[1]]), arrival, top[1]))
                         # the members' score less what `score` may add: exact, so that equal
                         # prices are read in rid order without reading them all first
                         credit = lam * max(0.0, now - arrival) / s if s else 0.0
-                        heapq.heappush(frontier, (price - credit, arrival, rid, len(heaps), 0))
-                        heaps.append((members.heap, s, credit, e[4]))
+                        for c in (1, 2):
+                            if c < len(members.heap):
+                                price, rid, _ = members.heap[c]
+                                heapq.heappush(frontier, (price - credit, arrival, rid, len(heaps), c))
+                        if len(members.heap) > 1:
+                            heaps.append((members.heap, s, credit, e[4]))
                     for c in (2 * i + 1, 2 * i + 2):
                         if c < len(h):
                             key, arrival, rid, _, _ = h[c]
                             heapq.heappush(frontier, (self._bound(key, s, now), arrival, rid, j, c))
                 else:
-                    if self._live_member(h[i]):
+                    if version.get(rid) == h[i][2]:
                         heapq.heappush(ready, (score(waiting[rid]), arrival, rid))
                     for c in (2 * i + 1, 2 * i + 2):
                         if c < len(h):
