@@ -34,6 +34,9 @@ class FakeScorer:
     def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
         return [(0, 0)]
 
+    def cache_changes(self) -> list[tuple[int, ...]]:
+        return []
+
     def stats(self) -> Any:
         return type("S", (), {"hit_rate": 0.0})()
 

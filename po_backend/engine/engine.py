@@ -38,6 +38,10 @@ from po_backend.sched.reuse import CachePool
 
 log = logging.getLogger(__name__)
 
+# Requests whose cache probe `cached_len` remembers: beyond, it forgets them all (those still
+# waiting are probed again).
+MAX_PROBES = 1 << 16
+
 PrefixLens = int | Sequence[int | None] | None  # one cache_prefix_len for all prompts, or one each
 
 
@@ -91,7 +95,11 @@ class Engine:
             if config.enable_lora
             else None
         )
-        self._probes: dict[int, tuple[ScoreRequest, int]] = {}  # cached_len until a step or flush
+        # cached_len per request (at most MAX_PROBES): (request, its cache key, the answer, the cache's change_seq
+        # then), valid until the cache reports a change on its key's path
+        self._probes: dict[int, tuple[ScoreRequest, tuple[int, ...], int, int]] = {}
+        self._changes_read = 0  # the cache's change_seq at the last `cache_changes`
+        self._adapters_read: tuple[tuple[str, int], ...] = ()  # the adapters then
         self.activation_budget = 0
         self.memory_budget = 0  # bytes for activations + the prefix pool, as resolved at load
         self.last_step_seconds = 0.0  # wall time of the last forward (the JCT model calibrates on it)
@@ -385,15 +393,50 @@ class Engine:
         return results  # type: ignore[return-value]
 
     def cached_len(self, req: ScoreRequest) -> int:
-        """Tokens of `req` the cache would serve right now (read-only: no LRU touch, no split)."""
+        """Tokens of `req` the cache would serve right now (read-only: no LRU touch, no split).
+        Remembered until the cache changes on the request's path, so a request that waits many
+        steps is walked again only when a step stored or evicted something it reads."""
+        cache = self.cache
+        if cache is None:
+            return 0
         memo = self._probes.get(id(req))  # the entry holds the request, so its id is not reused
-        if self.cache is not None and (memo is None or memo[0] is not req):
-            ran = outputs.prepare(req, self.task)  # what the engine computes of it (a head's pads dropped)
-            memo = self._probes[id(req)] = (
-                req,
-                self.cache.match_len(self.cache_key(ran)[: ran.reusable_len]),
-            )
-        return memo[1] if memo is not None else 0
+        seq = cache.change_seq
+        # an adapter's key moves when it is reloaded (`cache_key`)
+        if memo is not None and memo[0] is req and (req.lora is None or memo[1] == self._key_of(req)):
+            if memo[3] == seq:
+                return memo[2]
+            changes = cache.changes_since(memo[3])
+            if changes is not None and not any(memo[1][: len(p)] == p for p in changes):
+                self._probes[id(req)] = (*memo[:3], seq)
+                return memo[2]
+        if len(self._probes) > MAX_PROBES:  # requests long gone: probed again if still waiting
+            self._probes.clear()
+        key = self._key_of(req)
+        n = cache.match_len(key)
+        self._probes[id(req)] = (req, key, n, seq)
+        return n
+
+    def _key_of(self, req: ScoreRequest) -> tuple[int, ...]:
+        """The cache key `cached_len` matches: of what the engine computes of `req` (a head's
+        pads dropped), the part it may read from the cache."""
+        ran = outputs.prepare(req, self.task)
+        return self.cache_key(ran)[: ran.reusable_len]
+
+    def cache_changes(self) -> list[tuple[int, ...]] | None:
+        """Since the last call: the token prefixes that every request whose `cached_len` changed
+        starts with (`sched.ranking.Changes`); None when anything may have. An adapter's keys
+        are shifted ids (`cache_key`): they are reported as the plain ids, which covers every
+        adapter's requests of those tokens."""
+        if self.cache is None:
+            return []
+        changes = self.cache.changes_since(self._changes_read)
+        self._changes_read = self.cache.change_seq
+        adapters = tuple((a.name, a.uid) for a in self.loras.adapters()) if self.loras is not None else ()
+        if changes is None or adapters != self._adapters_read:  # a reloaded adapter keys anew
+            self._adapters_read = adapters
+            return None
+        v = self.vocab_size
+        return [tuple(t % v for t in p) if p and p[0] >= v else p for p in changes]
 
     @property
     def shares_in_batch(self) -> bool:
@@ -422,7 +465,6 @@ class Engine:
         new prefixes, unlock. Callers choose the batch (see `batchable`). `ranks`: each request's
         priority class (the scheduler's rank, 0 the most urgent; default all 0), which the
         prefix cache's eviction order keeps the more urgent prefixes by."""
-        self._probes.clear()  # the cache changes from here on
         asked = list(requests)
         ranks = [0] * len(asked) if ranks is None else list(ranks)
         if len(ranks) != len(asked):

@@ -88,6 +88,9 @@ class HFScorer:
     def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
         return [(0, 0)]  # one request per forward: the baseline as transformers users run it
 
+    def cache_changes(self) -> list[tuple[int, ...]]:
+        return []  # no prefix cache: nothing ever changes what a request reads
+
     def step(self, requests: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> list[ScoreResult]:
         return [self.score(r) for r in requests]  # no cache, so no use for the ranks
 

@@ -21,7 +21,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from itertools import takewhile
+from itertools import islice, takewhile
 from operator import itemgetter
 from typing import Any
 
@@ -29,8 +29,11 @@ from po_backend.core.request import sorted_neighbours
 from po_backend.sched.backfill import BackfillBudget
 from po_backend.sched.batching import Batchable, CachedLen, Request
 from po_backend.sched.config import CLASSES, SchedulerConfig
+from po_backend.sched.jct import CalibratedJCT
+from po_backend.sched.ranking import Changes, Ranking
 from po_backend.sched.reuse import Pool, ReuseCost
 from po_backend.sched.steps import (
+    SHARE_LEAD_S,
     Pick,
     Predictor,
     Waiting,
@@ -43,6 +46,21 @@ from po_backend.sched.steps import (
 # The most waiting requests one step's batching considers (`batchable` fills the token budget from
 # them in order): bounds a pick's batching work in a long queue.
 MAX_STEP_CANDIDATES = 256
+
+
+class _WaitingByIds(Sequence[tuple[tuple[int, ...], Request]]):
+    """The waiting queue sorted by ids as (ids, request) pairs (what `ReuseCost` bisects), read
+    in place instead of copied at every pick."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._by_ids, self._waiting = sched.by_ids, sched.waiting
+
+    def __len__(self) -> int:
+        return len(self._by_ids)
+
+    def __getitem__(self, i: Any) -> Any:
+        ids, rid = self._by_ids[i]
+        return ids, self._waiting[rid].req
 
 
 class Scheduler:
@@ -63,6 +81,7 @@ class Scheduler:
         # The waiting requests sorted by token ids (a flattened radix over the queue): the ones
         # sharing the most leading tokens with a request are its neighbours in this order.
         self._by_ids: list[tuple[tuple[int, ...], int]] = []
+        self._by_arrival: list[tuple[float, int]] = []  # (arrival, rid), sorted
         self._call_waiting: Counter[int] = Counter()  # waiting requests per client call
         # srjf's JCT "at arrival": set at the first pick after arrival (the first moment the loop
         # may read the cache; the cache cannot change between an arrival and that pick).
@@ -82,6 +101,7 @@ class Scheduler:
         self._prefix_steps: dict[int, tuple[int, int]] = {}
         # Steps sized for the most urgent calls (to their latency target, if any), from those measured.
         self.backfill = BackfillBudget(self.config.online_slo_s) if self.config.sizes_batch_steps else None
+        self._ranking = Ranking(self, self._pricing)
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -93,9 +113,11 @@ class Scheduler:
         w = Waiting(rid, req, self.clock() if arrival is None else arrival, call)
         self._waiting[rid] = w
         bisect.insort(self._by_ids, (tuple(req.input_ids), rid))
+        bisect.insort(self._by_arrival, (w.arrival, rid))
         if call >= 0:
             self._call_waiting[call] += 1
         self._class_waiting[self.config.priority_class(req)] += 1
+        self._ranking.add(w)
         if (rank := self.config.rank(req)) < self._urgent:
             self._urgent = rank
             if self.backfill is not None:
@@ -112,7 +134,9 @@ class Scheduler:
         i = bisect.bisect_left(self._by_ids, (tuple(w.req.input_ids), rid))
         assert self._by_ids[i][1] == rid, "the sorted queue lost a request"
         del self._by_ids[i]
+        del self._by_arrival[bisect.bisect_left(self._by_arrival, (w.arrival, rid))]
         self._class_waiting[self.config.priority_class(w.req)] -= 1
+        self._ranking.remove(w)
         if w.call >= 0:
             self._call_waiting[w.call] -= 1
             if not self._call_waiting[w.call]:
@@ -121,6 +145,20 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    @property
+    def waiting(self) -> dict[int, Waiting]:
+        """The waiting requests by rid, in submission order (read-only)."""
+        return self._waiting
+
+    @property
+    def by_ids(self) -> list[tuple[tuple[int, ...], int]]:
+        """(ids, rid) of the waiting requests sorted by ids (read-only)."""
+        return self._by_ids
+
+    def siblings(self, w: Waiting) -> int:
+        """The waiting requests of `w`'s client call (1 for a call of its own)."""
+        return self._call_waiting.get(w.call, 1) if w.call >= 0 else 1
 
     @property
     def urgent_rank(self) -> int:
@@ -156,10 +194,12 @@ class Scheduler:
         out = list(self._waiting.values())
         self._waiting.clear()
         self._by_ids.clear()
+        self._by_arrival.clear()
         self._arrival_jct.clear()
         self._call_waiting.clear()
         self._class_waiting.clear()
         self._prefix_steps.clear()
+        self._ranking = Ranking(self, self._pricing)
         return out
 
     # ---- policy -----------------------------------------------------------------------------
@@ -167,15 +207,23 @@ class Scheduler:
     def _predict(self, req: Request, n_cached: int) -> float:
         return self._predict_len(len(req.input_ids), n_cached)
 
+    def _pricing(self) -> Predictor | None:
+        """The model requests are priced with: a calibrated model's coefficients without its
+        running factor, which moves at every step and would re-price the whole queue each time
+        (the fairness term is weighed against the profile's seconds)."""
+        return self.jct.model if isinstance(self.jct, CalibratedJCT) else self.jct
+
     def _predict_len(self, n_input: int, n_cached: int) -> float:
-        assert self.jct is not None, "this policy needs a JCT predictor"
-        return self.jct.predict(n_input, n_cached)
+        model = self._pricing()
+        assert model is not None, "this policy needs a JCT predictor"
+        return model.predict(n_input, n_cached)
 
     def scores(
         self, cached_len: CachedLen[Any], pool: Pool | None = None, batchable: Batchable[Any] | None = None
     ) -> tuple[list[tuple[float, float, int, Waiting]], dict[int, int]]:
         """Every waiting request's sort key (lowest runs first), and the cached_len values read to
-        get them (po and lpm read every request's: O(queue) cache probes per step). With a `pool`,
+        get them: the whole queue re-priced, O(queue) cache probes. The reference of the order
+        `pick` reads incrementally (`ranking.Ranking`), which must equal it. With a `pool`,
         po adds to a request's JCT the waiting requests' reuse its admission would evict; with
         `batchable`, po prices a request that shares a declared prefix with others per request of
         the step they would share."""
@@ -207,13 +255,13 @@ class Scheduler:
             key = tuple(w.req.input_ids[:p])
             if key not in per_item:
                 # the member with the most cached computes the prefix, the others read it from it
-                group = sorted((self._waiting[r] for r in self._sharing(key)), key=lambda m: -n_cached(m))
+                group = sorted((self._waiting[r] for r in self.sharing(key)), key=lambda m: -n_cached(m))
                 chosen = batchable([m.req for m in group]) if len(group) > 1 else []
                 if len(chosen) < 2:
                     per_item[key] = {}
                 else:
                     items = [(len(group[i].req.input_ids), c) for i, c in chosen]
-                    price = self._step_cost(items) / len(chosen)
+                    price = step_cost(self._pricing(), items) / len(chosen)
                     per_item[key] = {group[i].rid: price for i, _ in chosen}
             return min(own, per_item[key].get(w.rid, own))
 
@@ -232,8 +280,7 @@ class Scheduler:
                 # The starvation credit belongs to a client call, not to each of its items: a call
                 # of 150 items ages like one request, so its early arrival cannot hand all 150
                 # priority over a short call that came a moment later.
-                siblings = self._call_waiting.get(w.call, 1) if w.call >= 0 else 1
-                score = jct(w) - cfg.fairness_lambda * wait / siblings
+                score = jct(w) - cfg.fairness_lambda * wait / self.siblings(w)
                 if reuse is not None:
                     score += reuse.cost(w.req)
             keyed.append((score, w.arrival, w.rid, w))
@@ -243,7 +290,17 @@ class Scheduler:
         keyed.sort(key=lambda k: (rank(k[3].req), *k[:3]))
         return keyed, cached
 
-    def _sharing(self, key: tuple[int, ...]) -> set[int]:
+    def _score(self, w: Waiting, price: float, now: float, reuse: ReuseCost | None) -> float:
+        """The policy's sort key of `w` from its price (`ranking.Ranking.price`), as `scores`
+        computes it."""
+        if self.config.policy != "po":
+            return price
+        score = price - self.config.fairness_lambda * max(0.0, now - w.arrival) / self.siblings(w)
+        if reuse is not None:
+            score += reuse.cost(w.req)
+        return score
+
+    def sharing(self, key: tuple[int, ...]) -> set[int]:
         """The waiting requests whose ids start with `key`: the neighbours of `key` in the queue sorted
         by ids that share all of it, instead of comparing every waiting request's prefix."""
         return {
@@ -270,8 +327,46 @@ class Scheduler:
                 best, saved = n, (k + 1) * n
         return best
 
+    def to_probe(self, changes: Changes) -> list[Any]:
+        """Take what changed in the cache since the last pick (`ranking.Changes`, then passed to
+        `pick` no more) and return the waiting requests the next pick probes: a caller whose
+        scorer memoises `cached_len` may probe them first, outside its lock."""
+        return [self._waiting[rid].req for rid in self._ranking.cache_changed(changes)]
+
+    def order(
+        self, cached_len: CachedLen[Any], batchable: Batchable[Any], pool: Pool | None, changes: Changes
+    ) -> tuple[Callable[[Waiting], float], float]:
+        """Bring the ranking up to date with what changed (`ranking.Changes`) and return the
+        policy's score of a waiting request (`scores`' key, computed once per request: the
+        reuse cost walks the pool's victims) and the clock it was read at: what
+        `ranking.Ranking.ordered` sorts this pick's requests by."""
+        ranking = self._ranking
+        ranking.cache_changed(changes)
+        ranking.refresh(cached_len, batchable)
+        now = self.clock()
+        reuse = None
+        if pool is not None and self.config.policy == "po":
+            reuse = ReuseCost(pool, _WaitingByIds(self), cached_len, self._predict_len)
+        scores: dict[int, float] = {}
+
+        def score(w: Waiting) -> float:
+            if w.rid not in scores:
+                scores[w.rid] = self._score(w, ranking.price(w), now, reuse)
+            return scores[w.rid]
+
+        return score, now
+
+    def ordered(self, score: Callable[[Waiting], float], now: float) -> list[Waiting]:
+        """Every waiting request in policy order (`order`'s score): what `scores` sorts, read
+        from the ranking (O(queue): for checks; a pick reads only as far as it needs)."""
+        return list(self._ranking.ordered(self._ranking.ranks(), score, now))
+
     def pick(
-        self, cached_len: CachedLen[Any], batchable: Batchable[Any], pool: Pool | None = None
+        self,
+        cached_len: CachedLen[Any],
+        batchable: Batchable[Any],
+        pool: Pool | None = None,
+        changes: Changes = None,
     ) -> Pick | None:
         """Choose and remove the next step's requests: the policy's head plus the waiting requests
         that share its prefix (declared, or the longest worth sharing: `shared_len`), then the
@@ -295,48 +390,60 @@ class Scheduler:
         step), computes its prompt over several prefix-only steps.
 
         `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
-        request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF."""
+        request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF.
+        `changes`: what the cache reports changed since the last pick (`ranking.Changes`): only
+        the requests under those prefixes are probed again; None (unknown) probes every one.
+
+        A request sharing the head's prefix joins ahead of an older request outside the step only
+        within `SHARE_LEAD_S` (po)."""
         if not self._waiting:
             return None
-        cfg = self.config
-        keyed, cached = self.scores(cached_len, pool, batchable)
-        heads: dict[int, int] = {}  # each waiting class (rank) -> its best request's index in keyed
-        for i, k in enumerate(keyed):
-            heads.setdefault(cfg.rank(k[3].req), i)
-        top, at = cfg.rank(keyed[0][3].req), 0
-        if len(heads) > 1 and self._credit > 0:
+        cfg, ranking = self.config, self._ranking
+        score, now = self.order(cached_len, batchable, pool, changes)
+        ranks = ranking.ranks()
+        head = next(ranking.ordered(ranks[:1], score, now))
+        credit = False
+        if len(ranks) > 1 and self._credit > 0:
             # The credit pays for the longest-waiting best request of the classes behind: however
             # many there are, each one's turn comes, and none gets more than the one share.
-            nxt = min((i for r, i in heads.items() if r != top), key=lambda i: (keyed[i][3].arrival, i))
-            w = keyed[nxt][3]
-            cost = self._step_cost([(len(w.req.input_ids), cached.get(w.rid) or cached_len(w.req))])
+            heads = (next(ranking.ordered([r], score, now)) for r in ranks[1:])
+            nxt = min(heads, key=lambda w: (w.arrival, cfg.rank(w.req)))
+            cost = self._step_cost([(len(nxt.req.input_ids), ranking.cached[nxt.rid])])
             if self.backfill is not None:  # a sized step costs no more than the budget
                 cost = min(cost, self.backfill.budget_s)
             if self._credit >= cost:
-                at = nxt
-        head = keyed[at][3]
+                head, credit = nxt, True
         rank = cfg.rank(head.req)
-        if head.rid not in cached:
-            cached[head.rid] = cached_len(head.req)
         prefix = max(self.shared_len(head), head.req.cache_prefix_len or 0)
         strict = cfg.policy == "fcfs"
-        # Policy order; equally or more urgent requests only (keyed is sorted by class)
-        rest = [k[3] for i, k in enumerate(keyed) if i != at and cfg.rank(k[3].req) <= rank]
-        sharers = self._sharing(tuple(head.req.input_ids[:prefix])) if prefix > 0 else set()
+        # Policy order; equally or more urgent requests only
+        rest = (w for w in ranking.ordered([r for r in ranks if r <= rank], score, now) if w.rid != head.rid)
+        sharers = self.sharing(tuple(head.req.input_ids[:prefix])) if prefix > 0 else set()
         if strict:  # only the run right behind the head: nobody overtakes an earlier arrival
-            base = [head, *takewhile(lambda w: w.rid in sharers, rest)]
-            fill = rest[len(base) - 1 :]
+            group = [head, *islice(rest, MAX_STEP_CANDIDATES - 1)]
+            n_base = 1 + sum(1 for _ in takewhile(lambda w: w.rid in sharers, group[1:]))
         else:
-            base = [head] + [w for w in rest if w.rid in sharers]
-            fill = [w for w in rest if w.rid not in sharers]
+            mates = [self._waiting[r] for r in sharers if r != head.rid]
+            if cfg.policy == "po" and cfg.fairness_lambda > 0:
+                # the oldest request outside the step: the first in arrival order not sharing
+                oldest = next((a for a, r in self._by_arrival if r not in sharers), None)
+                if oldest is not None:
+                    cut = oldest + SHARE_LEAD_S / cfg.fairness_lambda
+                    mates = [w for w in mates if w.arrival <= cut]
+            base = [head] + sorted(
+                (w for w in mates if cfg.rank(w.req) <= rank),
+                key=lambda w: (cfg.rank(w.req), score(w), w.arrival, w.rid),
+            )
+            fill = (w for w in rest if w.rid not in sharers)
+            group = [*base, *islice(fill, max(0, MAX_STEP_CANDIDATES - len(base)))][:MAX_STEP_CANDIDATES]
+            n_base = len(base)
         # Unrelated requests (each attends only to itself) fill the step behind the head's group,
         # as SGLang and vLLM batch unrelated prefills, while it stays short (`steps.fill_step`).
-        group = (base + fill)[:MAX_STEP_CANDIDATES]
-        chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, cached[head.rid])]
+        chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, ranking.cached[head.rid])]
         assert chosen and chosen[0][0] == 0, f"batchable must keep the head first, got {chosen[:5]}"
         if strict:  # stop at the first request batchable leaves out: it must run before the rest
             chosen = [c for n, c in enumerate(chosen) if c[0] == n]
-        chosen = fill_step(self.jct, group, chosen, len(base))
+        chosen = fill_step(self.jct, group, chosen, n_base)
         prefix_only = 0
         if self.backfill is not None:
             budget = self.backfill.budget_s
@@ -353,17 +460,17 @@ class Scheduler:
         pick = Pick(
             entries,
             tuple(reused for _, reused in chosen),
-            keyed[at][0],
-            credit=at > 0,
+            score(head),
+            credit=credit,
             prefix_only=prefix_only,
         )
         # Nothing behind the most urgent class waits: it is owed nothing (idle time is not banked).
         # Otherwise the less urgent classes spend their credit on this step, or earn a share of it.
-        if len(heads) == 1:
+        if len(ranks) == 1:
             self._credit = 0.0
         else:
             cost = self._step_cost(pick.items)
-            self._credit += -cost if at else cfg.batch_min_share * cost
+            self._credit += -cost if credit else cfg.batch_min_share * cost
         return pick
 
     def step_done(

@@ -110,6 +110,7 @@ class EngineLoop(StepWorker):
         self._steps: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self._n_steps = 0
         self._failed_streak = 0  # steps failed in a row since the last one that succeeded
+        self._reprobe = False  # the next pick probes every waiting request (a call ran on the engine)
         self._thread = threading.Thread(target=self._work, name="po-engine-loop", daemon=True)
         self._started = False
         if start:

@@ -29,6 +29,10 @@ class Scorer(Protocol):
     def cached_len(self, req: ScoreRequest) -> int:
         """Leading tokens of `req` the scorer's cache would serve now (read-only)."""
 
+    def cache_changes(self) -> Sequence[tuple[int, ...]] | None:
+        """Since the last call, the token prefixes every request whose `cached_len` changed
+        starts with; None when anything may have changed (`sched.ranking.Changes`)."""
+
     def batchable(self, candidates: Sequence[ScoreRequest]) -> list[tuple[int, int]]:
         """The candidates (the first always included) that can share one step, each as (index,
         tokens it reads from the cache or a batch-mate instead of computing)."""

@@ -58,6 +58,7 @@ class StepWorker:
     _steps: deque[StepRecord]
     _n_steps: int
     _failed_streak: int
+    _reprobe: bool
 
     def _forget_prefix(self, rid: int) -> None:
         """`rid` left the queue without its last step: on the worker thread (it owns the cache),
@@ -78,16 +79,21 @@ class StepWorker:
                     self._calls.clear()
                     if not calls and not len(self._sched):
                         return  # closing, and (drained or failed by shutdown) nothing is left
-                    waiting = [] if calls else [j.req for j in self._jobs.values()]
+                    # Only the requests whose cached prefix changed are probed again (a radix walk
+                    # each): the cache says which prefixes changed since the last pick.
+                    changes = None if self._reprobe else self.engine.cache_changes()
+                    self._reprobe = False
+                    probe = [] if calls else self._sched.to_probe(changes)
                 for fn, fut in calls:
                     self._run_call(fn, fut)
                 if calls:
+                    # a call (a flush, an adapter loaded) may change what any request reads
+                    self._reprobe = True
                     continue
-                # The cache probes (a radix walk per waiting prompt, the bulk of a pick's work) run
-                # here, outside the lock, so submitters and stats readers never wait on them: only
-                # this thread changes the cache, and a scorer that memoises them (the Engine, until
-                # its next step) answers the pick below from the memo.
-                for req in waiting:
+                # The probes run here, outside the lock, so submitters and stats readers never
+                # wait on them: only this thread changes the cache, and a scorer that memoises
+                # them (the Engine, until the cache changes on their path) answers the pick below.
+                for req in probe:
                     self.engine.cached_len(req)
                 with self._cond:
                     batch = self._next_batch()
@@ -119,7 +125,8 @@ class StepWorker:
     def _next_batch(self) -> tuple[list[Job], list[tuple[int, int]], float] | None:
         """Pick under the lock (the scheduler reads the cache; only this thread changes it)."""
         try:
-            pick = self._sched.pick(self.engine.cached_len, self.engine.batchable, self._pool)
+            # what changed in the cache since the last pick was taken by `to_probe`
+            pick = self._sched.pick(self.engine.cached_len, self.engine.batchable, self._pool, ())
         except Exception as e:  # would fail again at every step: fail the queue, keep serving
             log.exception("scheduler pick failed")
             self._fail_waiting(e)

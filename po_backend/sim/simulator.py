@@ -59,6 +59,7 @@ class PrefixLRU:
         self._tick = 0
         self._tokens = 0
         self._memo: dict[int, tuple[Request, int]] = {}  # id(request) -> (request, cached_len)
+        self._changes: list[tuple[int, ...]] = []  # since the last `changes` (`ranking.Changes`)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -86,6 +87,24 @@ class PrefixLRU:
     def free_tokens(self) -> int:
         return self.capacity_tokens - self._tokens
 
+    def changes(self) -> list[tuple[int, ...]]:
+        """The prefixes every request whose `cached_len` changed since the last call starts with
+        (`ranking.Changes`): a stored or dropped key's tokens up to one past what it shares with
+        its neighbours (a request sharing no more than that is served as much by them)."""
+        out, self._changes = self._changes, []
+        return out
+
+    def _shared(self, i: int) -> int:
+        """Leading tokens `_keys[i]` shares with another cached prefix (one of its neighbours)."""
+        key = self._keys[i]
+        return max(
+            (common_prefix(key, self._keys[j]) for j in (i - 1, i + 1) if 0 <= j < len(self._keys)), default=0
+        )
+
+    def _log(self, i: int) -> None:
+        """Log `_keys[i]` as changed (about to be dropped, or just stored)."""
+        self._changes.append(self._keys[i][: self._shared(i) + 1])
+
     def _victim_key(self, i: int) -> tuple[int, int]:
         """Eviction order: the less urgent class first, then least recently used."""
         return -self._rank[i], self._used[i]
@@ -94,11 +113,7 @@ class PrefixLRU:
         """The cached prefixes in `step`'s eviction order (`_victim_key`), each keeping cached
         what it shares with its neighbours (`reuse.Pool`)."""
         for i in sorted(range(len(self._keys)), key=self._victim_key):
-            key = self._keys[i]
-            shared = max(
-                (common_prefix(key, self._keys[j]) for j in (i - 1, i + 1) if 0 <= j < len(self._keys)),
-                default=0,
-            )
+            key, shared = self._keys[i], self._shared(i)
             if shared < len(key):
                 yield Victim(key, shared)
 
@@ -126,6 +141,7 @@ class PrefixLRU:
             # engine's tree holds those tokens once, so the new key takes its place.
             j, shared = self._longest_match(key)
             if shared and shared == len(self._keys[j]):
+                self._log(j)
                 self._tokens -= len(self._keys.pop(j))
                 del self._used[j], self._rank[j]
                 i -= j < i
@@ -133,8 +149,10 @@ class PrefixLRU:
             self._used.insert(i, self._tick)
             self._rank.insert(i, rank)
             self._tokens += len(key)
+            self._log(i)
             while self._tokens > self.capacity_tokens:
                 old = min(range(len(self._used)), key=self._victim_key)
+                self._log(old)
                 self._tokens -= len(self._keys.pop(old))
                 del self._used[old], self._rank[old]
             self._memo.clear()
@@ -184,7 +202,7 @@ def simulate(
         if not len(sched):
             clock.now = trace[order[i]][0]
             continue
-        pick = sched.pick(cache.cached_len, cache.batchable, cache)
+        pick = sched.pick(cache.cached_len, cache.batchable, cache, cache.changes())
         assert pick is not None, "a non-empty queue gives a pick"
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued

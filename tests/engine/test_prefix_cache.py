@@ -240,3 +240,29 @@ def test_declared_prefix_hit_is_the_cold_run_bit_for_bit(tiny_model, tmp_path, k
     for got in (one, many):
         for r, c in zip(got, cold, strict=True):
             assert max(abs(x - y) for x, y in zip(r.logprobs, c.logprobs, strict=True)) <= tol
+
+
+def test_cached_len_is_remembered_until_the_cache_changes_on_its_path(engines) -> None:
+    """A waiting request is walked again only when a step stores or evicts on its path, and then
+    gets the new answer; `cache_changes` names the prefixes of what moved."""
+    path, _ = engines
+    eng = Engine.from_pretrained(path, dtype="fp32", chunk_size=32, cache_policy="declared")
+    a, b = _rand(64, 11), _rand(64, 12)
+    wait_a, wait_b = _req(a + _rand(8, 13)), _req(b + _rand(8, 14))
+    walks: list[tuple[int, ...]] = []
+    match_len = eng.cache.match_len
+    eng.cache.match_len = lambda ids: walks.append(tuple(ids)) or match_len(ids)  # type: ignore[method-assign]
+    assert (eng.cached_len(wait_a), eng.cached_len(wait_b)) == (0, 0)
+    assert eng.cache_changes() == []
+    eng.step([_req(a + _rand(4, 15), len(a))])  # stores a's prefix
+    changes = eng.cache_changes()
+    assert changes and all(wait_a.input_ids[: len(p)] == p for p in changes)
+    assert not any(wait_b.input_ids[: len(p)] == p for p in changes)
+    walks.clear()
+    assert (eng.cached_len(wait_a), eng.cached_len(wait_b)) == (64, 0)
+    assert walks == [wait_a.input_ids[: wait_a.reusable_len]], (
+        "only the request on the changed path is walked"
+    )
+    eng.flush_cache()
+    assert eng.cache_changes() is None
+    assert eng.cached_len(wait_a) == 0

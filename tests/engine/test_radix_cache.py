@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import settings
@@ -303,6 +305,8 @@ def test_long_prompt_match_is_fast_enough() -> None:
 # ---- randomized: a hypothesis state machine -------------------------------------------------
 
 tokens_st = st.lists(st.integers(0, 2), max_size=10)  # tiny alphabet: prefixes collide
+# Every key of up to 6 tokens of that alphabet: the requests whose match length the ops may move
+PROBES = [key for n in range(7) for key in itertools.product(range(3), repeat=n)]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -313,6 +317,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.pool, self.cache = make(32)
         self.prefix_ids: dict[tuple[int, ...], int] = {}  # each distinct prefix -> a unique value
         self.locked: list[Node] = []
+        self.matched = dict.fromkeys(PROBES, 0)  # match_len of each probe at the last check
+        self.seq = self.cache.change_seq
 
     def _write(self, tokens: list[int], start: int, slots: torch.Tensor) -> None:
         ids = [
@@ -422,6 +428,18 @@ class CacheMachine(RuleBasedStateMachine):
         assert [v.key for v in self.cache.eviction_order()] == walked_eviction_order(self.cache)
         for node in self.locked:  # locked paths are never evicted
             assert node is self.cache.root or node.parent is not None
+
+    @invariant()
+    def changes_cover_every_moved_match(self) -> None:
+        """Every key whose match length changed starts with a prefix `changes` reported (what
+        lets the scheduler probe only those requests)."""
+        changes = self.cache.changes_since(self.seq)
+        self.seq = self.cache.change_seq
+        for key, before in self.matched.items():
+            now = self.cache.match_len(key)
+            if now != before and changes is not None:
+                assert any(key[: len(p)] == p for p in changes), (key, before, now, changes)
+            self.matched[key] = now
 
 
 TestCacheMachine = CacheMachine.TestCase

@@ -125,6 +125,10 @@ def _common_len(key: np.ndarray, tokens: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else m
 
 
+# The most changes the log keeps: a reader further behind is told that anything may have changed.
+MAX_CHANGES = 4096
+
+
 class RadixCache:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -139,6 +143,10 @@ class RadixCache:
         self._nodes_count = 0  # nodes in the tree, the root excluded: bounds the heap's size
         self._heap: list[_Entry] = []  # `_entry`s of unlocked leaves, some stale
         self._pushes = itertools.count()
+        # The changes to match lengths, numbered from `_log_base` (`changes_since`); a reader
+        # behind `_log_floor` (a reset, or changes dropped from the log) rereads everything.
+        self._log: list[tuple[int, ...]] = []
+        self._log_base = self._log_floor = 0
 
     def _new_node(self, key: np.ndarray, slots: torch.Tensor, parent: Node | None, rank: int = 0) -> Node:
         return Node(key, slots, parent, next(self._uids), self._clock, rank)
@@ -248,6 +256,7 @@ class RadixCache:
             # Copies: the caller may reuse its token array / slot tensor.
             leaf = self._new_node(tokens[pos:].copy(), slots[pos:].clone(), node, rank)
             node.children[int(tokens[pos])] = leaf
+            self._changed(tokens[: pos + 1])
             self._evictable += len(leaf.key)
             self.inserted_tokens_total += len(leaf.key)
             self._nodes_count += 1
@@ -338,6 +347,9 @@ class RadixCache:
             parent = node.parent
             assert parent is not None and node.lock_ref == 0 and not node.children, f"not evictable: {node}"
             self.pool.free(node.slots)
+            self._changed(
+                np.concatenate([*(n.key for n in reversed(list(self._path(parent)))), node.key[:1]])
+            )
             del parent.children[int(node.key[0])]
             node.parent = None
             self._nodes_count -= 1
@@ -352,6 +364,29 @@ class RadixCache:
 
     def free_tokens(self) -> int:
         return self.pool.num_free
+
+    def _changed(self, prefix: np.ndarray) -> None:
+        """Every key whose `match_len` a node change moves starts with `prefix`: the tokens down
+        to the changed node's first one (a key that does not reach it matches as before)."""
+        self._log.append(tuple(prefix.tolist()))
+        if len(self._log) > MAX_CHANGES:
+            drop = len(self._log) // 2
+            del self._log[:drop]
+            self._log_base += drop
+            self._log_floor = self._log_base
+
+    @property
+    def change_seq(self) -> int:
+        """The number of the next change: what a reader passes to `changes_since` later."""
+        return self._log_base + len(self._log)
+
+    def changes_since(self, seq: int) -> list[tuple[int, ...]] | None:
+        """The prefixes that every key whose `match_len` changed since `change_seq` was `seq`
+        starts with; None when anything may have (a reset, or a reader too far behind). Splits,
+        recency and ranks change no match length."""
+        if seq < self._log_floor:
+            return None
+        return self._log[seq - self._log_base :]
 
     def eviction_order(self) -> Iterator[Victim]:
         """The unlocked nodes in the order `evict` would free them, each as its path's tokens and
@@ -397,6 +432,8 @@ class RadixCache:
         self.root.children.clear()
         self._evictable = self._reused = self._nodes_count = 0
         self._heap = []
+        self._log_floor = self.change_seq + 1
+        self._log_base, self._log = self._log_floor, []
 
     # ---- introspection ----------------------------------------------------------------------
 
