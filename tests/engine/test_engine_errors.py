@@ -17,6 +17,7 @@ from po_backend import (
     ScoreRequest,
     UnsupportedModelError,
 )
+from po_backend.core.settings import CPU_HYBRID_CHUNK_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def test_config_and_overrides(tiny_model) -> None:
     assert again.config == EngineConfig(
         dtype=torch.float32,
         device=torch.device("cpu"),
-        chunk_size=512,  # the CPU's defaults
+        chunk_size=CPU_HYBRID_CHUNK_SIZE,  # the CPU hybrid default
         max_input_len=200,
         max_batch_tokens=400,
         cache_policy="declared",
