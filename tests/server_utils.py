@@ -10,7 +10,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -137,6 +137,16 @@ def worker_urls(router_url: str) -> list[str]:
     key = cluster_key(router_url, "admin")
     r = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
     return sorted(w["url"] for w in r.json()["workers"])
+
+
+async def read_asgi_body(receive: Callable[[], Awaitable[dict[str, Any]]]) -> bytes:
+    """A whole request body as an ASGI app receives it (for the tests' model-free upstreams)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
 
 
 def assert_same_answer(a: Any, b: Any, where: str = "answer") -> None:

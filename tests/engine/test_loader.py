@@ -41,22 +41,25 @@ def _reference(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype) for k, v in out.items()}
 
 
+def _tiny(folder: Path, layers: int) -> str:
+    """A tiny GQA Llama checkpoint (4 query heads over 2 KV heads)."""
+    return save_llama(
+        folder,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [64, 1 << 30])
 def test_streamed_weights_equal_safetensors_own_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, block: int
 ) -> None:
-    path = Path(
-        save_llama(
-            tmp_path,
-            vocab_size=300,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    path = Path(_tiny(tmp_path, layers=2))
     monkeypatch.setattr(loader, "STREAM_BLOCK_BYTES", block)  # 64: a block of one row, many blocks
     model = load_model(path, dtype, torch.device("cpu"))
     params = dict(model.named_parameters())
@@ -65,17 +68,7 @@ def test_streamed_weights_equal_safetensors_own_reader(
 
 
 def test_a_truncated_or_misshapen_checkpoint_is_a_typed_error(tmp_path: Path) -> None:
-    path = Path(
-        save_llama(
-            tmp_path,
-            vocab_size=300,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    path = Path(_tiny(tmp_path, layers=1))
     (file,) = path.glob("*.safetensors")
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
@@ -124,15 +117,7 @@ def test_loading_peaks_near_the_models_own_size(tmp_path: Path, stored: str, loa
     it keeps. Converting a whole tensor at a time adds up to two copies of the largest one."""
     if not Path("/proc/self/clear_refs").is_file():
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
-    warm = save_llama(
-        tmp_path / "warm",
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    warm = _tiny(tmp_path / "warm", layers=1)
     path = save_llama(
         tmp_path,
         vocab_size=32768,

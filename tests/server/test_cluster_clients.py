@@ -26,6 +26,7 @@ from tests.server_utils import (
     error_message,
     launched_cluster,
     metric,
+    read_asgi_body,
     sglang_frontend,
     worker_urls,
 )
@@ -70,6 +71,20 @@ def generate_calls(router_url: str) -> float:
     )
 
 
+def both(
+    client: httpx.Client, cluster: str, single: ServerProcess, path: str, body: Any
+) -> tuple[httpx.Response, httpx.Response]:
+    """The same call through the cluster's gate (with the data key) and to one server."""
+    return client.post(cluster + path, json=body, headers=AUTH), client.post(single.url + path, json=body)
+
+
+def assert_same_error(r: httpx.Response, ref: httpx.Response, status: int) -> None:
+    assert (r.status_code, error_message(r)) == (
+        ref.status_code,
+        error_message(ref),
+    ) and r.status_code == status
+
+
 def stable(answer: Any) -> Any:
     """A /generate answer without its per-call fields."""
     if isinstance(answer, list):
@@ -107,10 +122,7 @@ def test_sgl_select_and_batched_generate(cluster: str, single: ServerProcess) ->
         "logprob_start_len": 0,
     }
     with httpx.Client(timeout=120) as client:
-        r, ref = (
-            client.post(cluster + "/generate", json=batch, headers=AUTH),
-            client.post(single.url + "/generate", json=batch),
-        )
+        r, ref = both(client, cluster, single, "/generate", batch)
         assert r.status_code == ref.status_code == 200, r.text
         assert_same_answer(stable(r.json()), stable(ref.json()))
 
@@ -127,23 +139,13 @@ def test_sgl_select_and_batched_generate(cluster: str, single: ServerProcess) ->
             {**batch, "return_logprob": [True]},  # a per-prompt list of another length
             {"text": []},
         ):
-            r, ref = (
-                client.post(cluster + "/generate", json=bad, headers=AUTH),
-                client.post(single.url + "/generate", json=bad),
-            )
-            assert (r.status_code, error_message(r)) == (
-                ref.status_code,
-                error_message(ref),
-            ) and r.status_code == 400
+            r, ref = both(client, cluster, single, "/generate", bad)
+            assert_same_error(r, ref, 400)
 
         before = generate_calls(cluster)
         assert before >= 4  # the batch's prompts above are counted
-        r = client.post(cluster + "/generate", json={"text": ["a"] * (MAX_ITEMS + 1)}, headers=AUTH)
-        ref = client.post(single.url + "/generate", json={"text": ["a"] * (MAX_ITEMS + 1)})
-        assert (r.status_code, error_message(r)) == (
-            ref.status_code,
-            error_message(ref),
-        ) and r.status_code == 413
+        r, ref = both(client, cluster, single, "/generate", {"text": ["a"] * (MAX_ITEMS + 1)})
+        assert_same_error(r, ref, 413)
         assert client.post(cluster + "/generate", json=batch).status_code == 401  # the key, as everywhere
         assert generate_calls(cluster) == before  # neither reached a worker
 
@@ -185,10 +187,7 @@ def test_cohere_and_vllm_rerank(cluster: str, single: ServerProcess) -> None:
 
     body = {"query": QUERY, "documents": [{"text": d} for d in DOCS], "return_documents": False}
     with httpx.Client(timeout=120) as client:
-        r, ref = (
-            client.post(cluster + "/rerank", json=body, headers=AUTH),
-            client.post(single.url + "/rerank", json=body),
-        )
+        r, ref = both(client, cluster, single, "/rerank", body)
         assert r.status_code == ref.status_code == 200, r.text
         got_rows, want_rows = r.json()["results"], ref.json()["results"]
         assert [x["index"] for x in got_rows] == [x["index"] for x in want_rows]
@@ -200,14 +199,8 @@ def test_cohere_and_vllm_rerank(cluster: str, single: ServerProcess) -> None:
         r = client.post(cluster + "/v2/rerank", json={**body, "instruct": "Rank pets"}, headers=AUTH)
         assert r.status_code == 400 and "instruct" in error_message(r)
         many = {"query": QUERY, "documents": ["x"] * (MAX_ITEMS + 1)}
-        r, ref = (
-            client.post(cluster + "/v2/rerank", json=many, headers=AUTH),
-            client.post(single.url + "/v2/rerank", json=many),
-        )
-        assert (r.status_code, error_message(r)) == (
-            ref.status_code,
-            error_message(ref),
-        ) and r.status_code == 413
+        r, ref = both(client, cluster, single, "/v2/rerank", many)
+        assert_same_error(r, ref, 413)
 
 
 @pytest.mark.slow
@@ -216,10 +209,7 @@ def test_classify_without_a_model(cluster: str, single: ServerProcess) -> None:
     (422): the gate names the served model."""
     body = {"input": ["a cat video", "tax news"]}
     with httpx.Client(timeout=120) as client:
-        r, ref = (
-            client.post(cluster + "/v1/classify", json=body, headers=AUTH),
-            client.post(single.url + "/v1/classify", json=body),
-        )
+        r, ref = both(client, cluster, single, "/v1/classify", body)
         assert r.status_code == ref.status_code == 200, r.text
         assert r.json()["model"] == ref.json()["model"]
         assert [d["label"] for d in r.json()["data"]] == [d["label"] for d in ref.json()["data"]]
@@ -238,12 +228,7 @@ def test_gate_translates_before_a_router_and_checks_limits_first() -> None:
     seen: list[tuple[str, Any]] = []
 
     async def router(scope: Any, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_asgi_body(receive)
         try:
             data = json.loads(body) if body else None
         except ValueError:

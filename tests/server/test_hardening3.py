@@ -42,6 +42,7 @@ from tests.server_utils import (
     metric,
     poll_until,
     probed_while,
+    read_asgi_body,
 )
 
 T = TypeVar("T")
@@ -615,12 +616,7 @@ def test_gate_swaps_the_data_key_and_forwards_the_rest_unchanged() -> None:
     seen: list[dict[str, Any]] = []
 
     async def router(scope: Any, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_asgi_body(receive)
         headers = [(k.decode(), v.decode()) for k, v in scope["headers"]]
         seen.append({"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
                      "body": body.decode(), "headers": headers})  # fmt: skip
