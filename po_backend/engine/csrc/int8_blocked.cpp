@@ -36,7 +36,10 @@ constexpr int MR = PO_MR;  // rows per register tile
 #define PO_MC 96
 #endif
 constexpr int64_t MC = PO_MC;  // rows per L2-resident group
-constexpr int64_t KC = 1024;  // k per cache chunk: a 16-column panel's chunk is 16 KiB
+#ifndef PO_KC
+#define PO_KC 1024
+#endif
+constexpr int64_t KC = PO_KC;  // k per cache chunk: a 16-column panel's chunk is 16 KiB
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
