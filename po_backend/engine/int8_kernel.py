@@ -15,7 +15,8 @@ No step depends on the other rows, so a row's output is the same in any batch (a
 equals the cold run).
 
 Instruction sets, chosen from `po_backend.core.cpu.cpu_flags()`: AVX2 (vpmaddubsw on |x| and w
-carrying x's sign, as llama.cpp), AVX512-VNNI at 256 bits or AVX-VNNI (vpdpbusd). The library is
+carrying x's sign, as llama.cpp), AVX-VNNI (vpdpbusd on the same operands, 256 bits) and
+AVX512-VNNI (vpdpbusd on x + 128 at 512 bits, each block's weight sum subtracted). The library is
 built at first use (`load_kernel`; `po_backend.engine.kernels`: a per-user cache, once per machine);
 without AVX2, without a compiler or if the build fails, one warning is logged and every call runs
 `reference_blocked_matmul` (same results, far slower).
@@ -40,12 +41,13 @@ log = logging.getLogger(__name__)
 Isa = Literal["avx2", "avx512_vnni", "avx_vnni"]
 _ISA_CODE: dict[Isa, int] = {"avx2": 0, "avx512_vnni": 1, "avx_vnni": 2}
 _SOURCE = Path(__file__).parent / "csrc" / "int8_blocked.cpp"
-_TILE = _SOURCE.with_name("int8_blocked_tile.h")
+_TILES = (_SOURCE.with_name("int8_blocked_tile.h"), _SOURCE.with_name("int8_blocked_zmm.h"))
 _NAME = "po_int8_blocked"
 # No FMA contraction: the kernel's (scale * dot) then (+ out) must round twice, as torch does.
 _CFLAGS = ("-O3", "-DNDEBUG", "-ffp-contract=off")
 _LDFLAGS: tuple[str, ...] = ()
 PANEL = 16  # output columns per packed weight panel
+_NO_COMP = torch.empty(0, dtype=torch.int32)
 MAX_BLOCK = 512  # a block's int dot product (<= 512 * 128 * 127) stays exact in fp32
 
 
@@ -65,7 +67,7 @@ def _check(t: Tensor, dtype: torch.dtype, dim: int, name: str) -> None:
 def isa(flags: frozenset[str] | None = None) -> Isa | None:
     """The kernel variant this CPU runs, or None (no AVX2: the reference path)."""
     f = cpu_flags() if flags is None else flags
-    if {"avx512_vnni", "avx512vl"} <= f:
+    if {"avx512f", "avx512_vnni"} <= f:
         return "avx512_vnni"
     if "avx_vnni" in f and "avx2" in f:
         return "avx_vnni"
@@ -82,7 +84,7 @@ def _flavour() -> tuple[str, tuple[str, ...]]:
 
 
 def build_key() -> str:
-    return kernels.build_key((_SOURCE, _TILE), _flavour()[1], _LDFLAGS)
+    return kernels.build_key((_SOURCE, *_TILES), _flavour()[1], _LDFLAGS)
 
 
 def _build_dir() -> Path:
@@ -159,6 +161,9 @@ class PackedWeights:
     n: int
     k: int
     block: int
+    # -128 x each block's weight sum, int32 [panels, k // block, 16]: the AVX512-VNNI tile's
+    # correction for its x + 128 operand (packed only where that tile runs).
+    comp: Tensor | None = None
 
     def unpack(self) -> tuple[Tensor, Tensor]:
         panels = self.data.shape[0]
@@ -187,7 +192,15 @@ def pack_weights(wq: Tensor, ws: Tensor, block: int) -> PackedWeights:
     s = torch.nn.functional.pad(ws, (0, 0, 0, pad)) if pad else ws
     data = w.reshape(panels, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     scales = s.reshape(panels, PANEL, k // block).permute(0, 2, 1).contiguous()
-    return PackedWeights(data, scales, n, k, block)
+    comp = _compensation(data, block) if isa() == "avx512_vnni" else None
+    return PackedWeights(data, scales, n, k, block, comp)
+
+
+def _compensation(data: Tensor, block: int) -> Tensor:
+    """-128 x the weights' sum per panel, block and column, from the packed layout."""
+    panels, k4 = data.shape[:2]
+    sums = data.view(panels, k4 * 4 // block, block // 4, PANEL, 4).sum((2, 4), dtype=torch.int32)
+    return (sums * -128).contiguous()
 
 
 def _weights(wq: Tensor | PackedWeights, ws: Tensor | None, block: int | None) -> PackedWeights:
@@ -279,7 +292,10 @@ def blocked_matmul(
     variant = isa()
     if variant is None or not load_kernel():
         return reference_blocked_matmul(xq, xs, w, out=result)
+    comp = _NO_COMP
+    if variant == "avx512_vnni":
+        comp = w.comp if w.comp is not None else _compensation(w.data, w.block)
     torch.ops.po_int8.matmul(
-        xq.contiguous(), xs.contiguous(), w.data, w.scales, w.n, w.block, _ISA_CODE[variant], result
+        xq.contiguous(), xs.contiguous(), w.data, w.scales, comp, w.n, w.block, _ISA_CODE[variant], result
     )
     return result

@@ -199,6 +199,7 @@ def test_pack_round_trip_and_bad_input() -> None:
 def test_isa_from_the_cpu_flags() -> None:
     assert ik.isa(AVX2) == "avx2"
     assert ik.isa(AVX2 | {"avx512f", "avx512vl", "avx512_vnni"}) == "avx512_vnni"
+    assert ik.isa(AVX2 | {"avx512f", "avx512_vnni", "avx_vnni"}) == "avx512_vnni"
     assert ik.isa(AVX2 | {"avx_vnni"}) == "avx_vnni"
     assert ik.isa(frozenset({"sse4_2", "avx"})) is None
     assert ik.isa(frozenset()) is None
@@ -233,13 +234,18 @@ ik.cpu_flags = lambda: flags
 assert ik.isa() == sys.argv[2], ik.isa()
 assert ik.kernel_available(), "the emulated build failed"
 g = torch.Generator().manual_seed(1)
-for m, n, k, block in [(1, 1, 32, 32), (77, 45, 1088, 32), (6, 33, 2048, 128), (5, 16, 256, 64)]:
+for m, n, k, block in [(1, 1, 32, 32), (77, 45, 1088, 32), (6, 33, 2048, 128), (21, 16, 256, 64)]:
     xq, xs = ik.reference_quantize_blocks(torch.randn(m, k, generator=g), block)
     wq, ws = ik.reference_quantize_blocks(torch.randn(n, k, generator=g), block)
     xq[0, :32] = -128  # |x| = 128 through vpdpbusd too
     ref = ik.reference_blocked_matmul(xq, xs, wq, ws, block)
-    assert torch.equal(ik.blocked_matmul(xq, xs, ik.pack_weights(wq, ws, block)), ref), (m, n, k, block)
+    packed = ik.pack_weights(wq, ws, block)
+    assert (packed.comp is not None) == (sys.argv[2] == "avx512_vnni")
+    assert torch.equal(ik.blocked_matmul(xq, xs, packed), ref), (m, n, k, block)
     assert torch.equal(ik.blocked_matmul(xq[-1:], xs[-1:], wq, ws, block)[0], ref[-1])
+    full = torch.full((4, k), -128, dtype=torch.int8), torch.full((2, k), 127, dtype=torch.int8)
+    ones = torch.ones(4, k // block)
+    assert ik.blocked_matmul(full[0], ones, full[1], ones[:2], block).eq(-128 * 127 * k).all()
 print("vnni ok")
 """
 
@@ -253,9 +259,10 @@ def emulated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("flags", "variant"), [("avx512f,avx512vl,avx512_vnni", "avx512_vnni"), ("avx_vnni", "avx_vnni")]
 )
 def test_vnni_variants_run_emulated(emulated_cache: Path, flags: str, variant: str) -> None:
-    """The VNNI variants' tiles (vpdpbusd on |x| and w carrying x's sign) built with a portable
-    vpdpbusd (PO_KERNEL_EMULATE=1), chosen by emulated flags, bit-equal to the reference. In a child
-    process: a second copy of the library's operators in this one would abort it."""
+    """The VNNI variants' tiles (AVX-VNNI: vpdpbusd on |x| and w carrying x's sign; AVX512-VNNI:
+    on x + 128 with the weights' block sums subtracted, 8-row tiles and single-row tails) built
+    with portable stand-ins (PO_KERNEL_EMULATE=1), chosen by emulated flags, bit-equal to the
+    reference. In a child process: a second copy of the library's operators would abort this one."""
     if ik.isa() is None:
         pytest.skip("the CPU has no AVX2/FMA: the emulated VNNI build still needs AVX2")
     if ik.kernels.compiler() is None:

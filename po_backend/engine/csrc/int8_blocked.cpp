@@ -10,10 +10,11 @@
 //
 // The int8 products: AVX2 has no signed x signed byte multiply-add; vpmaddubsw takes u8 x s8. As in
 // llama.cpp, |x| (u8) is multiplied by w carrying x's sign (vpsignb), vpmaddwd widens the int16
-// pair sums to int32. With AVX512-VNNI (256-bit, EVEX) or AVX-VNNI, vpdpbusd does the multiply and
-// the int32 sum in one instruction. Each variant is compiled under its own `#pragma GCC target` and
-// chosen at run time by the caller, so the library builds and loads on any x86 CPU. With
-// -DPO_EMULATE_VNNI the VNNI variants use a portable vpdpbusd (tests on CPUs without VNNI).
+// pair sums to int32. With AVX-VNNI, vpdpbusd does the multiply and the int32 sum in one
+// instruction; with AVX512-VNNI, one vpdpbusd on 512 bits per 64 multiply-adds
+// (int8_blocked_zmm.h: x + 128 with the weights' sums subtracted, no sign step). Each variant is
+// compiled under its own `#pragma GCC target` and chosen at run time by the caller, so the library builds and loads on any x86 CPU. With
+// -DPO_EMULATE_VNNI the VNNI variants use portable stand-ins (tests on CPUs without VNNI).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -96,6 +97,20 @@ static void quantize_row(const float* x, int8_t* q, float* d, int64_t k, int blo
 
 #pragma GCC pop_options
 
+// x + 128 as u8 (x ^ 0x80), the unsigned operand of the 512-bit vpdpbusd tile.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static void offset(const int8_t* x, uint8_t* xu, int64_t count) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xu + i), _mm256_xor_si256(v, flip));
+  }
+  for (; i < count; ++i) xu[i] = static_cast<uint8_t>(x[i] ^ 0x80);
+}
+#pragma GCC pop_options
+
 #ifdef PO_EMULATE_VNNI
 // vpdpbusd, lane for lane (u8 x s8, 4 products summed into each int32, no saturation).
 #pragma GCC push_options
@@ -111,29 +126,23 @@ static inline __m256i dpbusd_portable(__m256i acc, __m256i a, __m256i b) {
     for (int j = 0; j < 4; ++j) c[i] += static_cast<int32_t>(ua[4 * i + j]) * static_cast<int32_t>(sb[4 * i + j]);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
 }
-#define PO_VNNI_DOT(acc, ab, sw) acc = dpbusd_portable(acc, ab, sw)
-#define PO_NS vnni512
-#define PO_DOT PO_VNNI_DOT
-#include "int8_blocked_tile.h"
-#undef PO_NS
+#define PO_VNNI_DOT 1
 #define PO_NS avxvnni
+#define PO_DOT(acc, ab, sw) acc = dpbusd_portable(acc, ab, sw)
 #include "int8_blocked_tile.h"
-#undef PO_NS
 #undef PO_DOT
+#undef PO_NS
 #undef PO_VNNI_DOT
+#include "int8_blocked_zmm.h"
 #pragma GCC pop_options
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
-#define PO_VNNI_DOT 1
-#define PO_NS vnni512
-#define PO_DOT(acc, ab, sw) acc = _mm256_dpbusd_epi32(acc, ab, sw)
-#include "int8_blocked_tile.h"
-#undef PO_DOT
-#undef PO_NS
+#pragma GCC target("avx2,fma,avx512f,avx512vnni")
+#include "int8_blocked_zmm.h"
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avxvnni")
+#define PO_VNNI_DOT 1
 #define PO_NS avxvnni
 #define PO_DOT(acc, ab, sw) acc = _mm256_dpbusd_avx_epi32(acc, ab, sw)
 #include "int8_blocked_tile.h"
@@ -163,10 +172,11 @@ void quantize(const at::Tensor& x, int64_t block, at::Tensor& q, at::Tensor& sca
   });
 }
 
-// isa: 0 AVX2, 1 AVX512-VNNI (256-bit), 2 AVX-VNNI. wp: [ceil(n / 16), k / 4, 16, 4] int8;
-// wsp: [ceil(n / 16), k / block, 16] fp32; out: [m, n] fp32, overwritten.
+// isa: 0 AVX2, 1 AVX512-VNNI (512-bit), 2 AVX-VNNI. wp: [ceil(n / 16), k / 4, 16, 4] int8;
+// wsp: [ceil(n / 16), k / block, 16] fp32; comp (isa 1 only): -128 * the blocks' weight sums,
+// int32 in wsp's layout; out: [m, n] fp32, overwritten.
 void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, const at::Tensor& wsp,
-            int64_t n, int64_t block, int64_t isa, at::Tensor& out) {
+            const at::Tensor& comp, int64_t n, int64_t block, int64_t isa, at::Tensor& out) {
   check_cpu(xq, at::kChar, "xq");
   check_cpu(xs, at::kFloat, "xs");
   check_cpu(wp, at::kChar, "packed weights");
@@ -178,6 +188,10 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
   TORCH_CHECK(k % block == 0 && xs.size(0) == m && xs.size(1) == nb, "bad activations");
   TORCH_CHECK(wp.numel() == panels * k * 16 && wsp.numel() == panels * nb * 16, "bad packed weights");
   TORCH_CHECK(out.size(0) == m && out.size(1) == n, "bad out");
+  if (isa == 1) {
+    check_cpu(comp, at::kInt, "comp");
+    TORCH_CHECK(comp.numel() == panels * nb * 16, "bad comp");
+  }
   if (m == 0 || n == 0) return;
   if (k == 0) {
     out.zero_();
@@ -185,7 +199,12 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
   }
   std::vector<uint8_t> ax(static_cast<size_t>(m * k));
   const int8_t* x = xq.data_ptr<int8_t>();
-  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) { absolute(x + r0 * k, ax.data() + r0 * k, (r1 - r0) * k); });
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    if (isa == 1)
+      offset(x + r0 * k, ax.data() + r0 * k, (r1 - r0) * k);
+    else
+      absolute(x + r0 * k, ax.data() + r0 * k, (r1 - r0) * k);
+  });
   const float* xsp = xs.data_ptr<float>();
   const int8_t* w = wp.data_ptr<int8_t>();
   const float* ws = wsp.data_ptr<float>();
@@ -193,7 +212,7 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
   const int bl = static_cast<int>(block);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     if (isa == 1)
-      vnni512::panels(x, ax.data(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+      zmm::panels(ax.data(), xsp, m, k, nb, w, ws, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
     else if (isa == 2)
       avxvnni::panels(x, ax.data(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
     else
@@ -205,7 +224,7 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
 
 TORCH_LIBRARY(po_int8, m) {
   m.def("quantize(Tensor x, int block, Tensor(a!) q, Tensor(b!) scales) -> ()");
-  m.def("matmul(Tensor xq, Tensor xs, Tensor wp, Tensor wsp, int n, int block, int isa, Tensor(a!) out) -> ()");
+  m.def("matmul(Tensor xq, Tensor xs, Tensor wp, Tensor wsp, Tensor comp, int n, int block, int isa, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(po_int8, CPU, m) {
