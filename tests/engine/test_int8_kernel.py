@@ -226,6 +226,36 @@ def test_without_avx2_the_reference_runs_with_one_warning(no_avx2, caplog) -> No
     assert sum("no AVX2" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("failure", ["no compiler", "build error"])
+def test_without_a_compiler_or_a_build_the_reference_runs(
+    monkeypatch, caplog, tmp_path, failure: str
+) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(ik, "cpu_flags", lambda: AVX2)
+    monkeypatch.setattr(ik, "_registered", lambda: False)  # as in a process that never loaded it
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    if failure == "no compiler":
+        monkeypatch.setattr(ik.kernels, "compiler", lambda: None)
+    else:
+        monkeypatch.setattr(ik.kernels, "compiler", lambda: "/usr/bin/c++")
+        monkeypatch.setattr(cpp_extension, "load", broken)
+    ik.load_kernel.cache_clear()
+    try:
+        _, xq, xs, wq, ws = _operands(5, 9, 64, 32)
+        with caplog.at_level(logging.WARNING, logger="po_backend.engine.int8_kernel"):
+            got = ik.blocked_matmul(xq, xs, wq, ws, 32)
+            ik.quantize_blocks(torch.randn(3, 64), 32)
+        assert torch.equal(got, ik.reference_blocked_matmul(xq, xs, wq, ws, 32))
+        want = "no C++ compiler" if failure == "no compiler" else "simulated compiler failure"
+        assert [want in r.getMessage() for r in caplog.records] == [True]
+    finally:
+        ik.load_kernel.cache_clear()
+
+
 _EMULATED = """
 import sys, torch
 from po_backend.engine import int8_kernel as ik
