@@ -31,15 +31,9 @@ read in place (the runner's q/k/v are views of one packed buffer).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -48,7 +42,7 @@ import torch
 from torch import Tensor
 
 from po_backend.core.cpu import cpu_flags  # a module global: tests patch it here
-from po_backend.core.fs import cache_root, private_dir
+from po_backend.engine import kernels
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +52,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "attention_bf16.cpp"
 _EMULATION = _SOURCE.with_name("avx512_emulation.h")
 _NAME = "po_attention_bf16"
 _CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
-# For the test suite only: the same kernel built with portable stand-ins for its AVX512 intrinsics,
-# so its logic runs (slowly) on CPUs that cannot run the real one.
-_EMULATE_ENV = "PO_KERNEL_EMULATE"
 _LDFLAGS = ("-fopenmp",)
-# A build takes ~10 s on one core; a wait this long means a stuck build, not a slow one.
-_LOCK_TIMEOUT_S = 300.0
-_LOCK_TIMEOUT_ENV = "PO_KERNEL_LOCK_TIMEOUT"
 HEAD_DIM_MULTIPLE = 64  # the kernel's P@V step writes 64 output dims per pass
 _EMPTY_I32 = torch.empty(0, dtype=torch.int32)  # no item starts: plain causal
 _NO_LSE = torch.empty(0, 0)  # the kernel's log-sum-exp output, when none is wanted
@@ -128,57 +116,18 @@ def decide(
 
 def _flavour() -> tuple[str, tuple[str, ...]]:
     """The library's name and compiler flags: the real kernel, or its emulated build."""
-    if os.environ.get(_EMULATE_ENV) == "1":
+    if kernels.emulated():
         return f"{_NAME}_emulated", (*_CFLAGS, "-DPO_EMULATE_AVX512")
     return _NAME, _CFLAGS
 
 
 def build_key() -> str:
-    """What the library depends on: the sources, the compiler and its flags, torch's version.
-    Two checkouts with different kernel sources (or torch versions) never share a library."""
-    h = hashlib.sha256(_SOURCE.read_bytes() + _EMULATION.read_bytes())
-    for part in (*_flavour()[1], *_LDFLAGS, os.environ.get("CXX", "c++"), torch.__version__):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:16]
+    """What the library depends on (`kernels.build_key`): this kernel's sources and flags."""
+    return kernels.build_key((_SOURCE, _EMULATION), _flavour()[1], _LDFLAGS)
 
 
 def _build_dir() -> Path:
-    return cache_root() / "ext" / f"{_flavour()[0]}-{build_key()}"
-
-
-@contextlib.contextmanager
-def _build_lock(folder: Path, timeout: float) -> Iterator[None]:
-    """An exclusive OS lock on the build folder (released by the OS when its holder dies, so a
-    killed build never leaves a lock behind), waited for at most `timeout` seconds."""
-    fd = os.open(folder / ".po_build.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"another process has held the kernel build lock in {folder} for more than "
-                        f"{timeout:.0f} s ({_LOCK_TIMEOUT_ENV} sets the wait)"
-                    ) from None
-                time.sleep(0.1)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def _ninja_on_path() -> None:
-    """torch builds with the `ninja` found on PATH; a venv's pip-installed ninja (a declared
-    dependency) is not on PATH unless the venv is activated, so add its directory."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return kernels.build_dir(_flavour()[0], build_key())
 
 
 def _registered() -> bool:
@@ -193,32 +142,15 @@ def load_kernel() -> bool:
     aborts the interpreter."""
     if _registered():
         return True
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if kernels.compiler() is None:
         log.warning("no C++ compiler: bf16 CPU attention stays on torch SDPA (slower)")
         return False
     try:
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
         build = _build_dir()
-        for folder in (cache_root(), build.parent, build):
-            private_dir(folder, "the attention kernel build")
-        with _build_lock(build, float(os.environ.get(_LOCK_TIMEOUT_ENV, _LOCK_TIMEOUT_S))):
-            # torch's own lock file, left by a build killed midway, makes torch wait without a
-            # timeout; under our lock no other build of this folder runs, so it is stale.
-            (build / "lock").unlink(missing_ok=True)
-            name, cflags = _flavour()
-            if not (build / f"{name}.so").is_file():
-                log.info("building the bf16 CPU attention kernel once into %s (about 10 s)", build)
-            cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=list(cflags),
-                extra_ldflags=list(_LDFLAGS),
-                build_directory=str(build),
-                is_python_module=False,
-                verbose=False,
-            )
+        name, cflags = _flavour()
+        if not kernels.is_built(name, build):
+            log.info("building the bf16 CPU attention kernel once into %s (about 10 s)", build)
+        kernels.build_and_load(name, (_SOURCE,), cflags, _LDFLAGS, build, "the attention kernel build")
     except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
         log.warning("the bf16 CPU attention kernel is unavailable; attention stays on SDPA: %s", e)
         return False

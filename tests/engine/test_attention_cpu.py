@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from po_backend.engine import attention, attention_cpu
+from po_backend.engine import attention, attention_cpu, kernels
 from po_backend.engine.attention_cpu import choose
 from tests.conftest import hf_next_logprobs, randomize_
 from tests.deps import missing
@@ -230,7 +230,7 @@ def test_build_failure_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, caplo
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(attention_cpu, "_registered", lambda: False)  # as in a process that never loaded it
-    monkeypatch.setattr(attention_cpu.shutil, "which", lambda _: "/usr/bin/c++")
+    monkeypatch.setattr(kernels, "compiler", lambda: "/usr/bin/c++")
     monkeypatch.setattr(attention_cpu, "cpu_flags", lambda: EPYC)
     monkeypatch.delenv("PO_CPU_ATTENTION", raising=False)
     attention_cpu.load_kernel.cache_clear()

@@ -32,7 +32,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     root = tmp_path / "cache"
     monkeypatch.setenv("PREFILLONLY_CACHE", str(root))
     monkeypatch.delenv("PO_CPU_ATTENTION", raising=False)
-    monkeypatch.setattr(attention_cpu.shutil, "which", lambda _: "/usr/bin/c++")
+    monkeypatch.setattr(shutil, "which", lambda _: "/usr/bin/c++")
     # The fake builds register nothing, whatever an earlier test of this process loaded for real.
     monkeypatch.setattr(attention_cpu, "_registered", lambda: False)
     attention_cpu.load_kernel.cache_clear()

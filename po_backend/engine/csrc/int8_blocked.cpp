@@ -1,0 +1,233 @@
+// Blocked int8 GEMM on x86 CPUs (Q8_0-style): activations and weights in int8, quantized in blocks
+// of `block` (a multiple of 32) along k with one fp32 scale per block and row.
+//
+//   out[m, n] = sum over blocks b, in increasing order, of (xs[m, b] * ws[n, b]) * dot_b(m, n)
+//
+// where dot_b is the exact int32 dot product of the block's int8 values, converted to fp32 (exact:
+// |dot| <= 512 * 128 * 127 < 2^24), and the sum is fp32 without FMA. torch's reference
+// (po_backend/engine/int8_kernel.py) does the same arithmetic, so the two agree bit for bit, and a
+// row's result never depends on the other rows (a prefix-cache hit equals the cold run).
+//
+// The int8 products: AVX2 has no signed x signed byte multiply-add; vpmaddubsw takes u8 x s8. As in
+// llama.cpp, |x| (u8) is multiplied by w carrying x's sign (vpsignb), vpmaddwd widens the int16
+// pair sums to int32. With AVX-VNNI, vpdpbusd does the multiply and the int32 sum in one
+// instruction; with AVX512-VNNI, one vpdpbusd on 512 bits per 64 multiply-adds
+// (int8_blocked_zmm.h: x + 128 with the weights' sums subtracted, no sign step). Each variant is
+// compiled under its own `#pragma GCC target` and chosen at run time by the caller, so the library builds and loads on any x86 CPU. With
+// -DPO_EMULATE_VNNI the VNNI variants use portable stand-ins (tests on CPUs without VNNI).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+namespace {
+
+#ifndef PO_MR
+#define PO_MR 4
+#endif
+constexpr int MR = PO_MR;  // rows per register tile
+#ifndef PO_MC
+#define PO_MC 96
+#endif
+constexpr int64_t MC = PO_MC;  // rows per L2-resident group
+#ifndef PO_KC
+#define PO_KC 1024
+#endif
+constexpr int64_t KC = PO_KC;  // k per cache chunk: a 16-column panel's chunk is 16 KiB
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+#define PO_NS avx2
+#define PO_DOT(acc, ab, sw) \
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ab, sw), ones))
+#include "int8_blocked_tile.h"
+#undef PO_DOT
+#undef PO_NS
+
+// |x| as u8 (|-128| = 128), the unsigned operand of the byte multiply-adds.
+static void absolute(const int8_t* x, uint8_t* ax, int64_t count) {
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ax + i), _mm256_abs_epi8(v));
+  }
+  for (; i < count; ++i) ax[i] = static_cast<uint8_t>(x[i] < 0 ? -static_cast<int>(x[i]) : x[i]);
+}
+
+// One row: per block, d = absmax / 127, q = round-half-even(x / d) (division, as torch's
+// reference), d == 0 gives zeros.
+static void quantize_row(const float* x, int8_t* q, float* d, int64_t k, int block) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float* xb = x + b * block;
+    int8_t* qb = q + b * block;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < block; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float amax = lanes[0];
+    for (int i = 1; i < 8; ++i) amax = std::max(amax, lanes[i]);
+    const float s = amax / 127.0f;
+    d[b] = s;
+    if (s == 0.0f) {
+      std::memset(qb, 0, block);
+      continue;
+    }
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int i = 0; i < block; i += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j)
+        v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + i + 8 * j), sv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // packs work per 128-bit lane: the permute puts the 32 bytes back in order.
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+// x + 128 as u8 (x ^ 0x80), the unsigned operand of the 512-bit vpdpbusd tile.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static void offset(const int8_t* x, uint8_t* xu, int64_t count) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xu + i), _mm256_xor_si256(v, flip));
+  }
+  for (; i < count; ++i) xu[i] = static_cast<uint8_t>(x[i] ^ 0x80);
+}
+#pragma GCC pop_options
+
+#ifdef PO_EMULATE_VNNI
+// vpdpbusd, lane for lane (u8 x s8, 4 products summed into each int32, no saturation).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __m256i dpbusd_portable(__m256i acc, __m256i a, __m256i b) {
+  alignas(32) uint8_t ua[32];
+  alignas(32) int8_t sb[32];
+  alignas(32) int32_t c[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ua), a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sb), b);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), acc);
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 4; ++j) c[i] += static_cast<int32_t>(ua[4 * i + j]) * static_cast<int32_t>(sb[4 * i + j]);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
+}
+#define PO_VNNI_DOT 1
+#define PO_NS avxvnni
+#define PO_DOT(acc, ab, sw) acc = dpbusd_portable(acc, ab, sw)
+#include "int8_blocked_tile.h"
+#undef PO_DOT
+#undef PO_NS
+#undef PO_VNNI_DOT
+#include "int8_blocked_zmm.h"
+#pragma GCC pop_options
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512vnni")
+#include "int8_blocked_zmm.h"
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+#define PO_VNNI_DOT 1
+#define PO_NS avxvnni
+#define PO_DOT(acc, ab, sw) acc = _mm256_dpbusd_avx_epi32(acc, ab, sw)
+#include "int8_blocked_tile.h"
+#undef PO_DOT
+#undef PO_NS
+#undef PO_VNNI_DOT
+#pragma GCC pop_options
+#endif
+
+void check_cpu(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), name,
+              " must be a contiguous CPU tensor of ", dtype);
+}
+
+void quantize(const at::Tensor& x, int64_t block, at::Tensor& q, at::Tensor& scales) {
+  check_cpu(x, at::kFloat, "x");
+  check_cpu(q, at::kChar, "q");
+  check_cpu(scales, at::kFloat, "scales");
+  TORCH_CHECK(x.dim() == 2 && block > 0 && block % 32 == 0 && x.size(1) % block == 0, "bad block");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(q.sizes() == x.sizes() && scales.size(0) == m && scales.size(1) == k / block, "bad outputs");
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = scales.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, qp + r * k, dp + r * (k / block), k, block);
+  });
+}
+
+// isa: 0 AVX2, 1 AVX512-VNNI (512-bit), 2 AVX-VNNI. wp: [ceil(n / 16), k / 4, 16, 4] int8;
+// wsp: [ceil(n / 16), k / block, 16] fp32; comp (isa 1 only): -128 * the blocks' weight sums,
+// int32 in wsp's layout; out: [m, n] fp32, overwritten.
+void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, const at::Tensor& wsp,
+            const at::Tensor& comp, int64_t n, int64_t block, int64_t isa, at::Tensor& out) {
+  check_cpu(xq, at::kChar, "xq");
+  check_cpu(xs, at::kFloat, "xs");
+  check_cpu(wp, at::kChar, "packed weights");
+  check_cpu(wsp, at::kFloat, "packed scales");
+  check_cpu(out, at::kFloat, "out");
+  TORCH_CHECK(block > 0 && block % 32 == 0 && block <= 512, "bad block");
+  TORCH_CHECK(isa >= 0 && isa <= 2, "bad isa");
+  const int64_t m = xq.size(0), k = xq.size(1), nb = k / block, panels = (n + 15) / 16;
+  TORCH_CHECK(k % block == 0 && xs.size(0) == m && xs.size(1) == nb, "bad activations");
+  TORCH_CHECK(wp.numel() == panels * k * 16 && wsp.numel() == panels * nb * 16, "bad packed weights");
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "bad out");
+  if (isa == 1) {
+    check_cpu(comp, at::kInt, "comp");
+    TORCH_CHECK(comp.numel() == panels * nb * 16, "bad comp");
+  }
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    out.zero_();
+    return;
+  }
+  std::vector<uint8_t> ax(static_cast<size_t>(m * k));
+  const int8_t* x = xq.data_ptr<int8_t>();
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    if (isa == 1)
+      offset(x + r0 * k, ax.data() + r0 * k, (r1 - r0) * k);
+    else
+      absolute(x + r0 * k, ax.data() + r0 * k, (r1 - r0) * k);
+  });
+  const float* xsp = xs.data_ptr<float>();
+  const int8_t* w = wp.data_ptr<int8_t>();
+  const float* ws = wsp.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int bl = static_cast<int>(block);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    if (isa == 1)
+      zmm::panels(ax.data(), xsp, m, k, nb, w, ws, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
+    else if (isa == 2)
+      avxvnni::panels(x, ax.data(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+    else
+      avx2::panels(x, ax.data(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(po_int8, m) {
+  m.def("quantize(Tensor x, int block, Tensor(a!) q, Tensor(b!) scales) -> ()");
+  m.def("matmul(Tensor xq, Tensor xs, Tensor wp, Tensor wsp, Tensor comp, int n, int block, int isa, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(po_int8, CPU, m) {
+  m.impl("quantize", &quantize);
+  m.impl("matmul", &matmul);
+}
