@@ -21,7 +21,7 @@ FILL_SLACK = 0.05
 # while po's aging values its lead at no more than this many predicted seconds (lambda x the
 # seconds it arrived after the oldest outsider): otherwise a profile's step gathers every later
 # post while the oldest other calls wait, the tail at and above saturation. Chosen on the
-# simulator's tuning seeds (0.75, 1, 1.5 with the default lambda), as FILL_SLACK.
+# simulator's tuning seeds (0.75, 1, 1.5 with lambda 0.5), as FILL_SLACK.
 SHARE_LEAD_S = 1.5
 FILL_SLACK_TOKENS = 0.25
 FILL_STEP_TOKENS = 128
