@@ -66,7 +66,7 @@ def reference_pick(s: Scheduler, cached_len: Any, batchable: Any, pool: Any) -> 
         budget = s.backfill.budget_s
         if rank > s._urgent:
             chosen = within_budget(s.jct, group, chosen, budget)
-        if len(chosen) == 1:
+        if len(chosen) == 1 and rank > min(s.urgent_rank, -1):
             prefix_only = prefix_step_len(s.jct, head, chosen[0][1], budget, s._prefix_steps)
     entries = tuple(group[i] for i, _ in chosen)
     if not prefix_only:
