@@ -51,7 +51,7 @@ from po_backend.engine.models import shapes
 from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import CalibratedJCT, JCTModel
 from po_backend.serving.jct_profile import load_or_profile, startup_jct
-from po_backend.sim.heldout import LOADS, SHAPES, pooled, sustainable_qps, sweep, worst
+from po_backend.sim.heldout import ALL_SHAPES, LOADS, SHAPES, pooled, sustainable_qps, sweep, worst
 from po_backend.sim.simulator import PrefixLRU, simulate
 
 CONFIGS = {
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     harness.flags(
         ap, held_out_loads=(",".join(f"{x:g}" for x in LOADS), "--held-out: x the sustainable load")
     )
-    harness.flags(ap, held_out_shapes=(",".join(SHAPES), "--held-out: of po_backend.sim.heldout.SHAPES"))
+    harness.flags(ap, held_out_shapes=(",".join(SHAPES), "--held-out: of po_backend.sim.heldout.ALL_SHAPES"))
     harness.flags(mode, llamacpp=(False, "llama.cpp next to ours on the same GGUF"))
     harness.flags(mode, startup=(False, "start-up time and the start-up JCT model"))
     harness.flags(ap, model=("embedded", "model path (not --llamacpp, --startup): a HF folder or shape:NAME"))
@@ -101,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.wl1_users, args.wl1_items, args.wl1_profile, args.wl1_item_tokens = 2, 3, 300, 40
         args.wl2_requests, args.wl2_min, args.wl2_max = 2, 300, 500
         args.quiet_wait = min(args.quiet_wait, 5.0)
-    if bad := [x for x in args.held_out_shapes.split(",") if x not in SHAPES]:
-        ap.error(f"--held-out-shapes {','.join(bad)}: not one of {','.join(SHAPES)}")
+    if bad := [x for x in args.held_out_shapes.split(",") if x not in ALL_SHAPES]:
+        ap.error(f"--held-out-shapes {','.join(bad)}: not one of {','.join(ALL_SHAPES)}")
     if args.out is None and args.held_out:
         stem = "schedule_heldout_engine" if args.engine else "schedule_heldout"
         args.out = harness.RESULTS / ("tmp" if args.quick else "") / f"{stem}.json"
@@ -324,7 +324,7 @@ def held_out(args: argparse.Namespace) -> None:
     model, source = harness.sim_step_model(args.jct)
     configs = {c: SchedulerConfig(*policy_of(c, args.fairness_lambda)) for c in args.configs if c != "hf"}
     configs = {"fcfs": SchedulerConfig("fcfs"), **configs}
-    shapes = [SHAPES[x] for x in args.held_out_shapes.split(",")]
+    shapes = [ALL_SHAPES[x] for x in args.held_out_shapes.split(",")]
     seeds, loads = harness.seeds(args.seed), floats(args.held_out_loads)
     t = time.perf_counter()
     doc: dict[str, Any] = {"args": vars(args), "jct_source": source, "coef": model.coef}

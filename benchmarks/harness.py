@@ -367,7 +367,7 @@ def add_sweep_args(ap: argparse.ArgumentParser, quiet_wait: float) -> None:
     flags(ap, fairness_lambda=DEFAULT_FAIRNESS_LAMBDA, slo_x=(8.0, "P99 SLO = this x mean isolated latency"))
     flags(ap, slo_extra=("4,16", "further SLO multiples to report"))
     flags(ap, cache_profiles=(2.0, "prefix pool in WL1 profiles"))
-    flags(ap, seed=("0", "arrivals and request order; several (0,1,2): a sweep each, pooled"))
+    flags(ap, seed=("0", "arrivals and request order; several (0,1,2 or 0-2): a sweep each, pooled"))
     flags(ap, quiet_wait=(quiet_wait, "max seconds to wait for an idle CPU"))
 
 
@@ -460,8 +460,12 @@ def slo_table(runs: list[dict[str, Any]], iso_mean: float, slo_xs: list[float]) 
 
 
 def seeds(arg: str) -> list[int]:
-    """`--seed`'s values: one seed, or a comma-separated list of them."""
-    return [int(x) for x in arg.split(",")]
+    """`--seed`'s values: comma-separated seeds and inclusive ranges (`0`, `0,1,2`, `100-139`)."""
+    out: list[int] = []
+    for part in arg.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 
 def pooled(sweeps: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:

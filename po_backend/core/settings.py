@@ -41,8 +41,10 @@ from po_backend.core.task import POOLINGS, TASKS
 log = logging.getLogger(__name__)
 
 # score = jct seconds - lambda * queueing seconds: 0 starves long prompts, much more than 1 gives up
-# the cache hits po's latency comes from (the sweep is in REPORT, bench_schedule --simulate).
-DEFAULT_FAIRNESS_LAMBDA = 0.5
+# the cache hits po's latency comes from. A request is overtaken only by requests arriving within
+# (its price - theirs) / lambda seconds after it: at 0.5 an early cold profile lost to every group
+# of posts of the next 1.6 s, several long steps above saturation (the held-out sweep in REPORT).
+DEFAULT_FAIRNESS_LAMBDA = 1.0
 # Waiting requests join the head's step when they share at least this many leading tokens with
 # it (declared or not): enough to be a profile or a document, more than a chat template's few
 # tokens ("User: "), which would pull every user's requests into one step.

@@ -43,12 +43,14 @@ class SchedulerConfig:
     def cache_rank(self, req: Request, prefix_step: bool = False, urgent: int = 0) -> int:
         """The class the prefix cache keeps what `req` stores and reads under (less urgent first
         out): its rank, except for a prefix step's (`Pick.prefix_request`), which is `urgent`
-        (`Scheduler.urgent_rank`, the most urgent class submitted) whatever its class: the next
-        steps of the same request read those tokens back, so they are kept like the most urgent
-        class's until its last step reads them at its own rank (or, if it leaves the queue
-        without one, the engine loop gives them that rank). Kept any less, the most urgent calls'
-        prefixes push them out, and the request runs whole in one long step after all."""
-        return urgent if prefix_step else self.rank(req)
+        (`Scheduler.urgent_rank`, the most urgent class submitted) less one, whatever its class:
+        the next steps of the same request read those tokens back, so they are kept above the
+        most urgent class's until its last step reads them at its own rank (or, if it leaves the
+        queue without one, the engine loop gives them that rank). Kept any less, the most urgent
+        calls' prefixes push them out of a small pool, and the request runs whole in one long
+        step after all, which every urgent call arriving then waits for; kept above, the urgent
+        calls' profiles are what a pool too small for both recomputes, one short step each."""
+        return urgent - 1 if prefix_step else self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:

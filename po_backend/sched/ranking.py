@@ -201,8 +201,15 @@ class Ranking:
         if policy == "po":
             for key in self._groups_changed:
                 if key in self._declared:
-                    self._group[key] = self._group_prices(key, batchable)
-                    self._refile.update(self._declared[key])
+                    # Only the members whose group price moved are filed again: the others are
+                    # priced alone, as they were (a large call's step moves its next step's
+                    # members, not all that still wait).
+                    old, self._group[key] = self._group.get(key, {}), self._group_prices(key, batchable)
+                    new = self._group[key]
+                    members = self._declared[key]
+                    self._refile.update(
+                        r for r in old.keys() | new.keys() if r in members and old.get(r) != new.get(r)
+                    )
         self._groups_changed.clear()
         for rid in self._refile:
             self._file(waiting[rid])

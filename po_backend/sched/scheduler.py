@@ -386,8 +386,10 @@ class Scheduler:
         it no larger share. A step of a class less urgent than the most urgent submitted so far
         (or than the default, while nothing more urgent was)
         takes batch-mates only while its predicted time stays within `backfill.BackfillBudget`,
-        and a request too long for it, of any class (a more urgent call may arrive during any
-        step), computes its prompt over several prefix-only steps.
+        and a request too long for it computes its prompt over several prefix-only steps, of any
+        class but the most urgent once one more urgent than the default priority was submitted
+        (a more urgent call may arrive during any other step; that class has nobody to yield to,
+        and splitting its calls only adds a step's overhead to each).
 
         `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
         request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF.
@@ -448,10 +450,10 @@ class Scheduler:
         if self.backfill is not None:
             budget = self.backfill.budget_s
             # The most urgent class keeps its batch-mates (trimming them would only delay it);
-            # a request too long for the budget is split whatever its class.
+            # a request too long for the budget is split unless nothing can be more urgent.
             if rank > self._urgent:
                 chosen = within_budget(self.jct, group, chosen, budget)
-            if len(chosen) == 1:
+            if len(chosen) == 1 and self.splits(rank):
                 prefix_only = prefix_step_len(self.jct, head, chosen[0][1], budget, self._prefix_steps)
         entries = tuple(group[i] for i, _ in chosen)
         if not prefix_only:
@@ -472,6 +474,12 @@ class Scheduler:
             cost = self._step_cost(pick.items)
             self._credit += -cost if credit else cfg.batch_min_share * cost
         return pick
+
+    def splits(self, rank: int) -> bool:
+        """Whether a request of `rank` too long for the step budget runs in prefix-only steps:
+        unless it is of the most urgent class submitted and that class is more urgent than the
+        default priority's (0), the class a backlog queued before any urgent call is sized for."""
+        return rank > min(self._urgent, -1)
 
     def step_done(
         self,

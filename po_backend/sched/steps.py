@@ -20,8 +20,9 @@ FILL_SLACK = 0.05
 # A request sharing the head's prefix joins its step ahead of an older request outside it only
 # while po's aging values its lead at no more than this many predicted seconds (lambda x the
 # seconds it arrived after the oldest outsider): otherwise a profile's step gathers every later
-# post while the oldest other calls wait, the tail at and above saturation. Chosen on the
-# simulator's tuning seeds (0.75, 1, 1.5 with the default lambda), as FILL_SLACK.
+# post while the oldest other calls wait, the tail at and above saturation. Shorter splits a
+# profile's posts over more steps, each paying the step overhead and the wait for its turn again;
+# the value was chosen on the simulator's tuning seeds, as FILL_SLACK.
 SHARE_LEAD_S = 1.5
 FILL_SLACK_TOKENS = 0.25
 FILL_STEP_TOKENS = 128

@@ -32,7 +32,9 @@ BELOW = 0.9  # loads up to this are "below saturation"
 class Shape:
     """Users with a profile each (`profile`: min, max tokens, log-uniform) and `posts` calls each
     (min, max), posts of `post` tokens (min, max, uniform); `unique`: the share of calls that are
-    one-off prompts without a shared profile (`unique_len` tokens, log-uniform)."""
+    one-off prompts without a shared profile (`unique_len` tokens, log-uniform); `profile_alpha`
+    > 0: profiles Pareto-distributed from `profile[0]` instead (capped at `profile[1]`): a heavy
+    tail of long ones; `burst` > 1: arrivals in bursts of 1-`burst` requests at one instant."""
 
     name: str
     users: int
@@ -41,6 +43,8 @@ class Shape:
     post: tuple[int, int] = (20, 60)
     unique: float = 0.0
     unique_len: tuple[int, int] = (100, 1500)
+    profile_alpha: float = 0.0
+    burst: int = 1
 
     def trace(self, seed: int, vocab: int = 49152) -> tuple[list[ScoreRequest], list[float]]:
         """Requests in a seeded random order and unit-rate Poisson arrival times."""
@@ -52,16 +56,35 @@ class Shape:
         def loguniform(lo: int, hi: int) -> int:
             return round(lo * (hi / lo) ** rng.random())
 
+        def profile_len() -> int:
+            lo, hi = self.profile
+            return (
+                min(hi, round(lo * rng.paretovariate(self.profile_alpha)))
+                if self.profile_alpha
+                else loguniform(lo, hi)
+            )
+
         reqs: list[ScoreRequest] = []
         for _ in range(self.users):
-            prefix = ids(loguniform(*self.profile))
+            prefix = ids(profile_len())
             for _ in range(rng.randint(*self.posts)):
                 post = ids(rng.randint(*self.post))
                 reqs.append(ScoreRequest(prefix + post, (1, 2), cache_prefix_len=len(prefix)))
         n_unique = round(self.unique * len(reqs) / (1 - self.unique)) if self.unique < 1 else 0
         reqs += [ScoreRequest(ids(loguniform(*self.unique_len)), (1, 2)) for _ in range(n_unique)]
         rng.shuffle(reqs)
-        return reqs, poisson_arrivals(len(reqs), rng)
+        return reqs, poisson_arrivals(len(reqs), rng) if self.burst == 1 else self.bursts(len(reqs), rng)
+
+    def bursts(self, n: int, rng: random.Random) -> list[float]:
+        """`n` arrival times in bursts of 1-`burst` requests, the bursts a Poisson process whose gaps
+        average one second per request of the burst before, so the mean rate stays 1 per second."""
+        out: list[float] = []
+        t = 0.0
+        while len(out) < n:
+            size = rng.randint(1, self.burst)
+            out += [t] * size
+            t += rng.expovariate(1.0 / size)
+        return out[:n]
 
 
 # The issue's trace (5 users, ~1,000-token profiles, 40 calls), many users with short profiles,
@@ -74,6 +97,17 @@ SHAPES = {
         Shape("mixed", 12, (50, 2000), (1, 8), post=(10, 300), unique=0.2),
     )
 }
+# Outside the default sweep (`bench_schedule --held-out-shapes`): shapes the defaults were not
+# chosen on: Pareto profiles (median ~1.8x the shortest, 1 in 9 over 6x, a few near the cap),
+# and the mixed shape's lengths with up to 8 requests arriving at once.
+UNTUNED_SHAPES = {
+    s.name: s
+    for s in (
+        Shape("heavy-tail", 16, (100, 6000), (1, 8), post=(10, 200), profile_alpha=1.2),
+        Shape("bursty", 12, (50, 2000), (1, 8), post=(10, 300), unique=0.2, burst=8),
+    )
+}
+ALL_SHAPES = {**SHAPES, **UNTUNED_SHAPES}
 
 
 def sustainable_qps(reqs: Sequence[ScoreRequest], model: StepModel, pool: int, batch_tokens: int) -> float:

@@ -123,10 +123,13 @@ class PrefixLRU:
         0), which the prefix it read and the one it stores take (recency: only the stored one)."""
         hits = [self.cached_len(r) for r in reqs]
         ranks = [0] * len(reqs) if ranks is None else ranks
-        # Every read before any store, as in the engine: a store may evict what a mate read.
+        # Every read before any store, as in the engine: a store may evict what a mate read. The
+        # engine's tree gives the reader's class to the tokens read only; a prefix here is one
+        # entry, so a read of part of it (a few template tokens two prompts share) leaves its class.
         for r, rank, hit in zip(reqs, ranks, hits, strict=True):
-            if hit:
-                self._rank[self._longest_match(tuple(r.input_ids))[0]] = rank
+            j = self._longest_match(tuple(r.input_ids))[0]
+            if hit and hit >= len(self._keys[j]):
+                self._rank[j] = rank
         for r, rank in zip(reqs, ranks, strict=True):
             key = tuple(r.input_ids[: r.cache_prefix_len or 0])
             if not key or len(key) > self.capacity_tokens:

@@ -167,3 +167,26 @@ def test_held_out_sweep_writes_the_worst_ratios(tmp_path: Path) -> None:
     assert "P99 / fcfs" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):
         bench_schedule.parse_args(["--held-out", "--held-out-shapes", "nosuch"])
+
+
+def test_seeds_take_lists_and_inclusive_ranges() -> None:
+    assert harness.seeds("0") == [0]
+    assert harness.seeds("0,3") == [0, 3]
+    assert harness.seeds("100-103,7") == [100, 101, 102, 103, 7]
+
+
+def test_untuned_shapes_burst_and_heavy_tail() -> None:
+    from po_backend.sim.heldout import ALL_SHAPES, SHAPES, UNTUNED_SHAPES
+
+    assert not set(SHAPES) & set(UNTUNED_SHAPES) and ALL_SHAPES == {**SHAPES, **UNTUNED_SHAPES}
+    reqs, unit = UNTUNED_SHAPES["bursty"].trace(100)
+    assert len(unit) == len(reqs) and unit == sorted(unit)
+    sizes = [len(list(g)) for _, g in itertools.groupby(unit)]
+    assert max(sizes) > 1 and max(sizes) <= 8  # several requests at one instant, never over `burst`
+    assert 0.5 < len(unit) / unit[-1] < 2  # about one request a second
+    heavy = UNTUNED_SHAPES["heavy-tail"]
+    lens = [r.cache_prefix_len for s in range(100, 110) for r in heavy.trace(s)[0]]
+    assert min(lens) >= heavy.profile[0] and max(lens) <= heavy.profile[1]
+    assert np.percentile(lens, 95) > 4 * np.median(lens)  # a long tail of profiles
+    _, few = SHAPES["few-long"].trace(5)
+    assert len(set(few)) == len(few)  # the tuned shapes keep plain Poisson arrivals

@@ -319,3 +319,24 @@ def test_prefix_lru_holds_an_extended_prefix_once() -> None:
         lru.cached_len(ScoreRequest(ids, (1,))) == 300
         and lru.cached_len(ScoreRequest((*other.input_ids, 7), (1,))) == 100
     )
+
+
+def test_a_read_of_part_of_a_cached_prefix_leaves_its_class() -> None:
+    """As in the engine's tree, where only the tokens read take the reader's class: a prompt that
+    shares two template tokens with a cached prefix does not lend it its (more urgent) class, so
+    the less urgent prefix is still evicted first. A read of the whole prefix does."""
+
+    def req(head: tuple[int, ...], n: int) -> ScoreRequest:
+        ids = head + tuple(range(1000 + 100 * len(head) + n, 1000 + 100 * len(head) + 2 * n))
+        return ScoreRequest(ids, (1, 2), cache_prefix_len=len(ids) - 2)
+
+    lru = PrefixLRU(10**6, 10**6)
+    a, c, b = req((7, 8), 20), req((9,), 20), req((7, 8), 30)
+    lru.step([a], [5])  # a less urgent class's prefix
+    lru.step([c], [0])
+    lru.step([b], [-1])  # reads a's two template tokens only
+    first = next(lru.eviction_order()).key
+    assert first == tuple(a.input_ids[: a.cache_prefix_len])
+    whole = ScoreRequest(a.input_ids, (1, 2), cache_prefix_len=4)  # reads all of a's prefix
+    lru.step([whole], [-2])
+    assert next(lru.eviction_order()).key == tuple(c.input_ids[: c.cache_prefix_len])

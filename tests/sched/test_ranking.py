@@ -66,7 +66,7 @@ def reference_pick(s: Scheduler, cached_len: Any, batchable: Any, pool: Any) -> 
         budget = s.backfill.budget_s
         if rank > s._urgent:
             chosen = within_budget(s.jct, group, chosen, budget)
-        if len(chosen) == 1:
+        if len(chosen) == 1 and rank > min(s.urgent_rank, -1):
             prefix_only = prefix_step_len(s.jct, head, chosen[0][1], budget, s._prefix_steps)
     entries = tuple(group[i] for i, _ in chosen)
     if not prefix_only:
@@ -219,3 +219,34 @@ def test_a_large_call_is_picked_with_bounded_ranking_work_per_finished_item() ->
         cache.step([e.req for e in pick.entries], [0] * finished)
         clock.now += 0.01
     assert max(sizes) > 1, "steps took several items (the per-item bound is exercised)"
+
+
+def test_a_large_call_on_one_declared_prefix_refiles_only_the_members_whose_price_moved() -> None:
+    """po prices the members of a declared prefix per request of the step they would share.
+    Draining a call of 2,048 items on one 40-token prefix (a large rerank call), each step
+    finishes ~50 and moves the next step's members into the group price; the members still priced
+    alone keep their heap entries: after the pick that first caches the prefix (every member's
+    cached length changes once), the picks file a few entries per request they finished
+    (amortised: a heap is rebuilt once its stale entries outnumber the live ones), not the whole
+    group again each time (that was ~4,000 a pick, O(n^2) for the call)."""
+    n = 2048
+    clock = VirtualClock()
+    s = Scheduler(SchedulerConfig("po", min_shared_prefix=4), JCTModel((0.5, 0.001, 0.1, 0.0, 0.01)), clock)
+    prefix = tuple(range(100, 140))
+    for i in range(n):
+        s.add(i, ScoreRequest((*prefix, 5000 + i, 7, 7, 9 + i % 13), cache_prefix_len=len(prefix)), call=0)
+    cache = PrefixLRU(2000, max_batch_tokens=200)
+    ranking, picks, finished, filed = s._ranking, 0, 0, 0
+    while len(s):
+        before = ranking.filed
+        pick = s.pick(cache.cached_len, cache.batchable, cache, cache.changes())
+        assert pick is not None
+        if picks >= 2:
+            finished += len(pick.entries)
+            filed += ranking.filed - before
+            assert ranking.filed - before <= len(s) + 4 * len(pick.entries) + 8, "at most one rebuild"
+        cache.step([e.req for e in pick.entries], [0] * len(pick.entries))
+        clock.now += 0.01
+        picks += 1
+    assert picks > 10, "several steps drained the call"
+    assert filed <= 4 * finished + 8 * picks, f"{filed} heap operations for {finished} requests"
