@@ -84,6 +84,7 @@ def test_dispatch_per_cpu_class(
     # sums (equal answers); fbgemm's activations are 7-bit (answers within int8's error).
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     monkeypatch.setattr(int8, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PER_CHANNEL)  # blocks run one GEMM everywhere
     path, _ = tiny_model("qwen2")
     engine = _engine(path)
     layer = engine.model.decoder_layers[0]
@@ -216,11 +217,16 @@ def test_int8_cache_skips_quantizing_and_gives_the_same_answers(
     assert qw < 0.3 * fw
 
 
+@pytest.mark.parametrize("recipe", [int8.PER_CHANNEL, int8.DEFAULT_RECIPE])
 @pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx512_vnni"}, set()])
-def test_cache_hit_equals_cold_run(tiny_model, flags: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every backend (fbgemm, _int_mm, reference): per-token int8 and items attended as they are
-    # alone make a hit compute the cold run's arithmetic, so no rounding boundary can differ.
+def test_cache_hit_equals_cold_run(
+    tiny_model, flags: set[str], recipe: int8.Int8Recipe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every backend (fbgemm, _int_mm, reference), per channel and blocked: per-token int8 and items
+    # attended as they are alone make a hit compute the cold run's arithmetic, so no rounding
+    # boundary can differ.
     monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", recipe)
     path, _ = tiny_model("llama")
     engine = _engine(path)
     prefix = _prompts(engine.vocab_size, [60], seed=3)[0]
@@ -495,6 +501,7 @@ def test_default_recipe_is_close_to_fp32_and_keeps_outliers_in_float(
     k = int8.DEFAULT_RECIPE.of("down_proj")[1]
     down = engine.model.decoder_layers[0].down_proj
     assert isinstance(down, Int8Linear) and down.outlier_idx is not None and down.outlier_idx.numel() == k
+    assert down.block == int8.DEFAULT_RECIPE.block == 32  # Q8_0's blocks
     labels = [0, 7, engine.vocab_size - 1]
     for ids, res in zip(
         prompts := _prompts(engine.vocab_size, [5, 33, 200]), engine.score(prompts, labels), strict=True

@@ -68,8 +68,11 @@ class Int8Recipe:
 
 
 PLAIN = Int8Recipe()
+# Per output channel and token, smoothed, outlier channels in float: the fastest GEMMs (fbgemm,
+# oneDNN), a lower fidelity than blocks.
+PER_CHANNEL = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
 # What `--quantization w8a8_int8` runs (docs/quantization.md has the measurements behind it).
-DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
+DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32)
 
 
 class ActivationMaxima:
@@ -199,7 +202,7 @@ class Int8Linear(nn.Module):
     Per channel: `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose),
     `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / block], in' the
     input size rounded up to whole blocks (zero columns), run through `blocked_matmul` whatever the
-    backend. The bias stays the layer's own parameter, in the model dtype. On fbgemm only its
+    backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in the model dtype. On fbgemm only its
     packed copy is kept (`qweight` unpacks it when asked: the int8 cache, tests), so the weights'
     memory is one int8 copy on every backend."""
 
@@ -230,7 +233,6 @@ class Int8Linear(nn.Module):
             k = kp if in_features is None else in_features
             assert kp % block == 0 and kp - block < k <= kp, "blocked qweight is [out, in rounded up]"
             assert scale.shape == (n, kp // block), "one scale per output channel and block"
-            backend = "reference"  # no packed layout: `blocked_matmul` reads qweight as it is
             qweight, shape = qweight.contiguous(), (k, n)
         else:
             assert scale.shape == (qweight.shape[1],), "one scale per output channel"
@@ -242,7 +244,7 @@ class Int8Linear(nn.Module):
             assert outlier_w is not None and outlier_w.shape == (outlier_idx.numel(), shape[1])
         self.register_buffer("outlier_idx", None if outlier_idx is None else outlier_idx.long())
         self.register_buffer("outlier_w", outlier_w)
-        if backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
+        if block is None and backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
             # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
             qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
             qweight = qt.t().contiguous()
@@ -250,7 +252,7 @@ class Int8Linear(nn.Module):
         self.backend: GemmBackend = backend
         self.shape = shape
         self.packed: torch.Tensor | None = None
-        if backend == "fbgemm":  # fbgemm's own weight layout, packed once
+        if block is None and backend == "fbgemm":  # fbgemm's own weight layout, packed once
             wq = torch._make_per_channel_quantized_tensor(
                 qweight.t().contiguous(),
                 self.scale.double(),
