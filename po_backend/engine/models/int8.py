@@ -9,6 +9,8 @@ the LM head never pass through here: they stay in the model dtype.
 `gemm_backend` picks the GEMM from the CPU's flags: `torch._int_mm` (oneDNN: AVX512-VNNI,
 AVX-VNNI, AMX tiles), fbgemm's dynamic linear on AVX2-only CPUs (8-bit activations per token,
 weights within +-63), or the reference path (the same integer products summed exactly in fp64).
+A recipe with `block` (the default: 32, llama.cpp's Q8_0) quantizes both operands in blocks along
+the input instead, one scale per row and block, and runs `blocked_matmul` on every CPU class.
 """
 
 from __future__ import annotations
@@ -202,9 +204,9 @@ class Int8Linear(nn.Module):
     Per channel: `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose),
     `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / block], in' the
     input size rounded up to whole blocks (zero columns), run through `blocked_matmul` whatever the
-    backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in the model dtype. On fbgemm only its
-    packed copy is kept (`qweight` unpacks it when asked: the int8 cache, tests), so the weights'
-    memory is one int8 copy on every backend."""
+    backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in
+    the model dtype. On fbgemm only its packed copy is kept (`qweight` unpacks it when asked: the
+    int8 cache, tests), so the weights' memory is one int8 copy on every backend."""
 
     # The checkpoint loader skips a projection that is already int8 (read from the int8 cache).
     weight_loader = None
