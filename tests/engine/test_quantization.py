@@ -702,3 +702,61 @@ def test_q8_0_gguf_loads_as_its_own_blocks(tmp_path: Path, monkeypatch: pytest.M
     got = torch.tensor(engine.score([ids], [0, 9, 99])[0].logprobs)
     emulated = _emulate_blocked_int8(hf, 32)
     assert (got - hf_next_logprobs(emulated, ids)[[0, 9, 99]]).abs().max() <= 0.02
+
+
+def test_two_activation_passes_add_the_int8_residual() -> None:
+    g = torch.Generator().manual_seed(21)
+    x, w = torch.randn(30, 576, generator=g), torch.randn(80, 576, generator=g)
+    x[:, 40] *= 50
+    one = Int8Linear.from_float(w, "reference", block=32)
+    two = Int8Linear.from_float(w, "reference", block=32, activation_passes=2)
+    assert torch.equal(one.qweight, two.qweight)  # the same int8 weights
+    hi = _fake_quant_blocks(x, 32)
+    act = hi + _fake_quant_blocks((x.double() - hi).float(), 32)  # value + its quantized residual
+    ref = act @ two.dequantized().double().t()
+    got = two(x).double()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # About 15-bit activations: the error is the int8 weights' alone, far below one pass's.
+    exact = x.double() @ w.double().t()
+    weights_only = x.double() @ two.dequantized().double().t()
+    assert (got - exact).norm() <= 1.01 * (weights_only - exact).norm()
+    assert (got - exact).norm() < 0.5 * (one(x).double() - exact).norm()
+    assert torch.equal(two(x[3:4].clone()), two(x)[3:4])  # batch invariant
+    with pytest.raises(AssertionError, match="blocked"):
+        Int8Linear.from_float(w, "reference", activation_passes=2)
+
+
+def test_two_activation_passes_cache_and_prefix_hit(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from po_backend.engine.models import loader
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe(block=32, activation_passes=2))
+    path, hf = tiny_model("llama")
+    cold = _engine(path)
+    prefix = _prompts(cold.vocab_size, [60], seed=3)[0]
+    items = _prompts(cold.vocab_size, [9, 14], seed=4)
+    expected = []
+    for it in items:
+        cold.flush_cache()
+        expected += [r.logprobs for r in cold.score([prefix + it], [0, 5], cache_prefix_len=len(prefix))]
+    # transformers with the same int8 weights and float activations: only the activations' second
+    # rounding (1/127 of a step) is left.
+    import copy
+
+    weights_only = copy.deepcopy(hf)
+    for name, mod in weights_only.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
+            with torch.no_grad():
+                mod.weight.copy_(_fake_quant_blocks(mod.weight, 32).float())
+    for it, lp in zip(items, expected, strict=True):
+        assert (torch.tensor(lp) - hf_next_logprobs(weights_only, prefix + it)[[0, 5]]).abs().max() <= 0.01
+    monkeypatch.setattr(loader, "quantize_model", lambda *a: pytest.fail("quantized again"))
+    warm = _engine(path)
+    lin = warm.model.decoder_layers[0].gate_up_proj
+    assert isinstance(lin, Int8Linear) and lin.activation_passes == 2
+    warm.score([prefix], [0], cache_prefix_len=len(prefix))
+    hit = warm.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
+    assert all(r.cached_tokens == len(prefix) for r in hit)
+    assert [r.logprobs for r in hit] == expected

@@ -58,6 +58,9 @@ class Int8Recipe:
     # activations (per token) alike, as llama.cpp's Q8_0 (32); None: one scale per output channel
     # and one per token.
     block: int | None = None
+    # 2: each activation block is an int8 value plus the int8 value of what it missed (about 15
+    # bits, two int8 GEMMs on the same weights); blocked recipes only.
+    activation_passes: int = 1
 
     @property
     def calibrated(self) -> bool:
@@ -226,10 +229,15 @@ class Int8Linear(nn.Module):
         outlier_w: torch.Tensor | None = None,
         block: int | None = None,
         in_features: int | None = None,
+        activation_passes: int = 1,
     ) -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8"
+        assert activation_passes == 1 or (block is not None and activation_passes == 2), (
+            "two activation passes run on blocked weights"
+        )
         self.block = block
+        self.activation_passes = activation_passes
         if block is not None:
             n, kp = qweight.shape
             k = kp if in_features is None else in_features
@@ -273,6 +281,7 @@ class Int8Linear(nn.Module):
         backend: GemmBackend = "int_mm",
         outlier_idx: torch.Tensor | None = None,
         block: int | None = None,
+        activation_passes: int = 1,
     ) -> Int8Linear:
         """From a float weight [out, in] (a checkpoint's layout), per output channel or in blocks
         of `block` input channels; the `outlier_idx` input channels stay in the weight's dtype,
@@ -284,9 +293,9 @@ class Int8Linear(nn.Module):
         if block is not None:
             k = weight.shape[1]
             q, scale = quantize_blocks(_padded(weight.float(), -(-k // block) * block), block)
-            return cls(q, scale, backend, outlier_idx, outlier_w, block, k)
+            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes)
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
-        return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w)
+        return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -326,8 +335,15 @@ class Int8Linear(nn.Module):
         if self.block is not None:
             assert self.q is not None
             xf = x.float() if skip is None else x.float().index_fill(1, skip, 0)
-            xq, xs = quantize_blocks(_padded(xf, self.q.shape[1]), self.block)
-            out.copy_(blocked_matmul(xq, xs, self.q, self.scale, self.block))
+            xp = _padded(xf, self.q.shape[1])
+            xq, xs = quantize_blocks(xp, self.block)
+            acc = blocked_matmul(xq, xs, self.q, self.scale, self.block)
+            if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
+                m, kp = xp.shape
+                missed = xp - (xq.float().view(m, -1, self.block) * xs[..., None]).view(m, kp)
+                rq, rs = quantize_blocks(missed, self.block)
+                acc.add_(blocked_matmul(rq, rs, self.q, self.scale, self.block))
+            out.copy_(acc)
         elif self.packed is not None:
             y, sx = _fbgemm_per_token(x, self.packed, skip)
             torch.mul(y, sx, out=out)  # one pass: scaled back and rounded into `out`
@@ -478,7 +494,7 @@ def quantize_model(
             w = getattr(layer, name)
             if not isinstance(w, Int8Linear):
                 idx = outlier_channels(after[name], recipe.of(name)[1]) if name in after else None
-                q = Int8Linear.from_float(w.data, backend, idx, recipe.block)
+                q = Int8Linear.from_float(w.data, backend, idx, recipe.block, recipe.activation_passes)
                 delattr(layer, name)
                 setattr(layer, name, q)
 
@@ -506,11 +522,11 @@ def load_int8_state(
     layers: Sequence[nn.Module],
     state: dict[str, torch.Tensor],
     backend: GemmBackend,
-    block: int | None = None,
+    recipe: Int8Recipe = PLAIN,
 ) -> None:
     """Put `int8_state`'s tensors in place of the layers' float projections (before any float
     weight is read: those tensors are then skipped; `load_smoothed_floats` follows the read);
-    `block`: the recipe's, which the state was quantized with."""
+    `recipe`: the one the state was quantized with."""
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
             w = getattr(layer, name)
@@ -520,8 +536,9 @@ def load_int8_state(
                 backend,
                 state.get(f"{i}.{name}.outlier_idx"),
                 state.get(f"{i}.{name}.outlier_w"),
-                block,
+                recipe.block,
                 int(w.shape[1]),
+                recipe.activation_passes,
             )
             assert (q.out_features, q.in_features) == tuple(w.shape), (
                 f"cached {name} of layer {i}: wrong shape"

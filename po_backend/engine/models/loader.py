@@ -298,7 +298,7 @@ def load_model(
     if cached_int8:
         assert int8_file is not None
         int8_cached = safetensors.torch.load_file(int8_file, device=str(device))
-        load_int8_state(model.decoder_layers, int8_cached, backend, recipe.block)
+        load_int8_state(model.decoder_layers, int8_cached, backend, recipe)
     elif (
         int8_file is not None
         and not recipe.calibrated
@@ -307,7 +307,7 @@ def load_model(
     ):
         # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read
         # (a calibrated recipe changes the weights first: it quantizes the float copy instead).
-        load_int8_state(model.decoder_layers, {k: v.to(device) for k, v in q8.items()}, backend, recipe.block)
+        load_int8_state(model.decoder_layers, {k: v.to(device) for k, v in q8.items()}, backend, recipe)
         log.info("int8 weights read from the Q8_0 GGUF's blocks")
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
     expected = {
