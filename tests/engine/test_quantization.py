@@ -760,3 +760,24 @@ def test_two_activation_passes_cache_and_prefix_hit(
     hit = warm.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
     assert all(r.cached_tokens == len(prefix) for r in hit)
     assert [r.logprobs for r in hit] == expected
+
+
+def test_each_quantization_mode_runs_its_recipe(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    path, hf = tiny_model("qwen3")
+    one, two = _engine(path), _engine(path, quantization="w8a8x2_int8")
+    for engine, passes in ((one, 1), (two, 2)):
+        lin = engine.model.decoder_layers[0].qkv_proj
+        assert isinstance(lin, Int8Linear) and (lin.block, lin.activation_passes) == (32, passes)
+    assert len(list((tmp_path / "int8").glob("*-w8a8_int8-*.safetensors"))) == 1
+    assert len(list((tmp_path / "int8").glob("*-w8a8x2_int8-*.safetensors"))) == 1
+    # The same int8 weights; the second activation pass brings the answers closer to fp32's.
+    assert torch.equal(
+        one.model.decoder_layers[1].down_proj.qweight, two.model.decoder_layers[1].down_proj.qweight
+    )
+    ids = _prompts(one.vocab_size, [80])[0]
+    ref = hf_next_logprobs(hf, ids)[[0, 5, 9]]
+    err = [(torch.tensor(e.score([ids], [0, 5, 9])[0].logprobs) - ref).abs().max() for e in (one, two)]
+    assert err[1] < err[0]

@@ -25,8 +25,10 @@ from torch import nn
 
 from po_backend.core.cpu import cpu_flags
 
-# The modes `--quantization` accepts (core.settings.QUANTIZATIONS holds the same names, torch-free).
+# The modes `--quantization` accepts (core.choices.QUANTIZATIONS holds the same names, torch-free).
 W8A8_INT8 = "w8a8_int8"
+# The same int8 weights, each activation block as two int8 parts (`Int8Recipe.activation_passes`).
+W8A8X2_INT8 = "w8a8x2_int8"
 QMAX = 127.0
 # fbgemm's AVX2 kernel adds pairs of u8 x s8 products in int16 with saturation (`vpmaddubsw`):
 # full 8-bit activations (up to 255) times weights within +-63 can never saturate (2*255*63 <
@@ -78,6 +80,15 @@ PLAIN = Int8Recipe()
 PER_CHANNEL = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
 # What `--quantization w8a8_int8` runs (docs/quantization.md has the measurements behind it).
 DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32)
+# What `--quantization w8a8x2_int8` runs: the default's weights, activations in two int8 passes.
+TWO_PASS_RECIPE = Int8Recipe(
+    alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32, activation_passes=2
+)
+
+
+def recipe_for(quantization: str) -> Int8Recipe:
+    """The recipe a `--quantization` mode runs (read at load, so tests can patch the recipes)."""
+    return {W8A8_INT8: DEFAULT_RECIPE, W8A8X2_INT8: TWO_PASS_RECIPE}[quantization]
 
 
 class ActivationMaxima:

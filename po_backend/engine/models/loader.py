@@ -20,13 +20,13 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
+from po_backend.core.choices import QUANTIZATIONS
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
 from po_backend.core.fs import cache_root, file_lock, private_cache_dir, private_dir, replacing
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import int8, model_class, shapes
 from po_backend.engine.models.int8 import (
-    W8A8_INT8,
     Int8Linear,
     Int8Recipe,
     gemm_backend,
@@ -291,7 +291,7 @@ def load_model(
         )
         return model.eval()
     backend = gemm_backend(device=device).backend
-    recipe = int8.DEFAULT_RECIPE
+    recipe = int8.recipe_for(quantization) if quantization in QUANTIZATIONS else int8.DEFAULT_RECIPE
     int8_file = _int8_cache_file(model_dir, files, quantization, backend, recipe) if quantization else None
     cached_int8 = int8_file is not None and int8_file.is_file()
     int8_cached: dict[str, torch.Tensor] = {}
@@ -471,7 +471,7 @@ def _int8_cache_file(
     """Where the int8 weights of these checkpoint files live: keyed by the files (`_stamp`), so a
     changed checkpoint is quantized again, by the GEMM backend (fbgemm's weights are rounded to
     +-63) and by the recipe (smoothing and outlier channels change the weights)."""
-    if quantization != W8A8_INT8:
+    if quantization not in QUANTIZATIONS:
         raise UnsupportedModelError(f"unknown quantization {quantization!r}")
     from po_backend.engine.calibration import CALIBRATION_VERSION
 
