@@ -8,7 +8,8 @@
   = where a line through the peaks reaches `--budget-mib` ("measured" if measured lengths bracket it).
 - `--compare-dtypes`: bf16 (`--residual-dtype fp32`, and `model`: everything bf16) against fp32:
   Kendall tau of P(Yes) rankings on held-out item lists, `examples/recommend.py`'s AUC, cache hit
-  vs cold, and one cold `--speed-tokens` forward of the two residual modes.
+  vs cold, and one cold `--speed-tokens` forward of the two residual modes. `--llamacpp`: also
+  llama.cpp's F16 and Q8_0 on the same weights (GGUFs written by `gguf_export`), tau against fp32.
 - `--heads`: classifier heads and embeddings (random weights on SmolLM2-135M's shape, cut to
   `--layers`) against transformers (batch 1) and our engine with and without the shared
   instruction (`--prefix` tokens, then `--suffix` per item) reused from the prefix cache.
@@ -395,6 +396,8 @@ def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
     lists = [(tok.encode(f"Profile: {p}\n"), items) for p in PROFILES]
     ref = _scores(e32, lists, labels, cached=False)
     doc: dict[str, Any] = {"fp32": {"auc": _auc(dtype="fp32"), **_sentiment(e32)}}
+    if args.llamacpp:
+        doc.update(_llamacpp_taus(ref, lists, labels, Path(args.out).parent))
     ids = torch.randint(0, e32.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     if args.quantization:  # the quantized model against fp32, both timed in this run
         doc["fp32"][f"forward_s_{n}"] = _best_forward(e32, ids, args.repeats)
@@ -426,6 +429,41 @@ def compare_dtypes(args: argparse.Namespace) -> dict[str, Any]:
         return {**doc, "speed_ratio_vs_fp32": doc["fp32"][f"forward_s_{n}"] / doc[name][f"forward_s_{n}"]}
     f, m = doc["bf16-residual-fp32"][f"forward_s_{n}"], doc["bf16-residual-model"][f"forward_s_{n}"]
     return {**doc, "speed_ratio_fp32_residual_vs_model": f / m}
+
+
+def _taus(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """Kendall tau per list between two [list, item] log-odds, and the largest difference."""
+    from scipy.stats import kendalltau
+
+    taus = [float(kendalltau(x, y).statistic) for x, y in zip(a, b, strict=True)]
+    return {"kendall_tau_mean": sum(taus) / len(taus), "kendall_tau_min": min(taus),
+            "max_abs_dlogodds": float(np.abs(a - b).max())}  # fmt: skip
+
+
+def _llamacpp_taus(ref: np.ndarray, lists: Any, labels: tuple[int, int], folder: Path) -> dict[str, Any]:
+    """llama.cpp (one thread) on F16 and Q8_0 GGUFs of the embedded model's weights, written to
+    `folder`: the held-out lists' log-odds against ours in fp32 (`ref`), and Q8_0 against F16."""
+    from benchmarks import llamacpp
+    from po_backend.engine.models.gguf_export import write_gguf
+
+    odds = {"fp32": ref[..., 0] - ref[..., 1]}
+    for kind in ("f16", "q8_0"):
+        path = folder / f"embedded.{kind}.gguf"
+        if not path.is_file():
+            write_gguf(resolve_model_dir("embedded"), path, kind)
+        llm = llamacpp.load(path, n_ctx=512, n_batch=512, threads=1)
+        sc = np.array(
+            [
+                [llamacpp.last_logprobs(llm, prefix + it)[list(labels)] for it in items]
+                for prefix, items in lists
+            ]
+        )
+        odds[kind] = sc[..., 0] - sc[..., 1]
+        del llm
+    return {
+        "llamacpp-f16": _taus(odds["f16"], odds["fp32"]),
+        "llamacpp-q8_0": {**_taus(odds["q8_0"], odds["fp32"]), "vs_f16": _taus(odds["q8_0"], odds["f16"])},
+    }
 
 
 def _best_forward(engine: Any, ids: list[int], repeats: int) -> float:
@@ -560,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     flags(ap, speed_tokens=(2048, "--compare-dtypes: forward length"))
     flags(ap, quantization=("", "--compare-dtypes: this quantization (w8a8_int8) in --dtype vs fp32"))
     flags(ap, repeats=(3, "--compare-dtypes: best of this many"))
+    flags(ap, llamacpp=(False, "--compare-dtypes: llama.cpp's F16 and Q8_0 on the same weights too"))
     flags(ap, heads=(False, "classifier / embedding heads vs transformers"))
     flags(ap, items=(16, "--heads: prompts"), prefix=(256, "--heads: shared instruction tokens"))
     flags(ap, suffix=(32, "--heads: unique tail tokens"))

@@ -21,7 +21,7 @@ ResidualDtype = Literal["fp32", "model"]
 RESIDUAL_DTYPES: tuple[ResidualDtype, ...] = ("fp32", "model")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Weight (and activation) quantization, SGLang's names; None: the model dtype throughout.
-QUANTIZATIONS = ("w8a8_int8",)
+QUANTIZATIONS = ("w8a8_int8", "w8a8x2_int8")
 
 
 def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:

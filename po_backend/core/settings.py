@@ -244,8 +244,10 @@ class Settings:
     quantization: str | None = field(
         default=None,
         metadata=flag(
-            "w8a8_int8: projections and MLP in int8 (weights per output channel, activations per "
-            "token, int32 sums); attention, norms, embeddings and the LM head stay in --dtype. "
+            "w8a8_int8: projections and MLP in int8 (weights and each token's activations in "
+            "blocks of 32 inputs, llama.cpp's Q8_0 format; int32 sums per block); attention, norms, "
+            "embeddings and the LM head stay in --dtype. w8a8x2_int8: the same int8 weights, each "
+            "activation block as two int8 parts (about 15 bits, two int8 GEMMs): ranks like fp32. "
             "Default: none (see docs/quantization.md)",
             choices=QUANTIZATIONS,
             engine=True,

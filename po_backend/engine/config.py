@@ -428,7 +428,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
 
-    # "w8a8_int8": the decoder's projections in int8 (models/int8.py); None: all in `dtype`.
+    # "w8a8_int8" / "w8a8x2_int8": the decoder's projections in int8 (models/int8.py); None: all in `dtype`.
     quantization: str | None = None
 
     def __post_init__(self) -> None:

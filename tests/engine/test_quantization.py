@@ -84,6 +84,7 @@ def test_dispatch_per_cpu_class(
     # sums (equal answers); fbgemm's activations are 7-bit (answers within int8's error).
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     monkeypatch.setattr(int8, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PER_CHANNEL)  # blocks run one GEMM everywhere
     path, _ = tiny_model("qwen2")
     engine = _engine(path)
     layer = engine.model.decoder_layers[0]
@@ -216,11 +217,16 @@ def test_int8_cache_skips_quantizing_and_gives_the_same_answers(
     assert qw < 0.3 * fw
 
 
+@pytest.mark.parametrize("recipe", [int8.PER_CHANNEL, int8.DEFAULT_RECIPE])
 @pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx512_vnni"}, set()])
-def test_cache_hit_equals_cold_run(tiny_model, flags: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every backend (fbgemm, _int_mm, reference): per-token int8 and items attended as they are
-    # alone make a hit compute the cold run's arithmetic, so no rounding boundary can differ.
+def test_cache_hit_equals_cold_run(
+    tiny_model, flags: set[str], recipe: int8.Int8Recipe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every backend (fbgemm, _int_mm, reference), per channel and blocked: per-token int8 and items
+    # attended as they are alone make a hit compute the cold run's arithmetic, so no rounding
+    # boundary can differ.
     monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", recipe)
     path, _ = tiny_model("llama")
     engine = _engine(path)
     prefix = _prompts(engine.vocab_size, [60], seed=3)[0]
@@ -495,8 +501,283 @@ def test_default_recipe_is_close_to_fp32_and_keeps_outliers_in_float(
     k = int8.DEFAULT_RECIPE.of("down_proj")[1]
     down = engine.model.decoder_layers[0].down_proj
     assert isinstance(down, Int8Linear) and down.outlier_idx is not None and down.outlier_idx.numel() == k
+    assert down.block == int8.DEFAULT_RECIPE.block == 32  # Q8_0's blocks
     labels = [0, 7, engine.vocab_size - 1]
     for ids, res in zip(
         prompts := _prompts(engine.vocab_size, [5, 33, 200]), engine.score(prompts, labels), strict=True
     ):
         assert (torch.tensor(res.logprobs) - hf_next_logprobs(hf, ids)[labels]).abs().max() <= 0.25
+
+
+# ---- blocked int8 (Q8_0's format: weights and activations in blocks along k) ------------------------
+
+
+def _fake_quant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [m, k] quantized to symmetric int8 per block of `block` columns (padded with zeros to whole
+    blocks, rounded in fp32 as the engine rounds) and back in fp64."""
+    k = x.shape[1]
+    kp = -(-k // block) * block
+    xb = torch.nn.functional.pad(x.float(), (0, kp - k)).view(x.shape[0], -1, block)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = (xb / torch.where(d == 0, 1.0, d)).round().clamp(-127, 127)
+    return (q.double() * d.double()).view(x.shape[0], kp)[:, :k]
+
+
+def test_quantize_blocks_follows_q8_0() -> None:
+    x = torch.zeros(2, 8)
+    x[0, :4] = torch.tensor([0.25, -2.0, 0.5, 2.0])
+    x[0, 4:] = torch.tensor([0.0, 127.0, 0.5, -63.5])  # d = 1: halves go to even (0, -64)
+    q, d = int8.quantize_blocks(x, 4)
+    assert q.dtype == torch.int8 and d.dtype == torch.float32 and d.shape == (2, 2)
+    assert torch.equal(d, torch.tensor([[2 / 127, 1.0], [0.0, 0.0]]))  # all zeros: d = 0, q = 0
+    assert q[0].tolist() == [16, -127, 32, 127, 0, 127, 0, -64]
+    assert not q[1].any()
+
+
+def test_reference_blocked_matmul_is_exact_per_block() -> None:
+    g = torch.Generator().manual_seed(3)
+    m, n, k, block = 9, 13, 256, 32
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    wq = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    xs, ws = torch.rand(m, k // block, generator=g), torch.rand(n, k // block, generator=g)
+    xs[2, 1] = 0  # a zero block of one row
+    # The contract, spelled out: int64 dots per block, fp32 terms added in increasing b.
+    ref = torch.zeros(m, n)
+    for b in range(k // block):
+        cols = slice(b * block, (b + 1) * block)
+        dot = (xq[:, cols].long() @ wq[:, cols].long().t()).float()
+        ref = ref + xs[:, b, None] * ws[None, :, b] * dot
+    got = int8.reference_blocked_matmul(xq, xs, wq, ws, block)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    assert torch.equal(int8.reference_blocked_matmul(xq[4:5], xs[4:5], wq, ws, block), ref[4:5])
+
+
+@pytest.mark.parametrize("block", [32, 64, 128])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 24), (37, 576, 96), (70, 1536, 40)])
+def test_blocked_int8_linear_matches_dequantized_reference(block: int, m: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(m + k + n + block)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    x[:, 5] *= 30  # an outlier channel: only its own block's steps widen
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    lin = Int8Linear.from_float(w, "fbgemm", block=block)  # blocked: the same path on every backend
+    assert (lin.in_features, lin.out_features) == (k, n) and lin.scale.shape == (n, -(-k // block))
+    ref = _fake_quant_blocks(x, block) @ _fake_quant_blocks(w, block).t()
+    got = lin(x).double()
+    # Exact int32 sums per block; fp32 rounding of the scale products and of the sum over blocks.
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(lin.dequantized().double(), _fake_quant_blocks(w, block), rtol=1e-6, atol=0)
+    # Finer scales than one per token and channel: a smaller error than per-channel W8A8's (the
+    # same where one block spans the row).
+    exact = x.double() @ w.double().t()
+    per_channel = Int8Linear.from_float(w, "reference")(x).double()
+    if k > block:
+        assert (got - exact).norm() < (per_channel - exact).norm()
+    else:
+        torch.testing.assert_close(got, per_channel, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
+    # A row's bits do not depend on the rows beside it (a cache hit must equal the cold run).
+    assert torch.equal(lin(x[m // 2 : m // 2 + 1].clone()), lin(x)[m // 2 : m // 2 + 1])
+    assert torch.equal(lin(torch.cat([x, x[:1] * 1000]))[:m], lin(x))
+
+
+def test_blocked_outlier_channels_run_in_float() -> None:
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(20, 576, generator=g), torch.randn(64, 576, generator=g) * 0.1
+    idx = torch.tensor([3, 100, 575])
+    x[:, idx] *= 1000
+    lin = Int8Linear.from_float(w, "int_mm", idx, block=32)
+    assert not lin.qweight[:, idx].any()
+    ref = (
+        _fake_quant_blocks(x.index_fill(1, idx, 0), 32) @ _fake_quant_blocks(w.index_fill(1, idx, 0), 32).t()
+    )
+    ref += x[:, idx].double() @ w[:, idx].double().t()
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def _emulate_blocked_int8(hf: torch.nn.Module, block: int) -> torch.nn.Module:
+    """transformers' model with every decoder projection's weight and input replaced by their
+    blocked int8 values (fp32 math): what the blocked W8A8 computes."""
+    import copy
+
+    model = copy.deepcopy(hf)
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
+            with torch.no_grad():
+                mod.weight.copy_(_fake_quant_blocks(mod.weight, block).float())
+            mod.register_forward_pre_hook(
+                lambda _m, args: (
+                    _fake_quant_blocks(args[0].reshape(-1, args[0].shape[-1]), block)
+                    .float()
+                    .view(args[0].shape),
+                )  # fmt: skip
+            )
+    return model
+
+
+BLOCKED = int8.Int8Recipe(block=32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocked_model_matches_transformers(tiny_model, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", BLOCKED)
+    path, hf = tiny_model(kind)
+    engine = _engine(path, chunk_size=64)
+    lin = engine.model.decoder_layers[0].down_proj
+    assert isinstance(lin, Int8Linear) and lin.block == 32
+    emulated = _emulate_blocked_int8(hf, 32)
+    prompts = _prompts(engine.vocab_size, [1, 2, 5, 33, 200])
+    labels = [0, 7, engine.vocab_size - 1]
+    exact = 0
+    for ids, res in zip(prompts, engine.score(prompts, labels), strict=True):
+        got = torch.tensor(res.logprobs)
+        # As per channel: equal to the emulation up to fp32 summation order, which may move one
+        # activation across a rounding boundary.
+        err = (got - hf_next_logprobs(emulated, ids)[labels]).abs().max().item()
+        exact += err <= 1e-5
+        assert err <= 0.05
+        assert (got - hf_next_logprobs(hf, ids)[labels]).abs().max() <= 0.25
+    assert exact >= 3
+
+
+def test_blocked_cache_and_prefix_hit_equal_the_cold_run(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from po_backend.engine.models import loader
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32))
+    path, _ = tiny_model("qwen2")
+    cold = _engine(path)
+    prefix = _prompts(cold.vocab_size, [60], seed=3)[0]
+    items = _prompts(cold.vocab_size, [9, 14], seed=4)
+    expected = []
+    for it in items:
+        cold.flush_cache()
+        expected += [r.logprobs for r in cold.score([prefix + it], [0, 5], cache_prefix_len=len(prefix))]
+    # The int8 cache: a second start quantizes nothing and answers the same.
+    monkeypatch.setattr(loader, "quantize_model", lambda *a: pytest.fail("quantized again"))
+    warm = _engine(path)
+    assert isinstance(warm.model.decoder_layers[1].qkv_proj, Int8Linear)
+    assert warm.model.decoder_layers[1].qkv_proj.block == 32
+    # A prefix-cache hit: the items over the cached prefix, together, give the cold run's bits.
+    warm.score([prefix], [0], cache_prefix_len=len(prefix))
+    hit = warm.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
+    assert all(r.cached_tokens == len(prefix) for r in hit)
+    assert [r.logprobs for r in hit] == expected
+
+
+def test_q8_0_gguf_loads_as_its_own_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gguf
+    import transformers
+
+    from po_backend.engine.models import loader
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", BLOCKED)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(cfg).eval()  # any weights: the blocks are read bit for bit
+    gguf_path = tmp_path / "tiny-q8_0.gguf"
+    _write_q8_0_gguf(hf, gguf_path)
+    folder = tmp_path / "converted"
+    hf.save_pretrained(folder)
+    (folder / loader.GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf_path)}))
+    monkeypatch.setattr(loader, "quantize_model", lambda *a: None)  # nothing is quantized from floats
+    engine = _engine(folder)
+    layer, ref = engine.model.decoder_layers[1], hf.model.layers[1]
+
+    def q8_0(t: torch.Tensor) -> torch.Tensor:  # the file's values: gguf's own Q8_0 round trip
+        qt = gguf.GGMLQuantizationType.Q8_0
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.detach().numpy(), qt), qt))
+
+    qkv, down = layer.qkv_proj, layer.down_proj
+    assert isinstance(qkv, Int8Linear) and isinstance(down, Int8Linear) and qkv.block == down.block == 32
+    assert torch.equal(down.dequantized(), q8_0(ref.mlp.down_proj.weight))
+    v_rows = slice(cfg.hidden_size + 32, None)  # q (64 rows) and k (2 kv heads x 16) come first
+    assert torch.equal(qkv.dequantized()[v_rows], q8_0(ref.self_attn.v_proj.weight))
+    # q and k, read in llama.cpp's rotary order, are put back in transformers': the answers agree.
+    ids = _prompts(engine.vocab_size, [40])[0]
+    got = torch.tensor(engine.score([ids], [0, 9, 99])[0].logprobs)
+    emulated = _emulate_blocked_int8(hf, 32)
+    assert (got - hf_next_logprobs(emulated, ids)[[0, 9, 99]]).abs().max() <= 0.02
+
+
+def test_two_activation_passes_add_the_int8_residual() -> None:
+    g = torch.Generator().manual_seed(21)
+    x, w = torch.randn(30, 576, generator=g), torch.randn(80, 576, generator=g)
+    x[:, 40] *= 50
+    one = Int8Linear.from_float(w, "reference", block=32)
+    two = Int8Linear.from_float(w, "reference", block=32, activation_passes=2)
+    assert torch.equal(one.qweight, two.qweight)  # the same int8 weights
+    hi = _fake_quant_blocks(x, 32)
+    act = hi + _fake_quant_blocks((x.double() - hi).float(), 32)  # value + its quantized residual
+    ref = act @ two.dequantized().double().t()
+    got = two(x).double()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # About 15-bit activations: the error is the int8 weights' alone, far below one pass's.
+    exact = x.double() @ w.double().t()
+    weights_only = x.double() @ two.dequantized().double().t()
+    assert (got - exact).norm() <= 1.01 * (weights_only - exact).norm()
+    assert (got - exact).norm() < 0.5 * (one(x).double() - exact).norm()
+    assert torch.equal(two(x[3:4].clone()), two(x)[3:4])  # batch invariant
+    with pytest.raises(AssertionError, match="blocked"):
+        Int8Linear.from_float(w, "reference", activation_passes=2)
+
+
+def test_two_activation_passes_cache_and_prefix_hit(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from po_backend.engine.models import loader
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe(block=32, activation_passes=2))
+    path, hf = tiny_model("llama")
+    cold = _engine(path)
+    prefix = _prompts(cold.vocab_size, [60], seed=3)[0]
+    items = _prompts(cold.vocab_size, [9, 14], seed=4)
+    expected = []
+    for it in items:
+        cold.flush_cache()
+        expected += [r.logprobs for r in cold.score([prefix + it], [0, 5], cache_prefix_len=len(prefix))]
+    # transformers with the same int8 weights and float activations: only the activations' second
+    # rounding (1/127 of a step) is left.
+    import copy
+
+    weights_only = copy.deepcopy(hf)
+    for name, mod in weights_only.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
+            with torch.no_grad():
+                mod.weight.copy_(_fake_quant_blocks(mod.weight, 32).float())
+    for it, lp in zip(items, expected, strict=True):
+        assert (torch.tensor(lp) - hf_next_logprobs(weights_only, prefix + it)[[0, 5]]).abs().max() <= 0.01
+    monkeypatch.setattr(loader, "quantize_model", lambda *a: pytest.fail("quantized again"))
+    warm = _engine(path)
+    lin = warm.model.decoder_layers[0].gate_up_proj
+    assert isinstance(lin, Int8Linear) and lin.activation_passes == 2
+    warm.score([prefix], [0], cache_prefix_len=len(prefix))
+    hit = warm.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
+    assert all(r.cached_tokens == len(prefix) for r in hit)
+    assert [r.logprobs for r in hit] == expected
+
+
+def test_each_quantization_mode_runs_its_recipe(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    path, hf = tiny_model("qwen3")
+    one, two = _engine(path), _engine(path, quantization="w8a8x2_int8")
+    for engine, passes in ((one, 1), (two, 2)):
+        lin = engine.model.decoder_layers[0].qkv_proj
+        assert isinstance(lin, Int8Linear) and (lin.block, lin.activation_passes) == (32, passes)
+    assert len(list((tmp_path / "int8").glob("*-w8a8_int8-*.safetensors"))) == 1
+    assert len(list((tmp_path / "int8").glob("*-w8a8x2_int8-*.safetensors"))) == 1
+    # The same int8 weights; the second activation pass brings the answers closer to fp32's.
+    assert torch.equal(
+        one.model.decoder_layers[1].down_proj.qweight, two.model.decoder_layers[1].down_proj.qweight
+    )
+    ids = _prompts(one.vocab_size, [80])[0]
+    ref = hf_next_logprobs(hf, ids)[[0, 5, 9]]
+    err = [(torch.tensor(e.score([ids], [0, 5, 9])[0].logprobs) - ref).abs().max() for e in (one, two)]
+    assert err[1] < err[0]

@@ -9,6 +9,8 @@ the LM head never pass through here: they stay in the model dtype.
 `gemm_backend` picks the GEMM from the CPU's flags: `torch._int_mm` (oneDNN: AVX512-VNNI,
 AVX-VNNI, AMX tiles), fbgemm's dynamic linear on AVX2-only CPUs (8-bit activations per token,
 weights within +-63), or the reference path (the same integer products summed exactly in fp64).
+A recipe with `block` (the default: 32, llama.cpp's Q8_0) quantizes both operands in blocks along
+the input instead, one scale per row and block, and runs `blocked_matmul` on every CPU class.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from torch import nn
 
 from po_backend.core.cpu import cpu_flags
 
-# The modes `--quantization` accepts (core.settings.QUANTIZATIONS holds the same names, torch-free).
+# The modes `--quantization` accepts (core.choices.QUANTIZATIONS holds the same names, torch-free).
 W8A8_INT8 = "w8a8_int8"
+# The same int8 weights, each activation block as two int8 parts (`Int8Recipe.activation_passes`).
+W8A8X2_INT8 = "w8a8x2_int8"
 QMAX = 127.0
 # fbgemm's AVX2 kernel adds pairs of u8 x s8 products in int16 with saturation (`vpmaddubsw`):
 # full 8-bit activations (up to 255) times weights within +-63 can never saturate (2*255*63 <
@@ -52,6 +56,13 @@ class Int8Recipe:
 
     alpha: tuple[float | None, float | None, float | None, float | None] = (None, None, None, None)
     outliers: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # Scales per block of this many input channels, for weights (per output channel) and
+    # activations (per token) alike, as llama.cpp's Q8_0 (32); None: one scale per output channel
+    # and one per token.
+    block: int | None = None
+    # 2: each activation block is an int8 value plus the int8 value of what it missed (about 15
+    # bits, two int8 GEMMs on the same weights); blocked recipes only.
+    activation_passes: int = 1
 
     @property
     def calibrated(self) -> bool:
@@ -64,8 +75,20 @@ class Int8Recipe:
 
 
 PLAIN = Int8Recipe()
+# Per output channel and token, smoothed, outlier channels in float: the fastest GEMMs (fbgemm,
+# oneDNN), a lower fidelity than blocks.
+PER_CHANNEL = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
 # What `--quantization w8a8_int8` runs (docs/quantization.md has the measurements behind it).
-DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
+DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32)
+# What `--quantization w8a8x2_int8` runs: the default's weights, activations in two int8 passes.
+TWO_PASS_RECIPE = Int8Recipe(
+    alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32, activation_passes=2
+)
+
+
+def recipe_for(quantization: str) -> Int8Recipe:
+    """The recipe a `--quantization` mode runs (read at load, so tests can patch the recipes)."""
+    return {W8A8_INT8: DEFAULT_RECIPE, W8A8X2_INT8: TWO_PASS_RECIPE}[quantization]
 
 
 class ActivationMaxima:
@@ -130,6 +153,47 @@ def quantize_rows(w: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, to
     return q, scale
 
 
+def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] -> (int8 [m, k], fp32 scales [m, k // block]): symmetric per block of `block`
+    columns, d = max |x| / 127 and q = round(x / d) (half to even); an all-zero block has d = 0
+    and q = 0 (llama.cpp's Q8_0). k must be a multiple of `block`."""
+    m, k = x.shape
+    assert k % block == 0, f"{k} columns do not split into blocks of {block}"
+    xb = x.float().reshape(m, k // block, block)
+    d = xb.abs().amax(dim=-1).div_(QMAX)
+    q = xb / torch.where(d == 0, 1.0, d)[..., None]
+    return q.round_().clamp_(-QMAX, QMAX).to(torch.int8).reshape(m, k), d
+
+
+def reference_blocked_matmul(
+    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, block: int
+) -> torch.Tensor:
+    """xq int8 [m, k] with scales xs [m, k // block], wq int8 [n, k] with ws [n, k // block] ->
+    fp32 [m, n] = sum over blocks b, in increasing b, in fp32, of xs[:, b] ws[:, b]^T times the
+    int32 dot product of the rows' block b. Each block's dot product is an fp32 matmul of small
+    integers, exact (|sum| <= block * 127^2 < 2^24), so a row's result does not depend on the
+    rows beside it: batch invariant, whatever the matmul's blocking."""
+    m, k = xq.shape
+    assert block * QMAX * QMAX < 2**24, "a block's dot product must be exact in fp32"
+    xf, wf = xq.float(), wq.float()
+    acc = torch.zeros(m, wq.shape[0], dtype=torch.float32, device=xq.device)
+    for b in range(k // block):
+        cols = slice(b * block, (b + 1) * block)
+        term = xs[:, b, None] * ws[None, :, b]
+        acc.add_(term.mul_(torch.matmul(xf[:, cols], wf[:, cols].t())))
+    return acc
+
+
+# The blocked int8 GEMM `Int8Linear` runs (same signature and semantics as
+# `reference_blocked_matmul`); a faster kernel with the same results goes here.
+blocked_matmul = reference_blocked_matmul
+
+
+def _padded(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """x [m, k] with zero columns appended up to `cols` (a whole number of blocks)."""
+    return x if x.shape[1] == cols else torch.nn.functional.pad(x, (0, cols - x.shape[1]))
+
+
 def _row_absmax(x: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
     """max |x| per row [m, 1] in fp32, over the columns not in `skip` (the outlier channels)."""
     a = x.abs()
@@ -148,12 +212,15 @@ def _quantize_tokens(x: torch.Tensor, skip: torch.Tensor | None = None) -> tuple
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W in int8 per output channel and x quantized per token.
+    """y = x W^T (+ b) with W in int8 per output channel and x quantized per token, or, with
+    `block`, both in blocks of `block` input channels (one scale per row and block: Q8_0's format).
 
-    `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose); `scale` [out]
-    fp32; the bias stays the layer's own parameter, in the model dtype. On fbgemm only its packed
-    copy is kept (`qweight` unpacks it when asked: the int8 cache, tests), so the weights' memory
-    is one int8 copy on every backend."""
+    Per channel: `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose),
+    `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / block], in' the
+    input size rounded up to whole blocks (zero columns), run through `blocked_matmul` whatever the
+    backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in
+    the model dtype. On fbgemm only its packed copy is kept (`qweight` unpacks it when asked: the
+    int8 cache, tests), so the weights' memory is one int8 copy on every backend."""
 
     # The checkpoint loader skips a projection that is already int8 (read from the int8 cache).
     weight_loader = None
@@ -171,26 +238,42 @@ class Int8Linear(nn.Module):
         backend: GemmBackend = "int_mm",
         outlier_idx: torch.Tensor | None = None,
         outlier_w: torch.Tensor | None = None,
+        block: int | None = None,
+        in_features: int | None = None,
+        activation_passes: int = 1,
     ) -> None:
         super().__init__()
-        assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8 [in, out]"
-        assert scale.shape == (qweight.shape[1],), "one scale per output channel"
+        assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8"
+        assert activation_passes == 1 or (block is not None and activation_passes == 2), (
+            "two activation passes run on blocked weights"
+        )
+        self.block = block
+        self.activation_passes = activation_passes
+        if block is not None:
+            n, kp = qweight.shape
+            k = kp if in_features is None else in_features
+            assert kp % block == 0 and kp - block < k <= kp, "blocked qweight is [out, in rounded up]"
+            assert scale.shape == (n, kp // block), "one scale per output channel and block"
+            qweight, shape = qweight.contiguous(), (k, n)
+        else:
+            assert scale.shape == (qweight.shape[1],), "one scale per output channel"
+            shape = (int(qweight.shape[0]), int(qweight.shape[1]))
         assert (outlier_idx is None) == (outlier_w is None), "outlier channels come with their weights"
         if outlier_idx is not None and outlier_idx.numel() == 0:
             outlier_idx = outlier_w = None
         if outlier_idx is not None:
-            assert outlier_w is not None and outlier_w.shape == (outlier_idx.numel(), qweight.shape[1])
+            assert outlier_w is not None and outlier_w.shape == (outlier_idx.numel(), shape[1])
         self.register_buffer("outlier_idx", None if outlier_idx is None else outlier_idx.long())
         self.register_buffer("outlier_w", outlier_w)
-        if backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
+        if block is None and backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
             # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
             qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
             qweight = qt.t().contiguous()
         self.register_buffer("scale", scale.float())
         self.backend: GemmBackend = backend
-        self.shape = (int(qweight.shape[0]), int(qweight.shape[1]))
+        self.shape = shape
         self.packed: torch.Tensor | None = None
-        if backend == "fbgemm":  # fbgemm's own weight layout, packed once
+        if block is None and backend == "fbgemm":  # fbgemm's own weight layout, packed once
             wq = torch._make_per_channel_quantized_tensor(
                 qweight.t().contiguous(),
                 self.scale.double(),
@@ -204,20 +287,30 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, backend: GemmBackend = "int_mm", outlier_idx: torch.Tensor | None = None
+        cls,
+        weight: torch.Tensor,
+        backend: GemmBackend = "int_mm",
+        outlier_idx: torch.Tensor | None = None,
+        block: int | None = None,
+        activation_passes: int = 1,
     ) -> Int8Linear:
-        """From a float weight [out, in] (a checkpoint's layout); the `outlier_idx` input channels
-        stay in the weight's dtype, outside the int8 GEMM (and outside its per-channel scales)."""
+        """From a float weight [out, in] (a checkpoint's layout), per output channel or in blocks
+        of `block` input channels; the `outlier_idx` input channels stay in the weight's dtype,
+        outside the int8 GEMM (and outside its scales)."""
         outlier_w = None
         if outlier_idx is not None and outlier_idx.numel():
             outlier_w = weight[:, outlier_idx].t().contiguous()
             weight = weight.index_fill(1, outlier_idx, 0)
+        if block is not None:
+            k = weight.shape[1]
+            q, scale = quantize_blocks(_padded(weight.float(), -(-k // block) * block), block)
+            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes)
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
-        return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w)
+        return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
 
     @property
     def qweight(self) -> torch.Tensor:
-        """The int8 weight [in, out]."""
+        """The int8 weight: [in, out] per channel, [out, in rounded up to blocks] blocked."""
         if self.q is not None:
             return self.q
         assert self.packed is not None
@@ -235,7 +328,12 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight the int8 one stands for, [out, in] fp32 (tests and the reference path),
         outlier channels included."""
-        w = (self.qweight.float() * self.scale).t().contiguous()
+        if self.block is not None:
+            n, kp = self.qweight.shape
+            w = self.qweight.float().view(n, -1, self.block) * self.scale[..., None]
+            w = w.view(n, kp)[:, : self.in_features].contiguous()
+        else:
+            w = (self.qweight.float() * self.scale).t().contiguous()
         if self.outlier_idx is not None:
             assert self.outlier_w is not None
             w[:, self.outlier_idx] = self.outlier_w.float().t()
@@ -245,7 +343,19 @@ class Int8Linear(nn.Module):
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         skip = self.outlier_idx
-        if self.packed is not None:
+        if self.block is not None:
+            assert self.q is not None
+            xf = x.float() if skip is None else x.float().index_fill(1, skip, 0)
+            xp = _padded(xf, self.q.shape[1])
+            xq, xs = quantize_blocks(xp, self.block)
+            acc = blocked_matmul(xq, xs, self.q, self.scale, self.block)
+            if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
+                m, kp = xp.shape
+                missed = xp - (xq.float().view(m, -1, self.block) * xs[..., None]).view(m, kp)
+                rq, rs = quantize_blocks(missed, self.block)
+                acc.add_(blocked_matmul(rq, rs, self.q, self.scale, self.block))
+            out.copy_(acc)
+        elif self.packed is not None:
             y, sx = _fbgemm_per_token(x, self.packed, skip)
             torch.mul(y, sx, out=out)  # one pass: scaled back and rounded into `out`
         else:
@@ -395,7 +505,7 @@ def quantize_model(
             w = getattr(layer, name)
             if not isinstance(w, Int8Linear):
                 idx = outlier_channels(after[name], recipe.of(name)[1]) if name in after else None
-                q = Int8Linear.from_float(w.data, backend, idx)
+                q = Int8Linear.from_float(w.data, backend, idx, recipe.block, recipe.activation_passes)
                 delattr(layer, name)
                 setattr(layer, name, q)
 
@@ -420,10 +530,14 @@ def int8_state(layers: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def load_int8_state(
-    layers: Sequence[nn.Module], state: dict[str, torch.Tensor], backend: GemmBackend
+    layers: Sequence[nn.Module],
+    state: dict[str, torch.Tensor],
+    backend: GemmBackend,
+    recipe: Int8Recipe = PLAIN,
 ) -> None:
     """Put `int8_state`'s tensors in place of the layers' float projections (before any float
-    weight is read: those tensors are then skipped; `load_smoothed_floats` follows the read)."""
+    weight is read: those tensors are then skipped; `load_smoothed_floats` follows the read);
+    `recipe`: the one the state was quantized with."""
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
             w = getattr(layer, name)
@@ -433,6 +547,9 @@ def load_int8_state(
                 backend,
                 state.get(f"{i}.{name}.outlier_idx"),
                 state.get(f"{i}.{name}.outlier_w"),
+                recipe.block,
+                int(w.shape[1]),
+                recipe.activation_passes,
             )
             assert (q.out_features, q.in_features) == tuple(w.shape), (
                 f"cached {name} of layer {i}: wrong shape"

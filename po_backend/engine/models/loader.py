@@ -20,13 +20,13 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
+from po_backend.core.choices import QUANTIZATIONS
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
 from po_backend.core.fs import cache_root, file_lock, private_cache_dir, private_dir, replacing
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import int8, model_class, shapes
 from po_backend.engine.models.int8 import (
-    W8A8_INT8,
     Int8Linear,
     Int8Recipe,
     gemm_backend,
@@ -182,14 +182,18 @@ _GGUF_PROJECTIONS = {
 _Q8_0_BLOCK = 32  # values per Q8_0 block: one fp16 scale, then 32 int8
 
 
-def gguf_q8_0_state(model_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+def gguf_q8_0_state(
+    model_dir: Path, cfg: ModelConfig, block: int | None = None
+) -> dict[str, torch.Tensor] | None:
     """The int8 state (`int8.int8_state`'s names) of a folder converted from a GGUF whose decoder
     projections are all Q8_0, read from the GGUF's own integers; None for any other folder.
 
-    Q8_0 has one scale per 32 values, our GEMM one per output channel: each row takes the largest
-    of its block scales and every block's integers are rescaled to it (q * d_block / d_row,
-    rounded once; exact where a row's blocks share a scale). Llama GGUFs store q and k with their
-    rotary halves interleaved (llama.cpp's permute); the rows are put back as transformers does."""
+    With `block` 32 (Q8_0's own) the blocks and their scales are taken as they are, bit for bit.
+    Per output channel (`block` None) each row takes the largest of its block scales and every
+    block's integers are rescaled to it (q * d_block / d_row, rounded once; exact where a row's
+    blocks share a scale). Llama GGUFs store q and k with their rotary halves interleaved
+    (llama.cpp's permute); the rows are put back as transformers does."""
+    assert block in (None, _Q8_0_BLOCK), "Q8_0 is read per output channel or as its own blocks"
     src = model_dir / GGUF_SOURCE
     if not src.is_file():
         return None
@@ -216,19 +220,22 @@ def gguf_q8_0_state(model_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor
         q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
         n_rows = int(tensors[name].shape[1]) if len(tensors[name].shape) > 1 else 1
         d, q = d.view(n_rows, -1), q.view(n_rows, -1, _Q8_0_BLOCK)
-        d_row = d.amax(dim=1).clamp_min(1e-12)
-        q = torch.round(q.float() * (d / d_row[:, None])[..., None]).clamp_(-127, 127).to(torch.int8)
+        if block is None:
+            d_row = d.amax(dim=1).clamp_min(1e-12)
+            q = torch.round(q.float() * (d / d_row[:, None])[..., None]).clamp_(-127, 127).to(torch.int8)
+            d = d_row[:, None]
         q = q.view(n_rows, -1)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
-            q, d_row = _unpermute(q, heads), _unpermute(d_row[:, None], heads)[:, 0]
-        return q, d_row
+            q, d = _unpermute(q, heads), _unpermute(d, heads)
+        return q, d if block is not None else d[:, 0]
 
     state = {}
     for i in range(cfg.num_layers):
         for ours, parts in _GGUF_PROJECTIONS.items():
             qs, ds = zip(*(rows(f"blk.{i}.{p}.weight") for p in parts), strict=True)
-            state[f"{i}.{ours}.qweight"] = torch.cat(qs).t().contiguous()
+            q = torch.cat(qs)  # [out, in]: the blocked layout; per channel it is [in, out]
+            state[f"{i}.{ours}.qweight"] = q if block is not None else q.t().contiguous()
             state[f"{i}.{ours}.scale"] = torch.cat(ds)
     return state
 
@@ -284,22 +291,23 @@ def load_model(
         )
         return model.eval()
     backend = gemm_backend(device=device).backend
-    recipe = int8.DEFAULT_RECIPE
+    recipe = int8.recipe_for(quantization) if quantization in QUANTIZATIONS else int8.DEFAULT_RECIPE
     int8_file = _int8_cache_file(model_dir, files, quantization, backend, recipe) if quantization else None
     cached_int8 = int8_file is not None and int8_file.is_file()
     int8_cached: dict[str, torch.Tensor] = {}
     if cached_int8:
         assert int8_file is not None
         int8_cached = safetensors.torch.load_file(int8_file, device=str(device))
-        load_int8_state(model.decoder_layers, int8_cached, backend)
+        load_int8_state(model.decoder_layers, int8_cached, backend, recipe)
     elif (
         int8_file is not None
         and not recipe.calibrated
-        and (q8 := gguf_q8_0_state(model_dir, cfg)) is not None
+        and recipe.block in (None, _Q8_0_BLOCK)
+        and (q8 := gguf_q8_0_state(model_dir, cfg, recipe.block)) is not None
     ):
         # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read
         # (a calibrated recipe changes the weights first: it quantizes the float copy instead).
-        load_int8_state(model.decoder_layers, {k: v.to(device) for k, v in q8.items()}, backend)
+        load_int8_state(model.decoder_layers, {k: v.to(device) for k, v in q8.items()}, backend, recipe)
         log.info("int8 weights read from the Q8_0 GGUF's blocks")
     # Every (parameter, shard) pair must be filled: a checkpoint lacking k_proj must not load.
     expected = {
@@ -463,7 +471,7 @@ def _int8_cache_file(
     """Where the int8 weights of these checkpoint files live: keyed by the files (`_stamp`), so a
     changed checkpoint is quantized again, by the GEMM backend (fbgemm's weights are rounded to
     +-63) and by the recipe (smoothing and outlier channels change the weights)."""
-    if quantization != W8A8_INT8:
+    if quantization not in QUANTIZATIONS:
         raise UnsupportedModelError(f"unknown quantization {quantization!r}")
     from po_backend.engine.calibration import CALIBRATION_VERSION
 
