@@ -782,15 +782,20 @@ def backlog_in_a_small_pool(
 
 
 @pytest.mark.parametrize("target", [True, False])
-def test_online_calls_behind_a_default_priority_backlog_in_a_small_pool(target: bool) -> None:
+@pytest.mark.parametrize("shape", ["issue", "bench_mixed"])
+def test_online_calls_behind_a_default_priority_backlog_in_a_small_pool(target: bool, shape: str) -> None:
     """With priorities, with or without a latency target, the online calls' P99 stays within
     1.5x of theirs alone and the backlog keeps progressing in steps that stay short. In a pool
     too small for the online profiles and a batch item's prefix steps together, the prefix
     steps' tokens are kept above the online class: pushed out, the item ran whole in one ~1.5 s
-    step that the online calls arriving then waited for."""
+    step that the online calls arriving then waited for. `bench_mixed`: its default trace's
+    classes and lengths (10 items of 600-900 tokens at -1, online calls at the default)."""
+    kw: dict[str, Any] = {}
+    if shape == "bench_mixed":
+        kw = {"batch_priority": -1, "online_priority": 0, "batch_tokens": (600, 900), "n_batch": 10}
     for seed in range(3):
-        got = backlog_in_a_small_pool(seed, target)
-        assert got["batch_answered"] == 16, got
+        got = backlog_in_a_small_pool(seed, target, **kw)
+        assert got["batch_answered"] == kw.get("n_batch", 16), got
         assert got["batch_vs_alone"] >= 0.35, got  # bench_mixed's floor: 70% of what online leaves
         assert got["longest_batch_step_s"] <= 0.6, got  # the budget, never a whole 1.2k-token item
         assert got["online_p99_vs_alone"] <= 1.5, got
