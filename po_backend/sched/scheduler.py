@@ -96,6 +96,9 @@ class Scheduler:
         # far, or the default priority's (0) while nothing more urgent was: a less urgent backlog
         # queued first is sized for the online calls that come after it.
         self._urgent = 0
+        # The least urgent rank submitted so far: once one below the default priority was, the
+        # default priority's class is the online one, not a backlog that may yet be overtaken.
+        self._least = 0
         # Per waiting request that ran prefix-only steps: how many, and the tokens it had cached
         # when the last one was picked (no more than that at its next pick: nothing was kept).
         self._prefix_steps: dict[int, tuple[int, int]] = {}
@@ -118,7 +121,8 @@ class Scheduler:
             self._call_waiting[call] += 1
         self._class_waiting[self.config.priority_class(req)] += 1
         self._ranking.add(w)
-        if (rank := self.config.rank(req)) < self._urgent:
+        self._least = max(self._least, rank := self.config.rank(req))
+        if rank < self._urgent:
             self._urgent = rank
             if self.backfill is not None:
                 self.backfill.forget_online()
@@ -387,9 +391,9 @@ class Scheduler:
         (or than the default, while nothing more urgent was)
         takes batch-mates only while its predicted time stays within `backfill.BackfillBudget`,
         and a request too long for it computes its prompt over several prefix-only steps, of any
-        class but the most urgent once one more urgent than the default priority was submitted
-        (a more urgent call may arrive during any other step; that class has nobody to yield to,
-        and splitting its calls only adds a step's overhead to each).
+        class but the most urgent once it is known to be the online one (`splits`: a more urgent
+        call may arrive during any other step; that class has nobody to yield to, and splitting
+        its calls only adds a step's overhead and the other calls' steps to each).
 
         `pool` (the cache's eviction order, `reuse.Pool`): po's cost includes the reuse a
         request's admission destroys (`reuse.ReuseCost`); without it, plain prefix-aware SRJF.
@@ -477,9 +481,13 @@ class Scheduler:
 
     def splits(self, rank: int) -> bool:
         """Whether a request of `rank` too long for the step budget runs in prefix-only steps:
-        unless it is of the most urgent class submitted and that class is more urgent than the
-        default priority's (0), the class a backlog queued before any urgent call is sized for."""
-        return rank > min(self._urgent, -1)
+        unless it is of the most urgent class submitted and that class is known to be the online
+        one, that is more urgent than the default priority's (0), or of the default priority with a
+        less urgent class submitted beside it. A default-priority class alone is the backlog
+        queued before any urgent call, sized for the calls that may come after it."""
+        if rank > self._urgent:
+            return True
+        return rank == 0 and self._least == 0
 
     def step_done(
         self,

@@ -720,7 +720,14 @@ def test_prefix_steps_are_kept_like_the_most_urgent_class() -> None:
     assert runs[3].end - runs[3].start <= 0.2 * BACKFILL_SLO_SHARE + 1e-9
 
 
-def backlog_in_a_small_pool(seed: int, target: bool) -> dict[str, float]:
+def backlog_in_a_small_pool(
+    seed: int,
+    target: bool,
+    batch_priority: int = 0,
+    online_priority: int = 10,
+    batch_tokens: tuple[int, int] = (1200, 1400),
+    n_batch: int = 16,
+) -> dict[str, float]:
     """The issue's trace on the simulator (a CPU's measured step fit): 16 batch prompts of
     1,200-1,400 tokens at the default priority queued at t=0, then 30 online calls at priority
     10 (3 users x 10 posts of 40 tokens on ~300-token profiles, interleaved, Poisson at half their
@@ -741,12 +748,15 @@ def backlog_in_a_small_pool(seed: int, target: bool) -> dict[str, float]:
 
     profiles = [tokens(rng.randint(263, 337)) for _ in range(3)]
     online = [
-        ScoreRequest(p + tokens(40), (1, 2), cache_prefix_len=len(p), priority=10)
+        ScoreRequest(p + tokens(40), (1, 2), cache_prefix_len=len(p), priority=online_priority)
         for p in profiles
         for _ in range(10)
     ]
     rng.shuffle(online)
-    batch = [ScoreRequest(tokens(rng.randint(1200, 1400)), (1, 2), priority=0) for _ in range(16)]
+    batch = [
+        ScoreRequest(tokens(rng.randint(*batch_tokens)), (1, 2), priority=batch_priority)
+        for _ in range(n_batch)
+    ]
     pool = int(2.2 * 300) + max(len(r.input_ids) for r in batch)
 
     def run(cfg: SchedulerConfig, trace: list[tuple[float, ScoreRequest]]) -> list[SimRun]:
@@ -772,15 +782,20 @@ def backlog_in_a_small_pool(seed: int, target: bool) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("target", [True, False])
-def test_online_calls_behind_a_default_priority_backlog_in_a_small_pool(target: bool) -> None:
+@pytest.mark.parametrize("shape", ["issue", "bench_mixed"])
+def test_online_calls_behind_a_default_priority_backlog_in_a_small_pool(target: bool, shape: str) -> None:
     """With priorities, with or without a latency target, the online calls' P99 stays within
     1.5x of theirs alone and the backlog keeps progressing in steps that stay short. In a pool
     too small for the online profiles and a batch item's prefix steps together, the prefix
     steps' tokens are kept above the online class: pushed out, the item ran whole in one ~1.5 s
-    step that the online calls arriving then waited for."""
+    step that the online calls arriving then waited for. `bench_mixed`: its default trace's
+    classes and lengths (10 items of 600-900 tokens at -1, online calls at the default)."""
+    kw: dict[str, Any] = {}
+    if shape == "bench_mixed":
+        kw = {"batch_priority": -1, "online_priority": 0, "batch_tokens": (600, 900), "n_batch": 10}
     for seed in range(3):
-        got = backlog_in_a_small_pool(seed, target)
-        assert got["batch_answered"] == 16, got
+        got = backlog_in_a_small_pool(seed, target, **kw)
+        assert got["batch_answered"] == kw.get("n_batch", 16), got
         assert got["batch_vs_alone"] >= 0.35, got  # bench_mixed's floor: 70% of what online leaves
         assert got["longest_batch_step_s"] <= 0.6, got  # the budget, never a whole 1.2k-token item
         assert got["online_p99_vs_alone"] <= 1.5, got
@@ -797,3 +812,31 @@ def test_the_most_urgent_class_is_split_only_while_it_is_the_default() -> None:
     s.add(0, ScoreRequest(ids(1, 8), priority=10))
     assert s.urgent_rank == -10
     assert not s.splits(-10) and s.splits(0) and s.splits(1)
+
+
+def test_the_default_class_is_not_split_behind_a_less_urgent_backlog() -> None:
+    """Online calls at the default priority behind a backlog at -1 (bench_mixed's default trace):
+    once a less urgent class was submitted, the default one is the online class, and its calls
+    run whole, each in one step. Split into prefix-only steps, a cold profile's call paid a
+    step's overhead per piece and waited for the other online calls (shorter, so first) between
+    its pieces: online calls at 2-3x their latency alone."""
+    from po_backend.sched.scheduler import Scheduler
+    from po_backend.sim.cluster import LinearStepModel
+
+    s = Scheduler(SchedulerConfig("po", enable_priority=True), JCT)
+    s.add(0, ScoreRequest(ids(1, 8), priority=0))
+    assert s.splits(0), "the default class alone is a backlog that may yet be overtaken"
+    s.add(1, ScoreRequest(ids(2, 8), priority=-1))
+    assert not s.splits(0) and s.splits(1)
+
+    model = LinearStepModel((0.038, 0.0, 0.79, 0.36, 0.047))
+    batch = [(0.0, req(100 + i, 800, -1)) for i in range(6)]
+    online = [(0.05 + 1.5 * k, req(200 + k, 450, 0)) for k in range(3)]  # unrelated, cold
+    for slo in (0.9, None):
+        cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=slo)
+        runs = sorted(simulate(cfg, model, batch + online, PrefixLRU(2000, 16384)), key=lambda r: r.rid)
+        assert len(runs) == 9
+        one_step = model.predict_items([(450, 0)])
+        for r in runs[6:]:
+            assert r.cached == 0, f"online call {r.rid} read its own prefix steps back: it was split"
+            assert r.end - r.start == pytest.approx(one_step)
