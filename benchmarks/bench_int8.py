@@ -24,6 +24,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import flags
+from po_backend.core.choices import QUANTIZATIONS
 from po_backend.core.cpu import cpu_class
 from po_backend.engine.models.int8 import Int8Linear, weight_bytes
 
@@ -89,7 +90,9 @@ def _ops(m: int, k: int, n: int, bf16: bool, ao: Any) -> dict[str, Callable[[], 
     ops["_int_mm"] = lambda: torch._int_mm(xq, lin.qweight)
     ops["Int8Linear (quant + _int_mm + dequant)"] = lambda: lin(x)
     dyn = torch.ao.nn.quantized.dynamic.Linear(k, n, bias_=False, dtype=torch.qint8)
-    wq = torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(n), 0, torch.qint8)
+    wq = torch.quantize_per_channel(
+        w, w.abs().amax(1) / 127, torch.zeros(n, dtype=torch.long), 0, torch.qint8
+    )
     dyn.set_weight_bias(wq, None)
     ops["torch.ao dynamic (fbgemm)"] = lambda: dyn(x)
     if ao is not None:
@@ -100,9 +103,11 @@ def _ops(m: int, k: int, n: int, bf16: bool, ao: Any) -> dict[str, Callable[[], 
     return ops
 
 
-def forward_rows(tokens: int, layers: int, repeats: int, models: list[str]) -> list[dict[str, Any]]:
-    """fp32 and int8 engines of each model loaded side by side and timed in turns (A B A B), so a
-    change of load on a shared machine hits both alike; best-of and median ratios."""
+def forward_rows(
+    tokens: int, layers: int, repeats: int, models: list[str], modes: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """fp32 and each int8 mode's engine of each model loaded side by side and timed in turns
+    (A B A B), so a change of load on a shared machine hits all alike; best-of and median ratios."""
     import statistics
 
     import transformers
@@ -122,7 +127,7 @@ def forward_rows(tokens: int, layers: int, repeats: int, models: list[str]) -> l
                 quant: Engine.from_pretrained(
                     paths[label], dtype="fp32", quantization=quant, max_input_len=tokens, enable_cache=False
                 )
-                for quant in (None, "w8a8_int8")
+                for quant in (None, *modes)
             }
             times: dict[str | None, list[float]] = {q: [] for q in engines}
             for eng in engines.values():  # warm-up
@@ -132,19 +137,23 @@ def forward_rows(tokens: int, layers: int, repeats: int, models: list[str]) -> l
                     t = time.perf_counter()
                     eng.score([ids], [0])
                     times[quant].append(time.perf_counter() - t)
-            f, q = times[None], times["w8a8_int8"]
+            f = times[None]
             row = {
                 "model": label,
                 "layers": engines[None].model_config.num_layers,
                 "tokens": tokens,
                 "fp32_s": f,
-                "int8_s": q,
-                "speedup_best": min(f) / min(q),
-                "speedup_median": statistics.median(f) / statistics.median(q),
-                "speedup_per_pair": [a / b for a, b in zip(f, q, strict=True)],
                 "weight_bytes_fp32": weight_bytes(engines[None].model.layers),
-                "weight_bytes_int8": weight_bytes(engines["w8a8_int8"].model.layers),
             }
+            for mode in modes:
+                q = times[mode]
+                row[mode] = {
+                    "s": q,
+                    "speedup_best": min(f) / min(q),
+                    "speedup_median": statistics.median(f) / statistics.median(q),
+                    "speedup_per_pair": [a / b for a, b in zip(f, q, strict=True)],
+                    "weight_bytes": weight_bytes(engines[mode].model.layers),
+                }
             rows.append(row)
             print(row, flush=True)
             del engines
@@ -156,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     flags(ap, tokens=(2048, "forward length"), layers=(8, "decoder layers of the 1.5B shape (it has 28)"))
     flags(ap, repeats=(3, "pairs of forwards"), skip_gemm=(False, "forwards only"))
     ap.add_argument("--models", nargs="+", default=["Qwen2.5-1.5B shape", "embedded (SmolLM2-135M)"])
+    ap.add_argument("--modes", nargs="+", default=list(QUANTIZATIONS), help="int8 modes timed against fp32")
     args = ap.parse_args(argv)
     if args.out is None:
         ap.error("--out is required")
     repeats = 1 if args.quick else args.repeats
     doc: dict[str, Any] = {"cpu_class": cpu_class(), "torch": torch.__version__}
     doc["gemm"] = [] if args.skip_gemm else gemm_rows(repeats)
-    doc["forward"] = forward_rows(args.tokens, args.layers, repeats, args.models)
+    doc["forward"] = forward_rows(args.tokens, args.layers, repeats, args.models, tuple(args.modes))
     harness.save(args.out, {"machine": harness.machine_info(), **doc})
     return 0
 

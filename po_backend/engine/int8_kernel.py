@@ -58,10 +58,12 @@ def _check_block(k: int, block: int) -> None:
         raise ValueError(f"k = {k} is not a multiple of the block size {block}")
 
 
-def _check(t: Tensor, dtype: torch.dtype, dim: int, name: str) -> None:
-    if not isinstance(t, Tensor) or t.dtype != dtype or t.dim() != dim or t.device.type != "cpu":
+def _check(t: Tensor, dtype: torch.dtype, dim: int, name: str, cpu: bool = True) -> None:
+    """The kernel reads CPU tensors only; the references (`cpu=False`) run on any device."""
+    if not isinstance(t, Tensor) or t.dtype != dtype or t.dim() != dim or (cpu and t.device.type != "cpu"):
         got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be a {dim}-d {dtype} CPU tensor, got {got}")
+        where = " CPU" if cpu else ""
+        raise TypeError(f"{name} must be a {dim}-d {dtype}{where} tensor, got {got}")
 
 
 def isa(flags: frozenset[str] | None = None) -> Isa | None:
@@ -125,8 +127,8 @@ def kernel_available() -> bool:
 
 
 def reference_quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """`quantize_blocks` in plain torch."""
-    _check(x, torch.float32, 2, "x")
+    """`quantize_blocks` in plain torch, on any device."""
+    _check(x, torch.float32, 2, "x", cpu=False)
     m, k = x.shape
     _check_block(k, block)
     xb = x.reshape(m, k // block, block)
@@ -222,10 +224,10 @@ def _check_activations(xq: Tensor, xs: Tensor, w: PackedWeights) -> None:
         raise ValueError(f"xs must be [{xq.shape[0]}, {w.k // w.block}], got {tuple(xs.shape)}")
 
 
-def _out(out: Tensor | None, m: int, n: int) -> Tensor:
+def _out(out: Tensor | None, m: int, n: int, device: torch.device | None = None) -> Tensor:
     if out is None:
-        return torch.empty(m, n, dtype=torch.float32)
-    _check(out, torch.float32, 2, "out")
+        return torch.empty(m, n, dtype=torch.float32, device=device)
+    _check(out, torch.float32, 2, "out", cpu=device is None)
     if out.shape != (m, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{m}, {n}] fp32 tensor, got {tuple(out.shape)}")
     return out
@@ -245,12 +247,12 @@ def reference_blocked_matmul(
         w = _weights(wq, ws, block)
         wq, ws = w.unpack()
         block = w.block
-    _check(wq, torch.int8, 2, "wq")
+    _check(wq, torch.int8, 2, "wq", cpu=False)
     if ws is None or block is None:
         raise TypeError("unpacked weights need their scales ws and the block size")
-    _check(ws, torch.float32, 2, "ws")
-    _check(xq, torch.int8, 2, "xq")
-    _check(xs, torch.float32, 2, "xs")
+    _check(ws, torch.float32, 2, "ws", cpu=False)
+    _check(xq, torch.int8, 2, "xq", cpu=False)
+    _check(xs, torch.float32, 2, "xs", cpu=False)
     m, k = xq.shape
     n = wq.shape[0]
     _check_block(k, block)
@@ -259,16 +261,14 @@ def reference_blocked_matmul(
             f"shapes do not match: xq {tuple(xq.shape)}, xs {tuple(xs.shape)}, wq {tuple(wq.shape)}, "
             f"ws {tuple(ws.shape)}, block {block}"
         )
-    nb = k // block
-    # Exact: int8 products and their sums over a block are integers far below 2^53.
-    dots = torch.bmm(
-        xq.double().reshape(m, nb, block).transpose(0, 1),
-        wq.double().reshape(n, nb, block).permute(1, 2, 0),
-    ).float()  # [nb, m, n]
-    acc = _out(out, m, n)
+    # One block at a time (memory: one [m, n] product): a block's dot product is an fp32 matmul
+    # of small integers whose partial sums stay below 2^24, so it is exact whatever the blocking.
+    xf, wf = xq.float(), wq.float()
+    acc = _out(out, m, n, xq.device)
     acc.zero_()
-    for b in range(nb):
-        acc.add_((xs[:, b, None] * ws[None, :, b]) * dots[b])
+    for b in range(k // block):
+        cols = slice(b * block, (b + 1) * block)
+        acc.add_((xs[:, b, None] * ws[None, :, b]) * torch.matmul(xf[:, cols], wf[:, cols].t()))
     return acc
 
 

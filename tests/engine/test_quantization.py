@@ -524,14 +524,15 @@ def _fake_quant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def test_quantize_blocks_follows_q8_0() -> None:
-    x = torch.zeros(2, 8)
+    x = torch.zeros(2, 64)
     x[0, :4] = torch.tensor([0.25, -2.0, 0.5, 2.0])
-    x[0, 4:] = torch.tensor([0.0, 127.0, 0.5, -63.5])  # d = 1: halves go to even (0, -64)
-    q, d = int8.quantize_blocks(x, 4)
-    assert q.dtype == torch.int8 and d.dtype == torch.float32 and d.shape == (2, 2)
-    assert torch.equal(d, torch.tensor([[2 / 127, 1.0], [0.0, 0.0]]))  # all zeros: d = 0, q = 0
-    assert q[0].tolist() == [16, -127, 32, 127, 0, 127, 0, -64]
-    assert not q[1].any()
+    x[0, 32:36] = torch.tensor([0.0, 127.0, 0.5, -63.5])  # d = 1: halves go to even (0, -64)
+    for quantize in (int8.quantize_blocks, int8.reference_quantize_blocks):  # C++ pass, torch
+        q, d = quantize(x, 32)
+        assert q.dtype == torch.int8 and d.dtype == torch.float32 and d.shape == (2, 2)
+        assert torch.equal(d, torch.tensor([[2 / 127, 1.0], [0.0, 0.0]]))  # all zeros: d = 0, q = 0
+        assert q[0, :4].tolist() == [16, -127, 32, 127] and q[0, 32:36].tolist() == [0, 127, 0, -64]
+        assert not q[0, 4:32].any() and not q[0, 36:].any() and not q[1].any()
 
 
 def test_reference_blocked_matmul_is_exact_per_block() -> None:

@@ -24,6 +24,14 @@ import torch
 from torch import nn
 
 from po_backend.core.cpu import cpu_flags
+from po_backend.engine.int8_kernel import (
+    PackedWeights,
+    blocked_matmul,
+    pack_weights,
+    quantize_blocks,
+    reference_blocked_matmul,
+    reference_quantize_blocks,
+)
 
 # The modes `--quantization` accepts (core.choices.QUANTIZATIONS holds the same names, torch-free).
 W8A8_INT8 = "w8a8_int8"
@@ -153,40 +161,10 @@ def quantize_rows(w: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, to
     return q, scale
 
 
-def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [m, k] -> (int8 [m, k], fp32 scales [m, k // block]): symmetric per block of `block`
-    columns, d = max |x| / 127 and q = round(x / d) (half to even); an all-zero block has d = 0
-    and q = 0 (llama.cpp's Q8_0). k must be a multiple of `block`."""
-    m, k = x.shape
-    assert k % block == 0, f"{k} columns do not split into blocks of {block}"
-    xb = x.float().reshape(m, k // block, block)
-    d = xb.abs().amax(dim=-1).div_(QMAX)
-    q = xb / torch.where(d == 0, 1.0, d)[..., None]
-    return q.round_().clamp_(-QMAX, QMAX).to(torch.int8).reshape(m, k), d
-
-
-def reference_blocked_matmul(
-    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, block: int
-) -> torch.Tensor:
-    """xq int8 [m, k] with scales xs [m, k // block], wq int8 [n, k] with ws [n, k // block] ->
-    fp32 [m, n] = sum over blocks b, in increasing b, in fp32, of xs[:, b] ws[:, b]^T times the
-    int32 dot product of the rows' block b. Each block's dot product is an fp32 matmul of small
-    integers, exact (|sum| <= block * 127^2 < 2^24), so a row's result does not depend on the
-    rows beside it: batch invariant, whatever the matmul's blocking."""
-    m, k = xq.shape
-    assert block * QMAX * QMAX < 2**24, "a block's dot product must be exact in fp32"
-    xf, wf = xq.float(), wq.float()
-    acc = torch.zeros(m, wq.shape[0], dtype=torch.float32, device=xq.device)
-    for b in range(k // block):
-        cols = slice(b * block, (b + 1) * block)
-        term = xs[:, b, None] * ws[None, :, b]
-        acc.add_(term.mul_(torch.matmul(xf[:, cols], wf[:, cols].t())))
-    return acc
-
-
-# The blocked int8 GEMM `Int8Linear` runs (same signature and semantics as
-# `reference_blocked_matmul`); a faster kernel with the same results goes here.
-blocked_matmul = reference_blocked_matmul
+def _quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_blocks` (the C++ pass on a CPU, the torch reference on other devices)."""
+    x = x.contiguous()
+    return quantize_blocks(x, block) if x.is_cpu else reference_quantize_blocks(x, block)
 
 
 def _padded(x: torch.Tensor, cols: int) -> torch.Tensor:
@@ -273,6 +251,8 @@ class Int8Linear(nn.Module):
         self.backend: GemmBackend = backend
         self.shape = shape
         self.packed: torch.Tensor | None = None
+        # Blocked weights on a CPU live only in the blocked kernel's layout, packed once here.
+        self.blocks: PackedWeights | None = None
         if block is None and backend == "fbgemm":  # fbgemm's own weight layout, packed once
             wq = torch._make_per_channel_quantized_tensor(
                 qweight.t().contiguous(),
@@ -281,6 +261,9 @@ class Int8Linear(nn.Module):
                 0,
             )
             self.packed = torch.ops.quantized.linear_prepack(wq, None)
+            self.q = None
+        elif block is not None and qweight.device.type == "cpu" and backend != "reference":
+            self.blocks = pack_weights(qweight, self.scale, block)
             self.q = None
         else:
             self.register_buffer("q", qweight)
@@ -303,7 +286,7 @@ class Int8Linear(nn.Module):
             weight = weight.index_fill(1, outlier_idx, 0)
         if block is not None:
             k = weight.shape[1]
-            q, scale = quantize_blocks(_padded(weight.float(), -(-k // block) * block), block)
+            q, scale = _quantize_blocks(_padded(weight.float(), -(-k // block) * block), block)
             return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes)
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
         return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
@@ -313,6 +296,8 @@ class Int8Linear(nn.Module):
         """The int8 weight: [in, out] per channel, [out, in rounded up to blocks] blocked."""
         if self.q is not None:
             return self.q
+        if self.blocks is not None:
+            return self.blocks.unpack()[0]
         assert self.packed is not None
         wq, _ = torch.ops.quantized.linear_unpack(self.packed)
         return wq.int_repr().t().contiguous()
@@ -339,21 +324,27 @@ class Int8Linear(nn.Module):
             w[:, self.outlier_idx] = self.outlier_w.float().t()
         return w
 
+    def _blocked(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """Quantized activations through the blocked int8 GEMM: the C++ kernel on the packed
+        weights, the torch reference elsewhere (other devices, the reference backend)."""
+        if self.blocks is not None:
+            return blocked_matmul(xq, xs, self.blocks)
+        assert self.q is not None and self.block is not None
+        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block)
+
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         skip = self.outlier_idx
         if self.block is not None:
-            assert self.q is not None
             xf = x.float() if skip is None else x.float().index_fill(1, skip, 0)
-            xp = _padded(xf, self.q.shape[1])
-            xq, xs = quantize_blocks(xp, self.block)
-            acc = blocked_matmul(xq, xs, self.q, self.scale, self.block)
+            xp = _padded(xf, self.scale.shape[1] * self.block)
+            xq, xs = _quantize_blocks(xp, self.block)
+            acc = self._blocked(xq, xs)
             if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
                 m, kp = xp.shape
                 missed = xp - (xq.float().view(m, -1, self.block) * xs[..., None]).view(m, kp)
-                rq, rs = quantize_blocks(missed, self.block)
-                acc.add_(blocked_matmul(rq, rs, self.q, self.scale, self.block))
+                acc.add_(self._blocked(*_quantize_blocks(missed, self.block)))
             out.copy_(acc)
         elif self.packed is not None:
             y, sx = _fbgemm_per_token(x, self.packed, skip)
@@ -576,6 +567,12 @@ def weight_bytes(model: nn.Module) -> int:
     packed int8 weights counted at one byte a value)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     packed = sum(
-        m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear) and m.q is None
+        m.in_features * m.out_features
+        for m in model.modules()
+        if isinstance(m, Int8Linear) and m.packed is not None
+    ) + sum(
+        m.blocks.data.numel() + m.blocks.scales.numel() * 4
+        for m in model.modules()
+        if isinstance(m, Int8Linear) and m.blocks is not None
     )
     return packed + sum(t.numel() * t.element_size() for t in tensors.values())
