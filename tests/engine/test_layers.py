@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -110,3 +115,29 @@ def test_fused_norm_is_row_wise_whatever_the_batch_or_address() -> None:
         assert torch.equal(rms_norm(x, w, 1e-6, out=torch.empty_like(x)), full)
     finally:
         torch.set_num_threads(threads)
+
+
+_NO_COMPILER = """
+import logging, sys
+import torch
+logging.basicConfig(level=logging.WARNING)
+from po_backend.engine import fused_cpu
+from po_backend.engine.models.layers import rms_norm
+assert not fused_cpu.enable(torch.float32, torch.device("cpu"))
+assert not hasattr(torch.ops.po_fused, "rms_norm")
+x, w = torch.randn(4, 8), torch.randn(8)
+ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+assert torch.equal(rms_norm(x, w, 1e-6, out=torch.empty(4, 8)), ref)  # torch's ops ran
+print("torch ops")
+"""
+
+
+def test_without_a_compiler_the_layers_run_torch_ops(tmp_path: Path) -> None:
+    """No compiler (or a failed build): one warning, nothing loaded, torch's ops give the norm; in a
+    child process, so this process's loaded kernels do not answer for it."""
+    env = {**os.environ, "PREFILLONLY_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-c++")}
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "torch ops" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "no C++ compiler" in done.stderr
