@@ -41,7 +41,8 @@ def qk_norm_rope_(
 ) -> None:
     """qk [c, q_heads + kv_heads, d] in place: the per-head RMSNorm of q and k (`norms`: q's and
     k's weights; None: none, as Llama), then RoPE; one pass where fused."""
-    if fused_cpu.takes(qk, cos, sin, *(norms or ())) and cos.is_contiguous() and sin.is_contiguous():
+    whole = [cos, sin, *(norms or ())]
+    if fused_cpu.takes(qk, *whole) and qk.dim() == 3 and all(t.is_contiguous() for t in whole):
         wq, wk = norms if norms is not None else (_EMPTY, _EMPTY)
         torch.ops.po_fused.norm_rope(qk, cos, sin, wq, wk, q_heads, eps)
         return
