@@ -27,6 +27,8 @@ from po_backend.engine.models.loader import read_config, resolve_model_dir
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "po_attn::fwd")
+# The namespaces of the ops counted (torch's and this engine's kernels).
+OPS = ("aten::", "po_attn::", "po_fused::")
 # Top-level op names -> the category they are reported under (everything else: "other").
 CATEGORIES = {
     "aten::mm": "gemm",
@@ -37,6 +39,9 @@ CATEGORIES = {
     "aten::bmm": "gemm",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "po_attn::fwd": "attention",
+    "po_fused::rms_norm": "elementwise (norm, rope, act)",
+    "po_fused::add_rms_norm": "elementwise (norm, rope, act)",
+    "po_fused::norm_rope": "elementwise (norm, rope, act)",
     "aten::mul": "elementwise (norm, rope, act)",
     "aten::mul_": "elementwise (norm, rope, act)",
     "aten::add_": "elementwise (norm, rope, act)",
@@ -80,11 +85,11 @@ def _flat_ops(prof: Any) -> list[Any]:
         parent = e.cpu_parent
         inside = False
         while parent is not None:
-            if parent.name.startswith(("aten::", "po_attn::")):
+            if parent.name.startswith(OPS):
                 inside = True
                 break
             parent = parent.cpu_parent
-        if not inside and e.name.startswith(("aten::", "po_attn::")):
+        if not inside and e.name.startswith(OPS):
             out.append(e)
     return out
 

@@ -262,14 +262,22 @@ def _empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def cpu_flash_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attention with its log-sum-exp from torch's CPU flash kernel (CPU, fp32/bf16)."""
+    """Partial attention with its log-sum-exp from torch's CPU flash kernel (CPU, fp32/bf16): one
+    call for every head, grouped-query in the kernel (the same bits as a call per KV head, in one
+    parallel region). The results are [n, heads, ...] views of the kernel's head-major outputs."""
     assert _CPU_FLASH is not None, "this torch has no CPU flash attention kernel"
-    out, lse = _empty_partial(q)
-    for hs, qj, kj, vj in _per_kv_head(q, k, v):
-        o, s = _CPU_FLASH(qj, kj, vj, 0.0, causal, scale=scale)
-        out[:, hs] = o.squeeze(0).transpose(0, 1)
-        lse[:, hs] = s.squeeze(0).transpose(0, 1)
-    return out, lse
+    if k.shape[0] == 0:  # no keys: nothing to attend (the kernel divides by the key count)
+        out, lse = _empty_partial(q)
+        return out.zero_(), lse.fill_(-torch.inf)
+    o, s = _CPU_FLASH(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        0.0,
+        causal,
+        scale=scale,
+    )
+    return o[0].transpose(0, 1).float(), s[0].transpose(0, 1).float()
 
 
 def cpu_lse(

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from po_backend.engine import attention_cpu
+from po_backend.engine import attention_cpu, fused_cpu
 from po_backend.engine.activations import activation_bytes, chunked_activation_bytes
 from po_backend.engine.attention import attend, attend_items
 from po_backend.engine.cache.kv_pool import KVPool
@@ -95,6 +95,8 @@ class Runner(ABC):
         # Decided (and the bf16 CPU kernel built or loaded) here, at start-up, never in a request.
         self.attention = attention_cpu.decide(self.dtype, device, self.cfg.head_dim)
         self.attn_dtype = _attention_dtype(self.dtype, self.resid_dtype, device, self.attention)
+        # The fused fp32 norm/RoPE kernels, built or loaded here too (fp32 CPU only).
+        fused_cpu.enable(self.dtype, device)
         # Items over a shared prefix get the bits they would alone (`attend_items`' per_item)
         # where those bits matter: under bf16/fp16 weights or int8 projections on a CPU (a GPU is
         # launch-bound); int8's per-token rounding would turn last-bit differences into steps.

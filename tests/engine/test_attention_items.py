@@ -186,3 +186,36 @@ def test_an_item_gets_the_same_bits_alone_and_in_a_batch() -> None:
         alone = torch.empty(b - a, heads * d)
         attend_items(q[a:b], k[a:b], v[a:b], alone, 0.125, [(0, b - a)], pk, pv, per_item=True)
         assert torch.equal(alone, out[a:b])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (16, 8), (4, 4)])
+@pytest.mark.parametrize(("causal", "n", "m"), [(True, 37, 37), (False, 37, 300), (False, 5, 1)])
+def test_cpu_flash_lse_one_grouped_call_is_the_per_kv_head_bits(
+    dtype: torch.dtype, heads: int, kv_heads: int, causal: bool, n: int, m: int
+) -> None:
+    """`cpu_flash_lse` makes one grouped-query kernel call for all heads: the same bits, output
+    and log-sum-exp, as the call per KV head it replaced (kept here as the reference)."""
+    assert attention._CPU_FLASH is not None
+    g = torch.Generator().manual_seed(heads + m)
+    q = torch.randn(n, heads, D, generator=g).to(dtype)
+    k, v = (torch.randn(m, kv_heads, D, generator=g).to(dtype) for _ in range(2))
+    out, lse = cpu_flash_lse(q, k, v, causal, SCALE)
+    ref_out = torch.empty(n, heads, D)
+    ref_lse = torch.empty(n, heads)
+    for hs, qj, kj, vj in attention._per_kv_head(q, k, v):
+        o, s = attention._CPU_FLASH(qj, kj, vj, 0.0, causal, scale=SCALE)
+        ref_out[:, hs] = o.squeeze(0).transpose(0, 1)
+        ref_lse[:, hs] = s.squeeze(0).transpose(0, 1)
+    assert out.dtype == lse.dtype == torch.float32
+    assert torch.equal(out, ref_out)
+    assert torch.equal(lse, ref_lse)
+
+
+def test_cpu_flash_lse_without_keys_is_an_empty_partial() -> None:
+    """No keys (an empty prefix): zero output and a log-sum-exp of -inf, which the merge weighs
+    to nothing, not the kernel's division by zero."""
+    q = _qkv(5, HEADS, torch.float32, 0)
+    out, lse = cpu_flash_lse(q, q.new_empty(0, KV_HEADS, D), q.new_empty(0, KV_HEADS, D), False, SCALE)
+    assert torch.equal(out, torch.zeros(5, HEADS, D))
+    assert bool((lse == -torch.inf).all())

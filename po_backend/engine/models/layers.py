@@ -5,13 +5,55 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from po_backend.engine import fused_cpu
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back, as transformers does, so bf16 results match it."""
+    """RMSNorm computed in fp32 and cast back, as transformers does, so bf16 results match it.
+    fp32 on a CPU: one fused pass (`fused_cpu`)."""
+    if fused_cpu.takes(x, weight, out) and x.dim() in (2, 3) and weight.is_contiguous():
+        torch.ops.po_fused.rms_norm(x, weight, eps, out)
+        return out
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     torch.mul(xf.to(x.dtype), weight, out=out)
     return out
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> torch.Tensor:
+    """h += delta, then out = rms_norm(h) (out may be delta): one pass over h where fused."""
+    if fused_cpu.takes(h, delta, weight, out) and h.dim() == 2 and weight.is_contiguous():
+        torch.ops.po_fused.add_rms_norm(h, delta, weight, eps, out)
+        return out
+    h.add_(delta)
+    return rms_norm(h, weight, eps, out=out)
+
+
+def qk_norm_rope_(
+    qk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_heads: int,
+    eps: float,
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """qk [c, q_heads + kv_heads, d] in place: the per-head RMSNorm of q and k (`norms`: q's and
+    k's weights; None: none, as Llama), then RoPE; one pass where fused."""
+    whole = [cos, sin, *(norms or ())]
+    if fused_cpu.takes(qk, *whole) and qk.dim() == 3 and all(t.is_contiguous() for t in whole):
+        wq, wk = norms if norms is not None else (_EMPTY, _EMPTY)
+        torch.ops.po_fused.norm_rope(qk, cos, sin, wq, wk, q_heads, eps)
+        return
+    if norms is not None:
+        q, k = qk.split((q_heads, qk.shape[1] - q_heads), dim=1)
+        rms_norm(q, norms[0], eps, out=q)
+        rms_norm(k, norms[1], eps, out=k)
+    Rotary.apply_(qk, cos, sin)
+
+
+_EMPTY = torch.empty(0)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
@@ -58,6 +100,9 @@ class Rotary:
     @staticmethod
     def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [n, heads, head_dim] in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s."""
+        if fused_cpu.takes(x, cos, sin) and x.dim() == 3 and cos.is_contiguous() and sin.is_contiguous():
+            torch.ops.po_fused.norm_rope(x, cos, sin, _EMPTY, _EMPTY, 0, 0.0)
+            return
         rot = 2 * cos.shape[-1]
         if rot < x.shape[-1]:
             x = x[..., :rot]

@@ -16,7 +16,7 @@ from torch import nn
 
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models.int8 import linear
-from po_backend.engine.models.layers import Rotary, rms_norm, silu_mul
+from po_backend.engine.models.layers import add_rms_norm, qk_norm_rope_, rms_norm, silu_mul
 from po_backend.engine.models.lora import LayerLoRA
 
 WeightLoader = Callable[[torch.Tensor, torch.Tensor, "str | int | None"], None]
@@ -96,12 +96,11 @@ class DecoderLayer(nn.Module):
         # q and k are adjacent in the fused buffer: one view rotates both heads' sets at once
         # (half the op calls of rotating them apart, on a memory-bound step).
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(c, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        norms = None
         if self.q_norm is not None:
-            q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             assert self.k_norm is not None, "q_norm and k_norm come together"
-            rms_norm(q, self.q_norm, cfg.rms_norm_eps, out=q)
-            rms_norm(k, self.k_norm, cfg.rms_norm_eps, out=k)
-        Rotary.apply_(qk, cos, sin)
+            norms = (self.q_norm, self.k_norm)
+        qk_norm_rope_(qk, cos, sin, cfg.num_heads, cfg.rms_norm_eps, norms)
 
     def out_mlp_chunk(
         self, h: torch.Tensor, attn: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor
@@ -112,8 +111,7 @@ class DecoderLayer(nn.Module):
         chunk and layer: the MLP intermediate, the largest activation, never exceeds one chunk.
         """
         self.project("o", attn, self.o_proj, x)
-        h.add_(x)
-        rms_norm(h, self.post_attention_layernorm, self.cfg.rms_norm_eps, out=x)
+        add_rms_norm(h, x, self.post_attention_layernorm, self.cfg.rms_norm_eps, out=x)
         self.mlp(x, gate_up, act)
         h.add_(x)
 

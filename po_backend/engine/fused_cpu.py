@@ -1,0 +1,107 @@
+"""Fused fp32 CPU kernels for a decoder layer's memory-bound steps (`csrc/fused_fp32.cpp`): RMSNorm,
+the residual add with the norm after it, and the per-head q/k RMSNorm with RoPE, each one pass
+over its data and one parallel region instead of torch's five (a norm) or six (RoPE).
+
+Only fp32 on a CPU takes them (what `--dtype auto` picks without native bf16): bf16 keeps torch's
+ops, whose cast points are transformers' bf16 rules. RoPE gives transformers' fp32 bits; the norm
+sums its squares in another (fixed) order than torch, so it may differ in the last bit, the same
+for a row whatever its batch, chunk or thread (batch-invariant: a cache hit equals the cold run).
+
+Built like the bf16 attention kernel (`attention_cpu`): when a CPU fp32 runner starts, never in a
+request, into the per-user cache under `ext/po_fused_fp32-<hash>/`; without a compiler, or if the
+build fails, one warning and torch's ops run instead. `PO_CPU_FUSED=0` keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from po_backend.core.cpu import cpu_flags
+from po_backend.core.fs import cache_root, private_dir
+from po_backend.engine import attention_cpu
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "fused_fp32.cpp"
+_NAME = "po_fused_fp32"
+# No fused multiply-add: RoPE's products and sums round as transformers' separate ops do.
+_CFLAGS = ("-O3", "-DNDEBUG", "-ffp-contract=off")
+_ENV = "PO_CPU_FUSED"
+
+# Whether the kernels are loaded in this process and wanted: the layers read it on every call.
+enabled = False
+
+
+def _cflags() -> tuple[str, ...]:
+    """The build's flags: AVX2/FMA vectors where the CPU has them (part of the build key, so a
+    library built for them is never loaded on a CPU without)."""
+    f = cpu_flags()
+    return (*_CFLAGS, "-mavx2", "-mfma") if {"avx2", "fma"} <= f else _CFLAGS
+
+
+def build_key() -> str:
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (*_cflags(), os.environ.get("CXX", "c++"), torch.__version__):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def _registered() -> bool:
+    return hasattr(torch.ops.po_fused, "rms_norm")
+
+
+@functools.cache
+def load() -> bool:
+    """Build (first time) and load the kernels; False, with one warning, if that fails."""
+    if _registered():
+        return True
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("no C++ compiler: fp32 CPU norms and RoPE stay on torch's ops (slower)")
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        attention_cpu._ninja_on_path()
+        build = cache_root() / "ext" / f"{_NAME}-{build_key()}"
+        for folder in (cache_root(), build.parent, build):
+            private_dir(folder, "the fused fp32 kernels' build")
+        timeout = float(os.environ.get(attention_cpu._LOCK_TIMEOUT_ENV, attention_cpu._LOCK_TIMEOUT_S))
+        with attention_cpu._build_lock(build, timeout):
+            (build / "lock").unlink(missing_ok=True)  # a killed build's stale torch lock (see attention_cpu)
+            if not (build / f"{_NAME}.so").is_file():
+                log.info("building the fused fp32 CPU kernels once into %s (about 10 s)", build)
+            cpp_extension.load(
+                name=_NAME,
+                sources=[str(_SOURCE)],
+                extra_cflags=list(_cflags()),
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
+        log.warning("the fused fp32 CPU kernels are unavailable; torch's ops run instead: %s", e)
+        return False
+    return _registered()
+
+
+def enable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Load the kernels for an fp32 CPU runner (at its start: never in a request); whether they run."""
+    global enabled
+    if device.type == "cpu" and dtype == torch.float32 and os.environ.get(_ENV, "1") != "0" and load():
+        enabled = True
+    return enabled
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels run on these tensors: loaded, all fp32 on the CPU, last dims contiguous."""
+    return enabled and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and (t.dim() == 0 or t.stride(-1) == 1)
+        for t in tensors
+    )
