@@ -7,7 +7,7 @@ ops, whose cast points are transformers' bf16 rules. RoPE gives transformers' fp
 sums its squares in another (fixed) order than torch, so it may differ in the last bit, the same
 for a row whatever its batch, chunk or thread (batch-invariant: a cache hit equals the cold run).
 
-Built like the bf16 attention kernel (`attention_cpu`): when a CPU fp32 runner starts, never in a
+Built by `po_backend.engine.kernels` like the other CPU kernels: when a CPU fp32 runner starts, never in a
 request, into the per-user cache under `ext/po_fused_fp32-<hash>/`; without a compiler, or if the
 build fails, one warning and torch's ops run instead. `PO_CPU_FUSED=0` keeps torch's ops.
 """
@@ -15,17 +15,14 @@ build fails, one warning and torch's ops run instead. `PO_CPU_FUSED=0` keeps tor
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from po_backend.core.cpu import cpu_flags
-from po_backend.core.fs import cache_root, private_dir
-from po_backend.engine import attention_cpu
+from po_backend.engine import kernels
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +44,7 @@ def _cflags() -> tuple[str, ...]:
 
 
 def build_key() -> str:
-    h = hashlib.sha256(_SOURCE.read_bytes())
-    for part in (*_cflags(), os.environ.get("CXX", "c++"), torch.__version__):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:16]
+    return kernels.build_key((_SOURCE,), _cflags(), ())
 
 
 def _registered() -> bool:
@@ -62,29 +56,14 @@ def load() -> bool:
     """Build (first time) and load the kernels; False, with one warning, if that fails."""
     if _registered():
         return True
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if kernels.compiler() is None:
         log.warning("no C++ compiler: fp32 CPU norms and RoPE stay on torch's ops (slower)")
         return False
     try:
-        from torch.utils import cpp_extension
-
-        attention_cpu._ninja_on_path()
-        build = cache_root() / "ext" / f"{_NAME}-{build_key()}"
-        for folder in (cache_root(), build.parent, build):
-            private_dir(folder, "the fused fp32 kernels' build")
-        timeout = float(os.environ.get(attention_cpu._LOCK_TIMEOUT_ENV, attention_cpu._LOCK_TIMEOUT_S))
-        with attention_cpu._build_lock(build, timeout):
-            (build / "lock").unlink(missing_ok=True)  # a killed build's stale torch lock (see attention_cpu)
-            if not (build / f"{_NAME}.so").is_file():
-                log.info("building the fused fp32 CPU kernels once into %s (about 10 s)", build)
-            cpp_extension.load(
-                name=_NAME,
-                sources=[str(_SOURCE)],
-                extra_cflags=list(_cflags()),
-                build_directory=str(build),
-                is_python_module=False,
-                verbose=False,
-            )
+        build = kernels.build_dir(_NAME, build_key())
+        if not kernels.is_built(_NAME, build):
+            log.info("building the fused fp32 CPU kernels once into %s (about 10 s)", build)
+        kernels.build_and_load(_NAME, (_SOURCE,), _cflags(), (), build, "the fused fp32 kernels' build")
     except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
         log.warning("the fused fp32 CPU kernels are unavailable; torch's ops run instead: %s", e)
         return False
