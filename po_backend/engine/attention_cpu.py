@@ -140,21 +140,18 @@ def load_kernel() -> bool:
     """Build (first time) and load the kernel; False, with one warning, if that fails. A process
     loads it at most once: a second copy (another build folder) registering the same operators
     aborts the interpreter."""
-    if _registered():
-        return True
-    if kernels.compiler() is None:
-        log.warning("no C++ compiler: bf16 CPU attention stays on torch SDPA (slower)")
-        return False
-    try:
-        build = _build_dir()
-        name, cflags = _flavour()
-        if not kernels.is_built(name, build):
-            log.info("building the bf16 CPU attention kernel once into %s (about 10 s)", build)
-        kernels.build_and_load(name, (_SOURCE,), cflags, _LDFLAGS, build, "the attention kernel build")
-    except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
-        log.warning("the bf16 CPU attention kernel is unavailable; attention stays on SDPA: %s", e)
-        return False
-    return _registered()
+    name, cflags = _flavour()
+    return kernels.load(
+        name,
+        (_SOURCE,),
+        cflags,
+        _LDFLAGS,
+        _build_dir(),
+        registered=_registered,
+        what="the bf16 CPU attention kernel",
+        fallback="attention stays on torch SDPA (slower)",
+        log=log,
+    )
 
 
 @functools.cache

@@ -54,20 +54,17 @@ def _registered() -> bool:
 @functools.cache
 def load() -> bool:
     """Build (first time) and load the kernels; False, with one warning, if that fails."""
-    if _registered():
-        return True
-    if kernels.compiler() is None:
-        log.warning("no C++ compiler: fp32 CPU norms and RoPE stay on torch's ops (slower)")
-        return False
-    try:
-        build = kernels.build_dir(_NAME, build_key())
-        if not kernels.is_built(_NAME, build):
-            log.info("building the fused fp32 CPU kernels once into %s (about 10 s)", build)
-        kernels.build_and_load(_NAME, (_SOURCE,), _cflags(), (), build, "the fused fp32 kernels' build")
-    except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
-        log.warning("the fused fp32 CPU kernels are unavailable; torch's ops run instead: %s", e)
-        return False
-    return _registered()
+    return kernels.load(
+        _NAME,
+        (_SOURCE,),
+        _cflags(),
+        (),
+        kernels.build_dir(_NAME, build_key()),
+        registered=_registered,
+        what="the fused fp32 CPU kernels",
+        fallback="fp32 CPU norms and RoPE stay on torch's ops (slower)",
+        log=log,
+    )
 
 
 def enable(dtype: torch.dtype, device: torch.device) -> bool:

@@ -104,21 +104,18 @@ def load_kernel() -> bool:
     if isa() is None:
         log.warning("the CPU has no AVX2/FMA: blocked int8 GEMMs run torch's reference (slow)")
         return False
-    if _registered():
-        return True
-    if kernels.compiler() is None:
-        log.warning("no C++ compiler: blocked int8 GEMMs run torch's reference (slow)")
-        return False
-    try:
-        build = _build_dir()
-        name, cflags = _flavour()
-        if not kernels.is_built(name, build):
-            log.info("building the blocked int8 GEMM kernel once into %s (about 20 s)", build)
-        kernels.build_and_load(name, (_SOURCE,), cflags, _LDFLAGS, build, "the int8 kernel build")
-    except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
-        log.warning("the blocked int8 GEMM kernel is unavailable; torch's reference runs (slow): %s", e)
-        return False
-    return _registered()
+    name, cflags = _flavour()
+    return kernels.load(
+        name,
+        (_SOURCE,),
+        cflags,
+        _LDFLAGS,
+        _build_dir(),
+        registered=_registered,
+        what="the blocked int8 GEMM kernel",
+        fallback="blocked int8 GEMMs run torch's reference (slow)",
+        log=log,
+    )
 
 
 def kernel_available() -> bool:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -123,3 +124,33 @@ def build_and_load(
             is_python_module=False,
             verbose=False,
         )
+
+
+def load(
+    name: str,
+    sources: Sequence[Path],
+    cflags: Sequence[str],
+    ldflags: Sequence[str],
+    folder: Path,
+    *,
+    registered: Callable[[], bool],
+    what: str,
+    fallback: str,
+    log: logging.Logger,
+) -> bool:
+    """Build (first time) and load a kernel module's library; False, with one warning on the
+    module's `log` saying what runs instead (`fallback`), if there is no compiler or anything
+    fails. Each module calls it at most once per process (behind `functools.cache`)."""
+    if registered():
+        return True
+    if compiler() is None:
+        log.warning("no C++ compiler: %s", fallback)
+        return False
+    try:
+        if not is_built(name, folder):
+            log.info("building %s once into %s (about 10-20 s)", what, folder)
+        build_and_load(name, sources, cflags, ldflags, folder, what)
+    except Exception as e:  # a compiler error, a missing header, ninja absent, a lock, an unsafe dir
+        log.warning("%s is unavailable; %s: %s", what, fallback, e)
+        return False
+    return registered()
