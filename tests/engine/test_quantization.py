@@ -220,6 +220,24 @@ def test_int8_cache_skips_quantizing_and_gives_the_same_answers(
     assert qw < 0.3 * fw
 
 
+def _cold_answers(engine: Engine, prefix: list[int], items: list[list[int]], labels: list[int]) -> list:
+    """Each item over the prefix with an empty cache: the cold runs' log-probs."""
+    cold = []
+    for it in items:
+        engine.flush_cache()
+        cold += [r.logprobs for r in engine.score([prefix + it], labels, cache_prefix_len=len(prefix))]
+    return cold
+
+
+def _hit_answers(engine: Engine, prefix: list[int], items: list[list[int]], labels: list[int]) -> list:
+    """The prefix cached first, then all items over it in one call (every one a hit): their log-probs."""
+    engine.flush_cache()
+    engine.score([prefix], labels[:1], cache_prefix_len=len(prefix))
+    hit = engine.score([prefix + it for it in items], labels, cache_prefix_len=len(prefix))
+    assert all(r.cached_tokens == len(prefix) for r in hit)
+    return [r.logprobs for r in hit]
+
+
 @pytest.mark.parametrize("recipe", [int8.PER_CHANNEL, int8.DEFAULT_RECIPE])
 @pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx512_vnni"}, set()])
 def test_cache_hit_equals_cold_run(
@@ -234,16 +252,8 @@ def test_cache_hit_equals_cold_run(
     engine = _engine(path)
     prefix = _prompts(engine.vocab_size, [60], seed=3)[0]
     items = _prompts(engine.vocab_size, [9, 14], seed=4)
-    cold = []
-    for it in items:
-        engine.flush_cache()
-        cold += engine.score([prefix + it], [0, 5], cache_prefix_len=len(prefix))
-    engine.flush_cache()
-    engine.score([prefix], [0], cache_prefix_len=len(prefix))
-    hit = engine.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
-    assert all(r.cached_tokens == len(prefix) for r in hit)
-    for a, b in zip(cold, hit, strict=True):
-        assert a.logprobs == b.logprobs  # the same arithmetic: the same bits
+    # The same arithmetic: the same bits.
+    assert _hit_answers(engine, prefix, items, [0, 5]) == _cold_answers(engine, prefix, items, [0, 5])
 
 
 def test_bad_quantization_is_a_value_error(tiny_model) -> None:
@@ -369,16 +379,9 @@ def test_embedded_int8_cache_hit_equals_cold_run() -> None:
         for t in ("A sourdough starter guide.", "Stargazing in the desert.", "Celebrity gossip weekly.")
     ]
     labels = [tok.encode(" Yes")[0], tok.encode(" No")[0]]
-    cold = []
-    for it in items:
-        engine.flush_cache()
-        cold += engine.score([prefix + it], labels, cache_prefix_len=len(prefix))
-    engine.flush_cache()
-    engine.score([prefix], labels, cache_prefix_len=len(prefix))
-    hit = engine.score([prefix + it for it in items], labels, cache_prefix_len=len(prefix))
-    assert all(r.cached_tokens == len(prefix) for r in hit)
-    for a, b in zip(cold, hit, strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    cold = _cold_answers(engine, prefix, items, labels)
+    for a, b in zip(cold, _hit_answers(engine, prefix, items, labels), strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
 
 
 # ---- calibration, smoothing and outlier channels ------------------------------------------------------
@@ -641,20 +644,14 @@ def test_blocked_cache_and_prefix_hit_equal_the_cold_run(
     cold = _engine(path)
     prefix = _prompts(cold.vocab_size, [60], seed=3)[0]
     items = _prompts(cold.vocab_size, [9, 14], seed=4)
-    expected = []
-    for it in items:
-        cold.flush_cache()
-        expected += [r.logprobs for r in cold.score([prefix + it], [0, 5], cache_prefix_len=len(prefix))]
+    expected = _cold_answers(cold, prefix, items, [0, 5])
     # The int8 cache: a second start quantizes nothing and answers the same.
     monkeypatch.setattr(loader, "quantize_model", lambda *a: pytest.fail("quantized again"))
     warm = _engine(path)
     assert isinstance(warm.model.decoder_layers[1].qkv_proj, Int8Linear)
     assert warm.model.decoder_layers[1].qkv_proj.block == 32
     # A prefix-cache hit: the items over the cached prefix, together, give the cold run's bits.
-    warm.score([prefix], [0], cache_prefix_len=len(prefix))
-    hit = warm.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
-    assert all(r.cached_tokens == len(prefix) for r in hit)
-    assert [r.logprobs for r in hit] == expected
+    assert _hit_answers(warm, prefix, items, [0, 5]) == expected
 
 
 def test_q8_0_gguf_loads_as_its_own_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -729,10 +726,7 @@ def test_two_activation_passes_cache_and_prefix_hit(
     cold = _engine(path)
     prefix = _prompts(cold.vocab_size, [60], seed=3)[0]
     items = _prompts(cold.vocab_size, [9, 14], seed=4)
-    expected = []
-    for it in items:
-        cold.flush_cache()
-        expected += [r.logprobs for r in cold.score([prefix + it], [0, 5], cache_prefix_len=len(prefix))]
+    expected = _cold_answers(cold, prefix, items, [0, 5])
     # transformers with the same int8 weights and float activations: only the activations' second
     # rounding (1/127 of a step) is left.
     import copy
@@ -748,10 +742,7 @@ def test_two_activation_passes_cache_and_prefix_hit(
     warm = _engine(path)
     lin = warm.model.decoder_layers[0].gate_up_proj
     assert isinstance(lin, Int8Linear) and lin.activation_passes == 2
-    warm.score([prefix], [0], cache_prefix_len=len(prefix))
-    hit = warm.score([prefix + it for it in items], [0, 5], cache_prefix_len=len(prefix))
-    assert all(r.cached_tokens == len(prefix) for r in hit)
-    assert [r.logprobs for r in hit] == expected
+    assert _hit_answers(warm, prefix, items, [0, 5]) == expected
 
 
 def test_each_quantization_mode_runs_its_recipe(
