@@ -42,6 +42,7 @@ CATEGORIES = {
     "po_fused::rms_norm": "elementwise (norm, rope, act)",
     "po_fused::add_rms_norm": "elementwise (norm, rope, act)",
     "po_fused::norm_rope": "elementwise (norm, rope, act)",
+    "po_fused::silu_mul": "elementwise (norm, rope, act)",
     "aten::mul": "elementwise (norm, rope, act)",
     "aten::mul_": "elementwise (norm, rope, act)",
     "aten::add_": "elementwise (norm, rope, act)",
