@@ -1,7 +1,8 @@
 """Real model shapes on this CPU (random weights, real shape), in one process: per shape and prompt
 length, one prefill of ours against transformers (`logits_to_keep=1`, the same dtype: the one
-`--dtype auto` picks here), repeats interleaved, each against the GEMM peak measured in this run
-(`bench_mil.prefill_flops`: projections, MLP, attention's causal half, a 1-row head) with its peak
+`--dtype auto` picks here), repeats interleaved, each against the GEMM peak of this run (the
+highest of its readings before and after every length: `bench_mil.GemmPeak`; FLOPs from
+`bench_mil.prefill_flops`: projections, MLP, attention's causal half, a 1-row head) with its peak
 memory; llama.cpp (llama-cpp-python, the `llamacpp` extra) prompt tokens/s on F16 and Q8_0 GGUFs
 of the same weights; and a WL1-style labeling job (users x posts sharing each user's profile):
 ours (the profile from the prefix cache) against a batched transformers loop and llama.cpp (the
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness, llamacpp
-from benchmarks.bench_mil import LABEL_ID, gemm_peak_gflops, prefill_flops, timed
+from benchmarks.bench_mil import LABEL_ID, GemmPeak, prefill_flops, timed
 from benchmarks.harness import REPO_ROOT, GiB, MiB
 from benchmarks.workloads import Item, label_ids, wl1
 from po_backend.engine.config import ModelConfig, parse_dtype
@@ -55,9 +56,10 @@ def _measure(fn: Any) -> tuple[float, int, float]:
 
 
 def prefill_rows(
-    model: str, lengths: list[int], repeats: int, dt: torch.dtype, peak_gflops: float
+    model: str, lengths: list[int], repeats: int, dt: torch.dtype, peak: GemmPeak
 ) -> list[dict[str, Any]]:
-    """Ours and transformers at each length, `repeats` times, alternating which goes first."""
+    """Ours and transformers at each length, `repeats` times, alternating which goes first; the
+    GEMM peak read again after each length (the shares are set at the end: `set_shares`)."""
     import transformers
 
     from po_backend.engine.engine import Engine
@@ -89,14 +91,18 @@ def prefill_rows(
     for make in systems.values():  # pools, weights' first touch
         make(_ids(cfg, WARMUP_TOKENS))()
     rows = []
+    shape = model.removeprefix(shapes.PREFIX).split("?")[0]
     for n in lengths:
         ids = _ids(cfg, n)
+        # The reading after the previous length is this one's "before".
+        before = peak.sample(f"before {shape} n={n}") if not rows else peak.samples[-1][1]
         runs: dict[str, list[tuple[float, int, float]]] = {k: [] for k in systems}
         for r in range(repeats):
             for name in list(systems)[:: 1 if r % 2 == 0 else -1]:
                 runs[name].append(_measure(systems[name](ids)))
+        after = peak.sample(f"after {shape} n={n}")
         flops = prefill_flops(cfg, n)
-        row: dict[str, Any] = {"n": n, "gflop": flops / 1e9}
+        row: dict[str, Any] = {"n": n, "gflop": flops / 1e9, "gemm_peak_around_gflops": [before, after]}
         for name, rs in runs.items():
             best = min(s for s, _, _ in rs)
             row[name] = {
@@ -105,7 +111,6 @@ def prefill_rows(
                 "median_s": statistics.median(s for s, _, _ in rs),
                 "tok_per_s": n / best,
                 "gflops": flops / best / 1e9,
-                "gemm_peak_frac": flops / best / 1e9 / peak_gflops,
                 "peak_mib": max(b for _, b, _ in rs) / MiB,
                 "other_cores": max(c for _, _, c in rs),
             }
@@ -114,11 +119,22 @@ def prefill_rows(
         rows.append(row)
         o, h = row["ours"], row["transformers"]
         print(
-            f"  n={n:5d}: ours {o['tok_per_s']:7.1f} tok/s ({o['gemm_peak_frac']:.0%} of peak, "
-            f"{o['peak_mib']:.0f} MiB), transformers {h['tok_per_s']:7.1f} tok/s ({h['gemm_peak_frac']:.0%}, "
-            f"{h['peak_mib']:.0f} MiB): {row['ratio']:.2f}x (other cores up to {max(o['other_cores'], h['other_cores']):.2f})"
+            f"  n={n:5d}: ours {o['tok_per_s']:7.1f} tok/s ({peak.share(o['gflops']):.0%} of the peak so far, "
+            f"{o['peak_mib']:.0f} MiB), transformers {h['tok_per_s']:7.1f} tok/s ({peak.share(h['gflops']):.0%}, "
+            f"{h['peak_mib']:.0f} MiB): {row['ratio']:.2f}x (other cores up to {max(o['other_cores'], h['other_cores']):.2f}; "
+            f"GEMM peak {before:.1f} before, {after:.1f} after)"
         )
     return rows
+
+
+def set_shares(doc: dict[str, Any], peak: GemmPeak) -> None:
+    """Every prefill row's share of the run's GEMM peak (its highest reading), once all are in."""
+    doc["gemm_peak_gflops"] = peak.best
+    doc["gemm_peak"] = peak.record()
+    for s in doc["shapes"]:
+        for row in s["prefill"]:
+            for name in ("ours", "transformers"):
+                row[name]["gemm_peak_frac"] = peak.share(row[name]["gflops"])
 
 
 def gguf_files(model: str) -> dict[str, Path]:
@@ -285,15 +301,16 @@ def _label_llama(
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    m = doc["machine"]
+    m, g = doc["machine"], doc["gemm_peak"]
     flags = ", ".join(f for f, on in m["flags"].items() if on) or "none of the listed"
     lines = [
         f"# Real shapes on {m['cpu']} ({m['cpu_class']}, {m['cores']} cores)",
         "",
         f"**{shapes.WEIGHTS_NOTE}.** CPU flags: {flags}. dtype {doc['dtype']} (what `--dtype auto` picks "
-        f"here); measured GEMM peak (2048^3, x @ W.t()) {doc['gemm_peak_gflops']:.1f} GFLOP/s at the start "
-        f"of this run (the shares below are of it), {doc.get('gemm_peak_gflops_end', float('nan')):.1f} at its end. "
-        "Best of the interleaved repeats; 'other cores' is the CPU other processes used meanwhile.",
+        f"here). GEMM peak (2048^3, x @ W.t()): {doc['gemm_peak_gflops']:.1f} GFLOP/s, the highest of "
+        f"{len(g['samples'])} readings in this run (before and after every length; lowest "
+        f"{g['min_gflops']:.1f}, spread {g['spread']:.0%}): **every % of peak below is of that highest "
+        "reading**. Best of the interleaved repeats; 'other cores' is the CPU other processes used meanwhile.",
         "",
         "| shape | tokens | ours tok/s | ours % of GEMM peak | transformers tok/s | transformers % of peak "
         "| ours / transformers | ours peak MiB | transformers peak MiB | other cores |",
@@ -376,9 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     dev = torch.device("cpu")
     dt = parse_dtype("auto", dev)
-    peak = gemm_peak_gflops(dt, dev)
+    peak = GemmPeak.of(dt, dev)
+    first = peak.sample("start")
     print(
-        f"{harness.machine_info()['cpu']}: --dtype auto -> {dt}; GEMM peak {peak:.1f} GFLOP/s ({shapes.WEIGHTS_NOTE})"
+        f"{harness.machine_info()['cpu']}: --dtype auto -> {dt}; GEMM peak {first:.1f} GFLOP/s at the start "
+        f"(read again around every length) ({shapes.WEIGHTS_NOTE})"
     )
     lengths = [int(x) for x in args.lengths.split(",")]
     doc: dict[str, Any] = {
@@ -386,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
         "weights": shapes.WEIGHTS_NOTE,
         "args": vars(args),
         "dtype": str(dt),
-        "gemm_peak_gflops": peak,
         "shapes": [],
     }
     t0 = time.perf_counter()
@@ -402,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         model = f"{shapes.PREFIX}{args.label_shape}{suffix}"
         print(f"labeling job on {model}:")
         doc["labeling"] = {"shape": args.label_shape, **labeling(model, args, dt)}
-    doc["gemm_peak_gflops_end"] = gemm_peak_gflops(dt, dev)  # the roof again: did the share drift?
+    peak.sample("end")
+    set_shares(doc, peak)
+    print(peak.summary() + ": every share of the peak in the JSON and markdown is of the highest")
     doc["wall_s"] = time.perf_counter() - t0
     harness.save(args.out, doc, markdown(doc))
     return 0

@@ -1,8 +1,8 @@
 """Where one CPU prefill's time goes, at a real shape (random weights, real shape): one forward of
 ours and one of transformers (`logits_to_keep=1`) under torch.profiler, CPU time per op type
 (each GEMM with its exact M, N, K, attention, norms, RoPE, activation, copies), and every GEMM
-shape's achieved GFLOP/s against a bare torch.mm of the same shape and the 2048^3 peak, all
-measured in this process.
+shape's achieved GFLOP/s against a bare torch.mm of the same shape and the 2048^3 peak (the highest
+of its readings before and after each forward: `bench_mil.GemmPeak`), all measured in this process.
 
     python -m benchmarks.profile_forward --shape qwen3-0.6b --layers 4 --tokens 2048
 """
@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import harness
-from benchmarks.bench_mil import LABEL_ID, gemm_peak_gflops, timed
+from benchmarks.bench_mil import LABEL_ID, GemmPeak, timed
 from po_backend.engine.config import parse_dtype
 from po_backend.engine.models import shapes
 from po_backend.engine.models.loader import read_config, resolve_model_dir
@@ -42,6 +42,7 @@ CATEGORIES = {
     "po_fused::rms_norm": "elementwise (norm, rope, act)",
     "po_fused::add_rms_norm": "elementwise (norm, rope, act)",
     "po_fused::norm_rope": "elementwise (norm, rope, act)",
+    "po_fused::silu_mul": "elementwise (norm, rope, act)",
     "aten::mul": "elementwise (norm, rope, act)",
     "aten::mul_": "elementwise (norm, rope, act)",
     "aten::add_": "elementwise (norm, rope, act)",
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         memory_budget=64 << 30,
         **({"chunk_size": args.chunk_size} if args.chunk_size is not None else {}),
     )
-    peak = gemm_peak_gflops(dt, torch.device("cpu"))
+    peak = GemmPeak.of(dt, torch.device("cpu"))
+    peak.sample("start")
     systems: dict[str, Any] = {"ours": lambda: engine.score([ids], [LABEL_ID])}
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), dtype=dt).eval()
@@ -188,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens,
         "threads": torch.get_num_threads(),
         "machine": harness.machine_info(),
-        "gemm_peak_gflops": peak,
         "systems": {},
     }
     for name, fn in systems.items():
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         b = breakdown(prof, wall)
         b["other_cores"] = cpu.other_cores
         doc["systems"][name] = b
+        peak.sample(f"after {name}")
     mm: dict[str, float] = {}
     for b in doc["systems"].values():
         for g in b["gemms"]:
@@ -209,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                 mm[key] = bare_mm_gflops(g["m"], g["n"], g["k"], dt)
             g["bare_mm_gflops"] = mm[key]
             g["of_bare"] = g["gflops"] / mm[key]
-            g["of_peak"] = g["gflops"] / peak
-    doc["gemm_peak_gflops_end"] = gemm_peak_gflops(dt, torch.device("cpu"))
+    peak.sample("end")
+    doc["gemm_peak_gflops"], doc["gemm_peak"] = peak.best, peak.record()
+    for b in doc["systems"].values():
+        for g in b["gemms"]:
+            g["of_peak"] = peak.share(g["gflops"])
     for name, b in doc["systems"].items():
         print(
             f"{name}: wall {b['wall_s']:.2f} s, ops {b['ops_s']:.2f} s (other cores {b['other_cores']:.2f})"
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  top ops:", {k: round(v, 3) for k, v in list(b["top_ops_s"].items())[:10]})
         for k, v in list(b["top_ops_by_shape_s"].items())[:18]:
             print(f"    {v:7.3f} s  {k}")
-    print(f"2048^3 peak {peak:.1f} GFLOP/s at the start, {doc['gemm_peak_gflops_end']:.1f} at the end")
+    print(f"2048^3 {peak.summary()}: every '% of peak' above is of the highest")
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=2))
     return 0

@@ -1,11 +1,13 @@
 """Fused fp32 CPU kernels for a decoder layer's memory-bound steps (`csrc/fused_fp32.cpp`): RMSNorm,
-the residual add with the norm after it, and the per-head q/k RMSNorm with RoPE, each one pass
-over its data and one parallel region instead of torch's five (a norm) or six (RoPE).
+the residual add with the norm after it, the per-head q/k RMSNorm with RoPE, and SwiGLU's
+silu(gate) * up, each one pass over its data and one parallel region instead of torch's five (a
+norm), six (RoPE) or two (SwiGLU).
 
 Only fp32 on a CPU takes them (what `--dtype auto` picks without native bf16): bf16 keeps torch's
 ops, whose cast points are transformers' bf16 rules. RoPE gives transformers' fp32 bits; the norm
 sums its squares in another (fixed) order than torch, so it may differ in the last bit, the same
 for a row whatever its batch, chunk or thread (batch-invariant: a cache hit equals the cold run).
+SwiGLU's exp is the kernel's own (a few ulps from torch's), elementwise: the same bits anywhere.
 
 Built by `po_backend.engine.kernels` like the other CPU kernels: when a CPU fp32 runner starts, never in a
 request, into the per-user cache under `ext/po_fused_fp32-<hash>/`; without a compiler, or if the

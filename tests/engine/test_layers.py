@@ -117,6 +117,41 @@ def test_fused_norm_is_row_wise_whatever_the_batch_or_address() -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.usefixtures("fused")
+def test_fused_silu_mul_matches_torchs_ops_and_is_elementwise() -> None:
+    """SwiGLU's fused silu(gate) * up against torch's two ops (the path with the kernels off) on
+    strided views of the chunk buffers, fp32 tight; the exp's tails and saturation included; and an
+    element's bits the same at any position (the vector body and the scalar tail agree), in any
+    batch or thread count."""
+    from po_backend.engine.models.layers import silu_mul
+
+    g = torch.Generator().manual_seed(3)
+    inter = 77  # 9 vectors of 8 and a tail of 5
+    big = 6 * torch.randn(40, 2 * inter, generator=g)
+    big[0, :inter] = torch.tensor(
+        [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 89.0, -89.0, 100.0, -100.0, 3e38, -3e38] * 6 + [20.0] * 5
+    )
+    gate_up = big[:37]  # a view of a larger buffer, as the runner's [: b - a] chunk
+    ref, out = torch.empty(37, inter), torch.empty(40, inter)[:37]
+    src = gate_up.clone()
+    _torch_path(silu_mul, src.clone(), out=ref)
+    silu_mul(gate_up, out=out)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(gate_up, src)  # the fused pass leaves its input as it was
+    # Position: each element moved to every offset within a vector gives the same bits.
+    row = gate_up[1:2]
+    for shift in range(1, 9):
+        moved = torch.cat([torch.zeros(1, shift), row[:, :inter], torch.zeros(1, shift), row[:, inter:]], 1)
+        got = silu_mul(moved, out=torch.empty(1, inter + shift))
+        assert torch.equal(got[:, shift:], out[1:2]), shift
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(silu_mul(gate_up[5:9], out=torch.empty(4, inter)), out[5:9])
+    finally:
+        torch.set_num_threads(threads)
+
+
 _NO_COMPILER = """
 import logging, sys
 import torch

@@ -1,6 +1,6 @@
 // Fused fp32 elementwise steps of a decoder layer, one pass over the data each: RMSNorm (with the
-// residual add before it), and the per-head q/k RMSNorm with RoPE. Built on first use by
-// po_backend/engine/models/fused_cpu.py, for fp32 CPU forwards only (bf16 keeps torch's ops,
+// residual add before it), the per-head q/k RMSNorm with RoPE, and SwiGLU's silu(gate) * up.
+// Built on first use by po_backend/engine/fused_cpu.py, for fp32 CPU forwards only (bf16 keeps torch's ops,
 // whose cast points transformers' bf16 rules are written in).
 //
 // Why: torch computes an RMSNorm as pow, mean, rsqrt, mul, mul (five passes and five parallel
@@ -15,6 +15,8 @@
 //    sum's order differs from torch's reduction (last-bit differences), but it is a fixed order
 //    (8 lanes, then the lanes in turn, then the tail) that depends only on d: a row's result never
 //    depends on its address, its batch or the thread that computes it.
+//  - SwiGLU: silu(g) = g / (1 + exp(-g)) as torch's, with its own exp (`exp_cephes`): within a few
+//    ulps of torch's, and elementwise, so an element's bits depend only on its inputs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +24,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -58,6 +65,68 @@ inline void rope_row(float* x, const float* c, const float* s, int64_t half) {
     x1[j] = p - q;
     x2[j] = u + v;
   }
+}
+
+// exp(x) in fp32, Cephes' expf: x = n ln2 + r (ln2 in two parts), e^r by a degree-6 polynomial,
+// 2^n from exponent bits; the polynomial's input clamped to [-88.38, 88.38], and above ln(FLT_MAX)
+// the result is +inf (as a true exp: silu(g) of a very negative g must be -0). The AVX2 form and the
+// scalar one (tails, CPUs without AVX2) run the same IEEE operations in the same order, so an
+// element's bits never depend on its position (within about 2 ulps of the exact value).
+constexpr float kExpHi = 88.3762626647949f, kExpLo = -88.3762626647949f, kLog2e = 1.44269504088896341f;
+constexpr float kExpInf = 88.72283935546875f;  // e^x rounds to +inf above this
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp_cephes(float x) {
+  const float x0 = x;
+  x = kExpHi < x ? kExpHi : x;  // min/max in the vector form's operand order: NaN passes through
+  x = kExpLo > x ? kExpLo : x;
+  const float fx = std::floor(x * kLog2e + 0.5f);
+  x = x - fx * kLn2Hi;
+  x = x - fx * kLn2Lo;
+  const float z = x * x;
+  float y = kExpP[0];
+  for (int i = 1; i < 6; ++i) y = y * x + kExpP[i];
+  y = y * z + x + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+  float pow2n;
+  std::memcpy(&pow2n, &bits, sizeof(pow2n));
+  return x0 > kExpInf ? HUGE_VALF : y * pow2n;
+}
+
+// silu(g) * u, torch's silu formula g / (1 + e^-g).
+inline float silu_times(float g, float u) { return g / (1.0f + exp_cephes(-g)) * u; }
+
+#if defined(__AVX2__)
+inline __m256 exp_cephes8(__m256 x) {
+  const __m256 inf = _mm256_cmp_ps(x, _mm256_set1_ps(kExpInf), _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_set1_ps(kExpHi), x);
+  x = _mm256_max_ps(_mm256_set1_ps(kExpLo), x);
+  const __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(kLn2Hi)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(kLn2Lo)));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(kExpP[i]));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), x), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)), _mm256_set1_ps(HUGE_VALF), inf);
+}
+#endif
+
+// o[j] = silu(g[j]) * u[j] for j < n.
+inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + j);
+    const __m256 e = exp_cephes8(_mm256_sub_ps(zero, gv));
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+  }
+#endif
+  for (; j < n; ++j) o[j] = silu_times(g[j], u[j]);
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -156,16 +225,38 @@ void norm_rope(
   });
 }
 
+// SwiGLU on a fused [n, 2 * inter] gate|up buffer: out [n, inter] = silu(gate) * up, one pass
+// instead of torch's two (silu in place, then the multiply) over the largest activation.
+void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  TORCH_CHECK(gate_up.dim() == 2 && out.dim() == 2, "gate_up and out must be 2-D");
+  const int64_t inter = out.size(1);
+  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * inter, "gate_up must be [n, 2 * out's width]");
+  const float* gb = gate_up.data_ptr<float>();
+  float* ob = out.data_ptr<float>();
+  at::parallel_for(0, out.size(0), grain(inter), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* g = gb + r * gate_up.stride(0);
+      const float* u = g + inter;
+      float* o = ob + r * out.stride(0);
+      silu_mul_row(g, u, o, inter);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(po_fused, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()");
   m.def("add_rms_norm(Tensor(a!) h, Tensor delta, Tensor w, float eps, Tensor(b!) out) -> ()");
   m.def("norm_rope(Tensor(a!) x, Tensor cos, Tensor sin, Tensor wq, Tensor wk, int nq, float eps) -> ()");
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(po_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("norm_rope", &norm_rope);
+  m.impl("silu_mul", &silu_mul);
 }

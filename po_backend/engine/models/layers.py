@@ -67,7 +67,11 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a fused [gate | up] buffer: silu in place on the gate half, then one multiply."""
+    """SwiGLU on a fused [gate | up] buffer: silu in place on the gate half, then one multiply;
+    fp32 on a CPU: one fused pass that leaves gate_up as it was (`fused_cpu`)."""
+    if fused_cpu.takes(gate_up, out) and gate_up.dim() == 2 and out.dim() == 2:
+        torch.ops.po_fused.silu_mul(gate_up, out)
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     F.silu(gate, inplace=True)
     torch.mul(gate, up, out=out)
