@@ -34,6 +34,7 @@ from po_backend.sched.ranking import Changes, Ranking
 from po_backend.sched.reuse import Pool, ReuseCost
 from po_backend.sched.steps import (
     SHARE_LEAD_S,
+    WORKING_SET_S,
     Pick,
     Predictor,
     Waiting,
@@ -118,6 +119,8 @@ class Scheduler:
         # Per waiting request that ran prefix-only steps: how many, and the tokens it had cached
         # when the last one was picked (no more than that at its next pick: nothing was kept).
         self._prefix_steps: dict[int, tuple[int, int]] = {}
+        # The prefixes the requests of each class stored in the pool, when last (`prefix_room`)
+        self._stored: dict[tuple[int, ...], tuple[float, int]] = {}
         # Steps sized for the most urgent calls (to their latency target, if any), from those measured.
         self.backfill = BackfillBudget(self.config.online_slo_s) if self.config.sizes_batch_steps else None
         self._ranking = Ranking(self, self._pricing)
@@ -236,6 +239,7 @@ class Scheduler:
         self._call_waiting.clear()
         self._class_waiting.clear()
         self._prefix_steps.clear()
+        self._stored.clear()
         self._ranking = Ranking(self, self._pricing)
         return out
 
@@ -539,8 +543,11 @@ class Scheduler:
             if rank > self._urgent:
                 chosen = within_budget(self.jct, group, chosen, budget)
             if len(chosen) == 1 and self.splits(rank):
-                prefix_only = prefix_step_len(self.jct, head, chosen[0][1], budget, self._prefix_steps)
+                room = self.prefix_room(pool, now)
+                prefix_only = prefix_step_len(self.jct, head, chosen[0][1], budget, self._prefix_steps, room)
         entries = tuple(group[i] for i, _ in chosen)
+        if pool is not None and not prefix_only:
+            self.stored(pool, entries, now)
         if not prefix_only:
             for w in entries:
                 self.remove(w.rid)
@@ -601,6 +608,24 @@ class Scheduler:
                 return arrival
             i += len(at)
         return None
+
+    def stored(self, pool: Pool, entries: Sequence[Waiting], now: float) -> None:
+        """`entries` run now and store their prefixes in `pool` (`prefix_room` counts them)."""
+        for w in entries:
+            if n := pool.store_len(w.req):
+                self._stored[tuple(w.req.input_ids[:n])] = (now, self.config.rank(w.req))
+
+    def prefix_room(self, pool: Pool | None, now: float) -> int | None:
+        """The most tokens a less urgent request's prefix steps may keep in `pool` (they are kept
+        above the most urgent class's, `SchedulerConfig.cache_rank`): what the most urgent class's
+        working set leaves, the distinct prefixes its requests stored in the last
+        `WORKING_SET_S` seconds. None without a pool."""
+        if pool is None:
+            return None
+        for key in [k for k, (t, _) in self._stored.items() if t < now - WORKING_SET_S]:
+            del self._stored[key]
+        urgent = sum(len(k) for k, (_, r) in self._stored.items() if r <= self._urgent)
+        return pool.capacity() - urgent
 
     def splits(self, rank: int) -> bool:
         """Whether a request of `rank` too long for the step budget runs in prefix-only steps:

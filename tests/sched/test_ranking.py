@@ -93,8 +93,11 @@ def reference_pick(s: Scheduler, cached_len: Any, batchable: Any, pool: Any) -> 
         if rank > s._urgent:
             chosen = within_budget(s.jct, group, chosen, budget)
         if len(chosen) == 1 and rank > min(s.urgent_rank, -1):
-            prefix_only = prefix_step_len(s.jct, head, chosen[0][1], budget, s._prefix_steps)
+            room = s.prefix_room(pool, s.clock())
+            prefix_only = prefix_step_len(s.jct, head, chosen[0][1], budget, s._prefix_steps, room)
     entries = tuple(group[i] for i, _ in chosen)
+    if pool is not None and not prefix_only:
+        s.stored(pool, entries, s.clock())
     if not prefix_only:
         for w in entries:
             s.remove(w.rid)
