@@ -4,14 +4,16 @@ before every step.
 A request's score is `price - lambda * wait / siblings` (po; the other policies have no time term),
 where only the price depends on the cache. The requests of one client call that arrived together in
 one priority class (a cohort) share `siblings` and arrival, so within a cohort the order is the
-price's alone: each cohort keeps its members in a heap by price, and the cohorts are filed in heaps
+price's alone: each cohort keeps its members sorted by price, and the cohorts are filed in heaps
 by (priority class, call siblings), keyed by their best member's `price + lambda * arrival /
 siblings`. Within one heap that order does not move with the clock; a call whose size changes (its
 items finishing) moves its one cohort entry, not its members. A step re-files only the requests
 whose price changed (their cached prefix, the group of requests sharing their declared prefix) and
 the cohorts they or the finished requests belong to. A pick reads the heaps in order lazily
-(`Ranking.ordered`), as far as it needs: the head, then the step's candidates. Stale entries are
-popped when they reach a heap's top and dropped in bulk once they outnumber the live ones.
+(`Ranking.ordered`), as far as it needs: the head, then the step's candidates. A member priced
+again or leaving is taken out of its cohort at once (a sorted list), so a read never passes stale
+members; a cohort's stale entries in a class heap are popped when they reach its top and dropped in
+bulk once they outnumber the live ones.
 
 Which cached prefixes changed comes from the cache (`Changes`): the token prefixes that every
 request whose cached length may have changed starts with, or None when anything may have (a
@@ -27,6 +29,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Protocol
 
+from sortedcontainers import SortedList
+
 from po_backend.sched.batching import Batchable, CachedLen
 from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.steps import Predictor, Waiting
@@ -36,8 +40,8 @@ Changes = Sequence[tuple[int, ...]] | None
 # (call, arrival, rank): the requests of one client call queued together in one priority class;
 # a request of no call is a cohort of its own (call -1 - rid)
 Cohort = tuple[int, float, int]
-# (price, rid, version): a member's entry in its cohort's heap; live while `version` is its current one
-Member = tuple[float, int, int]
+# (price, rid): a member's entry in its cohort's sorted members
+Member = tuple[float, int]
 # (key, arrival, rid, version, cohort): a cohort's entry in its class heap, for its best member `rid`;
 # live while `version` is the cohort's current one
 Entry = tuple[float, float, int, int, Cohort]
@@ -48,10 +52,12 @@ _MARGIN = 1e-9
 class _Members:
     """A cohort's waiting members, by price, and where it is filed."""
 
-    __slots__ = ("heap", "live", "filed", "version")
+    __slots__ = ("sorted", "live", "filed", "version")
 
     def __init__(self) -> None:
-        self.heap: list[Member] = []
+        # Sorted, not a heap: a member priced again or leaving is taken out at once, so reading
+        # the cohort in order never passes entries that no longer count.
+        self.sorted: SortedList[Member] = SortedList()
         self.live = 0  # waiting members
         self.filed: tuple[int, int, float, int] | None = None  # (rank, siblings, key, rid) of its live entry
         self.version = 0
@@ -70,7 +76,12 @@ class Queue(Protocol):
 
     def siblings(self, w: Waiting) -> int: ...
 
-    def sharing(self, key: tuple[int, ...]) -> set[int]: ...
+    @property
+    def max_candidates(self) -> int: ...
+
+    def span(self, key: tuple[int, ...]) -> tuple[int, int]: ...
+
+    def group_step(self, key: tuple[int, ...], cached: Callable[[Waiting], int]) -> list[Waiting]: ...
 
 
 class Ranking:
@@ -82,7 +93,6 @@ class Ranking:
         self._q = queue
         self._pricing = pricing
         self._model: Predictor | None = None  # what the current prices were computed with
-        self._version: dict[int, int] = {}
         self._versions = 0
         self._price: dict[int, float] = {}  # po: jct; srjf: jct at arrival; lpm: -cached; fcfs: arrival
         self.cached: dict[int, int] = {}  # cached_len at the last probe (current after `refresh`)
@@ -137,12 +147,13 @@ class Ranking:
 
     def remove(self, w: Waiting) -> None:
         rid = w.rid
-        self._version.pop(rid, None)
-        self._price.pop(rid, None)
+        cohort = self._cohort.pop(rid)
+        if (price := self._price.pop(rid, None)) is not None:
+            self._members[cohort].sorted.remove((price, rid))
+            self.filed += 1
         self.cached.pop(rid, None)
         self._probe.discard(rid)
         self._refile.discard(rid)
-        cohort = self._cohort.pop(rid)
         self._members[cohort].live -= 1
         self._dirty.add(cohort)
         rank = cohort[2]
@@ -226,7 +237,7 @@ class Ranking:
         member with the most cached computes the prefix, the others read it from it. Empty when
         they would not share one step (each is then priced alone)."""
         assert self._model is not None, "po prices with a JCT model"
-        group = sorted((self._q.waiting[r] for r in self._q.sharing(key)), key=lambda m: -self.cached[m.rid])
+        group = self._q.group_step(key, lambda m: self.cached[m.rid])
         chosen = batchable([m.req for m in group]) if len(group) > 1 else []
         if len(chosen) < 2:
             return {}
@@ -255,32 +266,24 @@ class Ranking:
             own = model.predict(len(w.req.input_ids), n)
             group = self._key(w)
             price = own if group is None else min(own, self._group.get(group, {}).get(rid, own))
-        self._price[rid] = price
-        self._versions += 1
-        self._version[rid] = self._versions
         cohort = self._cohort[rid]
         members = self._members[cohort]
-        heapq.heappush(members.heap, (price, rid, self._versions))
+        if (old := self._price.get(rid)) is not None:
+            if old == price:
+                return
+            members.sorted.remove((old, rid))
+            self.filed += 1
+        self._price[rid] = price
+        members.sorted.add((price, rid))
         self.filed += 1
         self._dirty.add(cohort)
-        if len(members.heap) > 2 * members.live + 16:
-            members.heap = [e for e in members.heap if self._version.get(e[1]) == e[2]]
-            heapq.heapify(members.heap)
-            self.filed += len(members.heap)
-
-    def _live_member(self, e: Member) -> bool:
-        return self._version.get(e[1]) == e[2]
 
     def _file_cohort(self, cohort: Cohort, touched: set[tuple[int, int]]) -> None:
         """File `cohort`'s entry again, for its best live member and its call's current size:
         a stale entry's key is never reused. A cohort with no waiting member is dropped."""
         members = self._members[cohort]
-        heap = members.heap
         rank, arrival = cohort[2], cohort[1]
         old = None if members.filed is None else members.filed[:2]
-        while members.live and heap and not self._live_member(heap[0]):
-            heapq.heappop(heap)
-            self.filed += 1
         if not members.live:
             del self._members[cohort]
             if cohort[0] >= 0:
@@ -292,9 +295,9 @@ class Ranking:
                 self._live[old] -= 1
                 touched.add(old)
             return
-        if not heap:  # not priced yet: filed at the refresh that prices it
+        if not members.sorted:  # not priced yet: filed at the refresh that prices it
             return
-        price, rid, _ = heap[0]
+        price, rid = members.sorted[0]
         siblings = 0
         key = price
         if self._q.config.policy == "po":
@@ -358,11 +361,11 @@ class Ranking:
         only when nothing still unread could come before it. Reads the heaps as `refresh` left
         them and changes nothing."""
         waiting, lam = self._q.waiting, self._q.config.fairness_lambda
-        cohorts_of, version = self._members, self._version
+        cohorts_of = self._members
         for rank in ranks:
             # the heaps read: the class's cohort heaps (cohort None), then the member heaps of
             # the cohorts reached, each with its siblings and its members' starvation credit
-            heaps: list[tuple[list[Any], int, float, Cohort | None]] = []
+            heaps: list[tuple[Sequence[Any], int, float, Cohort | None]] = []
             frontier: list[tuple[float, float, int, int, int]] = []  # (bound, arrival, rid, heap, index)
             for s, cohorts in self._heaps.get(rank, {}).items():
                 key, arrival, rid, _, _ = cohorts[0]
@@ -381,26 +384,21 @@ class Ranking:
                     e = h[i]
                     members = cohorts_of.get(e[4])
                     if members is not None and members.version == e[3]:
-                        top = members.heap[0]  # live, and the entry's rid, after `refresh`
-                        if version.get(top[1]) == top[2]:
-                            heapq.heappush(ready, (score(waiting[top[1]]), arrival, top[1]))
+                        top = members.sorted[0][1]  # the entry's rid, after `refresh`
+                        heapq.heappush(ready, (score(waiting[top]), arrival, top))
                         # the members' score less what `score` may add: exact, so that equal
                         # prices are read in rid order without reading them all first
                         credit = lam * max(0.0, now - arrival) / s if s else 0.0
-                        for c in (1, 2):
-                            if c < len(members.heap):
-                                price, rid, _ = members.heap[c]
-                                heapq.heappush(frontier, (price - credit, arrival, rid, len(heaps), c))
-                        if len(members.heap) > 1:
-                            heaps.append((members.heap, s, credit, e[4]))
+                        if len(members.sorted) > 1:
+                            price, rid = members.sorted[1]
+                            heapq.heappush(frontier, (price - credit, arrival, rid, len(heaps), 1))
+                            heaps.append((members.sorted, s, credit, e[4]))
                     for c in (2 * i + 1, 2 * i + 2):
                         if c < len(h):
                             key, arrival, rid, _, _ = h[c]
                             heapq.heappush(frontier, (self._bound(key, s, now), arrival, rid, j, c))
-                else:
-                    if version.get(rid) == h[i][2]:
-                        heapq.heappush(ready, (score(waiting[rid]), arrival, rid))
-                    for c in (2 * i + 1, 2 * i + 2):
-                        if c < len(h):
-                            price, rid, _ = h[c]
-                            heapq.heappush(frontier, (price - credit, arrival, rid, j, c))
+                else:  # a cohort's members in order: the next one joins the frontier
+                    heapq.heappush(ready, (score(waiting[rid]), arrival, rid))
+                    if i + 1 < len(h):
+                        price, rid = h[i + 1]
+                        heapq.heappush(frontier, (price - credit, arrival, rid, j, i + 1))

@@ -50,6 +50,9 @@ class Pool(Protocol):
     def free_tokens(self) -> int:
         """Tokens the pool holds without evicting anything."""
 
+    def capacity(self) -> int:
+        """Tokens the pool holds at most."""
+
     def eviction_order(self) -> Iterator[Victim]:
         """The unlocked cached segments in the order the pool would evict them."""
 
@@ -58,6 +61,8 @@ class Evictable(Protocol):
     """A prefix cache's side of a `Pool` (`engine.cache.RadixCache`)."""
 
     def free_tokens(self) -> int: ...
+
+    def capacity(self) -> int: ...
 
     def eviction_order(self) -> Iterator[Victim]: ...
 
@@ -75,6 +80,9 @@ class CachePool:
 
     def free_tokens(self) -> int:
         return self.cache.free_tokens()
+
+    def capacity(self) -> int:
+        return self.cache.capacity()
 
     def eviction_order(self) -> Iterator[Victim]:
         return self.cache.eviction_order()

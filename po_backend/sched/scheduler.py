@@ -20,12 +20,12 @@ import bisect
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice, takewhile
 from operator import itemgetter
 from typing import Any
 
-from po_backend.core.request import sorted_neighbours
+from po_backend.core.request import common_prefix, sorted_neighbours
 from po_backend.sched.backfill import BackfillBudget
 from po_backend.sched.batching import Batchable, CachedLen, Request
 from po_backend.sched.config import CLASSES, SchedulerConfig
@@ -34,6 +34,7 @@ from po_backend.sched.ranking import Changes, Ranking
 from po_backend.sched.reuse import Pool, ReuseCost
 from po_backend.sched.steps import (
     SHARE_LEAD_S,
+    WORKING_SET_S,
     Pick,
     Predictor,
     Waiting,
@@ -46,6 +47,9 @@ from po_backend.sched.steps import (
 # The most waiting requests one step's batching considers (`batchable` fills the token budget from
 # them in order): bounds a pick's batching work in a long queue.
 MAX_STEP_CANDIDATES = 256
+# A head's sharers up to this many are sorted whole; more are read from the ranking in policy
+# order, as far as the step needs (`Scheduler.pick`).
+SORT_SHARERS_UP_TO = 2 * MAX_STEP_CANDIDATES
 
 
 class _WaitingByIds(Sequence[tuple[tuple[int, ...], Request]]):
@@ -82,6 +86,19 @@ class Scheduler:
         # sharing the most leading tokens with a request are its neighbours in this order.
         self._by_ids: list[tuple[tuple[int, ...], int]] = []
         self._by_arrival: list[tuple[float, int]] = []  # (arrival, rid), sorted
+        # Per arrival instant, its waiting requests sorted by ids: how many share a prefix is then
+        # two bisections (`_oldest_outside`).
+        self._at: dict[float, list[tuple[tuple[int, ...], int]]] = {}
+        # The waiting requests whose reusable prefix ends before their last token but one (prompt
+        # log-probs from an earlier start), sorted by ids: `shared_len` counts them one by one.
+        self._short: list[tuple[tuple[int, ...], int]] = []
+        # Steps take at most this many candidates, and sharers up to `sort_up_to` are sorted whole
+        # (module constants; tests lower them to reach both paths with small queues).
+        self.max_candidates = MAX_STEP_CANDIDATES
+        self.sort_up_to = SORT_SHARERS_UP_TO
+        # Queue entries a pick examined outside the ranking's heaps (sharers, neighbours,
+        # arrivals): the pick's own work, for checks.
+        self.scanned = 0
         self._call_waiting: Counter[int] = Counter()  # waiting requests per client call
         # srjf's JCT "at arrival": set at the first pick after arrival (the first moment the loop
         # may read the cache; the cache cannot change between an arrival and that pick).
@@ -102,9 +119,15 @@ class Scheduler:
         # Per waiting request that ran prefix-only steps: how many, and the tokens it had cached
         # when the last one was picked (no more than that at its next pick: nothing was kept).
         self._prefix_steps: dict[int, tuple[int, int]] = {}
+        # The prefixes the requests of each class stored in the pool, when last (`prefix_room`)
+        self._stored: dict[tuple[int, ...], tuple[float, int]] = {}
         # Steps sized for the most urgent calls (to their latency target, if any), from those measured.
         self.backfill = BackfillBudget(self.config.online_slo_s) if self.config.sizes_batch_steps else None
         self._ranking = Ranking(self, self._pricing)
+
+    @staticmethod
+    def _is_short(req: Request) -> bool:
+        return req.reusable_len < len(req.input_ids) - 1
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -115,8 +138,12 @@ class Scheduler:
             raise ValueError("cannot schedule an empty request")
         w = Waiting(rid, req, self.clock() if arrival is None else arrival, call)
         self._waiting[rid] = w
-        bisect.insort(self._by_ids, (tuple(req.input_ids), rid))
+        entry = (tuple(req.input_ids), rid)
+        bisect.insort(self._by_ids, entry)
         bisect.insort(self._by_arrival, (w.arrival, rid))
+        bisect.insort(self._at.setdefault(w.arrival, []), entry)
+        if self._is_short(req):
+            bisect.insort(self._short, entry)
         if call >= 0:
             self._call_waiting[call] += 1
         self._class_waiting[self.config.priority_class(req)] += 1
@@ -135,10 +162,17 @@ class Scheduler:
         w = self._waiting.pop(rid, None)
         if w is None:
             return False
-        i = bisect.bisect_left(self._by_ids, (tuple(w.req.input_ids), rid))
+        entry = (tuple(w.req.input_ids), rid)
+        i = bisect.bisect_left(self._by_ids, entry)
         assert self._by_ids[i][1] == rid, "the sorted queue lost a request"
         del self._by_ids[i]
         del self._by_arrival[bisect.bisect_left(self._by_arrival, (w.arrival, rid))]
+        at = self._at[w.arrival]
+        del at[bisect.bisect_left(at, entry)]
+        if not at:
+            del self._at[w.arrival]
+        if self._is_short(w.req):
+            del self._short[bisect.bisect_left(self._short, entry)]
         self._class_waiting[self.config.priority_class(w.req)] -= 1
         self._ranking.remove(w)
         if w.call >= 0:
@@ -199,10 +233,13 @@ class Scheduler:
         self._waiting.clear()
         self._by_ids.clear()
         self._by_arrival.clear()
+        self._at.clear()
+        self._short.clear()
         self._arrival_jct.clear()
         self._call_waiting.clear()
         self._class_waiting.clear()
         self._prefix_steps.clear()
+        self._stored.clear()
         self._ranking = Ranking(self, self._pricing)
         return out
 
@@ -258,8 +295,7 @@ class Scheduler:
                 return own
             key = tuple(w.req.input_ids[:p])
             if key not in per_item:
-                # the member with the most cached computes the prefix, the others read it from it
-                group = sorted((self._waiting[r] for r in self.sharing(key)), key=lambda m: -n_cached(m))
+                group = self.group_step(key, n_cached)
                 chosen = batchable([m.req for m in group]) if len(group) > 1 else []
                 if len(chosen) < 2:
                     per_item[key] = {}
@@ -304,31 +340,68 @@ class Scheduler:
             score += reuse.cost(w.req)
         return score
 
-    def sharing(self, key: tuple[int, ...]) -> set[int]:
-        """The waiting requests whose ids start with `key`: the neighbours of `key` in the queue sorted
-        by ids that share all of it, instead of comparing every waiting request's prefix."""
-        return {
-            self._by_ids[j][1] for j, _ in sorted_neighbours(self._by_ids, key, len(key), key=itemgetter(0))
-        }
+    def group_step(self, key: tuple[int, ...], cached: Callable[[Waiting], int]) -> list[Waiting]:
+        """The candidates of the step the requests starting with `key` would share, what po
+        prices them by: the first `max_candidates` of them in id order (a step takes no more),
+        the one with the most cached first (it computes the prefix, the others read it from it),
+        ties in id order."""
+        lo, hi = self.span(key)
+        hi = min(hi, lo + self.max_candidates)
+        self.scanned += hi - lo
+        return sorted((self._waiting[self._by_ids[j][1]] for j in range(lo, hi)), key=lambda m: -cached(m))
+
+    def span(self, key: tuple[int, ...]) -> tuple[int, int]:
+        """[lo, hi) of the waiting requests whose ids start with `key` in the queue sorted by ids:
+        in that order they are one run, found by two bisections instead of a walk."""
+        p = len(key)
+        lo = bisect.bisect_left(self._by_ids, key, key=itemgetter(0))
+        return lo, bisect.bisect_right(self._by_ids, key, lo=lo, key=lambda e: e[0][:p])
 
     def shared_len(self, head: Waiting) -> int:
         """The prefix length to group the waiting requests by for `head`'s step: of the lengths
         that at least `min_shared_prefix` tokens long other waiting requests share with it, the
         one that saves the most computed tokens (sharers x length); 0 if none shares that much.
+        Another request shares min(its common prefix with the head, each one's reusable length).
 
         Sharers are contiguous around the head in token order and share less the further away
-        they are, so the walk stops at the first one below the minimum."""
+        they are: the requests sharing at least c tokens are one run (`span`), so the lengths are
+        counted per distinct common prefix (a few bisections each), not per sharer. A request
+        that is all a prefix of the head's ids shares one token less than its common prefix; the
+        few whose reusable length ends earlier still (`_short`) are counted one by one."""
         ids, limit, floor = tuple(head.req.input_ids), head.req.reusable_len, self.config.min_shared_prefix
-        lens = [
-            min(n, limit, self._waiting[self._by_ids[j][1]].req.reusable_len)
-            for j, n in sorted_neighbours(self._by_ids, ids, floor, key=itemgetter(0))
-            if self._by_ids[j][1] != head.rid
-        ]
-        lens.sort(reverse=True)
-        best, saved = 0, 0
-        for k, n in enumerate(lens):
-            if n >= floor and (k + 1) * n > saved:
-                best, saved = n, (k + 1) * n
+        by_ids = self._by_ids
+        counts: Counter[int] = Counter()  # shared length -> other waiting requests sharing it
+
+        def common(j: int) -> int:
+            return common_prefix(ids, by_ids[j][0]) if 0 <= j < len(by_ids) else 0
+
+        at = bisect.bisect_left(by_ids, (ids, head.rid))
+        lo, hi, c = at, at + 1, max(common(at - 1), common(at + 1))
+        while c >= floor:
+            inside = hi - lo
+            lo, hi = self.span(ids[:c])
+            whole = bisect.bisect_right(by_ids, ids[:c], key=itemgetter(0)) - bisect.bisect_left(
+                by_ids, ids[:c], key=itemgetter(0)
+            )
+            whole -= c == len(ids)  # the head itself
+            counts[min(c - 1, limit)] += whole
+            counts[min(c, limit)] += hi - lo - inside - whole
+            self.scanned += 1
+            c = max(common(lo - 1), common(hi))
+        for j, c in sorted_neighbours(self._short, ids, floor, key=itemgetter(0)):
+            other, rid = self._short[j]
+            if rid == head.rid:
+                continue
+            self.scanned += 1
+            counts[min(c - (len(other) == c), limit)] -= 1
+            counts[min(c, limit, self._waiting[rid].req.reusable_len)] += 1
+        best, saved, k = 0, 0, 0
+        for n in sorted(counts, reverse=True):
+            if counts[n] <= 0:
+                continue
+            k += counts[n]
+            if n >= floor and k * n > saved:
+                best, saved = n, k * n
         return best
 
     def to_probe(self, changes: Changes) -> list[Any]:
@@ -424,25 +497,37 @@ class Scheduler:
         strict = cfg.policy == "fcfs"
         # Policy order; equally or more urgent requests only
         rest = (w for w in ranking.ordered([r for r in ranks if r <= rank], score, now) if w.rid != head.rid)
-        sharers = self.sharing(tuple(head.req.input_ids[:prefix])) if prefix > 0 else set()
+        key = tuple(head.req.input_ids[:prefix])
+        lo, hi = self.span(key) if prefix > 0 else (0, 0)
+
+        def shares(w: Waiting) -> bool:
+            return prefix > 0 and tuple(w.req.input_ids[:prefix]) == key
+
+        limit = self.max_candidates
         if strict:  # only the run right behind the head: nobody overtakes an earlier arrival
-            group = [head, *islice(rest, MAX_STEP_CANDIDATES - 1)]
-            n_base = 1 + sum(1 for _ in takewhile(lambda w: w.rid in sharers, group[1:]))
+            group = [head, *islice(rest, limit - 1)]
+            n_base = 1 + sum(1 for _ in takewhile(shares, group[1:]))
         else:
-            mates = [self._waiting[r] for r in sharers if r != head.rid]
+            cut = math.inf
             if cfg.policy == "po" and cfg.fairness_lambda > 0:
                 # the oldest request outside the step: the first in arrival order not sharing
-                oldest = next((a for a, r in self._by_arrival if r not in sharers), None)
+                oldest = self._oldest_outside(key) if prefix > 0 else self._by_arrival[0][0]
                 if oldest is not None:
                     cut = oldest + SHARE_LEAD_S / cfg.fairness_lambda
-                    mates = [w for w in mates if w.arrival <= cut]
-            base = [head] + sorted(
-                (w for w in mates if cfg.rank(w.req) <= rank),
-                key=lambda w: (cfg.rank(w.req), score(w), w.arrival, w.rid),
-            )
-            fill = (w for w in rest if w.rid not in sharers)
-            group = [*base, *islice(fill, max(0, MAX_STEP_CANDIDATES - len(base)))][:MAX_STEP_CANDIDATES]
-            n_base = len(base)
+            if hi - lo <= self.sort_up_to or rank != ranks[-1]:
+                self.scanned += hi - lo
+                mates = (self._waiting[self._by_ids[j][1]] for j in range(lo, hi))
+                base = [head] + sorted(
+                    (w for w in mates if w.rid != head.rid and w.arrival <= cut and cfg.rank(w.req) <= rank),
+                    key=lambda w: (cfg.rank(w.req), score(w), w.arrival, w.rid),
+                )
+                fill = (w for w in rest if not shares(w))
+                group = [*base, *islice(fill, max(0, limit - len(base)))][:limit]
+                n_base = len(base)
+            else:
+                # Many sharers, every one of them in the policy order read (no class behind the
+                # head's waits): the step's are the first ones read, as far as the step needs.
+                group, n_base = self._read_step(head, rest, shares, hi - lo - 1, cut)
         # Unrelated requests (each attends only to itself) fill the step behind the head's group,
         # as SGLang and vLLM batch unrelated prefills, while it stays short (`steps.fill_step`).
         chosen = batchable([w.req for w in group]) if len(group) > 1 else [(0, ranking.cached[head.rid])]
@@ -458,8 +543,11 @@ class Scheduler:
             if rank > self._urgent:
                 chosen = within_budget(self.jct, group, chosen, budget)
             if len(chosen) == 1 and self.splits(rank):
-                prefix_only = prefix_step_len(self.jct, head, chosen[0][1], budget, self._prefix_steps)
+                room = self.prefix_room(pool, now)
+                prefix_only = prefix_step_len(self.jct, head, chosen[0][1], budget, self._prefix_steps, room)
         entries = tuple(group[i] for i, _ in chosen)
+        if pool is not None and not prefix_only:
+            self.stored(pool, entries, now)
         if not prefix_only:
             for w in entries:
                 self.remove(w.rid)
@@ -478,6 +566,66 @@ class Scheduler:
             cost = self._step_cost(pick.items)
             self._credit += -cost if credit else cfg.batch_min_share * cost
         return pick
+
+    def _read_step(
+        self,
+        head: Waiting,
+        rest: Iterator[Waiting],
+        shares: Callable[[Waiting], bool],
+        sharers: int,
+        cut: float,
+    ) -> tuple[list[Waiting], int]:
+        """A step's candidates read from the policy order `rest` (the head left out): the head,
+        the sharers that arrived by `cut` in that order, then the others, `max_candidates` in
+        all, with how many the head's group is. `sharers`: how many requests besides the head
+        `shares` holds for; once all are read only the others are left to read."""
+        limit = self.max_candidates
+        base, fill, seen = [head], [], 0
+        for w in rest:
+            self.scanned += 1
+            if not shares(w):
+                fill.append(w)
+            else:
+                seen += 1
+                if w.arrival <= cut:
+                    base.append(w)
+            if len(base) >= limit or (seen == sharers and len(base) + len(fill) >= limit):
+                break
+        return [*base, *fill][:limit], len(base)
+
+    def _oldest_outside(self, key: tuple[int, ...]) -> float | None:
+        """The arrival of the oldest waiting request whose ids do not start with `key`, read per
+        arrival instant: the requests of one instant are sorted by ids, so those starting with
+        `key` are one run of them (two bisections). A large call on one prefix is one instant to
+        skip, not a walk over its requests."""
+        by_arrival, p, i = self._by_arrival, len(key), 0
+        while i < len(by_arrival):
+            arrival = by_arrival[i][0]
+            at = self._at[arrival]
+            self.scanned += 1
+            lo = bisect.bisect_left(at, key, key=itemgetter(0))
+            if bisect.bisect_right(at, key, lo=lo, key=lambda e: e[0][:p]) - lo < len(at):
+                return arrival
+            i += len(at)
+        return None
+
+    def stored(self, pool: Pool, entries: Sequence[Waiting], now: float) -> None:
+        """`entries` run now and store their prefixes in `pool` (`prefix_room` counts them)."""
+        for w in entries:
+            if n := pool.store_len(w.req):
+                self._stored[tuple(w.req.input_ids[:n])] = (now, self.config.rank(w.req))
+
+    def prefix_room(self, pool: Pool | None, now: float) -> int | None:
+        """The most tokens a less urgent request's prefix steps may keep in `pool` (they are kept
+        above the most urgent class's, `SchedulerConfig.cache_rank`): what the most urgent class's
+        working set leaves, the distinct prefixes its requests stored in the last
+        `WORKING_SET_S` seconds. None without a pool."""
+        if pool is None:
+            return None
+        for key in [k for k, (t, _) in self._stored.items() if t < now - WORKING_SET_S]:
+            del self._stored[key]
+        urgent = sum(len(k) for k, (_, r) in self._stored.items() if r <= self._urgent)
+        return pool.capacity() - urgent
 
     def splits(self, rank: int) -> bool:
         """Whether a request of `rank` too long for the step budget runs in prefix-only steps:

@@ -12,6 +12,10 @@ from po_backend.sched.batching import Request
 
 # A prefix-only step (Pick.prefix_only) computes at least this many tokens (less: all overhead).
 MIN_PREFIX_STEP = 64
+# The most urgent class's working set in the prefix pool: the prefixes its requests stored in the
+# last this many seconds (`Scheduler.prefix_room`). Chosen on the simulator's diagnosis seeds of
+# the small-pool backlog (2, 201-203, 207) among 2, 4 and 8.
+WORKING_SET_S = 8.0
 # Unrelated requests join a step while it costs at most this fraction more than the head's group
 # alone: by the JCT model's prediction (FILL_SLACK, chosen on the simulator's tuning seeds, so po's
 # tail stays within fcfs's), or without one by its computed tokens plus FILL_STEP_TOKENS, what a
@@ -84,7 +88,12 @@ def step_cost(jct: Predictor | None, items: Sequence[tuple[int, int]]) -> float:
 
 
 def prefix_step_len(
-    jct: Predictor | None, w: Waiting, cached: int, budget_s: float, prefix_steps: dict[int, tuple[int, int]]
+    jct: Predictor | None,
+    w: Waiting,
+    cached: int,
+    budget_s: float,
+    prefix_steps: dict[int, tuple[int, int]],
+    room: int | None = None,
 ) -> int:
     """For a batch request whose one step would overrun `budget_s`: how many of its leading
     tokens a step within the budget computes (and caches, for its later steps to read), 0 to
@@ -93,7 +102,13 @@ def prefix_step_len(
     (a scorer without a prefix cache, or a pool that cannot keep it: more steps would only
     recompute the same tokens), or after as many prefix steps as it needs (a pool that cannot
     keep its prefix until it runs must not make it loop). `prefix_steps`: per request that ran
-    prefix steps, how many and the tokens it had cached at the last one (updated here)."""
+    prefix steps, how many and the tokens it had cached at the last one (updated here).
+
+    `room`: the most tokens its prefix may hold in the pool (`Scheduler.prefix_room`). Its
+    prefix steps' tokens are kept above the most urgent class's, so beyond that they would push
+    out the urgent calls' own prefixes, each then recomputed in a long step while the others
+    wait: the steps stop there, and the rest is computed in its last step, the request whole
+    if not even MIN_PREFIX_STEP more tokens fit."""
     assert jct is not None, "sized batch steps need a JCT model"
     n = len(w.req.input_ids)
     done, before = prefix_steps.get(w.rid, (0, -1))
@@ -111,6 +126,10 @@ def prefix_step_len(
     lo = max(lo, cached + MIN_PREFIX_STEP)
     if lo >= w.req.reusable_len:
         return 0
+    if room is not None and lo > room:
+        if room < cached + MIN_PREFIX_STEP:
+            return 0
+        lo = room
     prefix_steps[w.rid] = (done + 1, cached)
     return lo
 

@@ -87,6 +87,9 @@ class PrefixLRU:
     def free_tokens(self) -> int:
         return self.capacity_tokens - self._tokens
 
+    def capacity(self) -> int:
+        return self.capacity_tokens
+
     def changes(self) -> list[tuple[int, ...]]:
         """The prefixes every request whose `cached_len` changed since the last call starts with
         (`ranking.Changes`): a stored or dropped key's tokens up to one past what it shares with

@@ -463,19 +463,28 @@ def test_prefix_lru_gives_a_read_its_class_before_the_step_stores() -> None:
     assert cache._keys == [other] and cache._rank == [0]
 
 
-def test_prefix_steps_keep_their_progress_in_a_small_pool() -> None:
-    """A long batch request's prefix steps keep what they computed until its last step, even in a
-    pool that cannot also hold every online profile (the profiles go instead); its last step
+def test_prefix_steps_keep_their_progress_within_the_room_the_online_profiles_leave() -> None:
+    """A long batch request's prefix steps keep what they computed until its last step (kept
+    above the online class), but only as far as the pool has room beside the profiles the online
+    calls stored lately (`Scheduler.prefix_room`): beyond it they would push those profiles out,
+    and each would be recomputed in a long step while the other online calls wait. Its last step
     reads that prefix at the batch class's rank, so it goes before online profiles from then on."""
     cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # ~100-token batch steps
     profile = {u: ids(10 + u, 100) for u in (1, 2)}
     long = req(1, 300, -1)
-    cache = PrefixLRU(250)
     trace = [(0.0, req(20 + u, 10, None, profile[u])) for u in (1, 2)] + [(0.0, long)]
-    runs = sorted(simulate(cfg, JCT, trace, cache), key=lambda r: r.rid)
-    assert runs[2].step >= 3 and runs[2].cached >= 150, "the batch request read back its prefix steps"
-    hit = [i for i, k in enumerate(cache._keys) if len(k) == runs[2].cached and long.input_ids[: len(k)] == k]
-    assert len(hit) == 1 and cache._rank[hit[0]] == 1
+    for capacity, room in ((420, 220), (250, 50)):
+        cache = PrefixLRU(capacity)
+        runs = sorted(simulate(cfg, JCT, trace, cache), key=lambda r: r.rid)
+        assert set(profile.values()) <= set(cache._keys), "the online profiles stayed"
+        if room < 64:  # no room for a prefix step: the request ran whole, right after the calls
+            assert runs[2].step == 2 and runs[2].cached == 0
+            continue
+        assert runs[2].step >= 3 and 150 <= runs[2].cached <= room, "it read back its prefix steps"
+        hit = [
+            i for i, k in enumerate(cache._keys) if len(k) == runs[2].cached and long.input_ids[: len(k)] == k
+        ]
+        assert len(hit) == 1 and cache._rank[hit[0]] == 1
 
 
 def test_long_batch_request_runs_in_prefix_steps() -> None:
@@ -707,17 +716,19 @@ def test_a_backlog_queued_before_the_first_online_call_is_sized_for_it(
 
 def test_prefix_steps_are_kept_like_the_most_urgent_class() -> None:
     """Online calls at priority 10 (more urgent than the default) and a long request at the
-    default priority, in a pool that cannot hold both profiles and its prefix: its prefix steps
-    are kept like the priority-10 profiles (not evicted first as a less urgent class's), so it
-    reads them back instead of running whole in one long step."""
+    default priority, in a pool that cannot hold the three profiles and its whole prefix: its
+    prefix steps are kept like the priority-10 profiles (not evicted first as a less urgent
+    class's), as far as the room the profiles leave (150 tokens), so it reads them back instead
+    of running whole in one long step."""
     cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # ~100-token steps
     profile = {u: ids(10 + u, 100) for u in (1, 2, 3)}
     long = req(1, 300, 0)
     trace = [(0.0, req(20 + u, 10, 10, profile[u])) for u in (1, 2, 3)] + [(0.0, long)]
     trace += [(0.05 * k, req(30 + k, 10, 10, profile[1 + k % 3])) for k in range(1, 12)]
     runs = sorted(simulate(cfg, JCT, trace, PrefixLRU(450)), key=lambda r: r.rid)
-    assert runs[3].cached >= 150, "the long request read back its prefix steps"
-    assert runs[3].end - runs[3].start <= 0.2 * BACKFILL_SLO_SHARE + 1e-9
+    assert 100 <= runs[3].cached <= 150, "the long request read back its prefix steps"
+    # its last step computes the rest beyond the room: over the step budget, under the whole request
+    assert 0.2 * BACKFILL_SLO_SHARE < runs[3].end - runs[3].start < JCT.predict(300, 0) - 0.05
 
 
 def backlog_in_a_small_pool(
@@ -793,10 +804,10 @@ def test_online_calls_behind_a_default_priority_backlog_in_a_small_pool(target: 
     kw: dict[str, Any] = {}
     if shape == "bench_mixed":
         kw = {"batch_priority": -1, "online_priority": 0, "batch_tokens": (600, 900), "n_batch": 10}
-    for seed in range(3):
+    for seed in range(12):  # bench_mixed's shape without a target on seed 9: 2.11x before the room
         got = backlog_in_a_small_pool(seed, target, **kw)
         assert got["batch_answered"] == kw.get("n_batch", 16), got
-        assert got["batch_vs_alone"] >= 0.35, got  # bench_mixed's floor: 70% of what online leaves
+        assert got["batch_vs_alone"] >= 0.5, got
         assert got["longest_batch_step_s"] <= 0.6, got  # the budget, never a whole 1.2k-token item
         assert got["online_p99_vs_alone"] <= 1.5, got
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
-from po_backend.sched.reuse import ReuseCost, Victim
+from po_backend.sched.reuse import CachePool, ReuseCost, Victim
 from po_backend.sched.scheduler import Scheduler
 from po_backend.sim.simulator import PrefixLRU, VirtualClock
 
@@ -153,6 +153,8 @@ def test_radix_eviction_order_is_the_order_evict_frees() -> None:
         assert cache.match_len(v.key) == v.start
     assert cache.evictable_size() == 0
     cache.check_integrity()
+    # the scheduler's view holds what the KV pool holds, cached or free (`Scheduler.prefix_room`)
+    assert CachePool(cache, len).capacity() == 64 and cache.free_tokens() == 64
 
 
 def _slots(cache, seq):  # type: ignore[no-untyped-def]

@@ -365,6 +365,9 @@ class RadixCache:
     def free_tokens(self) -> int:
         return self.pool.num_free
 
+    def capacity(self) -> int:
+        return self.pool.num_total
+
     def _changed(self, prefix: np.ndarray) -> None:
         """Every key whose `match_len` a node change moves starts with `prefix`: the tokens down
         to the changed node's first one (a key that does not reach it matches as before)."""
