@@ -1,5 +1,6 @@
 """Blocked int8 GEMM (Q8_0-style) on x86 CPUs: int8 activations and weights, each quantized in
-blocks of `block` values along k (a multiple of 32) with one fp32 scale per block, through a small
+blocks of `block` values along k (a multiple of 32) with one scale per block (fp32 for activations;
+fp32 or fp16, Q8_0's 2 bytes, for weights: the kernel reads them widened, exactly), through a small
 C++ kernel (`csrc/int8_blocked.cpp`).
 
 Why our own kernel: the int8 mode ranks like fp32 only with activations quantized per block of
@@ -156,7 +157,9 @@ class PackedWeights:
     time. `unpack` gives the [n, k] / [n, k // block] tensors back (for a cache)."""
 
     data: Tensor  # int8 [panels, k // 4, 16, 4]
-    scales: Tensor  # fp32 [panels, k // block, 16]
+    # [panels, k // block, 16], fp32 or fp16 as given to `pack_weights` (fp16: Q8_0's 2 bytes per
+    # block; widened to fp32, exactly, for each call).
+    scales: Tensor
     n: int
     k: int
     block: int
@@ -171,11 +174,17 @@ class PackedWeights:
         return wq.contiguous(), ws.contiguous()
 
 
+def _check_scales(ws: Tensor, cpu: bool = True) -> None:
+    """Weight scales are fp32 or fp16 (the kernel reads them widened to fp32, an exact cast)."""
+    is_fp16 = isinstance(ws, Tensor) and ws.dtype == torch.float16
+    _check(ws, torch.float16 if is_fp16 else torch.float32, 2, "ws", cpu)
+
+
 def pack_weights(wq: Tensor, ws: Tensor, block: int) -> PackedWeights:
-    """Lay out int8 weights wq [n, k] (values in [-127, 127]) and scales ws [n, k // block] for
-    the kernel; done once at load."""
+    """Lay out int8 weights wq [n, k] (values in [-127, 127]) and scales ws [n, k // block] (fp32,
+    or fp16 to hold 2 bytes per block) for the kernel; done once at load."""
     _check(wq, torch.int8, 2, "wq")
-    _check(ws, torch.float32, 2, "ws")
+    _check_scales(ws)
     n, k = wq.shape
     _check_block(k, block)
     if ws.shape != (n, k // block):
@@ -247,7 +256,8 @@ def reference_blocked_matmul(
     _check(wq, torch.int8, 2, "wq", cpu=False)
     if ws is None or block is None:
         raise TypeError("unpacked weights need their scales ws and the block size")
-    _check(ws, torch.float32, 2, "ws", cpu=False)
+    _check_scales(ws, cpu=False)
+    ws = ws.float()
     _check(xq, torch.int8, 2, "xq", cpu=False)
     _check(xs, torch.float32, 2, "xs", cpu=False)
     m, k = xq.shape
@@ -293,6 +303,14 @@ def blocked_matmul(
     if variant == "avx512_vnni":
         comp = w.comp if w.comp is not None else _compensation(w.data, w.block)
     torch.ops.po_int8.matmul(
-        xq.contiguous(), xs.contiguous(), w.data, w.scales, comp, w.n, w.block, _ISA_CODE[variant], result
+        xq.contiguous(),
+        xs.contiguous(),
+        w.data,
+        w.scales.float(),
+        comp,
+        w.n,
+        w.block,
+        _ISA_CODE[variant],
+        result,
     )
     return result

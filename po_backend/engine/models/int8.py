@@ -167,6 +167,25 @@ def _quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     return quantize_blocks(x, block) if x.is_cpu else reference_quantize_blocks(x, block)
 
 
+def quantize_weight_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, k] (k a multiple of `block`) -> (int8 [n, k], fp16 scales [n, k // block]): Q8_0's
+    weight format, 2 bytes per block. d = max |w| / 127 is rounded up to an fp16 value and the
+    block is quantized with that d, so |q| <= 127 and the stored pair is exact; the rounding adds at
+    most 2^-11 of d to a weight's error, or 2^-25 where d is below fp16's normal range."""
+    n, k = w.shape
+    assert k % block == 0, "whole blocks"
+    wb = w.float().reshape(n, k // block, block)
+    d = wb.abs().amax(-1) / QMAX
+    if bool((d > torch.finfo(torch.float16).max).any()):
+        raise ValueError("a weight block's scale exceeds fp16's range (|w| > 8.3e6)")
+    d16 = d.half()
+    low = d16.float() < d
+    d16 = torch.where(low, torch.nextafter(d16, torch.full_like(d16, torch.inf)), d16)
+    d32 = d16.float()[..., None]
+    q = torch.where(d32 > 0, torch.round(wb / d32), 0.0).clamp_(-QMAX, QMAX)
+    return q.to(torch.int8).reshape(n, k), d16
+
+
 def _padded(x: torch.Tensor, cols: int) -> torch.Tensor:
     """x [m, k] with zero columns appended up to `cols` (a whole number of blocks)."""
     return x if x.shape[1] == cols else torch.nn.functional.pad(x, (0, cols - x.shape[1]))
@@ -197,13 +216,15 @@ class Int8Linear(nn.Module):
     `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / block], in' the
     input size rounded up to whole blocks (zero columns), run through `blocked_matmul` whatever the
     backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in
-    the model dtype. On fbgemm only its packed copy is kept (`qweight` unpacks it when asked: the
-    int8 cache, tests), so the weights' memory is one int8 copy on every backend."""
+    the model dtype. Blocked scales are kept in the dtype given (the int8 mode's weights: fp16).
+    On fbgemm and the blocked kernel only the packed copy is kept (`qweight` and `scale` unpack it
+    when asked: the int8 cache, tests), so the weights' memory is one copy on every backend."""
 
     # The checkpoint loader skips a projection that is already int8 (read from the int8 cache).
     weight_loader = None
     q: torch.Tensor | None
-    scale: torch.Tensor
+    # The scales, unless the blocked kernel's packed copy holds them (`scale` reads either).
+    s: torch.Tensor | None
     # Input channels kept out of the int8 GEMM ([k_out] int64; their int8 columns are zero) and
     # their float weight [k_out, out] in the model dtype: LLM.int8()'s outlier decomposition.
     outlier_idx: torch.Tensor | None
@@ -233,9 +254,12 @@ class Int8Linear(nn.Module):
             assert kp % block == 0 and kp - block < k <= kp, "blocked qweight is [out, in rounded up]"
             assert scale.shape == (n, kp // block), "one scale per output channel and block"
             qweight, shape = qweight.contiguous(), (k, n)
+            if scale.dtype != torch.float16:
+                scale = scale.float()
         else:
             assert scale.shape == (qweight.shape[1],), "one scale per output channel"
             shape = (int(qweight.shape[0]), int(qweight.shape[1]))
+            scale = scale.float()
         assert (outlier_idx is None) == (outlier_w is None), "outlier channels come with their weights"
         if outlier_idx is not None and outlier_idx.numel() == 0:
             outlier_idx = outlier_w = None
@@ -247,24 +271,24 @@ class Int8Linear(nn.Module):
             # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
             qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
             qweight = qt.t().contiguous()
-        self.register_buffer("scale", scale.float())
         self.backend: GemmBackend = backend
         self.shape = shape
         self.packed: torch.Tensor | None = None
         # Blocked weights on a CPU live only in the blocked kernel's layout, packed once here.
         self.blocks: PackedWeights | None = None
+        self.register_buffer("s", scale)
         if block is None and backend == "fbgemm":  # fbgemm's own weight layout, packed once
             wq = torch._make_per_channel_quantized_tensor(
                 qweight.t().contiguous(),
-                self.scale.double(),
-                torch.zeros_like(self.scale, dtype=torch.long),
+                scale.double(),
+                torch.zeros_like(scale, dtype=torch.long),
                 0,
             )
             self.packed = torch.ops.quantized.linear_prepack(wq, None)
             self.q = None
         elif block is not None and qweight.device.type == "cpu" and backend != "reference":
-            self.blocks = pack_weights(qweight, self.scale, block)
-            self.q = None
+            self.blocks = pack_weights(qweight, scale, block)
+            self.q = self.s = None
         else:
             self.register_buffer("q", qweight)
 
@@ -286,7 +310,7 @@ class Int8Linear(nn.Module):
             weight = weight.index_fill(1, outlier_idx, 0)
         if block is not None:
             k = weight.shape[1]
-            q, scale = _quantize_blocks(_padded(weight.float(), -(-k // block) * block), block)
+            q, scale = quantize_weight_blocks(_padded(weight.float(), -(-k // block) * block), block)
             return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes)
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
         return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
@@ -303,6 +327,15 @@ class Int8Linear(nn.Module):
         return wq.int_repr().t().contiguous()
 
     @property
+    def scale(self) -> torch.Tensor:
+        """The weight scales: fp32 [out] per channel; [out, in rounded up / block] blocked (fp16
+        for the int8 mode's weights)."""
+        if self.s is not None:
+            return self.s
+        assert self.blocks is not None
+        return self.blocks.unpack()[1]
+
+    @property
     def in_features(self) -> int:
         return self.shape[0]
 
@@ -315,7 +348,7 @@ class Int8Linear(nn.Module):
         outlier channels included."""
         if self.block is not None:
             n, kp = self.qweight.shape
-            w = self.qweight.float().view(n, -1, self.block) * self.scale[..., None]
+            w = self.qweight.float().view(n, -1, self.block) * self.scale.float()[..., None]
             w = w.view(n, kp)[:, : self.in_features].contiguous()
         else:
             w = (self.qweight.float() * self.scale).t().contiguous()
@@ -338,7 +371,7 @@ class Int8Linear(nn.Module):
         skip = self.outlier_idx
         if self.block is not None:
             xf = x.float() if skip is None else x.float().index_fill(1, skip, 0)
-            xp = _padded(xf, self.scale.shape[1] * self.block)
+            xp = _padded(xf, -(-self.in_features // self.block) * self.block)
             xq, xs = _quantize_blocks(xp, self.block)
             acc = self._blocked(xq, xs)
             if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
@@ -564,14 +597,19 @@ def is_quantized(model: nn.Module) -> bool:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer (the int8 weights and their scales included; fbgemm's
-    packed int8 weights counted at one byte a value)."""
+    packed int8 weights counted at one byte a value, the blocked kernel's packed weights, scales
+    and weight sums at their size)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     packed = sum(
         m.in_features * m.out_features
         for m in model.modules()
         if isinstance(m, Int8Linear) and m.packed is not None
     ) + sum(
-        m.blocks.data.numel() + m.blocks.scales.numel() * 4
+        sum(
+            t.numel() * t.element_size()
+            for t in (m.blocks.data, m.blocks.scales, m.blocks.comp)
+            if t is not None
+        )
         for m in model.modules()
         if isinstance(m, Int8Linear) and m.blocks is not None
     )
