@@ -693,6 +693,46 @@ def test_blocked_cache_and_prefix_hit_equal_the_cold_run(
     assert _hit_answers(warm, prefix, items, [0, 5]) == expected
 
 
+def test_parse_float_projections() -> None:
+    assert int8.parse_float_projections("down_proj@2-4; o_proj;qkv_proj@0,7") == (
+        "down_proj@2", "down_proj@3", "down_proj@4", "o_proj", "qkv_proj@0", "qkv_proj@7",
+    )  # fmt: skip
+    recipe = int8.Int8Recipe((0.5,) * 4, block=32, float_projections=("down_proj@1", "o_proj"))
+    assert recipe.keeps_float(1, "down_proj") and not recipe.keeps_float(0, "down_proj")
+    assert recipe.keeps_float(0, "o_proj") and recipe.for_layer(1).alpha == (0.5, None, 0.5, None)
+    with pytest.raises(ValueError, match="unknown projection"):
+        int8.parse_float_projections("lm_head")
+
+
+def test_projections_kept_in_float_are_the_checkpoints(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A recipe's float projections are neither smoothed nor quantized: the checkpoint's weights,
+    read again (not cached) on a start from the int8 cache; a prefix hit equals the cold run."""
+    from po_backend.engine.models import loader
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    recipe = int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32, 2, float_projections=("down_proj@1", "o_proj"))
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", recipe)
+    path, hf = tiny_model("qwen2")
+    cold = _engine(path)
+    layers = cold.model.decoder_layers
+    assert isinstance(layers[0].down_proj, Int8Linear) and isinstance(layers[1].qkv_proj, Int8Linear)
+    for i, name, ref in (
+        (1, "down_proj", hf.model.layers[1].mlp.down_proj),
+        (0, "o_proj", hf.model.layers[0].self_attn.o_proj),
+    ):
+        w = getattr(layers[i], name)
+        assert not isinstance(w, Int8Linear) and torch.equal(w.data, ref.weight.data)
+    prefix = _prompts(cold.vocab_size, [60], seed=3)[0]
+    items = _prompts(cold.vocab_size, [9, 14], seed=4)
+    expected = _cold_answers(cold, prefix, items, [0, 5])
+    monkeypatch.setattr(loader, "quantize_model", lambda *a: pytest.fail("quantized again"))
+    warm = _engine(path)
+    assert not isinstance(warm.model.decoder_layers[1].down_proj, Int8Linear)
+    assert _hit_answers(warm, prefix, items, [0, 5]) == expected
+
+
 def test_q8_0_gguf_loads_as_its_own_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import gguf
     import transformers

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -71,6 +71,9 @@ class Int8Recipe:
     # 2: each activation block is an int8 value plus the int8 value of what it missed (about 15
     # bits, two int8 GEMMs on the same weights); blocked recipes only.
     activation_passes: int = 1
+    # Projections left in the model dtype (neither smoothed nor quantized): "down_proj" in every
+    # layer, "down_proj@27" in layer 27 only (`parse_float_projections` reads "down_proj@27-29").
+    float_projections: tuple[str, ...] = ()
 
     @property
     def calibrated(self) -> bool:
@@ -80,6 +83,33 @@ class Int8Recipe:
     def of(self, name: str) -> tuple[float | None, int]:
         i = QUANTIZED_PROJECTIONS.index(name)
         return self.alpha[i], self.outliers[i]
+
+    def keeps_float(self, layer: int, name: str) -> bool:
+        return name in self.float_projections or f"{name}@{layer}" in self.float_projections
+
+    def for_layer(self, layer: int) -> Int8Recipe:
+        """This recipe with no smoothing of the projections it keeps in float in `layer`."""
+        alpha = tuple(
+            None if self.keeps_float(layer, n) else a
+            for n, a in zip(QUANTIZED_PROJECTIONS, self.alpha, strict=True)
+        )
+        return replace(self, alpha=cast(Any, alpha))
+
+
+def parse_float_projections(spec: str) -> tuple[str, ...]:
+    """ "down_proj@27-29;o_proj" -> ("down_proj@27", "down_proj@28", "down_proj@29", "o_proj")."""
+    out: list[str] = []
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        name, _, layers = entry.partition("@")
+        if name not in QUANTIZED_PROJECTIONS:
+            raise ValueError(f"unknown projection {name!r} (one of {', '.join(QUANTIZED_PROJECTIONS)})")
+        if not layers:
+            out.append(name)
+            continue
+        for part in layers.split(","):
+            lo, _, hi = part.partition("-")
+            out += [f"{name}@{i}" for i in range(int(lo), int(hi or lo) + 1)]
+    return tuple(out)
 
 
 PLAIN = Int8Recipe()
@@ -524,23 +554,27 @@ def quantize_model(
     for i, layer in enumerate(layers):
         if any(isinstance(getattr(layer, n), Int8Linear) for n in QUANTIZED_PROJECTIONS):
             assert not recipe.calibrated, "a calibrated recipe quantizes from float weights"
-        after = smooth_layer(layer, maxima[i], recipe) if maxima is not None and recipe.calibrated else {}
+        own = recipe.for_layer(i)
+        after = smooth_layer(layer, maxima[i], own) if maxima is not None and recipe.calibrated else {}
         for name in QUANTIZED_PROJECTIONS:
             w = getattr(layer, name)
-            if not isinstance(w, Int8Linear):
+            if not isinstance(w, Int8Linear) and not recipe.keeps_float(i, name):
                 idx = outlier_channels(after[name], recipe.of(name)[1]) if name in after else None
                 q = Int8Linear.from_float(w.data, backend, idx, recipe.block, recipe.activation_passes)
                 delattr(layer, name)
                 setattr(layer, name, q)
 
 
-def int8_state(layers: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+def int8_state(layers: Sequence[nn.Module], recipe: Int8Recipe = PLAIN) -> dict[str, torch.Tensor]:
     """The int8 weights and scales of quantized layers, by "layer.projection.tensor", their outlier
-    channels, and the float tensors smoothing may have rescaled (`SMOOTHED_FLOATS`): the cache."""
+    channels, and the float tensors smoothing may have rescaled (`SMOOTHED_FLOATS`): the cache.
+    The projections `recipe` keeps in float are the checkpoint's own: not stored."""
     out = {}
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
             q = getattr(layer, name)
+            if recipe.keeps_float(i, name):
+                continue
             assert isinstance(q, Int8Linear), f"layer {i}'s {name} is not quantized"
             out[f"{i}.{name}.qweight"], out[f"{i}.{name}.scale"] = q.qweight, q.scale
             if q.outlier_idx is not None:
@@ -564,6 +598,8 @@ def load_int8_state(
     `recipe`: the one the state was quantized with."""
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
+            if recipe.keeps_float(i, name):
+                continue
             w = getattr(layer, name)
             q = Int8Linear(
                 state[f"{i}.{name}.qweight"],

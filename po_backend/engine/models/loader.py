@@ -349,7 +349,7 @@ def load_model(
         maxima = _calibration(model_dir, files, model, device) if recipe.calibrated else None
         # What is not int8 yet (no-op after Q8_0), smoothed and split as the recipe says.
         quantize_model(model.decoder_layers, backend, recipe, maxima)
-        _save_atomic(int8_state(model.decoder_layers), int8_file)
+        _save_atomic(int8_state(model.decoder_layers, recipe), int8_file)
         log.info(
             "quantized to %s and cached in %s (%.1f s)", quantization, int8_file, time.perf_counter() - t0
         )
