@@ -21,6 +21,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -246,19 +247,35 @@ def run(configs: list[str], sets: list[str]) -> dict[str, Any]:
             ex = [r.auc for r in recommend.recommend(recommend.USERS, 10) if r.auc is not None]
             row["example_auc"] = sum(ex) / len(ex)
             for s in sets:
-                row[s] = {r.user: r.auc for r in recommend.recommend(SETS[s], n_posts)}
+                res = recommend.recommend(SETS[s], n_posts)
+                row[s] = {r.user: r.auc for r in res}
+                row.setdefault("scores", {}).update(
+                    {r.user: {x.item: x.score for x in r.ranked} for r in res}
+                )
         row["seconds"] = time.perf_counter() - t0
         out["configs"][config] = row
         print(config, json.dumps(row), flush=True)
-    base = out["configs"][configs[0]]
+    out["summary"] = summarize(out["configs"], sets)
+    return out
+
+
+def summarize(rows: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    """Per configuration and user set: the mean AUC, and the paired difference to the first
+    configuration (mean, bootstrap interval, per-user spread); with scores on both sides, the
+    Kendall tau of each user's posts' P(Yes) against the first configuration's."""
+    from scipy.stats import kendalltau
+
+    configs = list(rows)
+    base = rows[configs[0]]
     summary = {}
     for config in configs:
-        row = out["configs"][config]
+        row = rows[config]
         summary[config] = {"example_auc": row["example_auc"]}
-        for s in [*sets, "all"]:
-            names = [u for t in sets for u in base[t]] if s == "all" else list(base[s])
-            own = np.array([_lookup(row, sets, u) for u in names])
-            ref = np.array([_lookup(base, sets, u) for u in names])
+        present = [t for t in sets if t in row and t in base]  # a run may cover fewer sets
+        for s in [*present, "all"]:
+            names = [u for t in present for u in base[t]] if s == "all" else list(base[s])
+            own = np.array([_lookup(row, present, u) for u in names])
+            ref = np.array([_lookup(base, present, u) for u in names])
             d = own - ref
             lo, hi = _bootstrap(d)
             summary[config][s] = {
@@ -268,8 +285,15 @@ def run(configs: list[str], sets: list[str]) -> dict[str, Any]:
                 "diff_ci95": [lo, hi],
                 "diff_per_user_sd": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
             }
-    out["summary"] = summary
-    return out
+            if "scores" in row and "scores" in base:
+                taus = [_tau(kendalltau, row["scores"][u], base["scores"][u]) for u in names]
+                summary[config][s]["score_tau_vs_first_mean"] = float(np.mean(taus))
+    return summary
+
+
+def _tau(kendalltau: Any, a: dict[str, float], b: dict[str, float]) -> float:
+    items = sorted(b)
+    return float(kendalltau([a[i] for i in items], [b[i] for i in items]).statistic)
 
 
 def _lookup(row: dict[str, Any], sets: list[str], user: str) -> float:
@@ -280,10 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, None)
     ap.add_argument("--configs", nargs="+", default=["fp32", "w8a8x2_int8"])
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    ap.add_argument("--merge", nargs="+", type=Path, help="summarize these earlier results together")
     args = ap.parse_args(argv)
     if args.out is None:
         ap.error("--out is required")
-    doc = run(args.configs, args.sets)
+    if args.merge:
+        rows = {c: r for f in args.merge for c, r in json.loads(f.read_text())["configs"].items()}
+        doc = {
+            "configs": rows,
+            "summary": summarize(rows, [s for s in SETS if s in next(iter(rows.values()))]),
+        }
+    else:
+        doc = run(args.configs, args.sets)
     harness.save(args.out, {"machine": harness.machine_info(), **doc})
     print(json.dumps(doc["summary"], indent=1))
     return 0

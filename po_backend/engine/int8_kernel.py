@@ -154,7 +154,9 @@ def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
 class PackedWeights:
     """Int8 weights [n, k] and their block scales [n, k // block] in the kernel's layout: panels of
     16 output columns (the last padded with zeros), inside a panel 4 k values per column at a
-    time. `unpack` gives the [n, k] / [n, k // block] tensors back (for a cache)."""
+    time. `unpack` gives the [n, k] / [n, k // block] tensors back (for a cache). A weight scale
+    may span several activation blocks (scales [n, k // (block * span)]): it is repeated for each
+    call."""
 
     data: Tensor  # int8 [panels, k // 4, 16, 4]
     # [panels, k // block, 16], fp32 or fp16 as given to `pack_weights` (fp16: Q8_0's 2 bytes per
@@ -170,8 +172,12 @@ class PackedWeights:
     def unpack(self) -> tuple[Tensor, Tensor]:
         panels = self.data.shape[0]
         wq = self.data.permute(0, 2, 1, 3).reshape(panels * PANEL, self.k)[: self.n]
-        ws = self.scales.permute(0, 2, 1).reshape(panels * PANEL, self.k // self.block)[: self.n]
+        ws = self.scales.permute(0, 2, 1).reshape(panels * PANEL, self.scales.shape[1])[: self.n]
         return wq.contiguous(), ws.contiguous()
+
+    def kernel_scales(self) -> Tensor:
+        """The scales as the kernel reads them: fp32, one per activation block."""
+        return _per_block(self.scales, (self.k // self.block) // self.scales.shape[1], dim=1)
 
 
 def _check_scales(ws: Tensor, cpu: bool = True) -> None:
@@ -180,17 +186,32 @@ def _check_scales(ws: Tensor, cpu: bool = True) -> None:
     _check(ws, torch.float16 if is_fp16 else torch.float32, 2, "ws", cpu)
 
 
+def _per_block(ws: Tensor, span: int, dim: int = -1) -> Tensor:
+    """Weight scales (fp32 or fp16) with blocks / span entries along `dim` -> fp32 with one per
+    block: each repeated `span` times (a scale of `span` activation blocks; exact)."""
+    return ws.float() if span == 1 else ws.float().repeat_interleave(span, dim=dim)
+
+
+def _check_scale_shape(ws: Tensor, n: int, k: int, block: int) -> int:
+    """ws must be [n, k // (block * span)] for a whole span >= 1; returns the span."""
+    nb = k // block
+    if ws.shape[0] != n or not 0 < ws.shape[1] <= nb or nb % ws.shape[1]:
+        raise ValueError(
+            f"ws must be [{n}, {nb}] (or a divisor of {nb} columns: one scale per several blocks) "
+            f"for k = {k} and block {block}, got {tuple(ws.shape)}"
+        )
+    return nb // ws.shape[1]
+
+
 def pack_weights(wq: Tensor, ws: Tensor, block: int) -> PackedWeights:
     """Lay out int8 weights wq [n, k] (values in [-127, 127]) and scales ws [n, k // block] (fp32,
-    or fp16 to hold 2 bytes per block) for the kernel; done once at load."""
+    or fp16 to hold 2 bytes per block; or [n, k // (block * span)], each scale spanning `span`
+    activation blocks) for the kernel; done once at load."""
     _check(wq, torch.int8, 2, "wq")
     _check_scales(ws)
     n, k = wq.shape
     _check_block(k, block)
-    if ws.shape != (n, k // block):
-        raise ValueError(
-            f"ws must be [{n}, {k // block}] for wq {tuple(wq.shape)} and block {block}, got {tuple(ws.shape)}"
-        )
+    _check_scale_shape(ws, n, k, block)
     if n and k and int(wq.min()) == -128:
         # x's sign is put on w by negation, and -(-128) does not exist in int8.
         raise ValueError("int8 weights must lie in [-127, 127] (symmetric quantization); got -128")
@@ -199,7 +220,7 @@ def pack_weights(wq: Tensor, ws: Tensor, block: int) -> PackedWeights:
     w = torch.nn.functional.pad(wq, (0, 0, 0, pad)) if pad else wq
     s = torch.nn.functional.pad(ws, (0, 0, 0, pad)) if pad else ws
     data = w.reshape(panels, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    scales = s.reshape(panels, PANEL, k // block).permute(0, 2, 1).contiguous()
+    scales = s.reshape(panels, PANEL, ws.shape[1]).permute(0, 2, 1).contiguous()
     comp = _compensation(data, block) if isa() == "avx512_vnni" else None
     return PackedWeights(data, scales, n, k, block, comp)
 
@@ -257,17 +278,17 @@ def reference_blocked_matmul(
     if ws is None or block is None:
         raise TypeError("unpacked weights need their scales ws and the block size")
     _check_scales(ws, cpu=False)
-    ws = ws.float()
     _check(xq, torch.int8, 2, "xq", cpu=False)
     _check(xs, torch.float32, 2, "xs", cpu=False)
     m, k = xq.shape
     n = wq.shape[0]
     _check_block(k, block)
-    if wq.shape[1] != k or ws.shape != (n, k // block) or xs.shape != (m, k // block):
+    if wq.shape[1] != k or xs.shape != (m, k // block):
         raise ValueError(
             f"shapes do not match: xq {tuple(xq.shape)}, xs {tuple(xs.shape)}, wq {tuple(wq.shape)}, "
             f"ws {tuple(ws.shape)}, block {block}"
         )
+    ws = _per_block(ws, _check_scale_shape(ws, n, k, block))
     # One block at a time (memory: one [m, n] product): a block's dot product is an fp32 matmul
     # of small integers whose partial sums stay below 2^24, so it is exact whatever the blocking.
     xf, wf = xq.float(), wq.float()
@@ -306,7 +327,7 @@ def blocked_matmul(
         xq.contiguous(),
         xs.contiguous(),
         w.data,
-        w.scales.float(),
+        w.kernel_scales(),
         comp,
         w.n,
         w.block,

@@ -624,6 +624,25 @@ def test_blocked_int8_linear_matches_dequantized_reference(block: int, m: int, k
     assert torch.equal(lin(torch.cat([x, x[:1] * 1000]))[:m], lin(x))
 
 
+def test_weight_scales_spanning_two_activation_blocks() -> None:
+    """weight_block 64 with 32-wide activation blocks: one fp16 scale per 64 weights (8.25 bits a
+    weight), the activations' steps per 32; against fp64 emulation, batch invariant."""
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(25, 600, generator=g), torch.randn(48, 600, generator=g) * 0.1
+    x[:, 7] *= 40
+    lin = Int8Linear.from_float(w, "int_mm", block=32, activation_passes=2, weight_block=64)
+    assert lin.qweight.shape == (48, 640) and lin.scale.shape == (48, 10) and lin.scale.dtype == torch.float16
+    assert torch.equal(lin.dequantized().double(), _fake_quant_blocks(w, 64, weight=True))
+    hi = _fake_quant_blocks(x, 32)
+    act = hi + _fake_quant_blocks((x.double() - hi).float(), 32)
+    ref = act @ _fake_quant_blocks(w, 64, weight=True).t()
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(lin(x[4:6].clone()), lin(x)[4:6])
+    holder = torch.nn.Module()
+    holder.lin = lin
+    assert int8.weight_bytes(holder) == 48 * 640 + 2 * 48 * 10
+
+
 def test_blocked_outlier_channels_run_in_float() -> None:
     g = torch.Generator().manual_seed(12)
     x, w = torch.randn(20, 576, generator=g), torch.randn(64, 576, generator=g) * 0.1

@@ -74,6 +74,9 @@ class Int8Recipe:
     # Projections left in the model dtype (neither smoothed nor quantized): "down_proj" in every
     # layer, "down_proj@27" in layer 27 only (`parse_float_projections` reads "down_proj@27-29").
     float_projections: tuple[str, ...] = ()
+    # Weight scales per this many input channels (a multiple of `block`; None: `block`): one fp16
+    # scale spanning several activation blocks holds fewer bytes (64: 8.25 bits a weight).
+    weight_block: int | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -243,8 +246,9 @@ class Int8Linear(nn.Module):
     `block`, both in blocks of `block` input channels (one scale per row and block: Q8_0's format).
 
     Per channel: `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose),
-    `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / block], in' the
-    input size rounded up to whole blocks (zero columns), run through `blocked_matmul` whatever the
+    `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / weight_block]
+    (`weight_block`: `block` or a multiple of it), in' the input size rounded up to whole weight
+    blocks (zero columns), run through `blocked_matmul` whatever the
     backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in
     the model dtype. Blocked scales are kept in the dtype given (the int8 mode's weights: fp16).
     On fbgemm and the blocked kernel only the packed copy is kept (`qweight` and `scale` unpack it
@@ -270,6 +274,7 @@ class Int8Linear(nn.Module):
         block: int | None = None,
         in_features: int | None = None,
         activation_passes: int = 1,
+        weight_block: int | None = None,
     ) -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8"
@@ -278,11 +283,13 @@ class Int8Linear(nn.Module):
         )
         self.block = block
         self.activation_passes = activation_passes
+        self.weight_block = wb = weight_block or block
         if block is not None:
+            assert wb is not None and wb % block == 0, "a weight block is whole activation blocks"
             n, kp = qweight.shape
             k = kp if in_features is None else in_features
-            assert kp % block == 0 and kp - block < k <= kp, "blocked qweight is [out, in rounded up]"
-            assert scale.shape == (n, kp // block), "one scale per output channel and block"
+            assert kp % wb == 0 and kp - wb < k <= kp, "blocked qweight is [out, in rounded up]"
+            assert scale.shape == (n, kp // wb), "one scale per output channel and weight block"
             qweight, shape = qweight.contiguous(), (k, n)
             if scale.dtype != torch.float16:
                 scale = scale.float()
@@ -330,6 +337,7 @@ class Int8Linear(nn.Module):
         outlier_idx: torch.Tensor | None = None,
         block: int | None = None,
         activation_passes: int = 1,
+        weight_block: int | None = None,
     ) -> Int8Linear:
         """From a float weight [out, in] (a checkpoint's layout), per output channel or in blocks
         of `block` input channels; the `outlier_idx` input channels stay in the weight's dtype,
@@ -339,9 +347,9 @@ class Int8Linear(nn.Module):
             outlier_w = weight[:, outlier_idx].t().contiguous()
             weight = weight.index_fill(1, outlier_idx, 0)
         if block is not None:
-            k = weight.shape[1]
-            q, scale = quantize_weight_blocks(_padded(weight.float(), -(-k // block) * block), block)
-            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes)
+            k, wb = weight.shape[1], weight_block or block
+            q, scale = quantize_weight_blocks(_padded(weight.float(), -(-k // wb) * wb), wb)
+            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes, wb)
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
         return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
 
@@ -378,7 +386,9 @@ class Int8Linear(nn.Module):
         outlier channels included."""
         if self.block is not None:
             n, kp = self.qweight.shape
-            w = self.qweight.float().view(n, -1, self.block) * self.scale.float()[..., None]
+            wb = self.weight_block
+            assert wb is not None
+            w = self.qweight.float().view(n, -1, wb) * self.scale.float()[..., None]
             w = w.view(n, kp)[:, : self.in_features].contiguous()
         else:
             w = (self.qweight.float() * self.scale).t().contiguous()
@@ -401,7 +411,9 @@ class Int8Linear(nn.Module):
         skip = self.outlier_idx
         if self.block is not None:
             xf = x.float() if skip is None else x.float().index_fill(1, skip, 0)
-            xp = _padded(xf, -(-self.in_features // self.block) * self.block)
+            wb = self.weight_block
+            assert wb is not None
+            xp = _padded(xf, -(-self.in_features // wb) * wb)
             xq, xs = _quantize_blocks(xp, self.block)
             acc = self._blocked(xq, xs)
             if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
@@ -560,7 +572,9 @@ def quantize_model(
             w = getattr(layer, name)
             if not isinstance(w, Int8Linear) and not recipe.keeps_float(i, name):
                 idx = outlier_channels(after[name], recipe.of(name)[1]) if name in after else None
-                q = Int8Linear.from_float(w.data, backend, idx, recipe.block, recipe.activation_passes)
+                q = Int8Linear.from_float(
+                    w.data, backend, idx, recipe.block, recipe.activation_passes, recipe.weight_block
+                )
                 delattr(layer, name)
                 setattr(layer, name, q)
 
@@ -610,6 +624,7 @@ def load_int8_state(
                 recipe.block,
                 int(w.shape[1]),
                 recipe.activation_passes,
+                recipe.weight_block,
             )
             assert (q.out_features, q.in_features) == tuple(w.shape), (
                 f"cached {name} of layer {i}: wrong shape"
