@@ -168,6 +168,8 @@ class PackedWeights:
     # -128 x each block's weight sum, int32 [panels, k // block, 16]: the AVX512-VNNI tile's
     # correction for its x + 128 operand (packed only where that tile runs).
     comp: Tensor | None = None
+    # A power of two every scale is multiplied by (fp8 scales' range; exact).
+    scale_mul: float = 1.0
 
     def unpack(self) -> tuple[Tensor, Tensor]:
         panels = self.data.shape[0]
@@ -177,19 +179,25 @@ class PackedWeights:
 
     def kernel_scales(self) -> Tensor:
         """The scales as the kernel reads them: fp32, one per activation block."""
-        return _per_block(self.scales, (self.k // self.block) // self.scales.shape[1], dim=1)
+        return _per_block(self.scales, (self.k // self.block) // self.scales.shape[1], 1, self.scale_mul)
+
+
+SCALE_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)
 
 
 def _check_scales(ws: Tensor, cpu: bool = True) -> None:
-    """Weight scales are fp32 or fp16 (the kernel reads them widened to fp32, an exact cast)."""
-    is_fp16 = isinstance(ws, Tensor) and ws.dtype == torch.float16
-    _check(ws, torch.float16 if is_fp16 else torch.float32, 2, "ws", cpu)
+    """Weight scales are fp32, fp16 or fp8 (e4m3, with a power-of-two multiplier): the kernel
+    reads them widened to fp32, exactly."""
+    given = ws.dtype if isinstance(ws, Tensor) and ws.dtype in SCALE_DTYPES else torch.float32
+    _check(ws, given, 2, "ws", cpu)
 
 
-def _per_block(ws: Tensor, span: int, dim: int = -1) -> Tensor:
-    """Weight scales (fp32 or fp16) with blocks / span entries along `dim` -> fp32 with one per
-    block: each repeated `span` times (a scale of `span` activation blocks; exact)."""
-    return ws.float() if span == 1 else ws.float().repeat_interleave(span, dim=dim)
+def _per_block(ws: Tensor, span: int, dim: int = -1, mul: float = 1.0) -> Tensor:
+    """Weight scales (`SCALE_DTYPES`) with blocks / span entries along `dim` -> fp32 with one per
+    block, times `mul` (a power of two): each repeated `span` times (a scale of `span` activation
+    blocks). Exact."""
+    w = ws.float() if mul == 1.0 else ws.float() * mul
+    return w if span == 1 else w.repeat_interleave(span, dim=dim)
 
 
 def _check_scale_shape(ws: Tensor, n: int, k: int, block: int) -> int:
@@ -203,10 +211,11 @@ def _check_scale_shape(ws: Tensor, n: int, k: int, block: int) -> int:
     return nb // ws.shape[1]
 
 
-def pack_weights(wq: Tensor, ws: Tensor, block: int) -> PackedWeights:
+def pack_weights(wq: Tensor, ws: Tensor, block: int, scale_mul: float = 1.0) -> PackedWeights:
     """Lay out int8 weights wq [n, k] (values in [-127, 127]) and scales ws [n, k // block] (fp32,
     or fp16 to hold 2 bytes per block; or [n, k // (block * span)], each scale spanning `span`
-    activation blocks) for the kernel; done once at load."""
+    activation blocks; fp8 e4m3 with `scale_mul`, a power of two, multiplying them all) for the
+    kernel; done once at load."""
     _check(wq, torch.int8, 2, "wq")
     _check_scales(ws)
     n, k = wq.shape
@@ -218,11 +227,14 @@ def pack_weights(wq: Tensor, ws: Tensor, block: int) -> PackedWeights:
     panels = -(-n // PANEL)
     pad = panels * PANEL - n
     w = torch.nn.functional.pad(wq, (0, 0, 0, pad)) if pad else wq
-    s = torch.nn.functional.pad(ws, (0, 0, 0, pad)) if pad else ws
+    s = ws
+    if pad:  # (fp8 pads through its bytes: zeros either way)
+        s = ws.view(torch.uint8) if ws.dtype == torch.float8_e4m3fn else ws
+        s = torch.nn.functional.pad(s, (0, 0, 0, pad)).view(ws.dtype)
     data = w.reshape(panels, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     scales = s.reshape(panels, PANEL, ws.shape[1]).permute(0, 2, 1).contiguous()
     comp = _compensation(data, block) if isa() == "avx512_vnni" else None
-    return PackedWeights(data, scales, n, k, block, comp)
+    return PackedWeights(data, scales, n, k, block, comp, float(scale_mul))
 
 
 def _compensation(data: Tensor, block: int) -> Tensor:
@@ -268,12 +280,13 @@ def reference_blocked_matmul(
     block: int | None = None,
     *,
     out: Tensor | None = None,
+    scale_mul: float = 1.0,
 ) -> Tensor:
     """`blocked_matmul` in plain torch (the same arithmetic: bit-equal), on any device class."""
     if isinstance(wq, PackedWeights):
         w = _weights(wq, ws, block)
         wq, ws = w.unpack()
-        block = w.block
+        block, scale_mul = w.block, w.scale_mul
     _check(wq, torch.int8, 2, "wq", cpu=False)
     if ws is None or block is None:
         raise TypeError("unpacked weights need their scales ws and the block size")
@@ -288,7 +301,7 @@ def reference_blocked_matmul(
             f"shapes do not match: xq {tuple(xq.shape)}, xs {tuple(xs.shape)}, wq {tuple(wq.shape)}, "
             f"ws {tuple(ws.shape)}, block {block}"
         )
-    ws = _per_block(ws, _check_scale_shape(ws, n, k, block))
+    ws = _per_block(ws, _check_scale_shape(ws, n, k, block), mul=scale_mul)
     # One block at a time (memory: one [m, n] product): a block's dot product is an fp32 matmul
     # of small integers whose partial sums stay below 2^24, so it is exact whatever the blocking.
     xf, wf = xq.float(), wq.float()

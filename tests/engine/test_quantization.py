@@ -5,6 +5,7 @@ within a stated tolerance), the int8 cache, GGUF Q8_0, and the GEMM dispatch per
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -641,6 +642,32 @@ def test_weight_scales_spanning_two_activation_blocks() -> None:
     holder = torch.nn.Module()
     holder.lin = lin
     assert int8.weight_bytes(holder) == 48 * 640 + 2 * 48 * 10
+
+
+def test_weight_scales_in_fp8() -> None:
+    """e4m3 block scales (1 byte) times one power of two per projection: each d the smallest such
+    value >= max |w| / 127 (at most 1/8 above it), |q| <= 127, the kernel equal to the reference,
+    and the pair kept through the int8 cache's tensors."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 320, generator=g) * torch.rand(40, 1, generator=g) * 0.1
+    w[3, :32] = 0.0
+    q, code, mul = int8.quantize_weight_blocks_e4m3(w, 32)
+    assert code.dtype == torch.float8_e4m3fn and q.dtype == torch.int8 and math.log2(mul).is_integer()
+    d, exact = code.float() * mul, w.view(40, 10, 32).abs().amax(-1) / 127
+    assert (d >= exact).all() and (d <= exact * 1.125).all() and d[3, 0] == 0 and int(q.abs().max()) <= 127
+    assert float(code.float().max()) <= 448
+    x = torch.randn(9, 320, generator=g)
+    lin = Int8Linear.from_float(w, "int_mm", block=32, activation_passes=2, weight_scales="e4m3")
+    ref = Int8Linear.from_float(w, "reference", block=32, activation_passes=2, weight_scales="e4m3")
+    assert torch.equal(lin(x), ref(x)) and torch.equal(lin.scale.view(torch.uint8), code.view(torch.uint8))
+    deq = (q.float().view(40, 10, 32) * d[..., None]).view(40, 320)
+    assert torch.equal(lin.dequantized(), deq)
+    holder = torch.nn.Module()
+    holder.lin = lin
+    assert int8.weight_bytes(holder) == 48 * 320 + 48 * 10  # 8.25 bits a weight (3 panels of 16 rows)
+    state = {f"0.{k}": v for k, v in (("x.qweight", lin.qweight), ("x.scale", lin.scale))}
+    again = Int8Linear(state["0.x.qweight"], state["0.x.scale"], "int_mm", None, None, 32, 320, 2, None, mul)
+    assert torch.equal(again(x), lin(x))
 
 
 def test_blocked_outlier_channels_run_in_float() -> None:

@@ -15,6 +15,7 @@ the input instead, one scale per row and block, and runs `blocked_matmul` on eve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -77,6 +78,9 @@ class Int8Recipe:
     # Weight scales per this many input channels (a multiple of `block`; None: `block`): one fp16
     # scale spanning several activation blocks holds fewer bytes (64: 8.25 bits a weight).
     weight_block: int | None = None
+    # The weights' block scales: "fp16" (Q8_0's, 2 bytes a block) or "e4m3" (1 byte: fp8 with
+    # one power-of-two multiplier per projection, each block's d rounded up to it).
+    weight_scales: Literal["fp16", "e4m3"] = "fp16"
 
     @property
     def calibrated(self) -> bool:
@@ -219,6 +223,25 @@ def quantize_weight_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, t
     return q.to(torch.int8).reshape(n, k), d16
 
 
+def quantize_weight_blocks_e4m3(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """w [n, k] -> (int8 [n, k], fp8 e4m3 codes [n, k // block], mul): 1 byte per block's scale,
+    d = code * mul with mul a power of two putting the largest d at most at e4m3's 448; each d is
+    the smallest such value >= max |w| / 127 and the block is quantized with it (|q| <= 127).
+    e4m3 has 3 mantissa bits: d is at most 1/8 above the fp32 one (on average about 1/20)."""
+    n, k = w.shape
+    assert k % block == 0, "whole blocks"
+    wb = w.float().reshape(n, k // block, block)
+    d = wb.abs().amax(-1) / QMAX
+    top = float(d.max()) if d.numel() else 0.0
+    mul = 2.0 ** math.ceil(math.log2(top / 448.0)) if top > 0 else 1.0
+    code = (d / mul).to(torch.float8_e4m3fn)
+    low = code.float() * mul < d  # rounded down: the next code up (its byte + 1; never past 448)
+    code = torch.where(low, (code.view(torch.uint8) + 1).view(torch.float8_e4m3fn), code)
+    d32 = (code.float() * mul)[..., None]
+    q = torch.where(d32 > 0, torch.round(wb / d32), 0.0).clamp_(-QMAX, QMAX)
+    return q.to(torch.int8).reshape(n, k), code, mul
+
+
 def _padded(x: torch.Tensor, cols: int) -> torch.Tensor:
     """x [m, k] with zero columns appended up to `cols` (a whole number of blocks)."""
     return x if x.shape[1] == cols else torch.nn.functional.pad(x, (0, cols - x.shape[1]))
@@ -275,6 +298,7 @@ class Int8Linear(nn.Module):
         in_features: int | None = None,
         activation_passes: int = 1,
         weight_block: int | None = None,
+        scale_mul: float = 1.0,
     ) -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8"
@@ -291,7 +315,7 @@ class Int8Linear(nn.Module):
             assert kp % wb == 0 and kp - wb < k <= kp, "blocked qweight is [out, in rounded up]"
             assert scale.shape == (n, kp // wb), "one scale per output channel and weight block"
             qweight, shape = qweight.contiguous(), (k, n)
-            if scale.dtype != torch.float16:
+            if scale.dtype not in (torch.float16, torch.float8_e4m3fn):
                 scale = scale.float()
         else:
             assert scale.shape == (qweight.shape[1],), "one scale per output channel"
@@ -310,6 +334,7 @@ class Int8Linear(nn.Module):
             qweight = qt.t().contiguous()
         self.backend: GemmBackend = backend
         self.shape = shape
+        self.scale_mul = float(scale_mul)  # what every blocked scale is multiplied by (fp8: a power of 2)
         self.packed: torch.Tensor | None = None
         # Blocked weights on a CPU live only in the blocked kernel's layout, packed once here.
         self.blocks: PackedWeights | None = None
@@ -324,7 +349,7 @@ class Int8Linear(nn.Module):
             self.packed = torch.ops.quantized.linear_prepack(wq, None)
             self.q = None
         elif block is not None and qweight.device.type == "cpu" and backend != "reference":
-            self.blocks = pack_weights(qweight, scale, block)
+            self.blocks = pack_weights(qweight, scale, block, self.scale_mul)
             self.q = self.s = None
         else:
             self.register_buffer("q", qweight)
@@ -338,6 +363,7 @@ class Int8Linear(nn.Module):
         block: int | None = None,
         activation_passes: int = 1,
         weight_block: int | None = None,
+        weight_scales: str = "fp16",
     ) -> Int8Linear:
         """From a float weight [out, in] (a checkpoint's layout), per output channel or in blocks
         of `block` input channels; the `outlier_idx` input channels stay in the weight's dtype,
@@ -348,8 +374,12 @@ class Int8Linear(nn.Module):
             weight = weight.index_fill(1, outlier_idx, 0)
         if block is not None:
             k, wb = weight.shape[1], weight_block or block
-            q, scale = quantize_weight_blocks(_padded(weight.float(), -(-k // wb) * wb), wb)
-            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes, wb)
+            padded, mul = _padded(weight.float(), -(-k // wb) * wb), 1.0
+            if weight_scales == "e4m3":
+                q, scale, mul = quantize_weight_blocks_e4m3(padded, wb)
+            else:
+                q, scale = quantize_weight_blocks(padded, wb)
+            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes, wb, mul)
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
         return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
 
@@ -388,7 +418,7 @@ class Int8Linear(nn.Module):
             n, kp = self.qweight.shape
             wb = self.weight_block
             assert wb is not None
-            w = self.qweight.float().view(n, -1, wb) * self.scale.float()[..., None]
+            w = self.qweight.float().view(n, -1, wb) * (self.scale.float() * self.scale_mul)[..., None]
             w = w.view(n, kp)[:, : self.in_features].contiguous()
         else:
             w = (self.qweight.float() * self.scale).t().contiguous()
@@ -403,7 +433,7 @@ class Int8Linear(nn.Module):
         if self.blocks is not None:
             return blocked_matmul(xq, xs, self.blocks)
         assert self.q is not None and self.block is not None
-        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block)
+        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block, scale_mul=self.scale_mul)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -573,7 +603,13 @@ def quantize_model(
             if not isinstance(w, Int8Linear) and not recipe.keeps_float(i, name):
                 idx = outlier_channels(after[name], recipe.of(name)[1]) if name in after else None
                 q = Int8Linear.from_float(
-                    w.data, backend, idx, recipe.block, recipe.activation_passes, recipe.weight_block
+                    w.data,
+                    backend,
+                    idx,
+                    recipe.block,
+                    recipe.activation_passes,
+                    recipe.weight_block,
+                    recipe.weight_scales,
                 )
                 delattr(layer, name)
                 setattr(layer, name, q)
@@ -591,6 +627,8 @@ def int8_state(layers: Sequence[nn.Module], recipe: Int8Recipe = PLAIN) -> dict[
                 continue
             assert isinstance(q, Int8Linear), f"layer {i}'s {name} is not quantized"
             out[f"{i}.{name}.qweight"], out[f"{i}.{name}.scale"] = q.qweight, q.scale
+            if q.scale_mul != 1.0:
+                out[f"{i}.{name}.scale_mul"] = torch.tensor(q.scale_mul)
             if q.outlier_idx is not None:
                 assert q.outlier_w is not None
                 out[f"{i}.{name}.outlier_idx"], out[f"{i}.{name}.outlier_w"] = q.outlier_idx, q.outlier_w
@@ -625,6 +663,7 @@ def load_int8_state(
                 int(w.shape[1]),
                 recipe.activation_passes,
                 recipe.weight_block,
+                float(state.get(f"{i}.{name}.scale_mul", torch.tensor(1.0))),
             )
             assert (q.out_features, q.in_features) == tuple(w.shape), (
                 f"cached {name} of layer {i}: wrong shape"
