@@ -197,8 +197,9 @@ def memory_row(model: Any, full_layers: int) -> dict[str, Any]:
                 kinds["float projections"] += _bytes(w)
     per = full_layers / len(layers) if full_layers else 1.0
     proj = sum(kinds.values())
-    layer_rest = weight_bytes(model.decoder_layers) - proj  # norms, biases
-    rest = weight_bytes(model) - weight_bytes(model.decoder_layers)  # embeddings, final norm, head
+    in_layers = sum(weight_bytes(layer) for layer in layers)
+    layer_rest = in_layers - proj  # norms, biases
+    rest = weight_bytes(model) - in_layers  # embeddings, final norm, head
     row: dict[str, Any] = {k: v * per for k, v in kinds.items()}
     row.update(
         projections=proj * per,
@@ -208,6 +209,22 @@ def memory_row(model: Any, full_layers: int) -> dict[str, Any]:
         whole=(proj + layer_rest) * per + rest,
     )
     return row
+
+
+def _with_recipe(spec: str) -> str:
+    """ "MODE:field=value:..." -> MODE, its recipe changed for the loads that follow (bench_rank_auc's
+    `recipe_with` options); a plain mode gets its own recipe back."""
+    from benchmarks.bench_rank_auc import recipe_with
+    from po_backend.engine.models import int8
+
+    mode, *options = spec.split(":")
+    attr = {int8.W8A8_INT8: "DEFAULT_RECIPE", int8.W8A8X2_INT8: "TWO_PASS_RECIPE"}[mode]
+    base = _SHIPPED.setdefault(attr, getattr(int8, attr))
+    setattr(int8, attr, recipe_with(base, options))
+    return mode
+
+
+_SHIPPED: dict[str, Any] = {}
 
 
 def memory_rows(layers: int, models: list[str], modes: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -227,14 +244,15 @@ def memory_rows(layers: int, models: list[str], modes: tuple[str, ...]) -> list[
         for label in models:
             full = int(QWEN25_15B["num_hidden_layers"]) if label.startswith("Qwen") else 0
             m = Engine.from_pretrained(paths[label], dtype="fp32", max_input_len=256).model
-            layer_params = sum(p.numel() for p in m.decoder_layers.parameters())
+            layer_params = sum(p.numel() for layer in m.decoder_layers for p in layer.parameters())
             other = sum(p.numel() for p in m.parameters()) - layer_params
             per = full / len(list(m.decoder_layers)) if full else 1.0
             bf16_whole = 2 * (other + layer_params * per)
             del m
-            for mode in modes:
+            for spec in modes:
+                mode = _with_recipe(spec)
                 eng = Engine.from_pretrained(paths[label], dtype="fp32", quantization=mode, max_input_len=256)
-                row = {"model": label, "mode": mode, **memory_row(eng.model, full), "bf16_whole": bf16_whole}
+                row = {"model": label, "mode": spec, **memory_row(eng.model, full), "bf16_whole": bf16_whole}
                 # The same int8 projections in a bf16 model: outliers, norms and embeddings at 2 bytes.
                 floats = row["outlier weights"] + row["float projections"] + row["layer_rest"]
                 as_bf16 = row["whole"] - (floats + row["embeddings_and_head"]) / 2
@@ -257,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     flags(ap, repeats=(3, "pairs of forwards"), skip_gemm=(False, "forwards only"))
     flags(ap, memory=(False, "the weights' bytes by kind only (no timing)"))
     ap.add_argument("--models", nargs="+", default=["Qwen2.5-1.5B shape", "embedded (SmolLM2-135M)"])
-    ap.add_argument("--modes", nargs="+", default=list(QUANTIZATIONS), help="int8 modes timed against fp32")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(QUANTIZATIONS),
+        help="int8 modes (--memory: MODE:field=value:... too)",
+    )
     args = ap.parse_args(argv)
     if args.out is None:
         ap.error("--out is required")

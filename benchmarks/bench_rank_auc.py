@@ -11,8 +11,9 @@ configuration is paired per user; its spread is a bootstrap over users (2,000 re
     OMP_NUM_THREADS=1 python -m benchmarks.bench_rank_auc --configs fp32 w8a8x2_int8 --out /tmp/auc.json
 
 A configuration is `fp32`, `bf16` or a `--quantization` mode (run in fp32), optionally followed by
-`:float=SPEC` to keep projections in float (`int8.Int8Recipe.float_projections`' syntax:
-`down_proj` in every layer, `down_proj@27-29` in layers 27 to 29, `;` between entries).
+recipe changes (`recipe_with`), e.g. `w8a8x2_int8:weight_scales=e4m3:outlier_weights=int8`, or
+`:float=SPEC` to keep projections in float (`int8.parse_float_projections`' syntax: `down_proj` in
+every layer, `down_proj@27-29` in layers 27 to 29, `;` between entries).
 """
 
 from __future__ import annotations
@@ -210,22 +211,39 @@ SETS = {"example": recommend.USERS, "choose": CHOOSE, "held_out": HELD_OUT}
 
 
 def _backend(config: str) -> Any:
-    """`fp32`, `bf16`, or a quantization mode in fp32, with `:float=SPEC` kept in float."""
+    """`fp32`, `bf16`, or a quantization mode in fp32, with `:field=value` recipe changes."""
     import po_lang as po
     from po_backend.engine.models import int8
 
-    mode, _, extra = config.partition(":")
+    mode, *extra = config.split(":")
     if mode in ("fp32", "bf16"):
-        assert not extra, "float=... needs a quantization mode"
+        assert not extra, "recipe options need a quantization mode"
         return po.Local("embedded", dtype=mode)
     if extra:
-        key, _, spec = extra.partition("=")
-        assert key == "float", f"unknown option {key!r}"
-        base = int8.recipe_for(mode)
-        recipe = dataclasses.replace(base, float_projections=int8.parse_float_projections(spec))
         attr = {int8.W8A8_INT8: "DEFAULT_RECIPE", int8.W8A8X2_INT8: "TWO_PASS_RECIPE"}[mode]
-        setattr(int8, attr, recipe)  # read at load (`recipe_for`)
+        setattr(int8, attr, recipe_with(int8.recipe_for(mode), extra))  # read at load (`recipe_for`)
     return po.Local("embedded", dtype="fp32", quantization=mode)
+
+
+def recipe_with(base: Any, options: list[str]) -> Any:
+    """`base` (an `Int8Recipe`) with "field=value" changes: `float=SPEC` (float projections),
+    `weight_block=64`, `weight_scales=e4m3`, `outlier_weights=int8`, `outliers=4,4,4,16`."""
+    from po_backend.engine.models import int8
+
+    changes: dict[str, Any] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key == "float":
+            changes["float_projections"] = int8.parse_float_projections(value)
+        elif key == "outliers":
+            changes[key] = tuple(int(v) for v in value.split(","))
+        elif key == "weight_block":
+            changes[key] = int(value)
+        elif key in ("weight_scales", "outlier_weights"):
+            changes[key] = value
+        else:
+            raise ValueError(f"unknown recipe option {key!r}")
+    return dataclasses.replace(base, **changes)
 
 
 def _bootstrap(d: np.ndarray, reps: int = 2000) -> tuple[float, float]:

@@ -670,6 +670,32 @@ def test_weight_scales_in_fp8() -> None:
     assert torch.equal(again(x), lin(x))
 
 
+def test_int8_outlier_weights() -> None:
+    """Outlier channels' weights in Q8_0 blocks along the output (their activations float): the
+    product against fp64 math on those weights, and 1 byte a weight plus 2 per 32."""
+    g = torch.Generator().manual_seed(13)
+    x, w = torch.randn(20, 576, generator=g), torch.randn(70, 576, generator=g) * 0.1
+    idx = torch.tensor([3, 100, 575])
+    x[:, idx] *= 1000
+    lin = Int8Linear.from_float(w, "int_mm", idx, block=32, outlier_weights="int8")
+    assert lin.outlier_w is not None and lin.outlier_s is not None
+    assert (
+        lin.outlier_w.dtype == torch.int8 and lin.outlier_w.shape == (3, 96) and lin.outlier_s.shape == (3, 3)
+    )
+    w_out = _fake_quant_blocks(w[:, idx].t(), 32, weight=True)  # [3, 70]
+    ref = (
+        _fake_quant_blocks(x.index_fill(1, idx, 0), 32)
+        @ _fake_quant_blocks(w.index_fill(1, idx, 0), 32, weight=True).t()
+    )
+    ref += x[:, idx].double() @ w_out
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(lin.dequantized()[:, idx].double(), w_out.t())
+    again = Int8Linear(
+        lin.qweight, lin.scale, "int_mm", lin.outlier_idx, lin.outlier_w, 32, 576, 1, None, 1.0, lin.outlier_s
+    )  # what the int8 cache holds
+    assert torch.equal(again(x), lin(x))
+
+
 def test_blocked_outlier_channels_run_in_float() -> None:
     g = torch.Generator().manual_seed(12)
     x, w = torch.randn(20, 576, generator=g), torch.randn(64, 576, generator=g) * 0.1

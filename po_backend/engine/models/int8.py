@@ -39,6 +39,7 @@ W8A8_INT8 = "w8a8_int8"
 # The same int8 weights, each activation block as two int8 parts (`Int8Recipe.activation_passes`).
 W8A8X2_INT8 = "w8a8x2_int8"
 QMAX = 127.0
+OUTLIER_BLOCK = 32  # int8 outlier weights: Q8_0 blocks along the output channels
 # fbgemm's AVX2 kernel adds pairs of u8 x s8 products in int16 with saturation (`vpmaddubsw`):
 # full 8-bit activations (up to 255) times weights within +-63 can never saturate (2*255*63 <
 # 2^15), so on that backend the weights get one bit less rather than the activations (torch's
@@ -81,6 +82,9 @@ class Int8Recipe:
     # The weights' block scales: "fp16" (Q8_0's, 2 bytes a block) or "e4m3" (1 byte: fp8 with
     # one power-of-two multiplier per projection, each block's d rounded up to it).
     weight_scales: Literal["fp16", "e4m3"] = "fp16"
+    # The outlier channels' weights: "float" (the model dtype) or "int8" (Q8_0 blocks of 32 along
+    # the output, fp16 scales; their activations stay float either way).
+    outlier_weights: Literal["float", "int8"] = "float"
 
     @property
     def calibrated(self) -> bool:
@@ -286,6 +290,8 @@ class Int8Linear(nn.Module):
     # their float weight [k_out, out] in the model dtype: LLM.int8()'s outlier decomposition.
     outlier_idx: torch.Tensor | None
     outlier_w: torch.Tensor | None
+    # With int8 outlier weights, their fp16 block scales [k_out, out rounded up / 32].
+    outlier_s: torch.Tensor | None
 
     def __init__(
         self,
@@ -299,6 +305,7 @@ class Int8Linear(nn.Module):
         activation_passes: int = 1,
         weight_block: int | None = None,
         scale_mul: float = 1.0,
+        outlier_s: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8"
@@ -325,9 +332,15 @@ class Int8Linear(nn.Module):
         if outlier_idx is not None and outlier_idx.numel() == 0:
             outlier_idx = outlier_w = None
         if outlier_idx is not None:
-            assert outlier_w is not None and outlier_w.shape == (outlier_idx.numel(), shape[1])
+            assert outlier_w is not None
+            cols = -(-shape[1] // OUTLIER_BLOCK) * OUTLIER_BLOCK if outlier_s is not None else shape[1]
+            assert outlier_w.shape == (outlier_idx.numel(), cols), "outlier weights are [k_out, out]"
+            assert (outlier_s is not None) == (outlier_w.dtype == torch.int8), "int8 outliers have scales"
+        else:
+            outlier_s = None
         self.register_buffer("outlier_idx", None if outlier_idx is None else outlier_idx.long())
         self.register_buffer("outlier_w", outlier_w)
+        self.register_buffer("outlier_s", outlier_s)
         if block is None and backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
             # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
             qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
@@ -364,14 +377,19 @@ class Int8Linear(nn.Module):
         activation_passes: int = 1,
         weight_block: int | None = None,
         weight_scales: str = "fp16",
+        outlier_weights: str = "float",
     ) -> Int8Linear:
         """From a float weight [out, in] (a checkpoint's layout), per output channel or in blocks
         of `block` input channels; the `outlier_idx` input channels stay in the weight's dtype,
         outside the int8 GEMM (and outside its scales)."""
-        outlier_w = None
+        outlier_w = outlier_s = None
         if outlier_idx is not None and outlier_idx.numel():
             outlier_w = weight[:, outlier_idx].t().contiguous()
             weight = weight.index_fill(1, outlier_idx, 0)
+            if outlier_weights == "int8":
+                n = outlier_w.shape[1]
+                cols = -(-n // OUTLIER_BLOCK) * OUTLIER_BLOCK
+                outlier_w, outlier_s = quantize_weight_blocks(_padded(outlier_w.float(), cols), OUTLIER_BLOCK)
         if block is not None:
             k, wb = weight.shape[1], weight_block or block
             padded, mul = _padded(weight.float(), -(-k // wb) * wb), 1.0
@@ -379,9 +397,23 @@ class Int8Linear(nn.Module):
                 q, scale, mul = quantize_weight_blocks_e4m3(padded, wb)
             else:
                 q, scale = quantize_weight_blocks(padded, wb)
-            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes, wb, mul)
+            return cls(
+                q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes, wb, mul, outlier_s
+            )
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
-        return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
+        return cls(
+            q.t().contiguous(),
+            scale,
+            backend,
+            outlier_idx,
+            outlier_w,
+            None,
+            None,
+            activation_passes,
+            None,
+            1.0,
+            outlier_s,
+        )
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -423,9 +455,18 @@ class Int8Linear(nn.Module):
         else:
             w = (self.qweight.float() * self.scale).t().contiguous()
         if self.outlier_idx is not None:
-            assert self.outlier_w is not None
-            w[:, self.outlier_idx] = self.outlier_w.float().t()
+            w[:, self.outlier_idx] = self._outlier_weight().float().t()
         return w
+
+    def _outlier_weight(self) -> torch.Tensor:
+        """The outlier channels' weights [k_out, out] (int8 ones dequantized, exactly, in fp32)."""
+        w = self.outlier_w
+        assert w is not None
+        if self.outlier_s is None:
+            return w
+        k_out, cols = w.shape
+        deq = w.float().view(k_out, -1, OUTLIER_BLOCK) * self.outlier_s.float()[..., None]
+        return deq.view(k_out, cols)[:, : self.out_features]
 
     def _blocked(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """Quantized activations through the blocked int8 GEMM: the C++ kernel on the packed
@@ -467,8 +508,7 @@ class Int8Linear(nn.Module):
         if skip is not None:
             # Summed in fp64 (k_out terms: cheap), so a token's bits do not depend on how many rows
             # the GEMM had (a float GEMM's blocking does): a cache hit keeps the cold run's answer.
-            assert self.outlier_w is not None
-            part = torch.matmul(x.index_select(1, skip).double(), self.outlier_w.double())
+            part = torch.matmul(x.index_select(1, skip).double(), self._outlier_weight().double())
             out.add_(part.to(out.dtype))  # cast first: a mixed-dtype add_ is a slow path
         return out
 
@@ -610,6 +650,7 @@ def quantize_model(
                     recipe.activation_passes,
                     recipe.weight_block,
                     recipe.weight_scales,
+                    recipe.outlier_weights,
                 )
                 delattr(layer, name)
                 setattr(layer, name, q)
@@ -632,6 +673,8 @@ def int8_state(layers: Sequence[nn.Module], recipe: Int8Recipe = PLAIN) -> dict[
             if q.outlier_idx is not None:
                 assert q.outlier_w is not None
                 out[f"{i}.{name}.outlier_idx"], out[f"{i}.{name}.outlier_w"] = q.outlier_idx, q.outlier_w
+                if q.outlier_s is not None:
+                    out[f"{i}.{name}.outlier_s"] = q.outlier_s
         for attr in SMOOTHED_FLOATS:
             t = getattr(layer, attr, None)
             if t is not None:
@@ -664,6 +707,7 @@ def load_int8_state(
                 recipe.activation_passes,
                 recipe.weight_block,
                 float(state.get(f"{i}.{name}.scale_mul", torch.tensor(1.0))),
+                state.get(f"{i}.{name}.outlier_s"),
             )
             assert (q.out_features, q.in_features) == tuple(w.shape), (
                 f"cached {name} of layer {i}: wrong shape"
