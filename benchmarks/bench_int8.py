@@ -8,8 +8,13 @@
   `--layers` of its 28 decoder layers) and of the embedded model, fp32 (the auto dtype on an
   AVX2-only CPU) and `--quantization w8a8_int8` loaded side by side and timed in turns, with the
   weights' bytes of each.
+- `--memory`: where each int8 mode's bytes go (int8 values, block scales, float outlier channels,
+  the rest of the model in its dtype), the projections' and the whole model's, against the same
+  model in bf16 (2 bytes a parameter); the 1.5B shape's per-layer bytes are measured on a
+  `--layers` cut and the whole model's computed for its 28 layers.
 
     python -m benchmarks.bench_int8 --out /tmp/int8.json
+    python -m benchmarks.bench_int8 --memory --layers 2 --out /tmp/int8_memory.json
 """
 
 from __future__ import annotations
@@ -160,17 +165,131 @@ def forward_rows(
     return rows
 
 
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def memory_row(model: Any, full_layers: int) -> dict[str, Any]:
+    """One loaded model's bytes by kind; with `full_layers`, its decoder layers' bytes (all alike)
+    scaled to that many layers."""
+    from po_backend.engine.models.int8 import QUANTIZED_PROJECTIONS
+
+    layers = list(model.decoder_layers)
+    kinds = dict.fromkeys(
+        ("int8 values", "block scales", "outlier weights", "outlier index", "float projections"), 0
+    )
+    params = 0  # the projections' parameter count (what bf16 holds at 2 bytes each)
+    for layer in layers:
+        for name in QUANTIZED_PROJECTIONS:
+            w = getattr(layer, name)
+            if isinstance(w, Int8Linear):
+                params += w.in_features * w.out_features
+                b = w.blocks
+                values, scales = (
+                    (b.data, _bytes(b.scales) + _bytes(b.comp)) if b else (w.qweight, _bytes(w.scale))
+                )
+                kinds["int8 values"] += _bytes(values)
+                kinds["block scales"] += scales
+                kinds["outlier weights"] += _bytes(w.outlier_w)
+                kinds["outlier index"] += _bytes(w.outlier_idx)
+            else:
+                params += w.numel()
+                kinds["float projections"] += _bytes(w)
+    per = full_layers / len(layers) if full_layers else 1.0
+    proj = sum(kinds.values())
+    in_layers = sum(weight_bytes(layer) for layer in layers)
+    layer_rest = in_layers - proj  # norms, biases
+    rest = weight_bytes(model) - in_layers  # embeddings, final norm, head
+    row: dict[str, Any] = {k: v * per for k, v in kinds.items()}
+    row.update(
+        projections=proj * per,
+        projections_bf16=2 * params * per,
+        layer_rest=layer_rest * per,
+        embeddings_and_head=rest,
+        whole=(proj + layer_rest) * per + rest,
+    )
+    return row
+
+
+def _with_recipe(spec: str) -> str:
+    """ "MODE:field=value:..." -> MODE, its recipe changed for the loads that follow (bench_rank_auc's
+    `recipe_with` options); a plain mode gets its own recipe back."""
+    from benchmarks.bench_rank_auc import recipe_with
+    from po_backend.engine.models import int8
+
+    mode, *options = spec.split(":")
+    attr = {int8.W8A8_INT8: "DEFAULT_RECIPE", int8.W8A8X2_INT8: "TWO_PASS_RECIPE"}[mode]
+    base = _SHIPPED.setdefault(attr, getattr(int8, attr))
+    setattr(int8, attr, recipe_with(base, options))
+    return mode
+
+
+_SHIPPED: dict[str, Any] = {}
+
+
+def memory_rows(layers: int, models: list[str], modes: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each model in each int8 mode (fp32 the rest), one at a time; bf16's bytes are 2 per
+    parameter of the float model."""
+    import transformers
+
+    from po_backend import Engine
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = transformers.Qwen2Config(**{**QWEN25_15B, "num_hidden_layers": layers})
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(tmp)
+        del model
+        paths = {"Qwen2.5-1.5B shape": tmp, "embedded (SmolLM2-135M)": "embedded"}
+        for label in models:
+            full = int(QWEN25_15B["num_hidden_layers"]) if label.startswith("Qwen") else 0
+            m = Engine.from_pretrained(paths[label], dtype="fp32", max_input_len=256).model
+            layer_params = sum(p.numel() for layer in m.decoder_layers for p in layer.parameters())
+            other = sum(p.numel() for p in m.parameters()) - layer_params
+            per = full / len(list(m.decoder_layers)) if full else 1.0
+            bf16_whole = 2 * (other + layer_params * per)
+            del m
+            for spec in modes:
+                mode = _with_recipe(spec)
+                eng = Engine.from_pretrained(paths[label], dtype="fp32", quantization=mode, max_input_len=256)
+                row = {"model": label, "mode": spec, **memory_row(eng.model, full), "bf16_whole": bf16_whole}
+                # The same int8 projections in a bf16 model: outliers, norms and embeddings at 2 bytes.
+                floats = row["outlier weights"] + row["float projections"] + row["layer_rest"]
+                as_bf16 = row["whole"] - (floats + row["embeddings_and_head"]) / 2
+                row.update(
+                    x_smaller_projections=row["projections_bf16"] / row["projections"],
+                    x_smaller_projections_rest_bf16=row["projections_bf16"]
+                    / (row["projections"] - (row["outlier weights"] + row["float projections"]) / 2),
+                    x_smaller_whole=bf16_whole / row["whole"],
+                    x_smaller_whole_rest_bf16=bf16_whole / as_bf16,
+                )
+                rows.append(row)
+                print(row, flush=True)
+                del eng
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, None, "one repeat")
     flags(ap, tokens=(2048, "forward length"), layers=(8, "decoder layers of the 1.5B shape (it has 28)"))
     flags(ap, repeats=(3, "pairs of forwards"), skip_gemm=(False, "forwards only"))
+    flags(ap, memory=(False, "the weights' bytes by kind only (no timing)"))
     ap.add_argument("--models", nargs="+", default=["Qwen2.5-1.5B shape", "embedded (SmolLM2-135M)"])
-    ap.add_argument("--modes", nargs="+", default=list(QUANTIZATIONS), help="int8 modes timed against fp32")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(QUANTIZATIONS),
+        help="int8 modes (--memory: MODE:field=value:... too)",
+    )
     args = ap.parse_args(argv)
     if args.out is None:
         ap.error("--out is required")
     repeats = 1 if args.quick else args.repeats
     doc: dict[str, Any] = {"cpu_class": cpu_class(), "torch": torch.__version__}
+    if args.memory:
+        doc["memory"] = memory_rows(args.layers, args.models, tuple(args.modes))
+        harness.save(args.out, {"machine": harness.machine_info(), **doc})
+        return 0
     doc["gemm"] = [] if args.skip_gemm else gemm_rows(repeats)
     doc["forward"] = forward_rows(args.tokens, args.layers, repeats, args.models, tuple(args.modes))
     harness.save(args.out, {"machine": harness.machine_info(), **doc})

@@ -1,5 +1,6 @@
 """Blocked int8 GEMM (Q8_0-style) on x86 CPUs: int8 activations and weights, each quantized in
-blocks of `block` values along k (a multiple of 32) with one fp32 scale per block, through a small
+blocks of `block` values along k (a multiple of 32) with one scale per block (fp32 for activations;
+fp32 or fp16, Q8_0's 2 bytes, for weights: the kernel reads them widened, exactly), through a small
 C++ kernel (`csrc/int8_blocked.cpp`).
 
 Why our own kernel: the int8 mode ranks like fp32 only with activations quantized per block of
@@ -153,46 +154,87 @@ def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
 class PackedWeights:
     """Int8 weights [n, k] and their block scales [n, k // block] in the kernel's layout: panels of
     16 output columns (the last padded with zeros), inside a panel 4 k values per column at a
-    time. `unpack` gives the [n, k] / [n, k // block] tensors back (for a cache)."""
+    time. `unpack` gives the [n, k] / [n, k // block] tensors back (for a cache). A weight scale
+    may span several activation blocks (scales [n, k // (block * span)]): it is repeated for each
+    call."""
 
     data: Tensor  # int8 [panels, k // 4, 16, 4]
-    scales: Tensor  # fp32 [panels, k // block, 16]
+    # [panels, k // block, 16], fp32 or fp16 as given to `pack_weights` (fp16: Q8_0's 2 bytes per
+    # block; widened to fp32, exactly, for each call).
+    scales: Tensor
     n: int
     k: int
     block: int
     # -128 x each block's weight sum, int32 [panels, k // block, 16]: the AVX512-VNNI tile's
     # correction for its x + 128 operand (packed only where that tile runs).
     comp: Tensor | None = None
+    # A power of two every scale is multiplied by (fp8 scales' range; exact).
+    scale_mul: float = 1.0
 
     def unpack(self) -> tuple[Tensor, Tensor]:
         panels = self.data.shape[0]
         wq = self.data.permute(0, 2, 1, 3).reshape(panels * PANEL, self.k)[: self.n]
-        ws = self.scales.permute(0, 2, 1).reshape(panels * PANEL, self.k // self.block)[: self.n]
+        ws = self.scales.permute(0, 2, 1).reshape(panels * PANEL, self.scales.shape[1])[: self.n]
         return wq.contiguous(), ws.contiguous()
 
+    def kernel_scales(self) -> Tensor:
+        """The scales as the kernel reads them: fp32, one per activation block."""
+        return _per_block(self.scales, (self.k // self.block) // self.scales.shape[1], 1, self.scale_mul)
 
-def pack_weights(wq: Tensor, ws: Tensor, block: int) -> PackedWeights:
-    """Lay out int8 weights wq [n, k] (values in [-127, 127]) and scales ws [n, k // block] for
-    the kernel; done once at load."""
+
+SCALE_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)
+
+
+def _check_scales(ws: Tensor, cpu: bool = True) -> None:
+    """Weight scales are fp32, fp16 or fp8 (e4m3, with a power-of-two multiplier): the kernel
+    reads them widened to fp32, exactly."""
+    given = ws.dtype if isinstance(ws, Tensor) and ws.dtype in SCALE_DTYPES else torch.float32
+    _check(ws, given, 2, "ws", cpu)
+
+
+def _per_block(ws: Tensor, span: int, dim: int = -1, mul: float = 1.0) -> Tensor:
+    """Weight scales (`SCALE_DTYPES`) with blocks / span entries along `dim` -> fp32 with one per
+    block, times `mul` (a power of two): each repeated `span` times (a scale of `span` activation
+    blocks). Exact."""
+    w = ws.float() if mul == 1.0 else ws.float() * mul
+    return w if span == 1 else w.repeat_interleave(span, dim=dim)
+
+
+def _check_scale_shape(ws: Tensor, n: int, k: int, block: int) -> int:
+    """ws must be [n, k // (block * span)] for a whole span >= 1; returns the span."""
+    nb = k // block
+    if ws.shape[0] != n or not 0 < ws.shape[1] <= nb or nb % ws.shape[1]:
+        raise ValueError(
+            f"ws must be [{n}, {nb}] (or a divisor of {nb} columns: one scale per several blocks) "
+            f"for k = {k} and block {block}, got {tuple(ws.shape)}"
+        )
+    return nb // ws.shape[1]
+
+
+def pack_weights(wq: Tensor, ws: Tensor, block: int, scale_mul: float = 1.0) -> PackedWeights:
+    """Lay out int8 weights wq [n, k] (values in [-127, 127]) and scales ws [n, k // block] (fp32,
+    or fp16 to hold 2 bytes per block; or [n, k // (block * span)], each scale spanning `span`
+    activation blocks; fp8 e4m3 with `scale_mul`, a power of two, multiplying them all) for the
+    kernel; done once at load."""
     _check(wq, torch.int8, 2, "wq")
-    _check(ws, torch.float32, 2, "ws")
+    _check_scales(ws)
     n, k = wq.shape
     _check_block(k, block)
-    if ws.shape != (n, k // block):
-        raise ValueError(
-            f"ws must be [{n}, {k // block}] for wq {tuple(wq.shape)} and block {block}, got {tuple(ws.shape)}"
-        )
+    _check_scale_shape(ws, n, k, block)
     if n and k and int(wq.min()) == -128:
         # x's sign is put on w by negation, and -(-128) does not exist in int8.
         raise ValueError("int8 weights must lie in [-127, 127] (symmetric quantization); got -128")
     panels = -(-n // PANEL)
     pad = panels * PANEL - n
     w = torch.nn.functional.pad(wq, (0, 0, 0, pad)) if pad else wq
-    s = torch.nn.functional.pad(ws, (0, 0, 0, pad)) if pad else ws
+    s = ws
+    if pad:  # (fp8 pads through its bytes: zeros either way)
+        s = ws.view(torch.uint8) if ws.dtype == torch.float8_e4m3fn else ws
+        s = torch.nn.functional.pad(s, (0, 0, 0, pad)).view(ws.dtype)
     data = w.reshape(panels, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    scales = s.reshape(panels, PANEL, k // block).permute(0, 2, 1).contiguous()
+    scales = s.reshape(panels, PANEL, ws.shape[1]).permute(0, 2, 1).contiguous()
     comp = _compensation(data, block) if isa() == "avx512_vnni" else None
-    return PackedWeights(data, scales, n, k, block, comp)
+    return PackedWeights(data, scales, n, k, block, comp, float(scale_mul))
 
 
 def _compensation(data: Tensor, block: int) -> Tensor:
@@ -238,26 +280,28 @@ def reference_blocked_matmul(
     block: int | None = None,
     *,
     out: Tensor | None = None,
+    scale_mul: float = 1.0,
 ) -> Tensor:
     """`blocked_matmul` in plain torch (the same arithmetic: bit-equal), on any device class."""
     if isinstance(wq, PackedWeights):
         w = _weights(wq, ws, block)
         wq, ws = w.unpack()
-        block = w.block
+        block, scale_mul = w.block, w.scale_mul
     _check(wq, torch.int8, 2, "wq", cpu=False)
     if ws is None or block is None:
         raise TypeError("unpacked weights need their scales ws and the block size")
-    _check(ws, torch.float32, 2, "ws", cpu=False)
+    _check_scales(ws, cpu=False)
     _check(xq, torch.int8, 2, "xq", cpu=False)
     _check(xs, torch.float32, 2, "xs", cpu=False)
     m, k = xq.shape
     n = wq.shape[0]
     _check_block(k, block)
-    if wq.shape[1] != k or ws.shape != (n, k // block) or xs.shape != (m, k // block):
+    if wq.shape[1] != k or xs.shape != (m, k // block):
         raise ValueError(
             f"shapes do not match: xq {tuple(xq.shape)}, xs {tuple(xs.shape)}, wq {tuple(wq.shape)}, "
             f"ws {tuple(ws.shape)}, block {block}"
         )
+    ws = _per_block(ws, _check_scale_shape(ws, n, k, block), mul=scale_mul)
     # One block at a time (memory: one [m, n] product): a block's dot product is an fp32 matmul
     # of small integers whose partial sums stay below 2^24, so it is exact whatever the blocking.
     xf, wf = xq.float(), wq.float()
@@ -293,6 +337,14 @@ def blocked_matmul(
     if variant == "avx512_vnni":
         comp = w.comp if w.comp is not None else _compensation(w.data, w.block)
     torch.ops.po_int8.matmul(
-        xq.contiguous(), xs.contiguous(), w.data, w.scales, comp, w.n, w.block, _ISA_CODE[variant], result
+        xq.contiguous(),
+        xs.contiguous(),
+        w.data,
+        w.kernel_scales(),
+        comp,
+        w.n,
+        w.block,
+        _ISA_CODE[variant],
+        result,
     )
     return result

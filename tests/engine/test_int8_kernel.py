@@ -108,6 +108,35 @@ def test_blocked_matmul_is_bit_equal_to_the_reference(kernel, block: int) -> Non
         )
 
 
+def test_fp16_weight_scales_read_as_their_fp32_values(kernel) -> None:
+    """Packed fp16 scales (Q8_0's 2 bytes per block) stay fp16 and give the bits of the same
+    scales in fp32, in the kernel and the reference."""
+    _, xq, xs, wq, ws = _operands(19, 40, 256, 32)
+    ws16 = ws.half()
+    packed = ik.pack_weights(wq, ws16, 32)
+    assert packed.scales.dtype == torch.float16 and torch.equal(packed.unpack()[1], ws16)
+    ref = ik.reference_blocked_matmul(xq, xs, wq, ws16.float(), 32)
+    assert torch.equal(ik.reference_blocked_matmul(xq, xs, wq, ws16, 32), ref)
+    assert torch.equal(ik.blocked_matmul(xq, xs, packed), ref)
+    with pytest.raises(TypeError, match="ws must be"):
+        ik.pack_weights(wq, ws.double(), 32)
+
+
+def test_a_weight_scale_may_span_several_blocks(kernel) -> None:
+    """Weight scales [n, k // (block * span)]: each read for `span` activation blocks, the same
+    bits as the repeated scales, in the kernel and the reference; kept unrepeated."""
+    _, xq, xs, wq, ws = _operands(11, 37, 384, 32)
+    for span in (2, 3, 4):
+        w_s = ws[:, ::span].half()  # [37, 12 // span]
+        packed = ik.pack_weights(wq, w_s, 32)
+        assert torch.equal(packed.unpack()[1], w_s) and packed.scales.shape == (3, 12 // span, 16)
+        ref = ik.reference_blocked_matmul(xq, xs, wq, w_s.float().repeat_interleave(span, 1), 32)
+        assert torch.equal(ik.reference_blocked_matmul(xq, xs, wq, w_s, 32), ref)
+        assert torch.equal(ik.blocked_matmul(xq, xs, packed), ref)
+    with pytest.raises(ValueError, match="ws must be"):
+        ik.pack_weights(wq, ws[:, :5], 32)
+
+
 def test_reference_sums_blocks_in_order_in_fp32() -> None:
     """The reference is the stated arithmetic: fp32 (xs * ws) * dot per block, added in order."""
     _, xq, xs, wq, ws = _operands(9, 5, 256, 32)

@@ -15,9 +15,10 @@ the input instead, one scale per row and block, and runs `blocked_matmul` on eve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -38,6 +39,7 @@ W8A8_INT8 = "w8a8_int8"
 # The same int8 weights, each activation block as two int8 parts (`Int8Recipe.activation_passes`).
 W8A8X2_INT8 = "w8a8x2_int8"
 QMAX = 127.0
+OUTLIER_BLOCK = 32  # int8 outlier weights: Q8_0 blocks along the output channels
 # fbgemm's AVX2 kernel adds pairs of u8 x s8 products in int16 with saturation (`vpmaddubsw`):
 # full 8-bit activations (up to 255) times weights within +-63 can never saturate (2*255*63 <
 # 2^15), so on that backend the weights get one bit less rather than the activations (torch's
@@ -71,6 +73,18 @@ class Int8Recipe:
     # 2: each activation block is an int8 value plus the int8 value of what it missed (about 15
     # bits, two int8 GEMMs on the same weights); blocked recipes only.
     activation_passes: int = 1
+    # Projections left in the model dtype (neither smoothed nor quantized): "down_proj" in every
+    # layer, "down_proj@27" in layer 27 only (`parse_float_projections` reads "down_proj@27-29").
+    float_projections: tuple[str, ...] = ()
+    # Weight scales per this many input channels (a multiple of `block`; None: `block`): one fp16
+    # scale spanning several activation blocks holds fewer bytes (64: 8.25 bits a weight).
+    weight_block: int | None = None
+    # The weights' block scales: "fp16" (Q8_0's, 2 bytes a block) or "e4m3" (1 byte: fp8 with
+    # one power-of-two multiplier per projection, each block's d rounded up to it).
+    weight_scales: Literal["fp16", "e4m3"] = "fp16"
+    # The outlier channels' weights: "float" (the model dtype) or "int8" (Q8_0 blocks of 32 along
+    # the output, fp16 scales; their activations stay float either way).
+    outlier_weights: Literal["float", "int8"] = "float"
 
     @property
     def calibrated(self) -> bool:
@@ -80,6 +94,33 @@ class Int8Recipe:
     def of(self, name: str) -> tuple[float | None, int]:
         i = QUANTIZED_PROJECTIONS.index(name)
         return self.alpha[i], self.outliers[i]
+
+    def keeps_float(self, layer: int, name: str) -> bool:
+        return name in self.float_projections or f"{name}@{layer}" in self.float_projections
+
+    def for_layer(self, layer: int) -> Int8Recipe:
+        """This recipe with no smoothing of the projections it keeps in float in `layer`."""
+        alpha = tuple(
+            None if self.keeps_float(layer, n) else a
+            for n, a in zip(QUANTIZED_PROJECTIONS, self.alpha, strict=True)
+        )
+        return replace(self, alpha=cast(Any, alpha))
+
+
+def parse_float_projections(spec: str) -> tuple[str, ...]:
+    """ "down_proj@27-29;o_proj" -> ("down_proj@27", "down_proj@28", "down_proj@29", "o_proj")."""
+    out: list[str] = []
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        name, _, layers = entry.partition("@")
+        if name not in QUANTIZED_PROJECTIONS:
+            raise ValueError(f"unknown projection {name!r} (one of {', '.join(QUANTIZED_PROJECTIONS)})")
+        if not layers:
+            out.append(name)
+            continue
+        for part in layers.split(","):
+            lo, _, hi = part.partition("-")
+            out += [f"{name}@{i}" for i in range(int(lo), int(hi or lo) + 1)]
+    return tuple(out)
 
 
 PLAIN = Int8Recipe()
@@ -167,6 +208,44 @@ def _quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     return quantize_blocks(x, block) if x.is_cpu else reference_quantize_blocks(x, block)
 
 
+def quantize_weight_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, k] (k a multiple of `block`) -> (int8 [n, k], fp16 scales [n, k // block]): Q8_0's
+    weight format, 2 bytes per block. d = max |w| / 127 is rounded up to an fp16 value and the
+    block is quantized with that d, so |q| <= 127 and the stored pair is exact; the rounding adds at
+    most 2^-11 of d to a weight's error, or 2^-25 where d is below fp16's normal range."""
+    n, k = w.shape
+    assert k % block == 0, "whole blocks"
+    wb = w.float().reshape(n, k // block, block)
+    d = wb.abs().amax(-1) / QMAX
+    if bool((d > torch.finfo(torch.float16).max).any()):
+        raise ValueError("a weight block's scale exceeds fp16's range (|w| > 8.3e6)")
+    d16 = d.half()
+    low = d16.float() < d
+    d16 = torch.where(low, torch.nextafter(d16, torch.full_like(d16, torch.inf)), d16)
+    d32 = d16.float()[..., None]
+    q = torch.where(d32 > 0, torch.round(wb / d32), 0.0).clamp_(-QMAX, QMAX)
+    return q.to(torch.int8).reshape(n, k), d16
+
+
+def quantize_weight_blocks_e4m3(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """w [n, k] -> (int8 [n, k], fp8 e4m3 codes [n, k // block], mul): 1 byte per block's scale,
+    d = code * mul with mul a power of two putting the largest d at most at e4m3's 448; each d is
+    the smallest such value >= max |w| / 127 and the block is quantized with it (|q| <= 127).
+    e4m3 has 3 mantissa bits: d is at most 1/8 above the fp32 one (on average about 1/20)."""
+    n, k = w.shape
+    assert k % block == 0, "whole blocks"
+    wb = w.float().reshape(n, k // block, block)
+    d = wb.abs().amax(-1) / QMAX
+    top = float(d.max()) if d.numel() else 0.0
+    mul = 2.0 ** math.ceil(math.log2(top / 448.0)) if top > 0 else 1.0
+    code = (d / mul).to(torch.float8_e4m3fn)
+    low = code.float() * mul < d  # rounded down: the next code up (its byte + 1; never past 448)
+    code = torch.where(low, (code.view(torch.uint8) + 1).view(torch.float8_e4m3fn), code)
+    d32 = (code.float() * mul)[..., None]
+    q = torch.where(d32 > 0, torch.round(wb / d32), 0.0).clamp_(-QMAX, QMAX)
+    return q.to(torch.int8).reshape(n, k), code, mul
+
+
 def _padded(x: torch.Tensor, cols: int) -> torch.Tensor:
     """x [m, k] with zero columns appended up to `cols` (a whole number of blocks)."""
     return x if x.shape[1] == cols else torch.nn.functional.pad(x, (0, cols - x.shape[1]))
@@ -194,20 +273,25 @@ class Int8Linear(nn.Module):
     `block`, both in blocks of `block` input channels (one scale per row and block: Q8_0's format).
 
     Per channel: `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose),
-    `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / block], in' the
-    input size rounded up to whole blocks (zero columns), run through `blocked_matmul` whatever the
+    `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / weight_block]
+    (`weight_block`: `block` or a multiple of it), in' the input size rounded up to whole weight
+    blocks (zero columns), run through `blocked_matmul` whatever the
     backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in
-    the model dtype. On fbgemm only its packed copy is kept (`qweight` unpacks it when asked: the
-    int8 cache, tests), so the weights' memory is one int8 copy on every backend."""
+    the model dtype. Blocked scales are kept in the dtype given (the int8 mode's weights: fp16).
+    On fbgemm and the blocked kernel only the packed copy is kept (`qweight` and `scale` unpack it
+    when asked: the int8 cache, tests), so the weights' memory is one copy on every backend."""
 
     # The checkpoint loader skips a projection that is already int8 (read from the int8 cache).
     weight_loader = None
     q: torch.Tensor | None
-    scale: torch.Tensor
+    # The scales, unless the blocked kernel's packed copy holds them (`scale` reads either).
+    s: torch.Tensor | None
     # Input channels kept out of the int8 GEMM ([k_out] int64; their int8 columns are zero) and
     # their float weight [k_out, out] in the model dtype: LLM.int8()'s outlier decomposition.
     outlier_idx: torch.Tensor | None
     outlier_w: torch.Tensor | None
+    # With int8 outlier weights, their fp16 block scales [k_out, out rounded up / 32].
+    outlier_s: torch.Tensor | None
 
     def __init__(
         self,
@@ -219,6 +303,9 @@ class Int8Linear(nn.Module):
         block: int | None = None,
         in_features: int | None = None,
         activation_passes: int = 1,
+        weight_block: int | None = None,
+        scale_mul: float = 1.0,
+        outlier_s: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2, "qweight is int8"
@@ -227,44 +314,56 @@ class Int8Linear(nn.Module):
         )
         self.block = block
         self.activation_passes = activation_passes
+        self.weight_block = wb = weight_block or block
         if block is not None:
+            assert wb is not None and wb % block == 0, "a weight block is whole activation blocks"
             n, kp = qweight.shape
             k = kp if in_features is None else in_features
-            assert kp % block == 0 and kp - block < k <= kp, "blocked qweight is [out, in rounded up]"
-            assert scale.shape == (n, kp // block), "one scale per output channel and block"
+            assert kp % wb == 0 and kp - wb < k <= kp, "blocked qweight is [out, in rounded up]"
+            assert scale.shape == (n, kp // wb), "one scale per output channel and weight block"
             qweight, shape = qweight.contiguous(), (k, n)
+            if scale.dtype not in (torch.float16, torch.float8_e4m3fn):
+                scale = scale.float()
         else:
             assert scale.shape == (qweight.shape[1],), "one scale per output channel"
             shape = (int(qweight.shape[0]), int(qweight.shape[1]))
+            scale = scale.float()
         assert (outlier_idx is None) == (outlier_w is None), "outlier channels come with their weights"
         if outlier_idx is not None and outlier_idx.numel() == 0:
             outlier_idx = outlier_w = None
         if outlier_idx is not None:
-            assert outlier_w is not None and outlier_w.shape == (outlier_idx.numel(), shape[1])
+            assert outlier_w is not None
+            cols = -(-shape[1] // OUTLIER_BLOCK) * OUTLIER_BLOCK if outlier_s is not None else shape[1]
+            assert outlier_w.shape == (outlier_idx.numel(), cols), "outlier weights are [k_out, out]"
+            assert (outlier_s is not None) == (outlier_w.dtype == torch.int8), "int8 outliers have scales"
+        else:
+            outlier_s = None
         self.register_buffer("outlier_idx", None if outlier_idx is None else outlier_idx.long())
         self.register_buffer("outlier_w", outlier_w)
+        self.register_buffer("outlier_s", outlier_s)
         if block is None and backend == "fbgemm" and int(qweight.abs().max()) > FBGEMM_WMAX:
             # Weights from the cache of another backend or from a GGUF: one bit less, per channel.
             qt, scale = quantize_rows(qweight.t().float() * scale.float()[:, None], FBGEMM_WMAX)
             qweight = qt.t().contiguous()
-        self.register_buffer("scale", scale.float())
         self.backend: GemmBackend = backend
         self.shape = shape
+        self.scale_mul = float(scale_mul)  # what every blocked scale is multiplied by (fp8: a power of 2)
         self.packed: torch.Tensor | None = None
         # Blocked weights on a CPU live only in the blocked kernel's layout, packed once here.
         self.blocks: PackedWeights | None = None
+        self.register_buffer("s", scale)
         if block is None and backend == "fbgemm":  # fbgemm's own weight layout, packed once
             wq = torch._make_per_channel_quantized_tensor(
                 qweight.t().contiguous(),
-                self.scale.double(),
-                torch.zeros_like(self.scale, dtype=torch.long),
+                scale.double(),
+                torch.zeros_like(scale, dtype=torch.long),
                 0,
             )
             self.packed = torch.ops.quantized.linear_prepack(wq, None)
             self.q = None
         elif block is not None and qweight.device.type == "cpu" and backend != "reference":
-            self.blocks = pack_weights(qweight, self.scale, block)
-            self.q = None
+            self.blocks = pack_weights(qweight, scale, block, self.scale_mul)
+            self.q = self.s = None
         else:
             self.register_buffer("q", qweight)
 
@@ -276,20 +375,45 @@ class Int8Linear(nn.Module):
         outlier_idx: torch.Tensor | None = None,
         block: int | None = None,
         activation_passes: int = 1,
+        weight_block: int | None = None,
+        weight_scales: str = "fp16",
+        outlier_weights: str = "float",
     ) -> Int8Linear:
         """From a float weight [out, in] (a checkpoint's layout), per output channel or in blocks
         of `block` input channels; the `outlier_idx` input channels stay in the weight's dtype,
         outside the int8 GEMM (and outside its scales)."""
-        outlier_w = None
+        outlier_w = outlier_s = None
         if outlier_idx is not None and outlier_idx.numel():
             outlier_w = weight[:, outlier_idx].t().contiguous()
             weight = weight.index_fill(1, outlier_idx, 0)
+            if outlier_weights == "int8":
+                n = outlier_w.shape[1]
+                cols = -(-n // OUTLIER_BLOCK) * OUTLIER_BLOCK
+                outlier_w, outlier_s = quantize_weight_blocks(_padded(outlier_w.float(), cols), OUTLIER_BLOCK)
         if block is not None:
-            k = weight.shape[1]
-            q, scale = _quantize_blocks(_padded(weight.float(), -(-k // block) * block), block)
-            return cls(q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes)
+            k, wb = weight.shape[1], weight_block or block
+            padded, mul = _padded(weight.float(), -(-k // wb) * wb), 1.0
+            if weight_scales == "e4m3":
+                q, scale, mul = quantize_weight_blocks_e4m3(padded, wb)
+            else:
+                q, scale = quantize_weight_blocks(padded, wb)
+            return cls(
+                q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes, wb, mul, outlier_s
+            )
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
-        return cls(q.t().contiguous(), scale, backend, outlier_idx, outlier_w, None, None, activation_passes)
+        return cls(
+            q.t().contiguous(),
+            scale,
+            backend,
+            outlier_idx,
+            outlier_w,
+            None,
+            None,
+            activation_passes,
+            None,
+            1.0,
+            outlier_s,
+        )
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -301,6 +425,15 @@ class Int8Linear(nn.Module):
         assert self.packed is not None
         wq, _ = torch.ops.quantized.linear_unpack(self.packed)
         return wq.int_repr().t().contiguous()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The weight scales: fp32 [out] per channel; [out, in rounded up / block] blocked (fp16
+        for the int8 mode's weights)."""
+        if self.s is not None:
+            return self.s
+        assert self.blocks is not None
+        return self.blocks.unpack()[1]
 
     @property
     def in_features(self) -> int:
@@ -315,14 +448,25 @@ class Int8Linear(nn.Module):
         outlier channels included."""
         if self.block is not None:
             n, kp = self.qweight.shape
-            w = self.qweight.float().view(n, -1, self.block) * self.scale[..., None]
+            wb = self.weight_block
+            assert wb is not None
+            w = self.qweight.float().view(n, -1, wb) * (self.scale.float() * self.scale_mul)[..., None]
             w = w.view(n, kp)[:, : self.in_features].contiguous()
         else:
             w = (self.qweight.float() * self.scale).t().contiguous()
         if self.outlier_idx is not None:
-            assert self.outlier_w is not None
-            w[:, self.outlier_idx] = self.outlier_w.float().t()
+            w[:, self.outlier_idx] = self._outlier_weight().float().t()
         return w
+
+    def _outlier_weight(self) -> torch.Tensor:
+        """The outlier channels' weights [k_out, out] (int8 ones dequantized, exactly, in fp32)."""
+        w = self.outlier_w
+        assert w is not None
+        if self.outlier_s is None:
+            return w
+        k_out, cols = w.shape
+        deq = w.float().view(k_out, -1, OUTLIER_BLOCK) * self.outlier_s.float()[..., None]
+        return deq.view(k_out, cols)[:, : self.out_features]
 
     def _blocked(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """Quantized activations through the blocked int8 GEMM: the C++ kernel on the packed
@@ -330,7 +474,7 @@ class Int8Linear(nn.Module):
         if self.blocks is not None:
             return blocked_matmul(xq, xs, self.blocks)
         assert self.q is not None and self.block is not None
-        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block)
+        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block, scale_mul=self.scale_mul)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -338,7 +482,9 @@ class Int8Linear(nn.Module):
         skip = self.outlier_idx
         if self.block is not None:
             xf = x.float() if skip is None else x.float().index_fill(1, skip, 0)
-            xp = _padded(xf, self.scale.shape[1] * self.block)
+            wb = self.weight_block
+            assert wb is not None
+            xp = _padded(xf, -(-self.in_features // wb) * wb)
             xq, xs = _quantize_blocks(xp, self.block)
             acc = self._blocked(xq, xs)
             if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
@@ -362,8 +508,7 @@ class Int8Linear(nn.Module):
         if skip is not None:
             # Summed in fp64 (k_out terms: cheap), so a token's bits do not depend on how many rows
             # the GEMM had (a float GEMM's blocking does): a cache hit keeps the cold run's answer.
-            assert self.outlier_w is not None
-            part = torch.matmul(x.index_select(1, skip).double(), self.outlier_w.double())
+            part = torch.matmul(x.index_select(1, skip).double(), self._outlier_weight().double())
             out.add_(part.to(out.dtype))  # cast first: a mixed-dtype add_ is a slow path
         return out
 
@@ -491,28 +636,45 @@ def quantize_model(
     for i, layer in enumerate(layers):
         if any(isinstance(getattr(layer, n), Int8Linear) for n in QUANTIZED_PROJECTIONS):
             assert not recipe.calibrated, "a calibrated recipe quantizes from float weights"
-        after = smooth_layer(layer, maxima[i], recipe) if maxima is not None and recipe.calibrated else {}
+        own = recipe.for_layer(i)
+        after = smooth_layer(layer, maxima[i], own) if maxima is not None and recipe.calibrated else {}
         for name in QUANTIZED_PROJECTIONS:
             w = getattr(layer, name)
-            if not isinstance(w, Int8Linear):
+            if not isinstance(w, Int8Linear) and not recipe.keeps_float(i, name):
                 idx = outlier_channels(after[name], recipe.of(name)[1]) if name in after else None
-                q = Int8Linear.from_float(w.data, backend, idx, recipe.block, recipe.activation_passes)
+                q = Int8Linear.from_float(
+                    w.data,
+                    backend,
+                    idx,
+                    recipe.block,
+                    recipe.activation_passes,
+                    recipe.weight_block,
+                    recipe.weight_scales,
+                    recipe.outlier_weights,
+                )
                 delattr(layer, name)
                 setattr(layer, name, q)
 
 
-def int8_state(layers: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+def int8_state(layers: Sequence[nn.Module], recipe: Int8Recipe = PLAIN) -> dict[str, torch.Tensor]:
     """The int8 weights and scales of quantized layers, by "layer.projection.tensor", their outlier
-    channels, and the float tensors smoothing may have rescaled (`SMOOTHED_FLOATS`): the cache."""
+    channels, and the float tensors smoothing may have rescaled (`SMOOTHED_FLOATS`): the cache.
+    The projections `recipe` keeps in float are the checkpoint's own: not stored."""
     out = {}
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
             q = getattr(layer, name)
+            if recipe.keeps_float(i, name):
+                continue
             assert isinstance(q, Int8Linear), f"layer {i}'s {name} is not quantized"
             out[f"{i}.{name}.qweight"], out[f"{i}.{name}.scale"] = q.qweight, q.scale
+            if q.scale_mul != 1.0:
+                out[f"{i}.{name}.scale_mul"] = torch.tensor(q.scale_mul)
             if q.outlier_idx is not None:
                 assert q.outlier_w is not None
                 out[f"{i}.{name}.outlier_idx"], out[f"{i}.{name}.outlier_w"] = q.outlier_idx, q.outlier_w
+                if q.outlier_s is not None:
+                    out[f"{i}.{name}.outlier_s"] = q.outlier_s
         for attr in SMOOTHED_FLOATS:
             t = getattr(layer, attr, None)
             if t is not None:
@@ -531,6 +693,8 @@ def load_int8_state(
     `recipe`: the one the state was quantized with."""
     for i, layer in enumerate(layers):
         for name in QUANTIZED_PROJECTIONS:
+            if recipe.keeps_float(i, name):
+                continue
             w = getattr(layer, name)
             q = Int8Linear(
                 state[f"{i}.{name}.qweight"],
@@ -541,6 +705,9 @@ def load_int8_state(
                 recipe.block,
                 int(w.shape[1]),
                 recipe.activation_passes,
+                recipe.weight_block,
+                float(state.get(f"{i}.{name}.scale_mul", torch.tensor(1.0))),
+                state.get(f"{i}.{name}.outlier_s"),
             )
             assert (q.out_features, q.in_features) == tuple(w.shape), (
                 f"cached {name} of layer {i}: wrong shape"
@@ -564,14 +731,19 @@ def is_quantized(model: nn.Module) -> bool:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer (the int8 weights and their scales included; fbgemm's
-    packed int8 weights counted at one byte a value)."""
+    packed int8 weights counted at one byte a value, the blocked kernel's packed weights, scales
+    and weight sums at their size)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     packed = sum(
         m.in_features * m.out_features
         for m in model.modules()
         if isinstance(m, Int8Linear) and m.packed is not None
     ) + sum(
-        m.blocks.data.numel() + m.blocks.scales.numel() * 4
+        sum(
+            t.numel() * t.element_size()
+            for t in (m.blocks.data, m.blocks.scales, m.blocks.comp)
+            if t is not None
+        )
         for m in model.modules()
         if isinstance(m, Int8Linear) and m.blocks is not None
     )

@@ -216,11 +216,12 @@ def gguf_q8_0_state(
     def rows(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         raw = np.asarray(tensors[name].data).reshape(-1)
         blocks = raw.reshape(-1, 2 + _Q8_0_BLOCK)
-        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))  # [blocks, 1]
+        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16))  # [blocks, 1]: kept in fp16 (blocked)
         q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
         n_rows = int(tensors[name].shape[1]) if len(tensors[name].shape) > 1 else 1
         d, q = d.view(n_rows, -1), q.view(n_rows, -1, _Q8_0_BLOCK)
         if block is None:
+            d = d.float()
             d_row = d.amax(dim=1).clamp_min(1e-12)
             q = torch.round(q.float() * (d / d_row[:, None])[..., None]).clamp_(-127, 127).to(torch.int8)
             d = d_row[:, None]
@@ -303,6 +304,7 @@ def load_model(
         int8_file is not None
         and not recipe.calibrated
         and recipe.block in (None, _Q8_0_BLOCK)
+        and recipe.weight_block in (None, recipe.block)
         and (q8 := gguf_q8_0_state(model_dir, cfg, recipe.block)) is not None
     ):
         # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read
@@ -348,7 +350,7 @@ def load_model(
         maxima = _calibration(model_dir, files, model, device) if recipe.calibrated else None
         # What is not int8 yet (no-op after Q8_0), smoothed and split as the recipe says.
         quantize_model(model.decoder_layers, backend, recipe, maxima)
-        _save_atomic(int8_state(model.decoder_layers), int8_file)
+        _save_atomic(int8_state(model.decoder_layers, recipe), int8_file)
         log.info(
             "quantized to %s and cached in %s (%.1f s)", quantization, int8_file, time.perf_counter() - t0
         )
@@ -457,7 +459,7 @@ def stream_tensor(fh: Any, data_start: int, entry: SafetensorsEntry, dest: torch
 
 
 # Bumped when the int8 cache's layout or rounding changes: older files are then not read.
-INT8_CACHE_VERSION = 3
+INT8_CACHE_VERSION = 4
 
 
 def _stamp(files: list[Path]) -> list[str]:
