@@ -14,8 +14,9 @@ dot_b is the exact int32 dot product of the block's int8 values (exact in fp32 t
 No step depends on the other rows, so a row's output is the same in any batch (a prefix-cache hit
 equals the cold run).
 
-Instruction sets, chosen from `po_backend.core.cpu.cpu_flags()`: AVX2 (vpmaddubsw on |x| and w
-carrying x's sign, as llama.cpp), AVX-VNNI (vpdpbusd on the same operands, 256 bits) and
+Instruction sets, chosen from `po_backend.core.cpu.cpu_flags()`: AVX2 (vpmaddubsw on |w| and x
+carrying w's sign; where x holds -128, on |x| and w carrying x's sign, as llama.cpp), AVX-VNNI
+(vpdpbusd on the same operands, 256 bits) and
 AVX512-VNNI (vpdpbusd on x + 128 at 512 bits, each block's weight sum subtracted). The library is
 built at first use (`load_kernel`; `po_backend.engine.kernels`: a per-user cache, once per machine);
 without AVX2, without a compiler or if the build fails, one warning is logged and every call runs
