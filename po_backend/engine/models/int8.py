@@ -366,8 +366,7 @@ class Int8Linear(nn.Module):
         if skip is not None:
             # Summed in fp64 (k_out terms: cheap), so a token's bits do not depend on how many rows
             # the GEMM had (a float GEMM's blocking does): a cache hit keeps the cold run's answer.
-            # A few rows at a time: the fp64 [rows, n] product stays in cache instead of a fresh
-            # [m, n] fp64 tensor (twice the output's size) written and read back.
+            # Some rows at a time: not a fresh [m, n] fp64 tensor (twice the output's size).
             assert self.outlier_w is not None
             xo, wo = x.index_select(1, skip).double(), self.outlier_w.double()
             step = max(1, _OUTLIER_PART_BYTES // (8 * out.shape[1]))
@@ -377,8 +376,10 @@ class Int8Linear(nn.Module):
         return out
 
 
-# The outlier channels' fp64 product is made this many bytes at a time (L2-sized).
-_OUTLIER_PART_BYTES = 1 << 19
+# The outlier channels' fp64 product is made this many bytes at a time: below glibc's largest
+# mmap threshold (reused, not page-faulted afresh), and few enough pieces that each one's
+# threaded calls stay cheap beside the GEMM.
+_OUTLIER_PART_BYTES = 1 << 24
 
 
 def _gemm(q: torch.Tensor, w: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
