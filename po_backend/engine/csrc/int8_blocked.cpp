@@ -267,13 +267,24 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
   const float* ws = wsp.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int bl = static_cast<int>(block);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    if (isa == 1)
-      zmm::panels(ax.get(), xsp, m, k, nb, w, ws, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
-    else if (isa == 2)
-      avxvnni::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
-    else
-      avx2::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+  // Runs of panels handed out one at a time (at least 4 per thread), not one fixed share per
+  // thread: on a shared machine a thread that loses its core for a while leaves its runs to the
+  // others instead of making them wait at the end.
+  const int64_t threads = at::get_num_threads();
+  // (One thread: a single run, so a row group's activations serve every panel from L2.)
+  const int64_t run = threads == 1 ? panels : std::clamp<int64_t>(panels / (4 * threads), 1, 16);
+  const int64_t runs = (panels + run - 1) / run;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, runs), 1, [&](int64_t, int64_t) {
+    for (int64_t r = next++; r < runs; r = next++) {
+      const int64_t p0 = r * run, p1 = std::min(panels, p0 + run);
+      if (isa == 1)
+        zmm::panels(ax.get(), xsp, m, k, nb, w, ws, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
+      else if (isa == 2)
+        avxvnni::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+      else
+        avx2::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+    }
   });
 }
 
