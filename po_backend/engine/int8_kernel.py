@@ -15,8 +15,9 @@ dot_b is the exact int32 dot product of the block's int8 values (exact in fp32 t
 No step depends on the other rows, so a row's output is the same in any batch (a prefix-cache hit
 equals the cold run).
 
-Instruction sets, chosen from `po_backend.core.cpu.cpu_flags()`: AVX2 (vpmaddubsw on |x| and w
-carrying x's sign, as llama.cpp), AVX-VNNI (vpdpbusd on the same operands, 256 bits) and
+Instruction sets, chosen from `po_backend.core.cpu.cpu_flags()`: AVX2 (vpmaddubsw on |w| and x
+carrying w's sign; where x holds -128, on |x| and w carrying x's sign, as llama.cpp), AVX-VNNI
+(vpdpbusd on the same operands, 256 bits) and
 AVX512-VNNI (vpdpbusd on x + 128 at 512 bits, each block's weight sum subtracted). The library is
 built at first use (`load_kernel`; `po_backend.engine.kernels`: a per-user cache, once per machine);
 without AVX2, without a compiler or if the build fails, one warning is logged and every call runs
@@ -45,8 +46,10 @@ _SOURCE = Path(__file__).parent / "csrc" / "int8_blocked.cpp"
 _TILES = (_SOURCE.with_name("int8_blocked_tile.h"), _SOURCE.with_name("int8_blocked_zmm.h"))
 _NAME = "po_int8_blocked"
 # No FMA contraction: the kernel's (scale * dot) then (+ out) must round twice, as torch does.
-_CFLAGS = ("-O3", "-DNDEBUG", "-ffp-contract=off")
-_LDFLAGS: tuple[str, ...] = ()
+# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled here;
+# without it every call runs on one thread (torch's own libgomp serves it at run time).
+_CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
+_LDFLAGS = ("-fopenmp",)
 PANEL = 16  # output columns per packed weight panel
 _NO_COMP = torch.empty(0, dtype=torch.int32)
 MAX_BLOCK = 512  # a block's int dot product (<= 512 * 128 * 127) stays exact in fp32

@@ -149,9 +149,10 @@ def test_reference_sums_blocks_in_order_in_fp32() -> None:
 
 @pytest.mark.parametrize("block", [32, 128, 512])
 def test_extreme_values_do_not_saturate(kernel, block: int) -> None:
-    """vpmaddubsw adds two u8 x s8 products in int16 with saturation. With |x| (u8, up to 128 for
-    x = -128) times w carrying x's sign (|w| <= 127) a pair is at most 2 * 128 * 127 = 32512 <
-    32767: the all-extreme cases give the exact integer sums (unit scales: out == the int dot)."""
+    """vpmaddubsw adds two u8 x s8 products in int16 with saturation. With |w| (u8) times x carrying
+    w's sign, or (where some x is -128) |x| (up to 128) times w carrying x's sign, a pair is at most
+    2 * 128 * 127 = 32512 < 32767: the all-extreme cases give the exact integer sums (unit scales:
+    out == the int dot)."""
     k = 2 * block
     ones = torch.ones(4, k // block)
     for xv, wv in [(127, 127), (-127, 127), (127, -127), (-127, -127), (-128, 127), (-128, -127)]:
@@ -167,8 +168,8 @@ def test_extreme_values_do_not_saturate(kernel, block: int) -> None:
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_threads(kernel) -> None:
-    """Row i alone, in a batch of 77, beside rows 1000x larger, and with 1 or 2 threads: the same
-    bits (a prefix-cache hit equals the cold run)."""
+    """Row i alone, in a batch of 77, beside rows 1000x larger, beside a row holding -128, and with
+    1 or 2 threads: the same bits (a prefix-cache hit equals the cold run)."""
     _, xq, xs, wq, ws = _operands(77, 45, 1088, 32)
     packed = ik.pack_weights(wq, ws, 32)
     full = ik.blocked_matmul(xq, xs, packed)
@@ -186,6 +187,13 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(kernel) -> None:
         if i % 2 == 0:
             assert torch.equal(loud[i], full[i])
     assert torch.equal(ik.blocked_matmul(xq[3:10], xs[3:10], packed), full[3:10])
+    # a -128 in the batch moves the call onto the tile that takes |x| (the usual one cannot
+    # negate -128): the other rows keep their bits
+    odd = xq.clone()
+    odd[7, 100] = -128
+    mixed = ik.blocked_matmul(odd, xs, packed)
+    assert torch.equal(mixed[7], ik.reference_blocked_matmul(odd[7:8], xs[7:8], wq, ws, 32)[0])
+    assert torch.equal(torch.cat([mixed[:7], mixed[8:]]), torch.cat([full[:7], full[8:]]))
 
 
 def test_out_and_degenerate_shapes(kernel) -> None:

@@ -711,6 +711,25 @@ def test_blocked_outlier_channels_run_in_float() -> None:
     torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+def test_blocked_linear_output_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel writing into the caller's fp32 `out`, into a fresh tensor, or into a strided
+    `out` (through a copy), and the outlier channels' fp64 part made in one piece or 3 rows at a
+    time: the same bits."""
+    g = torch.Generator().manual_seed(13)
+    x, w = torch.randn(20, 576, generator=g), torch.randn(64, 576, generator=g) * 0.1
+    idx = torch.tensor([3, 100, 575])
+    x[:, idx] *= 1000
+    lin = Int8Linear.from_float(w, "int_mm", idx, block=32)
+    whole = lin(x)
+    out = torch.full((20, 64), float("nan"))
+    assert lin(x, out=out) is out and torch.equal(out, whole)
+    strided = torch.full((64, 20), float("nan")).t()
+    lin(x, out=strided)
+    assert torch.equal(strided, whole)
+    monkeypatch.setattr(int8, "_OUTLIER_PART_BYTES", 3 * 8 * 64)  # 3 rows per fp64 part
+    assert torch.equal(lin(x), whole)
+
+
 def _emulate_blocked_int8(hf: torch.nn.Module, block: int) -> torch.nn.Module:
     """transformers' model with every decoder projection's weight and input replaced by their
     blocked int8 values (fp32 math): what the blocked W8A8 computes."""

@@ -8,9 +8,11 @@
 // (po_backend/engine/int8_kernel.py) does the same arithmetic, so the two agree bit for bit, and a
 // row's result never depends on the other rows (a prefix-cache hit equals the cold run).
 //
-// The int8 products: AVX2 has no signed x signed byte multiply-add; vpmaddubsw takes u8 x s8. As in
-// llama.cpp, |x| (u8) is multiplied by w carrying x's sign (vpsignb), vpmaddwd widens the int16
-// pair sums to int32. With AVX-VNNI, vpdpbusd does the multiply and the int32 sum in one
+// The int8 products: AVX2 has no signed x signed byte multiply-add; vpmaddubsw takes u8 x s8. |w|
+// (u8, vpabsb once per tile step, shared by its rows) is multiplied by x carrying w's sign
+// (vpsignb), vpmaddwd widens the int16 pair sums to int32; a call whose x holds -128 (which
+// vpsignb cannot negate; quantize never gives it) takes llama.cpp's order instead, |x| times w
+// carrying x's sign. With AVX-VNNI, vpdpbusd does the multiply and the int32 sum in one
 // instruction; with AVX512-VNNI, one vpdpbusd on 512 bits per 64 multiply-adds
 // (int8_blocked_zmm.h: x + 128 with the weights' sums subtracted, no sign step). Each variant is
 // compiled under its own `#pragma GCC target` and chosen at run time by the caller, so the library builds and loads on any x86 CPU. With
@@ -20,10 +22,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include <immintrin.h>
 
@@ -45,12 +48,54 @@ constexpr int64_t KC = PO_KC;  // k per cache chunk: a 16-column panel's chunk i
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+// The AVX2 tile's step for 4 rows, 16 columns and 4 k, in assembly: GCC's own allocation of the
+// same intrinsics spills accumulators to the stack. 14 registers: the 8 int32 accumulators, |w|
+// (2), one broadcast of x, two products, the int16 ones; w is read from memory by vpsignb.
+static inline void step4(__m256i (&acc)[4][2], const int8_t* w, const int8_t* x0, const int8_t* x1,
+                         const int8_t* x2, const int8_t* x3, __m256i ones) {
+  __m256i a0, a1, xb, t0, t1;
+#define PO_ROW(xr, c0, c1)                 \
+  "vpbroadcastd (%" xr "), %[xb]\n"        \
+  "vpsignb (%[w]), %[xb], %[t0]\n"         \
+  "vpsignb 32(%[w]), %[xb], %[t1]\n"       \
+  "vpmaddubsw %[t0], %[a0], %[t0]\n"       \
+  "vpmaddubsw %[t1], %[a1], %[t1]\n"       \
+  "vpmaddwd %[ones], %[t0], %[t0]\n"       \
+  "vpmaddwd %[ones], %[t1], %[t1]\n"       \
+  "vpaddd %[t0], %[" c0 "], %[" c0 "]\n"   \
+  "vpaddd %[t1], %[" c1 "], %[" c1 "]\n"
+  asm("vpabsb (%[w]), %[a0]\n"
+      "vpabsb 32(%[w]), %[a1]\n"
+      PO_ROW("[x0]", "c00", "c01") PO_ROW("[x1]", "c10", "c11") PO_ROW("[x2]", "c20", "c21")
+      PO_ROW("[x3]", "c30", "c31")
+      : [c00] "+x"(acc[0][0]), [c01] "+x"(acc[0][1]), [c10] "+x"(acc[1][0]), [c11] "+x"(acc[1][1]),
+        [c20] "+x"(acc[2][0]), [c21] "+x"(acc[2][1]), [c30] "+x"(acc[3][0]), [c31] "+x"(acc[3][1]),
+        [a0] "=&x"(a0), [a1] "=&x"(a1), [xb] "=&x"(xb), [t0] "=&x"(t0), [t1] "=&x"(t1)
+      : [w] "r"(w), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [ones] "x"(ones)
+      : "memory");
+#undef PO_ROW
+}
+
 #define PO_NS avx2
 #define PO_DOT(acc, ab, sw) \
   acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ab, sw), ones))
+#define PO_STEP4(acc, w, x0, x1, x2, x3) step4(acc, w, x0, x1, x2, x3, ones)
 #include "int8_blocked_tile.h"
+#undef PO_STEP4
 #undef PO_DOT
 #undef PO_NS
+
+// Whether any of x is -128 (the one value the SIGN_X tile cannot negate).
+static bool has_min(const int8_t* x, int64_t count) {
+  const __m256i lo = _mm256_set1_epi8(static_cast<char>(-128));
+  __m256i any = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32)
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), lo));
+  bool found = !_mm256_testz_si256(any, any);
+  for (; i < count; ++i) found |= x[i] == -128;
+  return found;
+}
 
 // |x| as u8 (|-128| = 128), the unsigned operand of the byte multiply-adds.
 static void absolute(const int8_t* x, uint8_t* ax, int64_t count) {
@@ -197,26 +242,49 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
     out.zero_();
     return;
   }
-  std::vector<uint8_t> ax(static_cast<size_t>(m * k));
   const int8_t* x = xq.data_ptr<int8_t>();
-  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
-    if (isa == 1)
-      offset(x + r0 * k, ax.data() + r0 * k, (r1 - r0) * k);
-    else
-      absolute(x + r0 * k, ax.data() + r0 * k, (r1 - r0) * k);
-  });
+  // The 256-bit tiles take x as it is, unless some x is -128: then |x| goes in a copy (rare:
+  // quantize never gives -128). The 512-bit tile takes x + 128. Copies are left uninitialized
+  // and filled in parallel.
+  bool copy = isa == 1;
+  if (!copy) {
+    std::atomic<bool> found{false};
+    at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+      if (has_min(x + r0 * k, (r1 - r0) * k)) found = true;
+    });
+    copy = found;
+  }
+  std::unique_ptr<uint8_t[]> ax(copy ? new uint8_t[static_cast<size_t>(m * k)] : nullptr);
+  if (copy)
+    at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+      if (isa == 1)
+        offset(x + r0 * k, ax.get() + r0 * k, (r1 - r0) * k);
+      else
+        absolute(x + r0 * k, ax.get() + r0 * k, (r1 - r0) * k);
+    });
   const float* xsp = xs.data_ptr<float>();
   const int8_t* w = wp.data_ptr<int8_t>();
   const float* ws = wsp.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int bl = static_cast<int>(block);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    if (isa == 1)
-      zmm::panels(ax.data(), xsp, m, k, nb, w, ws, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
-    else if (isa == 2)
-      avxvnni::panels(x, ax.data(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
-    else
-      avx2::panels(x, ax.data(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+  // Runs of panels handed out one at a time (at least 4 per thread), not one fixed share per
+  // thread: on a shared machine a thread that loses its core for a while leaves its runs to the
+  // others instead of making them wait at the end.
+  const int64_t threads = at::get_num_threads();
+  // (One thread: a single run, so a row group's activations serve every panel from L2.)
+  const int64_t run = threads == 1 ? panels : std::clamp<int64_t>(panels / (4 * threads), 1, 16);
+  const int64_t runs = (panels + run - 1) / run;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, runs), 1, [&](int64_t, int64_t) {
+    for (int64_t r = next++; r < runs; r = next++) {
+      const int64_t p0 = r * run, p1 = std::min(panels, p0 + run);
+      if (isa == 1)
+        zmm::panels(ax.get(), xsp, m, k, nb, w, ws, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
+      else if (isa == 2)
+        avxvnni::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+      else
+        avx2::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+    }
   });
 }
 

@@ -1,6 +1,7 @@
 // The register tile of int8_blocked.cpp, included once per instruction set with PO_NS (its
 // namespace) and PO_DOT(acc, ax, sw) (acc += the 4-byte dot products of unsigned ax and signed sw,
-// exact in int32) defined, under that set's `#pragma GCC target`.
+// exact in int32) defined, under that set's `#pragma GCC target`; and optionally
+// PO_STEP4(acc, w, x0, x1, x2, x3): the 4-row SIGN_X step (4 k, 16 columns) written by hand.
 //
 // Packed weights: panels of 16 output columns; inside a panel, for every 4 consecutive k, the 16
 // columns' 4 bytes (64 bytes: two vectors of 8 columns x 4 k). Scales: per panel, per block, 16.
@@ -12,7 +13,12 @@
 namespace PO_NS {
 
 // BL: the block size when known at compile time (the 32 of Q8_0: the k loop unrolls), else 0.
-template <int R, int BL>
+// SIGN_X: the unsigned operand is |w| (vpabsb, shared by the tile's rows) and x carries w's sign,
+// so a row needs one broadcast per 4 k and no |x| copy; it needs x != -128 (-(-128) is not an
+// int8). Otherwise the unsigned operand is |x| (`ax`) and w carries x's sign.
+// The fp32 sums live in `ob` (the tile's rows, in L1), not in registers: the int32 accumulators,
+// the weights and the broadcasts then fit the 16 vector registers without spilling.
+template <int R, int BL, bool SIGN_X>
 static void tile(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* xs, int64_t nb,
                  const int8_t* wp, const float* wsp, int64_t b0, int64_t b1, int block_, float* out,
                  int64_t ldo, int ncols) {
@@ -20,20 +26,12 @@ static void tile(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* x
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   const int block = BL > 0 ? BL : block_;
-  // The fp32 sums stay in registers over the chunk's blocks; loaded and stored once per chunk.
-  __m256 o[R][2];
+  alignas(32) float ob[R][16];
   for (int r = 0; r < R; ++r) {
-    if (b0 == 0) {
-      o[r][0] = o[r][1] = _mm256_setzero_ps();
-    } else if (ncols == 16) {
-      o[r][0] = _mm256_loadu_ps(out + r * ldo);
-      o[r][1] = _mm256_loadu_ps(out + r * ldo + 8);
-    } else {  // the last panel's valid columns only
-      alignas(32) float buf[16] = {};
-      std::memcpy(buf, out + r * ldo, sizeof(float) * ncols);
-      o[r][0] = _mm256_load_ps(buf);
-      o[r][1] = _mm256_load_ps(buf + 8);
-    }
+    if (b0 == 0)
+      std::memset(ob[r], 0, sizeof(ob[r]));
+    else
+      std::memcpy(ob[r], out + r * ldo, sizeof(float) * ncols);
   }
   for (int64_t b = b0; b < b1; ++b) {
     __m256i acc[R][2];
@@ -44,47 +42,65 @@ static void tile(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* x
     for (int g = 0; g < block / 4; ++g) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + 32));
-      for (int r = 0; r < R; ++r) {
-        int32_t xv, av;
-        std::memcpy(&xv, x + r * ldx + kb + 4 * g, 4);
-        std::memcpy(&av, ax + r * ldx + kb + 4 * g, 4);
-        const __m256i xb = _mm256_set1_epi32(xv);
-        const __m256i ab = _mm256_set1_epi32(av);
-        // |x| (u8) times w with x's sign: vpmaddubsw's pair sums stay within int16 (|x| <= 128,
-        // |w| <= 127: 2 * 128 * 127 = 32512 < 32767), so nothing saturates.
-        PO_DOT(acc[r][0], ab, _mm256_sign_epi8(w0, xb));
-        PO_DOT(acc[r][1], ab, _mm256_sign_epi8(w1, xb));
+#ifdef PO_STEP4
+      if constexpr (SIGN_X && R == 4) {
+        const int8_t* xg = x + kb + 4 * g;
+        PO_STEP4(acc, w + g * 64, xg, xg + ldx, xg + 2 * ldx, xg + 3 * ldx);
+        continue;
+      }
+#endif
+      if constexpr (SIGN_X) {
+        const __m256i a0 = _mm256_abs_epi8(w0);
+        const __m256i a1 = _mm256_abs_epi8(w1);
+        for (int r = 0; r < R; ++r) {
+          int32_t xv;
+          std::memcpy(&xv, x + r * ldx + kb + 4 * g, 4);
+          const __m256i xb = _mm256_set1_epi32(xv);
+          // |w| (u8, <= 127) times x with w's sign (|x| <= 127): pairs stay within int16.
+          PO_DOT(acc[r][0], a0, _mm256_sign_epi8(xb, w0));
+          PO_DOT(acc[r][1], a1, _mm256_sign_epi8(xb, w1));
+        }
+      } else {
+        for (int r = 0; r < R; ++r) {
+          int32_t xv, av;
+          std::memcpy(&xv, x + r * ldx + kb + 4 * g, 4);
+          std::memcpy(&av, ax + r * ldx + kb + 4 * g, 4);
+          const __m256i xb = _mm256_set1_epi32(xv);
+          const __m256i ab = _mm256_set1_epi32(av);
+          // |x| (u8) times w with x's sign: vpmaddubsw's pair sums stay within int16 (|x| <= 128,
+          // |w| <= 127: 2 * 128 * 127 = 32512 < 32767), so nothing saturates.
+          PO_DOT(acc[r][0], ab, _mm256_sign_epi8(w0, xb));
+          PO_DOT(acc[r][1], ab, _mm256_sign_epi8(w1, xb));
+        }
       }
     }
     const __m256 s0 = _mm256_loadu_ps(wsp + b * 16);
     const __m256 s1 = _mm256_loadu_ps(wsp + b * 16 + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xsr = _mm256_set1_ps(xs[r * nb + b]);
-      o[r][0] = _mm256_add_ps(o[r][0], _mm256_mul_ps(_mm256_mul_ps(xsr, s0), _mm256_cvtepi32_ps(acc[r][0])));
-      o[r][1] = _mm256_add_ps(o[r][1], _mm256_mul_ps(_mm256_mul_ps(xsr, s1), _mm256_cvtepi32_ps(acc[r][1])));
+      const __m256 d0 = _mm256_mul_ps(_mm256_mul_ps(xsr, s0), _mm256_cvtepi32_ps(acc[r][0]));
+      const __m256 d1 = _mm256_mul_ps(_mm256_mul_ps(xsr, s1), _mm256_cvtepi32_ps(acc[r][1]));
+      _mm256_store_ps(ob[r], _mm256_add_ps(_mm256_load_ps(ob[r]), d0));
+      _mm256_store_ps(ob[r] + 8, _mm256_add_ps(_mm256_load_ps(ob[r] + 8), d1));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (ncols == 16) {
-      _mm256_storeu_ps(out + r * ldo, o[r][0]);
-      _mm256_storeu_ps(out + r * ldo + 8, o[r][1]);
-    } else {
-      alignas(32) float buf[16];
-      _mm256_store_ps(buf, o[r][0]);
-      _mm256_store_ps(buf + 8, o[r][1]);
-      std::memcpy(out + r * ldo, buf, sizeof(float) * ncols);
-    }
-  }
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo, ob[r], sizeof(float) * ncols);
 }
 
 template <int R>
 static void tile_any(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* xs, int64_t nb,
                      const int8_t* wp, const float* wsp, int64_t b0, int64_t b1, int block, float* out,
                      int64_t ldo, int ncols) {
-  if (block == 32)
-    tile<R, 32>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
-  else
-    tile<R, 0>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+  if (ax == nullptr) {
+    if (block == 32)
+      tile<R, 32, true>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+    else
+      tile<R, 0, true>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+  } else if (block == 32) {
+    tile<R, 32, false>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+  } else {
+    tile<R, 0, false>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+  }
 }
 
 // Panels [p0, p1) (16 columns each), k in cache-sized chunks and rows in groups of MC: a panel's
@@ -104,11 +120,11 @@ static void panels(const int8_t* x, const uint8_t* ax, const float* xs, int64_t 
         const int ncols = static_cast<int>(std::min<int64_t>(16, n - col0));
         int64_t r = g0;
         for (; r + MR <= g1; r += MR)
-          tile_any<MR>(x + r * k, ax + r * k, k, xs + r * nb, nb, wp, wsp, b0, b1, block, out + r * n + col0, n,
+          tile_any<MR>(x + r * k, ax == nullptr ? nullptr : ax + r * k, k, xs + r * nb, nb, wp, wsp, b0, b1, block, out + r * n + col0, n,
                        ncols);
         const int64_t left = g1 - r;
         const int8_t* xr = x + r * k;
-        const uint8_t* ar = ax + r * k;
+        const uint8_t* ar = ax == nullptr ? nullptr : ax + r * k;
         const float* xsr = xs + r * nb;
         float* orow = out + r * n + col0;
         if (left == 3) tile_any<3>(xr, ar, k, xsr, nb, wp, wsp, b0, b1, block, orow, n, ncols);

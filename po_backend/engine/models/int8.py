@@ -468,13 +468,13 @@ class Int8Linear(nn.Module):
         deq = w.float().view(k_out, -1, OUTLIER_BLOCK) * self.outlier_s.float()[..., None]
         return deq.view(k_out, cols)[:, : self.out_features]
 
-    def _blocked(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    def _blocked(self, xq: torch.Tensor, xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Quantized activations through the blocked int8 GEMM: the C++ kernel on the packed
         weights, the torch reference elsewhere (other devices, the reference backend)."""
         if self.blocks is not None:
-            return blocked_matmul(xq, xs, self.blocks)
+            return blocked_matmul(xq, xs, self.blocks, out=out)
         assert self.q is not None and self.block is not None
-        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block, scale_mul=self.scale_mul)
+        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block, out=out, scale_mul=self.scale_mul)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -486,12 +486,16 @@ class Int8Linear(nn.Module):
             assert wb is not None
             xp = _padded(xf, -(-self.in_features // wb) * wb)
             xq, xs = _quantize_blocks(xp, self.block)
-            acc = self._blocked(xq, xs)
+            if out.dtype == torch.float32 and out.is_contiguous():
+                acc = self._blocked(xq, xs, out=out)  # straight into `out`: no [m, n] temporary
+            else:
+                acc = self._blocked(xq, xs)
             if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
                 m, kp = xp.shape
                 missed = xp - (xq.float().view(m, -1, self.block) * xs[..., None]).view(m, kp)
                 acc.add_(self._blocked(*_quantize_blocks(missed, self.block)))
-            out.copy_(acc)
+            if acc is not out:
+                out.copy_(acc)
         elif self.packed is not None:
             y, sx = _fbgemm_per_token(x, self.packed, skip)
             torch.mul(y, sx, out=out)  # one pass: scaled back and rounded into `out`
@@ -508,9 +512,19 @@ class Int8Linear(nn.Module):
         if skip is not None:
             # Summed in fp64 (k_out terms: cheap), so a token's bits do not depend on how many rows
             # the GEMM had (a float GEMM's blocking does): a cache hit keeps the cold run's answer.
-            part = torch.matmul(x.index_select(1, skip).double(), self._outlier_weight().double())
-            out.add_(part.to(out.dtype))  # cast first: a mixed-dtype add_ is a slow path
+            # Some rows at a time: not a fresh [m, n] fp64 tensor (twice the output's size).
+            xo, wo = x.index_select(1, skip).double(), self._outlier_weight().double()
+            step = max(1, _OUTLIER_PART_BYTES // (8 * out.shape[1]))
+            for r in range(0, x.shape[0], step):
+                part = torch.matmul(xo[r : r + step], wo)
+                out[r : r + step].add_(part.to(out.dtype))  # cast first: a mixed-dtype add_ is a slow path
         return out
+
+
+# The outlier channels' fp64 product is made this many bytes at a time: below glibc's largest
+# mmap threshold (reused, not page-faulted afresh), and few enough pieces that each one's
+# threaded calls stay cheap beside the GEMM.
+_OUTLIER_PART_BYTES = 1 << 24
 
 
 def _gemm(q: torch.Tensor, w: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
