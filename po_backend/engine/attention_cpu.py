@@ -51,8 +51,8 @@ _ENV = "PO_CPU_ATTENTION"
 _SOURCE = Path(__file__).parent / "csrc" / "attention_bf16.cpp"
 _EMULATION = _SOURCE.with_name("avx512_emulation.h")
 _NAME = "po_attention_bf16"
-_CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
-_LDFLAGS = ("-fopenmp",)
+_CFLAGS = ("-O3", *kernels.OPENMP, "-DNDEBUG")
+_LDFLAGS = kernels.OPENMP
 HEAD_DIM_MULTIPLE = 64  # the kernel's P@V step writes 64 output dims per pass
 _EMPTY_I32 = torch.empty(0, dtype=torch.int32)  # no item starts: plain causal
 _NO_LSE = torch.empty(0, 0)  # the kernel's log-sum-exp output, when none is wanted

@@ -46,10 +46,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "int8_blocked.cpp"
 _TILES = (_SOURCE.with_name("int8_blocked_tile.h"), _SOURCE.with_name("int8_blocked_zmm.h"))
 _NAME = "po_int8_blocked"
 # No FMA contraction: the kernel's (scale * dot) then (+ out) must round twice, as torch does.
-# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled here;
-# without it every call runs on one thread (torch's own libgomp serves it at run time).
-_CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
-_LDFLAGS = ("-fopenmp",)
+_CFLAGS = ("-O3", *kernels.OPENMP, "-DNDEBUG", "-ffp-contract=off")
+_LDFLAGS = kernels.OPENMP
 PANEL = 16  # output columns per packed weight panel
 _NO_COMP = torch.empty(0, dtype=torch.int32)
 MAX_BLOCK = 512  # a block's int dot product (<= 512 * 128 * 127) stays exact in fp32

@@ -1,5 +1,5 @@
 """Building and loading the engine's own C++ CPU kernels (`csrc/`), shared by every kernel module
-(`attention_cpu`, `int8_kernel`).
+(`attention_cpu`, `int8_kernel`, `fused_cpu`).
 
 `torch.utils.cpp_extension.load` compiles a kernel into a per-user cache (`$PREFILLONLY_CACHE` or
 `~/.cache/prefillonly`, under `ext/<name>-<key>/`, the key a hash of the sources, the compiler and
@@ -31,6 +31,9 @@ from po_backend.core.fs import cache_root, private_dir
 # so its logic runs (slowly) on CPUs that cannot run the real one.
 EMULATE_ENV = "PO_KERNEL_EMULATE"
 LOCK_TIMEOUT_ENV = "PO_KERNEL_LOCK_TIMEOUT"
+# Every kernel's cflags and ldflags: at::parallel_for is a header template whose
+# `#pragma omp parallel` is compiled in the extension; without OpenMP every call runs on one thread.
+OPENMP = ("-fopenmp",)
 # A build takes ~10 s on one core; a wait this long means a stuck build, not a slow one.
 _LOCK_TIMEOUT_S = 300.0
 

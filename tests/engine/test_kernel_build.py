@@ -268,3 +268,26 @@ def test_the_kernel_logic_runs_emulated_where_the_cpu_cannot_run_it() -> None:
     )
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and "skipped" not in summary, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_every_kernel_library_runs_its_parallel_loops_on_openmp() -> None:
+    """at::parallel_for's `#pragma omp parallel` is compiled in each library: one built without
+    OpenMP runs every call on one thread whatever torch's thread count. The libraries this CPU
+    builds must call into OpenMP's runtime (GOMP_parallel in their symbol table)."""
+    from po_backend.engine import fused_cpu, int8_kernel, kernels
+
+    if kernels.compiler() is None:
+        pytest.skip("no C++ compiler on this machine")
+    built = {
+        "fused fp32": (
+            fused_cpu.load(),
+            fused_cpu._NAME,
+            kernels.build_dir(fused_cpu._NAME, fused_cpu.build_key()),
+        ),
+        "blocked int8": (int8_kernel.load_kernel(), int8_kernel._flavour()[0], int8_kernel._build_dir()),
+    }
+    for what, (loaded, name, folder) in built.items():
+        assert loaded, f"the {what} library failed to build (see the logged warning)"
+        assert kernels.is_built(name, folder), f"the {what} library is not in {folder}"
+        calls_openmp = b"GOMP_parallel" in (folder / f"{name}.so").read_bytes()
+        assert calls_openmp, f"the {what} library was built without OpenMP"

@@ -474,7 +474,9 @@ class Int8Linear(nn.Module):
         if self.blocks is not None:
             return blocked_matmul(xq, xs, self.blocks, out=out)
         assert self.q is not None and self.block is not None
-        return reference_blocked_matmul(xq, xs, self.q, self.scale, self.block, out=out, scale_mul=self.scale_mul)
+        return reference_blocked_matmul(
+            xq, xs, self.q, self.scale, self.block, out=out, scale_mul=self.scale_mul
+        )
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
