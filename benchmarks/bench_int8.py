@@ -19,10 +19,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -108,6 +109,20 @@ def _ops(m: int, k: int, n: int, bf16: bool, ao: Any) -> dict[str, Callable[[], 
     return ops
 
 
+@contextlib.contextmanager
+def _model_paths(layers: int) -> Iterator[dict[str, str]]:
+    """The models the forward and memory rows load: the Qwen2.5-1.5B shape cut to `layers`
+    (random weights, written to a temp dir) and the embedded model."""
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = transformers.Qwen2Config(**{**QWEN25_15B, "num_hidden_layers": layers})
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(tmp)
+        del model
+        yield {"Qwen2.5-1.5B shape": tmp, "embedded (SmolLM2-135M)": "embedded"}
+
+
 def forward_rows(
     tokens: int, layers: int, repeats: int, models: list[str], modes: tuple[str, ...]
 ) -> list[dict[str, Any]]:
@@ -115,17 +130,10 @@ def forward_rows(
     (A B A B), so a change of load on a shared machine hits all alike; best-of and median ratios."""
     import statistics
 
-    import transformers
-
     from po_backend import Engine
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = transformers.Qwen2Config(**{**QWEN25_15B, "num_hidden_layers": layers})
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        model.save_pretrained(tmp)
-        del model
-        paths = {"Qwen2.5-1.5B shape": tmp, "embedded (SmolLM2-135M)": "embedded"}
+    with _model_paths(layers) as paths:
         for label in models:
             ids = torch.randint(3, 40000, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
             engines = {
@@ -230,17 +238,11 @@ _SHIPPED: dict[str, Any] = {}
 def memory_rows(layers: int, models: list[str], modes: tuple[str, ...]) -> list[dict[str, Any]]:
     """Each model in each int8 mode (fp32 the rest), one at a time; bf16's bytes are 2 per
     parameter of the float model."""
-    import transformers
 
     from po_backend import Engine
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = transformers.Qwen2Config(**{**QWEN25_15B, "num_hidden_layers": layers})
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        model.save_pretrained(tmp)
-        del model
-        paths = {"Qwen2.5-1.5B shape": tmp, "embedded (SmolLM2-135M)": "embedded"}
+    with _model_paths(layers) as paths:
         for label in models:
             full = int(QWEN25_15B["num_hidden_layers"]) if label.startswith("Qwen") else 0
             m = Engine.from_pretrained(paths[label], dtype="fp32", max_input_len=256).model
