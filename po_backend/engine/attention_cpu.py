@@ -51,8 +51,7 @@ _ENV = "PO_CPU_ATTENTION"
 _SOURCE = Path(__file__).parent / "csrc" / "attention_bf16.cpp"
 _EMULATION = _SOURCE.with_name("avx512_emulation.h")
 _NAME = "po_attention_bf16"
-_CFLAGS = ("-O3", *kernels.OPENMP, "-DNDEBUG")
-_LDFLAGS = kernels.OPENMP
+_CFLAGS = ("-O3", "-DNDEBUG")
 HEAD_DIM_MULTIPLE = 64  # the kernel's P@V step writes 64 output dims per pass
 _EMPTY_I32 = torch.empty(0, dtype=torch.int32)  # no item starts: plain causal
 _NO_LSE = torch.empty(0, 0)  # the kernel's log-sum-exp output, when none is wanted
@@ -123,7 +122,7 @@ def _flavour() -> tuple[str, tuple[str, ...]]:
 
 def build_key() -> str:
     """What the library depends on (`kernels.build_key`): this kernel's sources and flags."""
-    return kernels.build_key((_SOURCE, _EMULATION), _flavour()[1], _LDFLAGS)
+    return kernels.build_key((_SOURCE, _EMULATION), _flavour()[1], ())
 
 
 def _build_dir() -> Path:
@@ -145,7 +144,7 @@ def load_kernel() -> bool:
         name,
         (_SOURCE,),
         cflags,
-        _LDFLAGS,
+        (),
         _build_dir(),
         registered=_registered,
         what="the bf16 CPU attention kernel",

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "fused_fp32.cpp"
 _NAME = "po_fused_fp32"
 # No fused multiply-add: RoPE's products and sums round as transformers' separate ops do.
-_CFLAGS = ("-O3", *kernels.OPENMP, "-DNDEBUG", "-ffp-contract=off")
+_CFLAGS = ("-O3", "-DNDEBUG", "-ffp-contract=off")
 _ENV = "PO_CPU_FUSED"
 
 # Whether the kernels are loaded in this process and wanted: the layers read it on every call.
@@ -46,7 +46,7 @@ def _cflags() -> tuple[str, ...]:
 
 
 def build_key() -> str:
-    return kernels.build_key((_SOURCE,), _cflags(), kernels.OPENMP)
+    return kernels.build_key((_SOURCE,), _cflags(), ())
 
 
 def _registered() -> bool:
@@ -60,7 +60,7 @@ def load() -> bool:
         _NAME,
         (_SOURCE,),
         _cflags(),
-        kernels.OPENMP,
+        (),
         kernels.build_dir(_NAME, build_key()),
         registered=_registered,
         what="the fused fp32 CPU kernels",

@@ -46,8 +46,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "int8_blocked.cpp"
 _TILES = (_SOURCE.with_name("int8_blocked_tile.h"), _SOURCE.with_name("int8_blocked_zmm.h"))
 _NAME = "po_int8_blocked"
 # No FMA contraction: the kernel's (scale * dot) then (+ out) must round twice, as torch does.
-_CFLAGS = ("-O3", *kernels.OPENMP, "-DNDEBUG", "-ffp-contract=off")
-_LDFLAGS = kernels.OPENMP
+_CFLAGS = ("-O3", "-DNDEBUG", "-ffp-contract=off")
 PANEL = 16  # output columns per packed weight panel
 _NO_COMP = torch.empty(0, dtype=torch.int32)
 MAX_BLOCK = 512  # a block's int dot product (<= 512 * 128 * 127) stays exact in fp32
@@ -88,7 +87,7 @@ def _flavour() -> tuple[str, tuple[str, ...]]:
 
 
 def build_key() -> str:
-    return kernels.build_key((_SOURCE, *_TILES), _flavour()[1], _LDFLAGS)
+    return kernels.build_key((_SOURCE, *_TILES), _flavour()[1], ())
 
 
 def _build_dir() -> Path:
@@ -111,7 +110,7 @@ def load_kernel() -> bool:
         name,
         (_SOURCE,),
         cflags,
-        _LDFLAGS,
+        (),
         _build_dir(),
         registered=_registered,
         what="the blocked int8 GEMM kernel",

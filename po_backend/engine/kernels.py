@@ -31,7 +31,7 @@ from po_backend.core.fs import cache_root, private_dir
 # so its logic runs (slowly) on CPUs that cannot run the real one.
 EMULATE_ENV = "PO_KERNEL_EMULATE"
 LOCK_TIMEOUT_ENV = "PO_KERNEL_LOCK_TIMEOUT"
-# Every kernel's cflags and ldflags: at::parallel_for is a header template whose
+# Added to every kernel's cflags and ldflags: at::parallel_for is a header template whose
 # `#pragma omp parallel` is compiled in the extension; without OpenMP every call runs on one thread.
 OPENMP = ("-fopenmp",)
 # A build takes ~10 s on one core; a wait this long means a stuck build, not a slow one.
@@ -52,7 +52,7 @@ def build_key(sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[
     """What a library depends on: its sources, the compiler and its flags, torch's version. Two
     checkouts with different kernel sources (or torch versions) never share a library."""
     h = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
-    for part in (*cflags, *ldflags, os.environ.get("CXX", "c++"), torch.__version__):
+    for part in (*cflags, *OPENMP, *ldflags, *OPENMP, os.environ.get("CXX", "c++"), torch.__version__):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 
@@ -121,8 +121,8 @@ def build_and_load(
         cpp_extension.load(
             name=name,
             sources=[str(s) for s in sources],
-            extra_cflags=list(cflags),
-            extra_ldflags=list(ldflags),
+            extra_cflags=[*cflags, *OPENMP],
+            extra_ldflags=[*ldflags, *OPENMP],
             build_directory=str(folder),
             is_python_module=False,
             verbose=False,
