@@ -4,8 +4,8 @@ read, lock and evict as `engine.Engine.step` drives `engine.cache.RadixCache`.
 What it keeps and evicts is the engine's, token for token, on the same sequence of steps
 (tests/engine/test_sim_radix.py): shared leading tokens are held once, a long request's prefix
 steps are a chain of segments (one per step, each extending the last), and eviction frees unlocked
-leaves one at a time, never-read first, then the less urgent class, then least recently used, only
-as many as the step's stores need; the segments a step reads are locked while it runs. A model of
+leaves one at a time, the less urgent class first, then never-read, then least recently used,
+only as many as the step's stores need; the segments a step reads are locked while it runs. A model of
 whole prefixes (one entry per declared prefix, evicted whole) drops a long batch item's every
 segment where the engine trims its tail, and counts a template two prompts share twice.
 """
@@ -38,8 +38,8 @@ class _Node:
         self.rank = rank
 
 
-# A node's place in the eviction order: (reused, -rank, last_access, uid, push count, node).
-_Entry = tuple[bool, int, int, int, int, _Node]
+# A node's place in the eviction order: (-rank, reused, last_access, uid, push count, node).
+_Entry = tuple[int, bool, int, int, int, _Node]
 
 
 @dataclass
@@ -314,9 +314,9 @@ class RadixLRU:
             cur = cur.parent
 
     def _entry(self, n: _Node) -> _Entry:
-        """`RadixCache._entry`: never-read first, then the less urgent class, then least
+        """`RadixCache._entry`: the less urgent class first, then never-read, then least
         recently used (uid: a deterministic tie-breaker)."""
-        return (n.reused, -n.rank, n.last_access, n.uid, next(self._pushes), n)
+        return (-n.rank, n.reused, n.last_access, n.uid, next(self._pushes), n)
 
     def _candidate(self, node: _Node) -> None:
         if node.children or node.lock_ref or node is self.root:
@@ -332,7 +332,7 @@ class RadixLRU:
             node.parent is not None
             and not node.children
             and node.lock_ref == 0
-            and entry[:3] == (node.reused, -node.rank, node.last_access)
+            and entry[:3] == (-node.rank, node.reused, node.last_access)
         )
 
     def _evict(self, num: int) -> int:

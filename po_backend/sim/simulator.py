@@ -213,7 +213,7 @@ def simulate(
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued
             prefix = pick.prefix_request()
-            cache.step([prefix], [config.cache_rank(prefix, True, sched.urgent_rank)])
+            cache.step([prefix], [config.cache_rank(prefix)])
             clock.now += model.predict_items(pick.items)
             sched.step_done(start, clock.now, [(prefix, start)], clock.now - start, prefix_step=True)
             steps += 1
