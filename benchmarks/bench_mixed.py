@@ -27,7 +27,8 @@ from po_backend.core.settings import DEFAULT_BATCH_MIN_SHARE
 from po_backend.sched.config import SchedulerConfig
 from po_backend.serving.jct_profile import startup_jct
 from po_backend.serving.loop import EngineLoop, StepRecord
-from po_backend.sim.simulator import PrefixLRU, simulate
+from po_backend.sim.radix import RadixLRU
+from po_backend.sim.simulator import simulate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,7 +82,7 @@ class Runner:
         """Latency per request of `trace`; `self.cached` keeps the tokens each read from the cache,
         `self.steps` the engine's steps (none on the simulator)."""
         if self.simulated:
-            cache = PrefixLRU(self.pool, self.engine.config.max_batch_tokens)
+            cache = RadixLRU(self.pool, self.engine.config.max_batch_tokens)
             runs = sorted(simulate(cfg, self.model, trace, cache), key=lambda r: r.rid)  # trace order
             self.cached, self.steps = [r.cached for r in runs], []
             return [r.end - r.arrival for r in runs]

@@ -40,17 +40,15 @@ class SchedulerConfig:
         default priority, and for every request with priority scheduling off)."""
         return self.rank_of(req.priority) if self.enable_priority else 0
 
-    def cache_rank(self, req: Request, prefix_step: bool = False, urgent: int = 0) -> int:
+    def cache_rank(self, req: Request) -> int:
         """The class the prefix cache keeps what `req` stores and reads under (less urgent first
-        out): its rank, except for a prefix step's (`Pick.prefix_request`), which is `urgent`
-        (`Scheduler.urgent_rank`, the most urgent class submitted) less one, whatever its class:
-        the next steps of the same request read those tokens back, so they are kept above the
-        most urgent class's until its last step reads them at its own rank (or, if it leaves the
-        queue without one, the engine loop gives them that rank). Kept any less, the most urgent
-        calls' prefixes push them out of a small pool, and the request runs whole in one long
-        step after all, which every urgent call arriving then waits for; kept above, the urgent
-        calls' profiles are what a pool too small for both recomputes, one short step each."""
-        return urgent - 1 if prefix_step else self.rank(req)
+        out): its rank, a prefix step's (`Pick.prefix_request`) included. The engine's tree holds
+        a long request's prefix steps as one segment each and evicts a leaf at a time, so an
+        urgent call short of room takes only the last segments, which the request's last step
+        computes again; kept above the urgent class instead, they push the urgent calls' own
+        profiles out, each then recomputed in a long step while the others wait
+        (`Scheduler.prefix_room` bounds them either way)."""
+        return self.rank(req)
 
     def rank_of(self, priority: int | None) -> int:
         if not self.enable_priority:

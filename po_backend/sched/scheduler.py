@@ -200,7 +200,7 @@ class Scheduler:
 
     @property
     def urgent_rank(self) -> int:
-        """The class the step sizing protects (`SchedulerConfig.cache_rank`'s `urgent`)."""
+        """The class the step sizing protects: the most urgent submitted so far."""
         return self._urgent
 
     def least_urgent(self, n: int, rank: int) -> list[Waiting] | None:
@@ -616,9 +616,9 @@ class Scheduler:
                 self._stored[tuple(w.req.input_ids[:n])] = (now, self.config.rank(w.req))
 
     def prefix_room(self, pool: Pool | None, now: float) -> int | None:
-        """The most tokens a less urgent request's prefix steps may keep in `pool` (they are kept
-        above the most urgent class's, `SchedulerConfig.cache_rank`): what the most urgent class's
-        working set leaves, the distinct prefixes its requests stored in the last
+        """The most tokens a less urgent request's prefix steps may keep in `pool` (each step
+        locks what the last ones cached, so it evicts the urgent calls' prefixes beyond it):
+        what the most urgent class's working set leaves, the distinct prefixes its requests stored in the last
         `WORKING_SET_S` seconds. None without a pool."""
         if pool is None:
             return None

@@ -104,8 +104,8 @@ def prefix_step_len(
     keep its prefix until it runs must not make it loop). `prefix_steps`: per request that ran
     prefix steps, how many and the tokens it had cached at the last one (updated here).
 
-    `room`: the most tokens its prefix may hold in the pool (`Scheduler.prefix_room`). Its
-    prefix steps' tokens are kept above the most urgent class's, so beyond that they would push
+    `room`: the most tokens its prefix may hold in the pool (`Scheduler.prefix_room`). The
+    prefix it has cached is locked while its next step runs, so beyond that a step would push
     out the urgent calls' own prefixes, each then recomputed in a long step while the others
     wait: the steps stop there, and the rest is computed in its last step, the request whole
     if not even MIN_PREFIX_STEP more tokens fit."""

@@ -97,9 +97,9 @@ class EngineLoop(StepWorker):
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
         self._jobs: dict[int, Job] = {}  # waiting jobs by rid
         self._running: list[Job] = []
-        # Waiting requests that ran prefix-only steps -> what those steps cached, under the online
-        # class (`SchedulerConfig.cache_rank`): given back to the request's own class if it
-        # leaves the queue without its last step (cancelled, failed), which would have done that.
+        # Waiting requests that ran prefix-only steps -> what those steps cached: given the
+        # request's own class again if it leaves the queue without its last step (cancelled,
+        # failed), in case a more urgent read of shared tokens left another on them.
         self._prefixed: dict[int, ScoreRequest] = {}
         self._calls: deque[tuple[Callable[[Any], Any], Future[Any]]] = deque()
         self._ids = itertools.count()

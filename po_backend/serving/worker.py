@@ -164,8 +164,7 @@ class StepWorker:
         start = self.clock()
         t = time.perf_counter()
         try:
-            urgent = self._sched.urgent_rank
-            ranks = [self.config.cache_rank(j.req, j.rid == PREFIX_STEP_RID, urgent) for j in jobs]
+            ranks = [self.config.cache_rank(j.req) for j in jobs]
             results = self.engine.step([j.req for j in jobs], ranks)
             if len(results) != len(jobs):
                 raise RuntimeError(

@@ -304,7 +304,7 @@ def simulate_cluster(
         reqs: list[Request]
         if pick.prefix_only:
             reqs = [pick.prefix_request()]
-            ranks = [config.cache_rank(reqs[0], True, scheds[w].urgent_rank)]
+            ranks = [config.cache_rank(reqs[0])]
             ran: list[tuple[Request, float]] = [(reqs[0], now)]
         else:
             reqs = [e.req for e in pick.entries]

@@ -1,5 +1,6 @@
-"""Trace-driven simulation of the scheduler: the real `Scheduler` and policies, a prefix cache that
-holds whole declared prefixes (LRU by tokens), and step times from a JCT model on a virtual clock.
+"""Trace-driven simulation of the scheduler: the real `Scheduler` and policies, a prefix cache (the
+engine's radix tree, `radix.RadixLRU`, or whole declared prefixes evicted whole, `PrefixLRU`, which
+the held-out and cluster runs still use), and step times from a JCT model on a virtual clock.
 
 No model, no threads, no wall clock: the same trace gives the same answer on any machine. It
 separates what a policy does (order, cache hits, batching) from what the machine does (a CPU shared
@@ -20,6 +21,7 @@ from po_backend.sched.batching import Request, fit_batch
 from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.reuse import Victim
 from po_backend.sched.scheduler import Scheduler
+from po_backend.sim.radix import RadixLRU
 
 
 class StepModel(Protocol):
@@ -191,7 +193,7 @@ def simulate(
     config: SchedulerConfig,
     model: StepModel,
     trace: Sequence[tuple[float, Request]],
-    cache: PrefixLRU,
+    cache: PrefixLRU | RadixLRU,
 ) -> list[SimRun]:
     """Run `trace` ((arrival seconds, request), any order) to the end: admit what has arrived,
     pick, advance the clock by the model's time of the step. Results in completion order."""
@@ -213,7 +215,7 @@ def simulate(
         start = clock.now
         if pick.prefix_only:  # a long batch request's leading tokens, cached; it stays queued
             prefix = pick.prefix_request()
-            cache.step([prefix], [config.cache_rank(prefix, True, sched.urgent_rank)])
+            cache.step([prefix], [config.cache_rank(prefix)])
             clock.now += model.predict_items(pick.items)
             sched.step_done(start, clock.now, [(prefix, start)], clock.now - start, prefix_step=True)
             steps += 1

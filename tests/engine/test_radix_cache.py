@@ -41,8 +41,8 @@ def path_key(node: Node) -> tuple[int, ...]:
 
 def walked_eviction_order(cache: RadixCache) -> list[tuple[int, ...]]:
     """The eviction order by definition, from a walk of the whole tree each time (the reference
-    for the incremental heap): repeatedly the unlocked leaf least in (reused, less urgent class
-    first, least recently used, creation order), its parent a leaf once its children are gone."""
+    for the incremental heap): repeatedly the unlocked leaf least in (less urgent class first,
+    reused, least recently used, creation order), its parent a leaf once its children are gone."""
     gone: set[int] = set()
     order = []
     while True:
@@ -55,7 +55,7 @@ def walked_eviction_order(cache: RadixCache) -> list[tuple[int, ...]]:
                 leaves.append(node)
         if not leaves:
             return order
-        victim = min(leaves, key=lambda n: (n.reused, -n.rank, n.last_access, n.uid))
+        victim = min(leaves, key=lambda n: (-n.rank, n.reused, n.last_access, n.uid))
         gone.add(victim.uid)
         order.append(path_key(victim))
 

@@ -26,6 +26,7 @@ from po_backend.sched.backfill import BackfillBudget
 from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.jct import JCTModel
 from po_backend.sched.steps import MIN_PREFIX_STEP
+from po_backend.sim.radix import RadixLRU
 from po_backend.sim.simulator import PrefixLRU, SimRun, simulate
 from po_lang.backends import LabelRequest
 from po_lang.label.cli import parse_args
@@ -47,7 +48,7 @@ def req(tag: int, n: int, priority: int | None = None, prefix: tuple[int, ...] =
 def run(
     config: SchedulerConfig, trace: Sequence[tuple[float, ScoreRequest]], pool: int = 10**6
 ) -> list[SimRun]:
-    return simulate(config, JCT, trace, PrefixLRU(pool))
+    return simulate(config, JCT, trace, RadixLRU(pool))
 
 
 def order(runs: Sequence[SimRun]) -> list[int]:
@@ -434,8 +435,8 @@ def test_batch_prefixes_do_not_evict_online_profiles() -> None:
     """With priority classes, the cache evicts a batch job's prefixes before the online profiles
     its users come back to, even when the batch ones are newer: the online calls after the
     backlog still read their profiles. Without classes (one class: plain LRU), they do not. The
-    pool holds both profiles and one batch request's prefix steps (kept like the online class's
-    until its last step reads them)."""
+    pool holds both profiles and one batch request's prefix steps (the engine's tree,
+    `RadixLRU`: the batch prefix is read back by its own steps, yet goes first)."""
     pool = 200 + 150
     profile = {u: ids(10 + u, 100) for u in (1, 2)}
     online = [req(20 + k, 10, None, profile[1 + k % 2]) for k in range(4)]
@@ -464,8 +465,8 @@ def test_prefix_lru_gives_a_read_its_class_before_the_step_stores() -> None:
 
 
 def test_prefix_steps_keep_their_progress_within_the_room_the_online_profiles_leave() -> None:
-    """A long batch request's prefix steps keep what they computed until its last step (kept
-    above the online class), but only as far as the pool has room beside the profiles the online
+    """A long batch request's prefix steps keep what they computed until its last step (each
+    locks what the last ones cached), but only as far as the pool has room beside the profiles the online
     calls stored lately (`Scheduler.prefix_room`): beyond it they would push those profiles out,
     and each would be recomputed in a long step while the other online calls wait. Its last step
     reads that prefix at the batch class's rank, so it goes before online profiles from then on."""
@@ -559,9 +560,9 @@ def test_a_prefix_step_counts_its_request_once(tiny_model: Any, monkeypatch: pyt
 def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A long batch request cancelled between its prefix steps: what they cached (kept as the
-    online class's while it waited, `SchedulerConfig.cache_rank`) goes back to the batch class,
-    as its last step would have made it, instead of staying kept like an online profile."""
+    """A long batch request cancelled between its prefix steps: what they cached is left in the
+    batch class (`SchedulerConfig.cache_rank`), as its last step would have left it, not kept
+    like an online profile."""
     from concurrent.futures import CancelledError as FutureCancelled
 
     from po_backend.engine.engine import Engine
@@ -714,18 +715,17 @@ def test_a_backlog_queued_before_the_first_online_call_is_sized_for_it(
     assert len([r for r in runs if r.rid < 16]) == 16
 
 
-def test_prefix_steps_are_kept_like_the_most_urgent_class() -> None:
+def test_prefix_steps_stay_within_the_room_the_most_urgent_class_leaves() -> None:
     """Online calls at priority 10 (more urgent than the default) and a long request at the
     default priority, in a pool that cannot hold the three profiles and its whole prefix: its
-    prefix steps are kept like the priority-10 profiles (not evicted first as a less urgent
-    class's), as far as the room the profiles leave (150 tokens), so it reads them back instead
-    of running whole in one long step."""
+    prefix steps go as far as the room the profiles leave (150 tokens), and it reads them back
+    instead of running whole in one long step."""
     cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # ~100-token steps
     profile = {u: ids(10 + u, 100) for u in (1, 2, 3)}
     long = req(1, 300, 0)
     trace = [(0.0, req(20 + u, 10, 10, profile[u])) for u in (1, 2, 3)] + [(0.0, long)]
     trace += [(0.05 * k, req(30 + k, 10, 10, profile[1 + k % 3])) for k in range(1, 12)]
-    runs = sorted(simulate(cfg, JCT, trace, PrefixLRU(450)), key=lambda r: r.rid)
+    runs = sorted(simulate(cfg, JCT, trace, RadixLRU(450)), key=lambda r: r.rid)
     assert 100 <= runs[3].cached <= 150, "the long request read back its prefix steps"
     # its last step computes the rest beyond the room: over the step budget, under the whole request
     assert 0.2 * BACKFILL_SLO_SHARE < runs[3].end - runs[3].start < JCT.predict(300, 0) - 0.05
@@ -771,7 +771,7 @@ def backlog_in_a_small_pool(
     pool = int(2.2 * 300) + max(len(r.input_ids) for r in batch)
 
     def run(cfg: SchedulerConfig, trace: list[tuple[float, ScoreRequest]]) -> list[SimRun]:
-        return sorted(simulate(cfg, model, trace, PrefixLRU(pool, 16384)), key=lambda r: r.rid)
+        return sorted(simulate(cfg, model, trace, RadixLRU(pool, 16384)), key=lambda r: r.rid)
 
     iso = run(SchedulerConfig("fcfs"), [(1e6 * i, r) for i, r in enumerate(online)])
     rate = 0.5 / (sum(r.end - r.arrival for r in iso) / len(iso))
@@ -797,9 +797,9 @@ def backlog_in_a_small_pool(
 def test_online_calls_behind_a_default_priority_backlog_in_a_small_pool(target: bool, shape: str) -> None:
     """With priorities, with or without a latency target, the online calls' P99 stays within
     1.5x of theirs alone and the backlog keeps progressing in steps that stay short. In a pool
-    too small for the online profiles and a batch item's prefix steps together, the prefix
-    steps' tokens are kept above the online class: pushed out, the item ran whole in one ~1.5 s
-    step that the online calls arriving then waited for. `bench_mixed`: its default trace's
+    too small for the online profiles and a batch item's prefix steps together (the engine's
+    tree, `RadixLRU`), the prefix steps stop at the room the profiles leave, and the item's
+    prefix goes before them once its last step has read it. `bench_mixed`: its default trace's
     classes and lengths (10 items of 600-900 tokens at -1, online calls at the default)."""
     kw: dict[str, Any] = {}
     if shape == "bench_mixed":
@@ -845,7 +845,7 @@ def test_the_default_class_is_not_split_behind_a_less_urgent_backlog() -> None:
     online = [(0.05 + 1.5 * k, req(200 + k, 450, 0)) for k in range(3)]  # unrelated, cold
     for slo in (0.9, None):
         cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=slo)
-        runs = sorted(simulate(cfg, model, batch + online, PrefixLRU(2000, 16384)), key=lambda r: r.rid)
+        runs = sorted(simulate(cfg, model, batch + online, RadixLRU(2000, 16384)), key=lambda r: r.rid)
         assert len(runs) == 9
         one_step = model.predict_items([(450, 0)])
         for r in runs[6:]:

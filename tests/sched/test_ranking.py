@@ -196,7 +196,7 @@ def test_the_incremental_pick_equals_the_reference(
             start = clock.now
             if got.prefix_only:
                 ran = [(got.prefix_request(), start)]
-                cache.step([ran[0][0]], [cfg.cache_rank(ran[0][0], True, new.urgent_rank)])
+                cache.step([ran[0][0]], [cfg.cache_rank(ran[0][0])])
             else:
                 ran = [(e.req, e.arrival) for e in got.entries]
                 cache.step([r for r, _ in ran], [cfg.rank(r) for r, _ in ran])

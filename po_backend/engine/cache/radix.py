@@ -53,15 +53,16 @@ class Node:
         self.lock_ref = 0  # running requests whose prefix passes through this node
         self.last_access = now
         self.uid = uid  # creation order: a deterministic heap tie-breaker
-        # Read by a request other than the one that stored it. Never-reused nodes are evicted
-        # first: most are the unique tail of a prompt stored on speculation (a post after a
-        # profile), while a reused node is a profile or document others come back to.
+        # Read since it was stored. Within a class, never-reused nodes are evicted first: most
+        # are the unique tail of a prompt stored on speculation (a post after a profile), while
+        # a reused node is a profile or document others come back to.
         self.reused = False
         # The priority class (scheduler rank: 0 online, higher less urgent) of the request that
         # last stored or read it (of a step's requests, the most urgent: the engine's step sets
-        # that after its inserts). Among nodes alike in reuse, less urgent ones are evicted first,
-        # so a finished batch job's prefixes never push out the profiles online calls come back
-        # to; a batch prefix an online call reads is kept like an online one from then on.
+        # that after its inserts). Less urgent ones are evicted first, whatever their reuse: a
+        # batch job's prefix is read back by its own later steps, and reuse first would keep it
+        # over a profile an online call stored and its user has not read again yet. A batch
+        # prefix an online call reads is kept like an online one from then on.
         self.rank = rank
         self._key_tuple: tuple[int, ...] | None = None
 
@@ -83,8 +84,8 @@ class Node:
         )
 
 
-# A node's place in the eviction order: (reused, -rank, last_access, uid, push count, node).
-_Entry = tuple[bool, int, int, int, int, Node]
+# A node's place in the eviction order: (-rank, reused, last_access, uid, push count, node).
+_Entry = tuple[int, bool, int, int, int, Node]
 
 
 class MatchResult(NamedTuple):
@@ -302,10 +303,10 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def _entry(self, n: Node) -> _Entry:
-        """Eviction order: never-reused first, then the less urgent class, then least recently
+        """Eviction order: the less urgent class first, then never-reused, then least recently
         used (uid: a deterministic tie-breaker; the push count keeps a node filed twice from
         being compared with itself)."""
-        return (n.reused, -n.rank, n.last_access, n.uid, next(self._pushes), n)
+        return (-n.rank, n.reused, n.last_access, n.uid, next(self._pushes), n)
 
     def _candidate(self, node: Node) -> None:
         """File `node` in the eviction heap if it is an unlocked leaf (with its current key: an
@@ -331,7 +332,7 @@ class RadixCache:
             node.parent is not None
             and not node.children
             and node.lock_ref == 0
-            and entry[:3] == (node.reused, -node.rank, node.last_access)
+            and entry[:3] == (-node.rank, node.reused, node.last_access)
         )
 
     def evict(self, num_slots: int) -> int:
