@@ -374,6 +374,8 @@ class Gate:
         common: dict[str, Any] = {"sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
         if priority is not None:
             common["priority"] = priority
+        # What picks a LoRA adapter on a worker (`lora_path`, or an adapter's name as `model`).
+        common |= {k: data[k] for k in ("lora_path", "model") if data.get(k) is not None}
         if isinstance(query, str):  # one routed call per item: the router takes one text a call
             prompts = [it + query if item_first else query + it for it in items]
             bodies = [

@@ -1,8 +1,9 @@
 """SGLang's, Cohere's and vLLM's clients through `launch_cluster` (two workers behind the real
 SGLang router, a data key) answer as they do against one server, where sglang-router 0.3.2 alone
 cannot take their calls: `sgl.select`'s batched /generate, Cohere's /v2/rerank (and vLLM/Jina's
-/rerank), /v1/classify without `model`. The gate translates those; the last test drives it
-before a model-free router, where what reaches the router can be counted."""
+/rerank), /v1/classify without `model`, /v1/score and /generative_scoring. The gate translates
+those; the last tests drive it before a model-free router, where what reaches the router can be
+counted."""
 
 from __future__ import annotations
 
@@ -430,12 +431,22 @@ def test_gate_scores_through_generate_before_a_router() -> None:
                 assert all(
                     s["sampling_params"] == {"max_new_tokens": 0} and s["return_logprob"] for s in seen
                 )
-            ids = {"query": [1, 2], "items": [[3], [4, 5]], "label_token_ids": [7, 8], "priority": 3}
+            ids = {
+                "query": [1, 2],
+                "items": [[3], [4, 5]],
+                "label_token_ids": [7, 8],
+                "priority": 3,
+                "lora_path": "ad",
+            }
             seen.clear()
             r = await c.post("/v1/score", json=ids)
             assert r.status_code == 200, r.text
             assert r.json() == expected("/v1/score", ids, [[1, 2, 3], [1, 2, 4, 5]], [[7, 8], [7, 8]])
-            assert [s["input_ids"] for s in seen] == [[[1, 2, 3], [1, 2, 4, 5]]] and seen[0]["priority"] == 3
+            assert [s["input_ids"] for s in seen] == [[[1, 2, 3], [1, 2, 4, 5]]]
+            assert (seen[0]["priority"], seen[0]["lora_path"]) == (
+                3,
+                "ad",
+            )  # what a worker schedules and adapts by
             seen.clear()  # the label tokens per item: one call each
             per_item = {**ids, "label_token_ids": [[7, 8], [9, 8]]}
             r = await c.post("/v1/score", json=per_item)
