@@ -23,7 +23,13 @@ workers' --max-body-bytes) and translated, their limits checked before any is fo
 - `/v2/rerank` and `/rerank` (Cohere's and vLLM/Jina's shape; the router 404s the one and
   answers the other in SGLang's), and `/v1/rerank` from Cohere's v1 client (its SDK header, as
   one server tells it): the router's `/v1/rerank`, its answer rebuilt in Cohere's shape;
-- `/v1/classify` without `model` (the router requires it): the served model's name filled in.
+- `/v1/classify` without `model` (the router requires it): the served model's name filled in;
+- `/v1/score` and `/generative_scoring` (the router has neither route): built as SGLang's own
+  /v1/score is, on its /generate: each item's prompt (query + item, text or token ids) asks the
+  label tokens' log-probs of the next token (`token_ids_logprob`, `max_new_tokens` 0), and the
+  scores are made from those as one server makes them. Text items go one routed call each (the
+  query their shared prefix, which cache_aware follows), token-id items as one batched call
+  (one call each when their label tokens differ: the router takes one list for a batch).
 
 GET and HEAD of /health, /liveness and /readiness stay open for load balancers, as a single
 server's /health and /ready do (SGLang and vLLM leave their liveness probes open too); on a
@@ -35,7 +41,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +51,7 @@ from pydantic import ValidationError
 
 from po_backend.server.errors import HTTPError, bad, check_items, error_body, validation_message
 from po_backend.server.middleware import BodyLimitMiddleware
+from po_backend.server.protocol import ScoreRequestBody
 from po_backend.server.rerank import (
     SDK_HEADER,
     CohereRerankBody,
@@ -52,6 +59,14 @@ from po_backend.server.rerank import (
     cohere_answer,
     document_text,
     from_cohere_sdk,
+)
+from po_backend.server.scoring import (
+    GenerativeScoringBody,
+    generative_answer,
+    score_answer,
+    score_items,
+    score_labels,
+    score_query,
 )
 from po_backend.server.sglang_native import split_batch
 
@@ -69,7 +84,8 @@ OWN_HEADERS = frozenset({b"date", b"server"})
 NOT_RETURNED = HOP_BY_HOP | OWN_HEADERS
 
 # Calls read whole and translated (see the module's docstring).
-READ_WHOLE = frozenset({"/generate", "/v1/classify", "/rerank", "/v2/rerank"})
+SCORING = frozenset({"/v1/score", "/generative_scoring"})
+READ_WHOLE = frozenset({"/generate", "/v1/classify", "/rerank", "/v2/rerank"}) | SCORING
 FORWARDED = "po_gate.forwarded"  # the scope key carrying a read-whole call's URL and headers
 
 Scope = MutableMapping[str, Any]
@@ -106,12 +122,33 @@ class Keys:
 @dataclass(frozen=True)
 class Limits:
     """What the workers serve and take: the gate checks a translated call against these before it
-    forwards any of it (the workers' --max-body-bytes, --max-items-per-request and served name)."""
+    forwards any of it (the workers' --max-body-bytes, --max-items-per-request, served name,
+    --max-logprobs-per-request and --max-tokenize-chars)."""
 
     max_body_bytes: int = 2 << 20
     max_items: int = 1024
     model_name: str = ""
     fan_out: int = 16  # a batch's prompts in flight at a time
+    max_logprobs: int = 1 << 18
+    max_tokenize_chars: int = 8 << 20
+
+    def check_logprobs(self, n: int) -> None:
+        if n > self.max_logprobs:
+            raise HTTPError(
+                413,
+                f"this call would return {n} log-prob values, more than the limit of {self.max_logprobs} "
+                "(--max-logprobs-per-request): ask for fewer items or labels, or split the call",
+                "PayloadTooLargeError",
+            )
+
+    def check_tokenize(self, chars: int, what: str) -> None:
+        if chars > self.max_tokenize_chars:
+            raise HTTPError(
+                413,
+                f"this call would tokenize {chars} characters ({what}), more than the limit of "
+                f"{self.max_tokenize_chars} (--max-tokenize-chars): send fewer or shorter texts, or split the call",
+                "PayloadTooLargeError",
+            )
 
 
 class Gate:
@@ -236,6 +273,9 @@ class Gate:
         if path == "/generate" and body is not None and isinstance(body.get("text"), list):
             await self._fan_out(send, headers, body)
             return
+        if path in SCORING:
+            await self._score(send, path, headers, body)
+            return
         if path == "/v1/classify" and body is not None and body.get("model") is None:
             raw = json.dumps({**body, "model": self.limits.model_name}).encode()
         request = self.client.build_request("POST", url, headers=headers, content=raw)
@@ -248,34 +288,9 @@ class Gate:
         if n == 0:
             raise bad("the batch is empty")
         check_items(n, "prompts", self.limits.max_items)
-        elements = split_batch(body, n)
-        answers: list[httpx.Response | BaseException | None] = [None] * n
-        in_flight = anyio.Semaphore(self.limits.fan_out)
-
-        async def one(i: int) -> None:
-            async with in_flight:
-                try:
-                    answers[i] = await self.client.post(
-                        "/generate", headers=headers, json={**elements[i], "stream": False}
-                    )
-                except (httpx.HTTPError, OSError) as e:
-                    answers[i] = e
-
-        async with anyio.create_task_group() as calls:
-            for i in range(n):
-                calls.start_soon(one, i)
-        for answer in answers:
-            if not isinstance(answer, httpx.Response):
-                log.warning("the router did not answer a batch's prompt: %s", answer)
-                await _error(send, 502, "the router is not answering", "BadGatewayError", "/generate")
-                return
-            if not answer.is_success:  # a single server fails the whole batch on any prompt
-                await _send_answer(send, answer)
-                return
-        try:
-            out = [a.json() for a in answers if isinstance(a, httpx.Response)]
-        except ValueError:
-            raise HTTPError(502, "the router answered a prompt with no JSON", "BadGatewayError") from None
+        out = await self._generate_each(send, headers, split_batch(body, n), "/generate")
+        if out is None:
+            return
         if body.get("stream"):  # a single server's stream of a batch: one event per prompt
             events = b"".join(
                 b"data: " + json.dumps({**o, "index": i}).encode() + b"\n\n" for i, o in enumerate(out)
@@ -283,6 +298,115 @@ class Gate:
             await _send(send, 200, events + b"data: [DONE]\n\n", b"text/event-stream")
         else:
             await _send(send, 200, json.dumps(out).encode())
+
+    async def _generate_each(
+        self, send: Send, headers: list[tuple[bytes, bytes]], bodies: list[dict[str, Any]], path: str
+    ) -> list[Any] | None:
+        """Each body as one routed /generate call, at most `Limits.fan_out` in flight, their JSON
+        answers in order; None once the earliest failing call's answer was sent as the answer to
+        the client's call on `path` (a single server fails a whole batch on any prompt)."""
+        answers: list[httpx.Response | BaseException | None] = [None] * len(bodies)
+        in_flight = anyio.Semaphore(self.limits.fan_out)
+
+        async def one(i: int) -> None:
+            async with in_flight:
+                try:
+                    answers[i] = await self.client.post(
+                        "/generate", headers=headers, json={**bodies[i], "stream": False}
+                    )
+                except (httpx.HTTPError, OSError) as e:
+                    answers[i] = e
+
+        async with anyio.create_task_group() as calls:
+            for i in range(len(bodies)):
+                calls.start_soon(one, i)
+        for answer in answers:
+            if not isinstance(answer, httpx.Response):
+                log.warning("the router did not answer a call's prompt: %s", answer)
+                await _error(send, 502, "the router is not answering", "BadGatewayError", path)
+                return None
+            if not answer.is_success:
+                await _send_answer(send, answer, path if path in SCORING else "")
+                return None
+        try:
+            return [a.json() for a in answers if isinstance(a, httpx.Response)]
+        except ValueError:
+            raise HTTPError(502, "the router answered a prompt with no JSON", "BadGatewayError") from None
+
+    async def _score(
+        self, send: Send, path: str, headers: list[tuple[bytes, bytes]], data: dict[str, Any] | None
+    ) -> None:
+        """SGLang's /v1/score or vLLM's /generative_scoring through the workers' /generate, checked
+        as one server checks it (what needs no model) before any call goes out."""
+        if data is None:
+            raise bad("the body must be a JSON object")
+        limits = self.limits
+        score_body: ScoreRequestBody | None = None
+        if path == "/v1/score":
+            score_body = _validated(ScoreRequestBody, data)
+            items: list[Any] = score_items(score_body)
+            check_items(len(items), "items", limits.max_items)
+            labels = score_labels(score_body.label_token_ids, len(items))
+            limits.check_logprobs(sum(len(x) for x in labels))
+            query: Any = score_query(score_body, items)
+            item_first = score_body.item_first
+            priority = score_body.priority
+            if isinstance(query, str):
+                join = 2 if item_first else 1
+                chars = (len(items) + 1) * len(query) + sum(len(x) for x in items) * join
+                limits.check_tokenize(
+                    chars, f"a query of {len(query)} characters with each of {len(items)} items"
+                )
+        else:
+            vllm_body = _validated(GenerativeScoringBody, data)
+            [label_ids] = score_labels(vllm_body.label_token_ids, 1)
+            items = list(vllm_body.items)
+            check_items(len(items), "items", limits.max_items)
+            limits.check_logprobs(len(items) * len(label_ids))
+            labels = [label_ids] * len(items)
+            query, item_first, priority = vllm_body.query, vllm_body.item_first, vllm_body.priority
+            if isinstance(query, str) or any(isinstance(x, str) for x in items):
+                # vLLM joins the query's and the item's tokens, which takes the workers' tokenizer.
+                raise bad(
+                    "through the cluster, /generative_scoring takes the query and the items as token ids "
+                    "(/v1/score takes text), or send the call to a worker"
+                )
+        common: dict[str, Any] = {"sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+        if priority is not None:
+            common["priority"] = priority
+        # What picks a LoRA adapter on a worker (`lora_path`, or an adapter's name as `model`).
+        common |= {k: data[k] for k in ("lora_path", "model") if data.get(k) is not None}
+        if isinstance(query, str):  # one routed call per item: the router takes one text a call
+            prompts = [it + query if item_first else query + it for it in items]
+            bodies = [
+                {**common, "text": p, "token_ids_logprob": list(ls)}
+                for p, ls in zip(prompts, labels, strict=True)
+            ]
+        else:
+            ids = [list(it) + list(query) if item_first else list(query) + list(it) for it in items]
+            if len(set(labels)) == 1:  # one call: the router takes a batch of token ids...
+                bodies = [{**common, "input_ids": ids, "token_ids_logprob": list(labels[0])}]
+            else:  # ...with one list of label tokens for all (its typed body): one call each
+                bodies = [
+                    {**common, "input_ids": p, "token_ids_logprob": list(ls)}
+                    for p, ls in zip(ids, labels, strict=True)
+                ]
+        out = await self._generate_each(send, headers, bodies, path)
+        if out is None:
+            return
+        answers = [a for o in out for a in (o if isinstance(o, list) else [o])]
+        try:
+            logprobs = [_label_logprobs(a, ls) for a, ls in zip(answers, labels, strict=True)]
+            tokens = sum(int(a["meta_info"]["prompt_tokens"]) for a in answers)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise HTTPError(
+                502, f"a worker's /generate answer is not SGLang's: {e!r}", "BadGatewayError"
+            ) from None
+        if score_body is not None:
+            answer = score_answer(score_body, logprobs, tokens, limits.model_name)
+        else:
+            answer = generative_answer(vllm_body, logprobs, tokens, limits.model_name)
+        await _send(send, 200, json.dumps(answer).encode())
 
     async def _cohere_rerank(
         self, send: Send, path: str, headers: list[tuple[bytes, bytes]], data: dict[str, Any] | None
@@ -333,6 +457,20 @@ class Gate:
                 return
 
 
+def _validated(model: Any, data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise bad(validation_message(e.errors())) from None
+
+
+def _label_logprobs(answer: dict[str, Any], labels: tuple[int, ...]) -> list[float]:
+    """The label tokens' next-token log-probs in a /generate answer, in the labels' order."""
+    [row] = answer["meta_info"]["output_token_ids_logprobs"]
+    by_id = {int(t): (float("-inf") if v is None else float(v)) for v, t, *_ in row}
+    return [by_id[t] for t in labels]
+
+
 async def _body(receive: Receive, read: anyio.Event) -> AsyncIterator[bytes]:
     """The request body as the client sends it; a client that leaves meanwhile ends the call."""
     while True:
@@ -349,14 +487,35 @@ async def _error(send: Send, status: int, message: str, kind: str, path: str) ->
     await _send(send, status, json.dumps(error_body(status, message, kind, path)).encode())
 
 
-async def _send(send: Send, status: int, data: bytes, content_type: bytes = b"application/json") -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(data)).encode())]
+async def _send(
+    send: Send,
+    status: int,
+    data: bytes,
+    content_type: bytes = b"application/json",
+    extra: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(data)).encode()), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
 
-async def _send_answer(send: Send, answer: httpx.Response) -> None:
-    """An upstream answer read whole, passed on as it came (its own headers excepted)."""
+async def _send_answer(send: Send, answer: httpx.Response, path: str = "") -> None:
+    """An upstream answer read whole, passed on as it came (its own headers excepted); a
+    worker's error on a route of another shape than `path`'s (a /generate error answering a
+    /v1/score call) in `path`'s shape, its Retry-After kept."""
+    if path and not answer.is_success:
+        try:
+            error = answer.json()
+            error = error.get("error", error)
+            message, kind = str(error["message"]), str(error.get("type") or "BadRequestError")
+        except (ValueError, KeyError, TypeError, AttributeError):  # not a worker's error: as it came
+            pass
+        else:
+            retry = answer.headers.get("retry-after")
+            extra = [(b"retry-after", retry.encode("latin-1"))] if retry else []
+            body = json.dumps(error_body(answer.status_code, message, kind, path)).encode()
+            await _send(send, answer.status_code, body, extra=extra)
+            return
     headers = [(k, v) for k, v in answer.headers.raw if k.lower() not in NOT_RETURNED | {b"content-length",
                b"content-encoding"}]  # fmt: skip
     headers.append((b"content-length", str(len(answer.content)).encode()))

@@ -219,6 +219,8 @@ def gate_command(upstream: str, host: str, port: int, workers: ServerArgs | None
     limits = [] if workers is None else [
         "--max-body-bytes", str(workers.max_body_bytes), "--max-items-per-request", str(workers.max_items_per_request),
         "--served-model-name", workers.model_name,
+        "--max-logprobs-per-request", str(workers.max_logprobs_per_request),
+        "--max-tokenize-chars", str(workers.max_tokenize_chars),
     ]  # fmt: skip
     return [sys.executable, "-m", "po_backend.entrypoints.launch_cluster", RUN_GATE, "--upstream", upstream,
             "--host", host, "--port", str(port), *limits]  # fmt: skip
@@ -290,12 +292,20 @@ def run_gate(argv: Sequence[str]) -> int:
     ap.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     ap.add_argument("--max-items-per-request", type=int, default=Limits.max_items)
     ap.add_argument("--served-model-name", default=Limits.model_name)
+    ap.add_argument("--max-logprobs-per-request", type=int, default=Limits.max_logprobs)
+    ap.add_argument("--max-tokenize-chars", type=int, default=Limits.max_tokenize_chars)
     args = ap.parse_args(argv)
     admin, worker = os.environ.get(ADMIN_KEY_ENV), os.environ.get(WORKER_KEY_ENV)
     if not admin or not worker:
         raise SystemExit(f"run-gate: ${ADMIN_KEY_ENV} and ${WORKER_KEY_ENV} must be set")
     keys = Keys(data=os.environ.get(API_KEY_ENV) or None, admin=admin, worker=worker)
-    limits = Limits(args.max_body_bytes, args.max_items_per_request, args.served_model_name)
+    limits = Limits(
+        args.max_body_bytes,
+        args.max_items_per_request,
+        args.served_model_name,
+        max_logprobs=args.max_logprobs_per_request,
+        max_tokenize_chars=args.max_tokenize_chars,
+    )
     config = uvicorn.Config(
         Gate(args.upstream, keys, limits=limits), host=args.host, port=args.port, log_level="warning", backlog=4096,
         timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024, http=ReadDeadlineH11,

@@ -77,23 +77,34 @@ async def score(body: ScoreRequestBody, request: Request, rt: RuntimeDep) -> JSO
     head = heads.is_head(rt, "/v1/score")
     if head:  # SGLang's classifier form: the head's probabilities per item
         results = await heads.score_items(rt, request, body.query, body.items, body.item_first, body.priority)
-        scores = heads.probs_of(rt, results)
-    else:
-        results = await rt.run(request, await rt.parse(parse_score, rt, body), priority=body.priority)
-        if body.apply_softmax:
-            scores = [softmax(r.logprobs, body.temperature) for r in results]
-        else:
-            scores = [[math.exp(x) for x in r.logprobs] for r in results]
+        tokens = sum(r.prompt_tokens for r in results)
+        return JSONResponse(score_envelope(body, heads.probs_of(rt, results), tokens, rt.args.model_name))
+    results = await rt.run(request, await rt.parse(parse_score, rt, body), priority=body.priority)
     tokens = sum(r.prompt_tokens for r in results)
-    out: dict[str, Any] = {
+    return JSONResponse(score_answer(body, [r.logprobs for r in results], tokens, rt.args.model_name))
+
+
+def score_envelope(
+    body: ScoreRequestBody, scores: list[list[float]], tokens: int, model: str
+) -> dict[str, Any]:
+    """SGLang's /v1/score answer around the items' scores."""
+    return {
         "scores": scores,
-        "model": body.model or rt.args.model_name,
+        "model": body.model or model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
         "object": "scoring",
     }
-    if body.return_token_logprobs and not head:
-        out["token_logprobs"] = [[json_logprob(x) for x in r.logprobs] for r in results]
-    return JSONResponse(out)
+
+
+def score_answer(
+    body: ScoreRequestBody, logprobs: Sequence[Sequence[float]], tokens: int, model: str
+) -> dict[str, Any]:
+    """A causal LM's /v1/score answer from each item's label-token log-probs (also the cluster's
+    gate's, from the workers' /generate answers)."""
+    out = score_envelope(body, [score_values(body, lp) for lp in logprobs], tokens, model)
+    if body.return_token_logprobs:
+        out["token_logprobs"] = [[json_logprob(x) for x in lp] for lp in logprobs]
+    return out
 
 
 @router.post("/v1/classify")
@@ -154,13 +165,21 @@ async def generative_scoring(body: GenerativeScoringBody, request: Request, rt: 
     the labels by default, full vocabulary with apply_softmax=false)."""
     reqs = await rt.parse(parse_generative, rt, body)
     results = await rt.run(request, reqs, priority=body.priority)
-    data = []
-    for i, r in enumerate(results):
-        p = softmax(r.logprobs)[0] if body.apply_softmax else math.exp(r.logprobs[0])
-        data.append({"index": i, "object": "score", "score": p})
     tokens = sum(r.prompt_tokens for r in results)
+    return generative_answer(body, [r.logprobs for r in results], tokens, rt.args.model_name)
+
+
+def generative_answer(
+    body: GenerativeScoringBody, logprobs: Sequence[Sequence[float]], tokens: int, model: str
+) -> dict[str, Any]:
+    """vLLM's answer from each item's label-token log-probs (also the cluster's gate's): the first
+    label's probability, over the labels or (apply_softmax=false) the whole vocabulary."""
+    data = [
+        {"index": i, "object": "score", "score": softmax(lp)[0] if body.apply_softmax else math.exp(lp[0])}
+        for i, lp in enumerate(logprobs)
+    ]
     # vLLM counts the one sampled token per item; a prefill-only server samples none.
-    return envelope("generative-scoring", "list", body.model or rt.args.model_name, "data", data, tokens)
+    return envelope("generative-scoring", "list", body.model or model, "data", data, tokens)
 
 
 async def run_classify(
@@ -187,6 +206,26 @@ async def run_classify(
 def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
     """One request per item: query + item (item + query with item_first), the shared part marked
     as the cache prefix."""
+    items = score_items(body)
+    rt.check_items(len(items), "items")
+    labels = score_labels(body.label_token_ids, len(items))
+    rt.check_logprobs(sum(len(x) for x in labels))
+    query = score_query(body, items)
+    if isinstance(query, str):
+        return _text_score_requests(rt, query, cast(list[str], items), labels, body.item_first)
+    rt.check_prompt_ids(query, "query")  # once, not once per item
+    reqs = []
+    for item, label_ids in zip(items, labels, strict=True):
+        q, it = tuple(query), tuple(cast(list[int], item))
+        ids = it + q if body.item_first else q + it
+        shared_len = len(it) if body.item_first else len(q)
+        reqs.append(ScoreRequest(ids, label_ids, cache_prefix_len=shared_len or None))
+    return reqs
+
+
+def score_items(body: ScoreRequestBody) -> list[str] | list[list[int]]:
+    """A /v1/score body's items, after the checks that need no model (also the cluster's gate's,
+    which answers /v1/score through the workers' /generate)."""
     if (
         body.query_embed_overrides is not None
         or body.item_embed_overrides is not None
@@ -205,31 +244,36 @@ def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
         raise bad("label_token_ids must be a nonempty list")
     if body.items is None:
         raise bad("items must be provided")
-    items = [body.items] if isinstance(body.items, str) else list(body.items)
-    rt.check_items(len(items), "items")
-    labels = _score_labels(body.label_token_ids, len(items))
-    rt.check_logprobs(sum(len(x) for x in labels))
+    return (
+        [body.items] if isinstance(body.items, str) else cast(list[str] | list[list[int]], list(body.items))
+    )
+
+
+def score_query(body: ScoreRequestBody, items: list[str] | list[list[int]]) -> str | list[int]:
+    """The query (empty when absent), of the items' kind: text with text, token ids with ids."""
     query = body.query
     if query is None:
         query = [] if items and isinstance(items[0], list) else ""
     if isinstance(query, str):
         if items and not all(isinstance(x, str) for x in items):
             raise bad("a text query needs text items")
-        return _text_score_requests(rt, query, cast(list[str], items), labels, body.item_first)
-    if items and not all(isinstance(x, list) for x in items):
+    elif items and not all(isinstance(x, list) for x in items):
         raise bad("a token-id query needs token-id items")
-    rt.check_prompt_ids(query, "query")  # once, not once per item
-    reqs = []
-    for item, label_ids in zip(items, labels, strict=True):
-        q, it = tuple(query), tuple(cast(list[int], item))
-        ids = it + q if body.item_first else q + it
-        shared_len = len(it) if body.item_first else len(q)
-        reqs.append(ScoreRequest(ids, label_ids, cache_prefix_len=shared_len or None))
-    return reqs
+    return query
 
 
-def _score_labels(label_token_ids: list[int] | list[list[int]], n_items: int) -> list[tuple[int, ...]]:
+def score_values(body: ScoreRequestBody, logprobs: Sequence[float]) -> list[float]:
+    """One item's scores from its label tokens' log-probs: softmax over the labels (at the
+    body's temperature) or each label's probability over the whole vocabulary."""
+    if body.apply_softmax:
+        return softmax(logprobs, body.temperature)
+    return [math.exp(x) for x in logprobs]
+
+
+def score_labels(label_token_ids: list[int] | list[list[int]] | None, n_items: int) -> list[tuple[int, ...]]:
     """The label tokens of each item: one list for all, or one list per item."""
+    if not label_token_ids:
+        raise bad("label_token_ids must be a nonempty list")
     if isinstance(label_token_ids[0], list):
         if len(label_token_ids) != n_items:
             raise bad("label_token_ids must have one list per item")
@@ -268,7 +312,7 @@ def _text_score_requests(
 def parse_generative(rt: Runtime, body: GenerativeScoringBody) -> list[ScoreRequest]:
     """vLLM joins token ids, not strings; the query's ids are the shared part and the cache
     prefix (unless the item comes first)."""
-    [labels] = _score_labels(body.label_token_ids, 1)
+    [labels] = score_labels(body.label_token_ids, 1)
     rt.check_items(len(body.items), "items")
     rt.check_logprobs(len(body.items) * len(labels))
     q = tuple(body.query) if isinstance(body.query, list) else rt.encode(body.query, body.add_special_tokens)

@@ -37,20 +37,39 @@ require("sglang_router", "pip install sglang-router")
 QUERY = {"query": "which pets like to play", "documents": ["cats like to play", "tax news", "dogs play"]}
 
 
-def routed_call(route: str, i: int) -> dict[str, Any]:
+def routed_call(route: str, i: int, items: int = 1) -> dict[str, Any]:
     """A call on `route` whose text (what cache_aware routes by) differs with `i` from its first
-    character: cache_aware sends a text that matches no worker's tree to the one with the least."""
+    character: cache_aware sends a text that matches no worker's tree to the one with the least.
+    /v1/score's `items` go as one routed /generate each (the gate's translation), which with one
+    item lands on one worker; /generative_scoring's token ids as one batched /generate."""
     return {
         "/generate": {"text": f"{i} hello cats", "sampling_params": {"max_new_tokens": 0}},
         "/v1/completions": {"model": "m", "prompt": f"{i} hello dogs", "max_tokens": 1, "logprobs": 2},
         "/v1/rerank": {**QUERY, "query": f"{i} {QUERY['query']}"},
         "/v1/classify": {"model": "m", "input": [f"{i} cats play", f"{i} tax news"]},
         "/v1/embeddings": {"model": "m", "input": [f"{i} cats play", f"{i} tax news"]},
+        "/v1/score": {
+            "query": f"{i} Is it",
+            "items": [" cats", " dogs", " fish"][:items],
+            "label_token_ids": [5, 6],
+        },
+        "/generative_scoring": {
+            "query": [i % 250 + 1, 7],
+            "items": [[8, 9], [10]],
+            "label_token_ids": [5, 6],
+        },
     }[route]
 
 
 # Every route family the router forwards, by the task the workers serve (one cluster each).
-GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/rerank", "/v1/classify")
+GENERATE_ROUTES = (
+    "/generate",
+    "/v1/completions",
+    "/v1/rerank",
+    "/v1/classify",
+    "/v1/score",
+    "/generative_scoring",
+)
 EMBED_ROUTES = ("/v1/embeddings",)
 
 
@@ -194,7 +213,7 @@ def test_a_killed_worker_loses_nothing_and_sigterm_stops_all(clusters: Clusters)
 
             def send(i: int) -> asyncio.Future[Any]:
                 route = GENERATE_ROUTES[i % len(GENERATE_ROUTES)]  # distinct texts: both workers
-                return asyncio.ensure_future(client.post(url + route, json=routed_call(route, i)))
+                return asyncio.ensure_future(client.post(url + route, json=routed_call(route, i, items=3)))
 
             tasks = [send(i) for i in range(100)]
             # Mid-burst: once the victim holds some of the burst (the tasks send meanwhile).
@@ -241,8 +260,7 @@ def test_a_lone_call_routed_to_a_killed_worker_is_answered(tokenized_llama: Path
     """The router's retries reach the other worker. cache_aware sends a text to the worker it sent
     that text before, dead or not, until that worker's circuit breaker opens: a call arriving alone
     just after the kill (no calls in flight whose failures open the breaker first) spends its
-    attempts there, and with no more attempts than the breaker's threshold it got a 500.
-    The router does not forward /v1/score (sglang-router 0.3.2): a 404 from it, never a 5xx."""
+    attempts there, and with no more attempts than the breaker's threshold it got a 500."""
     routes = GENERATE_ROUTES if task == "generate" else EMBED_ROUTES
     with launched_cluster(tokenized_llama, ["--workers", "2", "--task", task]) as launcher:
         url, proc = launcher.url, launcher.proc
@@ -269,9 +287,6 @@ def test_a_lone_call_routed_to_a_killed_worker_is_answered(tokenized_llama: Path
             victim.kill()
             poll_until(lambda: refuses(victim_url), "the killed worker's port refuses connections")
             answers = [(route, client.post(url + route, json=body)) for route, body in on_victim]
-            if task == "generate":
-                score = {"query": "Is it", "items": [" cats", " dogs"], "label_token_ids": [5, 6]}
-                assert client.post(url + "/v1/score", json=score).status_code == 404
         failed = [(route, r.status_code, r.text[:200]) for route, r in answers if r.status_code != 200]
         assert not failed, failed
 

@@ -1,8 +1,9 @@
 """SGLang's, Cohere's and vLLM's clients through `launch_cluster` (two workers behind the real
 SGLang router, a data key) answer as they do against one server, where sglang-router 0.3.2 alone
 cannot take their calls: `sgl.select`'s batched /generate, Cohere's /v2/rerank (and vLLM/Jina's
-/rerank), /v1/classify without `model`. The gate translates those; the last test drives it
-before a model-free router, where what reaches the router can be counted."""
+/rerank), /v1/classify without `model`, /v1/score and /generative_scoring. The gate translates
+those; the last tests drive it before a model-free router, where what reaches the router can be
+counted."""
 
 from __future__ import annotations
 
@@ -220,6 +221,54 @@ def test_classify_without_a_model(cluster: str, single: ServerProcess) -> None:
         assert named.status_code == 200 and named.json()["model"] == "other"  # a given name passes as it is
 
 
+@pytest.mark.slow
+def test_score_and_generative_scoring(cluster: str, single: ServerProcess) -> None:
+    """SGLang's /v1/score and vLLM's /generative_scoring, which the router does not forward, get
+    one server's answer through the cluster: text and token-id items, softmax over the labels or
+    not, per-item labels, the item first; the workers answer them as /generate calls (never a
+    /v1/score call), and a call over the workers' limits is refused as one server refuses it."""
+    query, items = "Is the post about pets? Post:", [" a cat video", " tax news", " dogs play"]
+    ids_query, ids_items = [1, 17, 42, 99], [[5, 6], [7, 250, 8], [9]]
+    scores = [
+        {"query": query, "items": items, "label_token_ids": [5, 6, 7]},
+        {"query": query, "items": items, "label_token_ids": [5, 6], "apply_softmax": True, "temperature": 0.7},
+        {"query": query, "items": items[0], "label_token_ids": [5, 6], "item_first": True, "return_token_logprobs": True},
+        {"query": ids_query, "items": ids_items, "label_token_ids": [[5, 6], [6, 9], [11, 5]], "apply_softmax": True},
+        {"query": ids_query, "items": ids_items, "label_token_ids": [5, 6], "item_first": True, "model": "mine"},
+    ]  # fmt: skip
+    vllm = [
+        {"query": ids_query, "items": ids_items, "label_token_ids": [5, 6, 7]},
+        {"query": ids_query, "items": ids_items, "label_token_ids": [6, 5], "apply_softmax": False, "item_first": True},
+    ]  # fmt: skip
+    with httpx.Client(timeout=120) as client:
+        before = generate_calls(cluster)
+        for path, bodies in (("/v1/score", scores), ("/generative_scoring", vllm)):
+            for body in bodies:
+                r, ref = both(client, cluster, single, path, body)
+                assert r.status_code == ref.status_code == 200, (body, r.text)
+                got, want = r.json(), ref.json()
+                for per_call in ("id", "created"):  # vLLM's envelope
+                    got.pop(per_call, None), want.pop(per_call, None)
+                assert_same_answer(got, want, f"{path} {body}")
+        assert generate_calls(cluster) > before  # answered as /generate calls...
+        assert not any(  # ...and never as /v1/score or /generative_scoring ones
+            metric(w, f'po_http_requests_total{{endpoint="{e}",status="200"}}', 0.0)
+            for w in worker_urls(cluster)
+            for e in ("/v1/score", "/generative_scoring")
+        )
+        for body, status in (
+            ({"query": query, "items": ["x"] * (MAX_ITEMS + 1), "label_token_ids": [5]}, 413),
+            ({"query": query, "items": items, "label_token_ids": [5, 5]}, 400),
+            ({"query": query, "items": [[5]], "label_token_ids": [5]}, 400),
+        ):
+            r, ref = both(client, cluster, single, "/v1/score", body)
+            assert_same_error(r, ref, status)
+        # A token outside the vocabulary: a 400 from the worker (the gate has no model to know).
+        bad = {"query": ids_query, "items": [[5], [10**6]], "label_token_ids": [5]}
+        r, ref = both(client, cluster, single, "/v1/score", bad)
+        assert r.status_code == ref.status_code == 400 and r.json()["object"] == "error", r.text
+
+
 def test_gate_translates_before_a_router_and_checks_limits_first() -> None:
     """The gate before a model-free router that answers each /generate prompt at once (or 400s
     the ones named "bad"): a batch fans out one call per prompt and comes back in order; the
@@ -297,5 +346,148 @@ def test_gate_translates_before_a_router_and_checks_limits_first() -> None:
                 ):
                     r = await c.post(path, json=body, headers={"Authorization": "Bearer d"})
                     assert r.status_code == 502 and "router" in error_message(r), (path, r.text)
+
+    asyncio.run(run())
+
+
+def fake_logprob(prompt: Any, token: int) -> float:
+    """A made-up next-token log-prob of `token` after `prompt` (text or ids), distinct per pair."""
+    return -1.0 - (sum(map(ord, prompt)) if isinstance(prompt, str) else sum(prompt)) % 7 / 3 - token / 10
+
+
+def test_gate_scores_through_generate_before_a_router() -> None:
+    """/v1/score and /generative_scoring, which the router does not forward, before a model-free
+    router that answers /generate as a worker does (made-up log-probs): a text call goes as one
+    routed /generate per item (query + item, the label tokens' log-probs asked), a token-id call
+    as one batched /generate; the scores are one server's from those log-probs, in SGLang's and
+    vLLM's shapes. Bad bodies and limits are refused before any call goes out; a worker's error
+    comes back in the route's shape with its Retry-After."""
+    from po_backend.server.protocol import ScoreRequestBody
+    from po_backend.server.scoring import GenerativeScoringBody, generative_answer, score_answer
+
+    seen: list[dict[str, Any]] = []
+
+    def one(prompt: Any, labels: list[int]) -> dict[str, Any]:
+        row = [[fake_logprob(prompt, t), t, None] for t in labels]
+        n = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        return {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {"prompt_tokens": n, "output_token_ids_logprobs": [row]},
+        }
+
+    async def router(scope: Any, receive: Any, send: Any) -> None:
+        data = json.loads(await read_asgi_body(receive))
+        seen.append(data)
+        status, headers = 200, [(b"content-type", b"application/json")]
+        if "text" in data and data["text"].endswith("overloaded"):
+            status, answer = (
+                503,
+                {"error": {"message": "queue full", "type": "ServiceUnavailableError", "code": 503}},
+            )
+            headers.append((b"retry-after", b"1"))
+        elif any(isinstance(x, list) for x in data["token_ids_logprob"]):  # as sglang-router 0.3.2
+            status, answer = 422, {"error": "token_ids_logprob[0]: invalid type: sequence, expected u32"}
+        elif "text" in data:
+            answer = one(data["text"], data["token_ids_logprob"])
+        elif data["input_ids"] and isinstance(data["input_ids"][0], list):
+            answer = [one(p, data["token_ids_logprob"]) for p in data["input_ids"]]
+        else:
+            answer = one(data["input_ids"], data["token_ids_logprob"])
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+    limits = Limits(max_items=4, model_name="served", fan_out=2, max_logprobs=12, max_tokenize_chars=200)
+    gate = Gate(
+        "http://router", Keys(data=None, admin="a", worker="w"), httpx.ASGITransport(app=router), limits
+    )
+
+    def expected(
+        path: str, body: dict[str, Any], prompts: list[Any], labels: list[list[int]]
+    ) -> dict[str, Any]:
+        logprobs = [[fake_logprob(p, t) for t in ls] for p, ls in zip(prompts, labels, strict=True)]
+        tokens = sum(len(p) if isinstance(p, list) else len(p.split()) for p in prompts)
+        if path == "/v1/score":
+            return score_answer(ScoreRequestBody.model_validate(body), logprobs, tokens, "served")
+        return generative_answer(GenerativeScoringBody.model_validate(body), logprobs, tokens, "served")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://gate") as c:
+            text = {"query": "Is it a", "items": [" cat", " dog", " fish"], "label_token_ids": [5, 6]}
+            for extra in ({}, {"apply_softmax": True, "temperature": 2.0}, {"return_token_logprobs": True},
+                          {"item_first": True, "model": "mine"}):  # fmt: skip
+                body = {**text, **extra}
+                prompts = [
+                    it + "Is it a" if extra.get("item_first") else "Is it a" + it for it in text["items"]
+                ]
+                seen.clear()
+                r = await c.post("/v1/score", json=body)
+                assert r.status_code == 200, r.text
+                want = expected("/v1/score", body, prompts, [[5, 6]] * 3)
+                assert r.json() == want and ("token_logprobs" in want) == bool(
+                    extra.get("return_token_logprobs")
+                )
+                assert sorted(s["text"] for s in seen) == sorted(prompts)  # one routed call per item
+                assert all(
+                    s["sampling_params"] == {"max_new_tokens": 0} and s["return_logprob"] for s in seen
+                )
+            ids = {
+                "query": [1, 2],
+                "items": [[3], [4, 5]],
+                "label_token_ids": [7, 8],
+                "priority": 3,
+                "lora_path": "ad",
+            }
+            seen.clear()
+            r = await c.post("/v1/score", json=ids)
+            assert r.status_code == 200, r.text
+            assert r.json() == expected("/v1/score", ids, [[1, 2, 3], [1, 2, 4, 5]], [[7, 8], [7, 8]])
+            assert [s["input_ids"] for s in seen] == [[[1, 2, 3], [1, 2, 4, 5]]]
+            assert (seen[0]["priority"], seen[0]["lora_path"]) == (
+                3,
+                "ad",
+            )  # what a worker schedules and adapts by
+            seen.clear()  # the label tokens per item: one call each
+            per_item = {**ids, "label_token_ids": [[7, 8], [9, 8]]}
+            r = await c.post("/v1/score", json=per_item)
+            assert r.status_code == 200, r.text
+            assert r.json() == expected("/v1/score", per_item, [[1, 2, 3], [1, 2, 4, 5]], [[7, 8], [9, 8]])
+            assert sorted(s["input_ids"] for s in seen) == [[1, 2, 3], [1, 2, 4, 5]]
+            for extra in ({}, {"apply_softmax": False, "item_first": True}):
+                vllm = {"query": [1, 2], "items": [[3], [4, 5]], "label_token_ids": [7, 8], **extra}
+                r = await c.post("/generative_scoring", json=vllm)
+                prompts = [[3, 1, 2], [4, 5, 1, 2]] if extra else [[1, 2, 3], [1, 2, 4, 5]]
+                want = expected("/generative_scoring", vllm, prompts, [[7, 8]] * 2)
+                got = r.json()
+                assert {k: v for k, v in got.items() if k not in ("id", "created")} == {
+                    k: v for k, v in want.items() if k not in ("id", "created")
+                }, got
+
+            seen.clear()
+            for path, body, status, words in (
+                ("/v1/score", {**text, "items": ["a"] * 5}, 413, "--max-items-per-request"),
+                ("/v1/score", {**text, "label_token_ids": list(range(5))}, 413, "--max-logprobs-per-request"),
+                ("/v1/score", {**text, "query": "q" * 60}, 413, "--max-tokenize-chars"),
+                ("/v1/score", {**text, "label_token_ids": [5, 5]}, 400, "duplicate"),
+                ("/v1/score", {**text, "label_token_ids": []}, 400, "nonempty"),
+                ("/v1/score", {**text, "items": [[1]]}, 400, "text query needs text items"),
+                ("/v1/score", {**text, "temperature": 0.5}, 400, "temperature requires apply_softmax"),
+                ("/v1/score", {**text, "apply_softmax": "maybe"}, 400, "apply_softmax"),
+                (
+                    "/generative_scoring",
+                    {"query": "q", "items": [[1]], "label_token_ids": [1]},
+                    400,
+                    "token ids",
+                ),
+                ("/generative_scoring", {"query": [1], "items": [], "label_token_ids": [1]}, 400, "items"),
+            ):
+                r = await c.post(path, json=body)
+                assert r.status_code == status and words in error_message(r), (body, r.text)
+                assert r.json()["object"] == "error"  # the OpenAI-style shape of both routes
+            assert seen == []  # none reached the router
+            r = await c.post("/v1/score", json={**text, "items": [" ok", " overloaded"]})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json() == {"object": "error", "message": "queue full", "type": "ServiceUnavailableError",
+                                "param": None, "code": 503}  # fmt: skip
 
     asyncio.run(run())
