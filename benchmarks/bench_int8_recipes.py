@@ -1,6 +1,8 @@
 """Int8 recipe variants against fp32 on the embedded model: Kendall tau of the Yes-No log-odds on
 `bench_mil --compare-dtypes`' held-out item lists (4 profiles x 16 items, each prompt cold), the
-largest log-prob difference, the mean log-odds difference and the decoder layers' bytes.
+largest log-prob difference, the mean log-odds difference and the decoder layers' bytes; with
+`--full`, also a prefix-cache hit against the cold run and the sentiment set's accuracy (bench_mil
+--compare-dtypes' own functions), fp32's included.
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_int8_recipes \\
         "w8a8x2_int8" "w8a8x2_int8:weight_scales=e4m3" --out /tmp/recipes.json
@@ -19,7 +21,7 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks.bench_int8 import _with_recipe
-from benchmarks.bench_mil import ITEMS, PROFILES, QUESTION, _scores
+from benchmarks.bench_mil import ITEMS, PROFILES, QUESTION, _scores, _sentiment
 from benchmarks.workloads import label_ids
 
 
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = harness.parser(__doc__, None)
     ap.add_argument("variants", nargs="+")
+    ap.add_argument("--full", action="store_true", help="hit vs cold and the sentiment set too")
     args = ap.parse_args(argv)
     if args.out is None:
         ap.error("--out is required")
@@ -40,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     items = [e32.tokenizer.encode(f"Item: {it}{QUESTION}", add_special_tokens=False) for it in ITEMS]
     lists = [(e32.tokenizer.encode(f"Profile: {p}\n"), items) for p in PROFILES]
     ref = _scores(e32, lists, labels, cached=False)
+    rows: list[dict[str, Any]] = [{"variant": "fp32", **_sentiment(e32)}] if args.full else []
     del e32
-    rows = []
     for spec in args.variants:
         t0 = time.perf_counter()
         eng = Engine.from_pretrained("embedded", dtype="fp32", quantization=_with_recipe(spec), **kw)
@@ -56,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             "max_abs_dlogprob_vs_fp32": float(np.abs(cold - ref).max()),
             "mean_abs_dlogodds_vs_fp32": float(np.abs(odds - ref_odds).mean()),
             "layer_bytes": sum(weight_bytes(layer) for layer in eng.model.decoder_layers),
-            "seconds": time.perf_counter() - t0,
         }
+        if args.full:
+            hit = _scores(eng, lists, labels, cached=True)
+            row["max_abs_dlogprob_hit_vs_cold"] = float(np.abs(hit - cold).max())
+            row.update(_sentiment(eng))
+        row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(row, flush=True)
         del eng

@@ -227,7 +227,8 @@ def _backend(config: str) -> Any:
 
 def recipe_with(base: Any, options: list[str]) -> Any:
     """`base` (an `Int8Recipe`) with "field=value" changes: `float=SPEC` (float projections),
-    `weight_block=64`, `weight_scales=e4m3`, `outlier_weights=int8`, `outliers=4,4,4,16`."""
+    `weight_block=64`, `weight_scales=e4m3` (or `channel`), `outlier_weights=int8`, `outliers=4,4,4,16`,
+    `alpha=0.3` (or four values; `none`: no smoothing)."""
     from po_backend.engine.models import int8
 
     changes: dict[str, Any] = {}
@@ -237,6 +238,9 @@ def recipe_with(base: Any, options: list[str]) -> Any:
             changes["float_projections"] = int8.parse_float_projections(value)
         elif key == "outliers":
             changes[key] = tuple(int(v) for v in value.split(","))
+        elif key == "alpha":  # one value for every projection, or four; "none": not smoothed
+            alphas = [None if v == "none" else float(v) for v in value.split(",")]
+            changes[key] = tuple(alphas * 4 if len(alphas) == 1 else alphas)
         elif key == "weight_block":
             changes[key] = int(value)
         elif key in ("weight_scales", "outlier_weights"):

@@ -246,8 +246,9 @@ class Settings:
         metadata=flag(
             "w8a8_int8: projections and MLP in int8 (weights and each token's activations in "
             "blocks of 32 inputs, llama.cpp's Q8_0 format; int32 sums per block); attention, norms, "
-            "embeddings and the LM head stay in --dtype. w8a8x2_int8: the same int8 weights, each "
-            "activation block as two int8 parts (about 15 bits, two int8 GEMMs): ranks like fp32. "
+            "embeddings and the LM head stay in --dtype. w8a8x2_int8: int8 weights per output "
+            "channel (one fp32 scale a row), each activation block as two int8 parts (about 15 "
+            "bits, two int8 GEMMs): ranks like fp32. "
             "Default: none (see docs/quantization.md)",
             choices=QUANTIZATIONS,
             engine=True,

@@ -49,6 +49,7 @@ _NAME = "po_int8_blocked"
 _CFLAGS = ("-O3", "-DNDEBUG", "-ffp-contract=off")
 PANEL = 16  # output columns per packed weight panel
 _NO_COMP = torch.empty(0, dtype=torch.int32)
+_NO_SKIP = torch.empty(0, dtype=torch.int64)
 MAX_BLOCK = 512  # a block's int dot product (<= 512 * 128 * 127) stays exact in fp32
 
 
@@ -124,29 +125,45 @@ def kernel_available() -> bool:
     return load_kernel()
 
 
-def reference_quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+def _check_skip(skip: Tensor | None, k: int) -> Tensor | None:
+    if skip is None or skip.numel() == 0:
+        return None
+    if skip.dtype != torch.int64 or skip.dim() != 1:
+        raise TypeError(
+            f"skip must be a 1-d int64 tensor of column indices, got {skip.dtype} {tuple(skip.shape)}"
+        )
+    if int(skip.min()) < 0 or int(skip.max()) >= k:
+        raise ValueError(f"skip holds a column outside [0, {k})")
+    return skip
+
+
+def reference_quantize_blocks(x: Tensor, block: int, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`quantize_blocks` in plain torch, on any device."""
     _check(x, torch.float32, 2, "x", cpu=False)
     m, k = x.shape
     _check_block(k, block)
+    if (skip := _check_skip(skip, k)) is not None:
+        x = x.index_fill(1, skip.to(x.device), 0)
     xb = x.reshape(m, k // block, block)
     d = xb.abs().amax(-1) / 127
     q = torch.where(d[..., None] > 0, torch.round(xb / d[..., None]), 0.0).clamp(-127, 127)
     return q.to(torch.int8).reshape(m, k), d
 
 
-def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+def quantize_blocks(x: Tensor, block: int, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [m, k] fp32 -> (q int8 [m, k], scales fp32 [m, k // block]): per block of `block` values
     along k, symmetric: d = max |x| / 127, q = round(x / d) half to even (torch.round), d == 0
-    gives q = 0. Non-finite x gives unspecified q."""
+    gives q = 0. The `skip` columns (int64 indices) are read as zeros, without a copy of x.
+    Non-finite x gives unspecified q."""
     _check(x, torch.float32, 2, "x")
     m, k = x.shape
     _check_block(k, block)
+    skip = _check_skip(skip, k)
     if not load_kernel():
-        return reference_quantize_blocks(x, block)
+        return reference_quantize_blocks(x, block, skip)
     q = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // block, dtype=torch.float32)
-    torch.ops.po_int8.quantize(x.contiguous(), block, q, d)
+    torch.ops.po_int8.quantize(x.contiguous(), block, _NO_SKIP if skip is None else skip.contiguous(), q, d)
     return q, d
 
 
@@ -155,8 +172,8 @@ class PackedWeights:
     """Int8 weights [n, k] and their block scales [n, k // block] in the kernel's layout: panels of
     16 output columns (the last padded with zeros), inside a panel 4 k values per column at a
     time. `unpack` gives the [n, k] / [n, k // block] tensors back (for a cache). A weight scale
-    may span several activation blocks (scales [n, k // (block * span)]): it is repeated for each
-    call."""
+    may span several activation blocks (scales [n, k // (block * span)]; span k // block: one
+    scale per output channel): the kernel reads each one for its `span` blocks in place."""
 
     data: Tensor  # int8 [panels, k // 4, 16, 4]
     # [panels, k // block, 16], fp32 or fp16 as given to `pack_weights` (fp16: Q8_0's 2 bytes per
@@ -178,8 +195,9 @@ class PackedWeights:
         return wq.contiguous(), ws.contiguous()
 
     def kernel_scales(self) -> Tensor:
-        """The scales as the kernel reads them: fp32, one per activation block."""
-        return _per_block(self.scales, (self.k // self.block) // self.scales.shape[1], 1, self.scale_mul)
+        """The scales as the kernel reads them: fp32 (fp32 scales with no multiplier: this very
+        tensor, no per-call copy), as many per column as packed."""
+        return _per_block(self.scales, 1, 1, self.scale_mul)
 
 
 SCALE_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)

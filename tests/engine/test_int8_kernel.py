@@ -137,6 +137,46 @@ def test_a_weight_scale_may_span_several_blocks(kernel) -> None:
         ik.pack_weights(wq, ws[:, :5], 32)
 
 
+def test_one_weight_scale_per_output_channel(kernel) -> None:
+    """fp32 scales [n, 1] (one per output channel, over every activation block): packed as one
+    scale per column, read by the kernel in place (no per-call copy), bit-equal to the reference
+    with the scale repeated per block; also where a span crosses the kernel's k chunks (96 blocks,
+    spans of 3 and 96, chunks of 32)."""
+    for m, n, k, block in [(11, 37, 384, 32), (9, 40, 3072, 32), (5, 17, 1024, 128)]:
+        _, xq, xs, wq, ws = _operands(m, n, k, block, seed=k)
+        nb = k // block
+        for span in sorted({3 if nb % 3 == 0 else 2, nb}):
+            w_s = ws[:, ::span].amax(1, keepdim=True) if span == nb else ws[:, ::span].contiguous()
+            packed = ik.pack_weights(wq, w_s, block)
+            assert (
+                packed.scales.shape == (-(-n // 16), nb // span, 16) and packed.scales.dtype == torch.float32
+            )
+            assert packed.kernel_scales() is packed.scales
+            ref = ik.reference_blocked_matmul(xq, xs, wq, w_s.repeat_interleave(span, 1), block)
+            assert torch.equal(ik.reference_blocked_matmul(xq, xs, wq, w_s, block), ref)
+            assert torch.equal(ik.blocked_matmul(xq, xs, packed), ref), (m, n, k, span)
+
+
+def test_quantize_blocks_skips_columns(kernel) -> None:
+    """`skip` columns read as zeros: they set no block scale and get q = 0, the bits of quantizing
+    a copy with those columns zeroed, and x is left as it was."""
+    x, *_ = _operands(13, 1, 576, 32, seed=5)
+    skip = torch.tensor([0, 40, 41, 300, 575])
+    x[:, skip] *= 1000
+    before = x.clone()
+    q, d = ik.quantize_blocks(x, 32, skip)
+    rq, rd = ik.reference_quantize_blocks(x.index_fill(1, skip, 0), 32)
+    assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(x, before)
+    assert torch.equal(ik.reference_quantize_blocks(x, 32, skip)[0], rq)
+    assert torch.equal(
+        ik.quantize_blocks(x, 32, torch.tensor([], dtype=torch.long))[0], ik.quantize_blocks(x, 32)[0]
+    )
+    with pytest.raises(ValueError, match="outside"):
+        ik.quantize_blocks(x, 32, torch.tensor([576]))
+    with pytest.raises(TypeError, match="int64"):
+        ik.quantize_blocks(x, 32, skip.int())
+
+
 def test_reference_sums_blocks_in_order_in_fp32() -> None:
     """The reference is the stated arithmetic: fp32 (xs * ws) * dot per block, added in order."""
     _, xq, xs, wq, ws = _operands(9, 5, 256, 32)
@@ -310,6 +350,9 @@ for m, n, k, block in [(1, 1, 32, 32), (77, 45, 1088, 32), (6, 33, 2048, 128), (
     assert (packed.comp is not None) == (sys.argv[2] == "avx512_vnni")
     assert torch.equal(ik.blocked_matmul(xq, xs, packed), ref), (m, n, k, block)
     assert torch.equal(ik.blocked_matmul(xq[-1:], xs[-1:], wq, ws, block)[0], ref[-1])
+    rows = ws.amax(1, keepdim=True)  # one scale per output channel, read for every block
+    per_row = ik.reference_blocked_matmul(xq, xs, wq, rows.repeat_interleave(k // block, 1), block)
+    assert torch.equal(ik.blocked_matmul(xq, xs, ik.pack_weights(wq, rows, block)), per_row), (m, n, k)
     full = torch.full((4, k), -128, dtype=torch.int8), torch.full((2, k), 127, dtype=torch.int8)
     ones = torch.ones(4, k // block)
     assert ik.blocked_matmul(full[0], ones, full[1], ones[:2], block).eq(-128 * 127 * k).all()

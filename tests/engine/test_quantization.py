@@ -730,16 +730,22 @@ def test_blocked_linear_output_paths_agree(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(lin(x), whole)
 
 
-def _emulate_blocked_int8(hf: torch.nn.Module, block: int) -> torch.nn.Module:
+def _emulate_blocked_int8(hf: torch.nn.Module, block: int, weight_rows: bool = False) -> torch.nn.Module:
     """transformers' model with every decoder projection's weight and input replaced by their
-    blocked int8 values (fp32 math): what the blocked W8A8 computes."""
+    blocked int8 values (fp32 math): what the blocked W8A8 computes; `weight_rows`: the weights
+    per output channel instead (fp32 scales)."""
     import copy
 
     model = copy.deepcopy(hf)
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
             with torch.no_grad():
-                mod.weight.copy_(_fake_quant_blocks(mod.weight, block, weight=True).float())
+                deq = (
+                    _fake_quant_rows(mod.weight)
+                    if weight_rows
+                    else _fake_quant_blocks(mod.weight, block, True)
+                )
+                mod.weight.copy_(deq.float())
             mod.register_forward_pre_hook(
                 lambda _m, args: (
                     _fake_quant_blocks(args[0].reshape(-1, args[0].shape[-1]), block)
@@ -926,11 +932,105 @@ def test_each_quantization_mode_runs_its_recipe(
         assert isinstance(lin, Int8Linear) and (lin.block, lin.activation_passes) == (32, passes)
     assert len(list((tmp_path / "int8").glob("*-w8a8_int8-*.safetensors"))) == 1
     assert len(list((tmp_path / "int8").glob("*-w8a8x2_int8-*.safetensors"))) == 1
-    # The same int8 weights; the second activation pass brings the answers closer to fp32's.
-    assert torch.equal(
-        one.model.decoder_layers[1].down_proj.qweight, two.model.decoder_layers[1].down_proj.qweight
-    )
+    # Q8_0's blocks of 32 for w8a8_int8's weights, one fp32 scale per output channel for
+    # w8a8x2_int8's; the second activation pass brings the answers closer to fp32's.
+    down = one.model.decoder_layers[1].down_proj, two.model.decoder_layers[1].down_proj
+    assert down[0].scale.shape == (down[0].out_features, -(-down[0].in_features // 32))
+    assert down[0].scale.dtype == torch.float16
+    assert down[1].scale.shape == (down[1].out_features, 1) and down[1].scale.dtype == torch.float32
     ids, labels = _prompts(one.vocab_size, [80])[0], list(range(0, 96, 3))
     ref = hf_next_logprobs(hf, ids)[labels]
     err = [(torch.tensor(e.score([ids], labels)[0].logprobs) - ref).abs().mean() for e in (one, two)]
     assert err[1] < err[0]
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_per_channel_weights_over_blocked_activations(passes: int) -> None:
+    """weight_scales="channel": one fp32 scale per output channel over its whole row (outlier
+    columns excluded), the activations in 32-wide blocks (one or two passes): the kernel bit-equal
+    to the torch reference path, against fp64 emulation, batch invariant, one scale per row in
+    the packed store, kept through the cache's tensors."""
+    g = torch.Generator().manual_seed(31 + passes)
+    x = torch.randn(23, 600, generator=g)
+    w = torch.randn(48, 600, generator=g) * torch.rand(48, 1, generator=g)
+    idx = torch.tensor([7, 300, 599])
+    x[:, idx] *= 500
+    x[:, 40] *= 20  # a large channel left in int8: only its own activation block's steps widen
+    opts: dict = {"block": 32, "activation_passes": passes, "weight_scales": "channel"}
+    lin = Int8Linear.from_float(w, "int_mm", idx, **opts)
+    ref_lin = Int8Linear.from_float(w, "reference", idx, **opts)
+    assert lin.blocks is not None and ref_lin.blocks is None and lin.weight_block == 608
+    assert lin.qweight.shape == (48, 608) and lin.scale.shape == (48, 1) and lin.scale.dtype == torch.float32
+    assert lin.blocks.scales.numel() == 48 and torch.equal(lin.qweight, ref_lin.qweight)
+    wz = w.index_fill(1, idx, 0)
+    d = wz.abs().amax(1, keepdim=True) / 127
+    q = (wz / d).round().clamp(-127, 127)
+    assert torch.equal(lin.qweight[:, :600].float(), q) and torch.equal(lin.scale, d)
+    got = lin(x)
+    assert torch.equal(got, ref_lin(x))  # the C++ kernel and the torch reference: the same bits
+    xz = x.index_fill(1, idx, 0)
+    hi = _fake_quant_blocks(xz, 32)
+    act = hi if passes == 1 else hi + _fake_quant_blocks((xz.double() - hi).float(), 32)
+    ref = act @ (q.double() * d.double()).t() + x[:, idx].double() @ w[:, idx].double().t()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    deq = q * d
+    deq[:, idx] = w[:, idx]
+    assert torch.equal(lin.dequantized(), deq)
+    assert torch.equal(lin(x[5:6].clone()), got[5:6])
+    assert torch.equal(lin(torch.cat([x, x[:1] * 1000]))[:23], got)
+    again = Int8Linear(lin.qweight, lin.scale, "int_mm", lin.outlier_idx, lin.outlier_w, 32, 600, passes)
+    assert again.weight_block == 608 and torch.equal(again(x), got)  # what the int8 cache holds
+
+
+def test_per_channel_weights_bytes() -> None:
+    """Per output channel: 1 byte a weight and 4 a row (fp32 scale), against Q8_0's 2 bytes per
+    32 weights; the outlier channels' float weights and indices counted beside them."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 576, generator=g)
+    holder = torch.nn.Module()
+    for scales, per_weight in (("channel", 1 + 4 / 576), ("fp16", 1 + 2 / 32)):
+        holder.lin = Int8Linear.from_float(w, "int_mm", block=32, weight_scales=scales)
+        assert int8.weight_bytes(holder) == 64 * 576 * per_weight
+    idx = torch.tensor([1, 2])
+    holder.lin = Int8Linear.from_float(w, "int_mm", idx, block=32, weight_scales="channel")
+    assert int8.weight_bytes(holder) == 64 * 576 + 4 * 64 + 2 * 64 * 4 + 2 * 8
+    with pytest.raises(AssertionError, match="no weight blocks"):
+        Int8Linear.from_float(w, "int_mm", block=32, weight_block=64, weight_scales="channel")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_per_channel_weights_model_matches_transformers(
+    tiny_model, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe(block=32, weight_scales="channel"))
+    path, hf = tiny_model(kind)
+    engine = _engine(path, chunk_size=64)
+    lin = engine.model.decoder_layers[0].gate_up_proj
+    assert isinstance(lin, Int8Linear) and lin.scale.shape == (lin.out_features, 1)
+    _assert_matches_emulation(engine, hf, _emulate_blocked_int8(hf, 32, weight_rows=True))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_per_channel_weights_cache_and_prefix_hit(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, passes: int
+) -> None:
+    """The calibrated per-channel recipe: its own int8 cache (a second start quantizes nothing and
+    answers the same), and a prefix hit equal to the cold run."""
+    from po_backend.engine.models import loader
+
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    recipe = int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32, passes, weight_scales="channel")
+    monkeypatch.setattr(int8, "TWO_PASS_RECIPE" if passes == 2 else "DEFAULT_RECIPE", recipe)
+    mode = "w8a8x2_int8" if passes == 2 else "w8a8_int8"
+    path, _ = tiny_model("qwen2")
+    cold = _engine(path, quantization=mode)
+    prefix = _prompts(cold.vocab_size, [60], seed=3)[0]
+    items = _prompts(cold.vocab_size, [9, 14], seed=4)
+    expected = _cold_answers(cold, prefix, items, [0, 5])
+    monkeypatch.setattr(loader, "quantize_model", lambda *a: pytest.fail("quantized again"))
+    warm = _engine(path, quantization=mode)
+    lin = warm.model.decoder_layers[1].down_proj
+    assert isinstance(lin, Int8Linear) and lin.scale.shape == (lin.out_features, 1)
+    assert lin.activation_passes == passes and lin.outlier_idx is not None
+    assert _cold_answers(warm, prefix, items, [0, 5]) == expected
+    assert _hit_answers(warm, prefix, items, [0, 5]) == expected

@@ -108,15 +108,23 @@ static void absolute(const int8_t* x, uint8_t* ax, int64_t count) {
 }
 
 // One row: per block, d = absmax / 127, q = round-half-even(x / d) (division, as torch's
-// reference), d == 0 gives zeros.
-static void quantize_row(const float* x, int8_t* q, float* d, int64_t k, int block) {
+// reference), d == 0 gives zeros. With `keep` (1 or 0 per column) x is read as x * keep: the
+// columns kept out of the int8 GEMM (outlier channels) neither set d nor get a nonzero q, and x
+// needs no zeroed copy.
+template <bool MASK>
+static void quantize_row(const float* x, const float* keep, int8_t* q, float* d, int64_t k, int block) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  auto load = [&](int64_t i) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    if constexpr (MASK) return _mm256_mul_ps(v, _mm256_loadu_ps(keep + i));
+    return v;
+  };
   for (int64_t b = 0; b < k / block; ++b) {
-    const float* xb = x + b * block;
-    int8_t* qb = q + b * block;
+    const int64_t kb = b * block;
+    int8_t* qb = q + kb;
     __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < block; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+    for (int i = 0; i < block; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load(kb + i)));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, m);
     float amax = lanes[0];
@@ -131,7 +139,7 @@ static void quantize_row(const float* x, int8_t* q, float* d, int64_t k, int blo
     for (int i = 0; i < block; i += 32) {
       __m256i v[4];
       for (int j = 0; j < 4; ++j)
-        v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + i + 8 * j), sv),
+        v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(load(kb + i + 8 * j), sv),
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       // packs work per 128-bit lane: the permute puts the 32 bytes back in order.
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
@@ -202,23 +210,42 @@ void check_cpu(const at::Tensor& t, at::ScalarType dtype, const char* name) {
               " must be a contiguous CPU tensor of ", dtype);
 }
 
-void quantize(const at::Tensor& x, int64_t block, at::Tensor& q, at::Tensor& scales) {
+// skip: int64 column indices read as zero (empty: none).
+void quantize(const at::Tensor& x, int64_t block, const at::Tensor& skip, at::Tensor& q, at::Tensor& scales) {
   check_cpu(x, at::kFloat, "x");
+  check_cpu(skip, at::kLong, "skip");
   check_cpu(q, at::kChar, "q");
   check_cpu(scales, at::kFloat, "scales");
   TORCH_CHECK(x.dim() == 2 && block > 0 && block % 32 == 0 && x.size(1) % block == 0, "bad block");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(q.sizes() == x.sizes() && scales.size(0) == m && scales.size(1) == k / block, "bad outputs");
+  std::unique_ptr<float[]> keep;
+  if (skip.numel()) {
+    keep.reset(new float[static_cast<size_t>(k)]);
+    std::fill_n(keep.get(), k, 1.0f);
+    const int64_t* sk = skip.data_ptr<int64_t>();
+    for (int64_t i = 0; i < skip.numel(); ++i) {
+      TORCH_CHECK(sk[i] >= 0 && sk[i] < k, "skip index out of range");
+      keep[sk[i]] = 0.0f;
+    }
+  }
   const float* xp = x.data_ptr<float>();
+  const float* kp = keep.get();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = scales.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, qp + r * k, dp + r * (k / block), k, block);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (kp != nullptr)
+        quantize_row<true>(xp + r * k, kp, qp + r * k, dp + r * (k / block), k, block);
+      else
+        quantize_row<false>(xp + r * k, kp, qp + r * k, dp + r * (k / block), k, block);
+    }
   });
 }
 
 // isa: 0 AVX2, 1 AVX512-VNNI (512-bit), 2 AVX-VNNI. wp: [ceil(n / 16), k / 4, 16, 4] int8;
-// wsp: [ceil(n / 16), k / block, 16] fp32; comp (isa 1 only): -128 * the blocks' weight sums,
+// wsp: [ceil(n / 16), k / block / span, 16] fp32, one scale per `span` blocks (span: from its size;
+// k / block: one per output channel); comp (isa 1 only): -128 * the blocks' weight sums,
 // int32 in wsp's layout; out: [m, n] fp32, overwritten.
 void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, const at::Tensor& wsp,
             const at::Tensor& comp, int64_t n, int64_t block, int64_t isa, at::Tensor& out) {
@@ -231,7 +258,10 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
   TORCH_CHECK(isa >= 0 && isa <= 2, "bad isa");
   const int64_t m = xq.size(0), k = xq.size(1), nb = k / block, panels = (n + 15) / 16;
   TORCH_CHECK(k % block == 0 && xs.size(0) == m && xs.size(1) == nb, "bad activations");
-  TORCH_CHECK(wp.numel() == panels * k * 16 && wsp.numel() == panels * nb * 16, "bad packed weights");
+  const int64_t nbs = wsp.numel() / std::max<int64_t>(1, panels * 16);  // weight scales per column
+  TORCH_CHECK(wp.numel() == panels * k * 16 && wsp.numel() == panels * nbs * 16 && (nb == 0 || (nbs > 0 && nb % nbs == 0)),
+              "bad packed weights");
+  const int64_t span = nbs > 0 ? nb / nbs : 1;
   TORCH_CHECK(out.size(0) == m && out.size(1) == n, "bad out");
   if (isa == 1) {
     check_cpu(comp, at::kInt, "comp");
@@ -279,11 +309,11 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
     for (int64_t r = next++; r < runs; r = next++) {
       const int64_t p0 = r * run, p1 = std::min(panels, p0 + run);
       if (isa == 1)
-        zmm::panels(ax.get(), xsp, m, k, nb, w, ws, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
+        zmm::panels(ax.get(), xsp, m, k, nb, w, ws, span, comp.data_ptr<int32_t>(), bl, o, n, p0, p1);
       else if (isa == 2)
-        avxvnni::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+        avxvnni::panels(x, ax.get(), xsp, m, k, nb, w, ws, span, bl, o, n, p0, p1);
       else
-        avx2::panels(x, ax.get(), xsp, m, k, nb, w, ws, bl, o, n, p0, p1);
+        avx2::panels(x, ax.get(), xsp, m, k, nb, w, ws, span, bl, o, n, p0, p1);
     }
   });
 }
@@ -291,7 +321,7 @@ void matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp, co
 }  // namespace
 
 TORCH_LIBRARY(po_int8, m) {
-  m.def("quantize(Tensor x, int block, Tensor(a!) q, Tensor(b!) scales) -> ()");
+  m.def("quantize(Tensor x, int block, Tensor skip, Tensor(a!) q, Tensor(b!) scales) -> ()");
   m.def("matmul(Tensor xq, Tensor xs, Tensor wp, Tensor wsp, Tensor comp, int n, int block, int isa, Tensor(a!) out) -> ()");
 }
 

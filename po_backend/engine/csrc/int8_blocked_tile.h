@@ -20,7 +20,7 @@ namespace PO_NS {
 // the weights and the broadcasts then fit the 16 vector registers without spilling.
 template <int R, int BL, bool SIGN_X>
 static void tile(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* xs, int64_t nb,
-                 const int8_t* wp, const float* wsp, int64_t b0, int64_t b1, int block_, float* out,
+                 const int8_t* wp, const float* wsp, int64_t span, int64_t b0, int64_t b1, int block_, float* out,
                  int64_t ldo, int ncols) {
 #ifndef PO_VNNI_DOT
   const __m256i ones = _mm256_set1_epi16(1);
@@ -33,6 +33,9 @@ static void tile(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* x
     else
       std::memcpy(ob[r], out + r * ldo, sizeof(float) * ncols);
   }
+  // One weight scale per `span` blocks (1: per block; nb: per output channel), read in place.
+  const float* sp = wsp + (b0 / span) * 16;
+  int64_t sr = b0 % span;
   for (int64_t b = b0; b < b1; ++b) {
     __m256i acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
@@ -74,8 +77,12 @@ static void tile(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* x
         }
       }
     }
-    const __m256 s0 = _mm256_loadu_ps(wsp + b * 16);
-    const __m256 s1 = _mm256_loadu_ps(wsp + b * 16 + 8);
+    const __m256 s0 = _mm256_loadu_ps(sp);
+    const __m256 s1 = _mm256_loadu_ps(sp + 8);
+    if (++sr == span) {
+      sr = 0;
+      sp += 16;
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 xsr = _mm256_set1_ps(xs[r * nb + b]);
       const __m256 d0 = _mm256_mul_ps(_mm256_mul_ps(xsr, s0), _mm256_cvtepi32_ps(acc[r][0]));
@@ -89,17 +96,17 @@ static void tile(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* x
 
 template <int R>
 static void tile_any(const int8_t* x, const uint8_t* ax, int64_t ldx, const float* xs, int64_t nb,
-                     const int8_t* wp, const float* wsp, int64_t b0, int64_t b1, int block, float* out,
+                     const int8_t* wp, const float* wsp, int64_t span, int64_t b0, int64_t b1, int block, float* out,
                      int64_t ldo, int ncols) {
   if (ax == nullptr) {
     if (block == 32)
-      tile<R, 32, true>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+      tile<R, 32, true>(x, ax, ldx, xs, nb, wp, wsp, span, b0, b1, block, out, ldo, ncols);
     else
-      tile<R, 0, true>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+      tile<R, 0, true>(x, ax, ldx, xs, nb, wp, wsp, span, b0, b1, block, out, ldo, ncols);
   } else if (block == 32) {
-    tile<R, 32, false>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+    tile<R, 32, false>(x, ax, ldx, xs, nb, wp, wsp, span, b0, b1, block, out, ldo, ncols);
   } else {
-    tile<R, 0, false>(x, ax, ldx, xs, nb, wp, wsp, b0, b1, block, out, ldo, ncols);
+    tile<R, 0, false>(x, ax, ldx, xs, nb, wp, wsp, span, b0, b1, block, out, ldo, ncols);
   }
 }
 
@@ -107,7 +114,8 @@ static void tile_any(const int8_t* x, const uint8_t* ax, int64_t ldx, const floa
 // chunk (16 KiB) stays in L1 while a row tile passes, the group's rows stay in L2 while the
 // panels pass. Per output element the blocks still run in increasing order.
 static void panels(const int8_t* x, const uint8_t* ax, const float* xs, int64_t m, int64_t k, int64_t nb,
-                   const int8_t* w, const float* ws, int block, float* out, int64_t n, int64_t p0, int64_t p1) {
+                   const int8_t* w, const float* ws, int64_t span, int block, float* out, int64_t n, int64_t p0,
+                   int64_t p1) {
   const int64_t chunk = std::max<int64_t>(1, KC / block);
   for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
     const int64_t b1 = std::min(nb, b0 + chunk);
@@ -115,21 +123,21 @@ static void panels(const int8_t* x, const uint8_t* ax, const float* xs, int64_t 
       const int64_t g1 = std::min(m, g0 + MC);
       for (int64_t p = p0; p < p1; ++p) {
         const int8_t* wp = w + p * k * 16;
-        const float* wsp = ws + p * nb * 16;
+        const float* wsp = ws + p * (nb / span) * 16;
         const int64_t col0 = p * 16;
         const int ncols = static_cast<int>(std::min<int64_t>(16, n - col0));
         int64_t r = g0;
         for (; r + MR <= g1; r += MR)
-          tile_any<MR>(x + r * k, ax == nullptr ? nullptr : ax + r * k, k, xs + r * nb, nb, wp, wsp, b0, b1, block, out + r * n + col0, n,
+          tile_any<MR>(x + r * k, ax == nullptr ? nullptr : ax + r * k, k, xs + r * nb, nb, wp, wsp, span, b0, b1, block, out + r * n + col0, n,
                        ncols);
         const int64_t left = g1 - r;
         const int8_t* xr = x + r * k;
         const uint8_t* ar = ax == nullptr ? nullptr : ax + r * k;
         const float* xsr = xs + r * nb;
         float* orow = out + r * n + col0;
-        if (left == 3) tile_any<3>(xr, ar, k, xsr, nb, wp, wsp, b0, b1, block, orow, n, ncols);
-        if (left == 2) tile_any<2>(xr, ar, k, xsr, nb, wp, wsp, b0, b1, block, orow, n, ncols);
-        if (left == 1) tile_any<1>(xr, ar, k, xsr, nb, wp, wsp, b0, b1, block, orow, n, ncols);
+        if (left == 3) tile_any<3>(xr, ar, k, xsr, nb, wp, wsp, span, b0, b1, block, orow, n, ncols);
+        if (left == 2) tile_any<2>(xr, ar, k, xsr, nb, wp, wsp, span, b0, b1, block, orow, n, ncols);
+        if (left == 1) tile_any<1>(xr, ar, k, xsr, nb, wp, wsp, span, b0, b1, block, orow, n, ncols);
       }
     }
   }

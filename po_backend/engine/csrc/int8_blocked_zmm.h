@@ -78,7 +78,7 @@ constexpr int ZR = 8;  // rows per register tile (8 int32 + 8 fp32 accumulators 
 
 template <int R>
 static void tile(const uint8_t* xu, int64_t ldx, const float* xs, int64_t nb, const int8_t* wp, const float* wsp,
-                 const int32_t* comp, int64_t b0, int64_t b1, int block, float* out, int64_t ldo, int ncols) {
+                 int64_t span, const int32_t* comp, int64_t b0, int64_t b1, int block, float* out, int64_t ldo, int ncols) {
   vf o[R];
   for (int r = 0; r < R; ++r) {
     if (b0 == 0) {
@@ -89,6 +89,8 @@ static void tile(const uint8_t* xu, int64_t ldx, const float* xs, int64_t nb, co
       o[r] = load_f(buf);
     }
   }
+  const float* sp = wsp + (b0 / span) * 16;  // one weight scale per `span` blocks
+  int64_t sr = b0 % span;
   for (int64_t b = b0; b < b1; ++b) {
     const vi start = load_i(comp + b * 16);
     vi acc[R];
@@ -103,7 +105,11 @@ static void tile(const uint8_t* xu, int64_t ldx, const float* xs, int64_t nb, co
         acc[r] = dpbusd(acc[r], bcast_i(xv), wv);
       }
     }
-    const vf s = load_f(wsp + b * 16);
+    const vf s = load_f(sp);
+    if (++sr == span) {
+      sr = 0;
+      sp += 16;
+    }
     for (int r = 0; r < R; ++r) o[r] = add(o[r], mul(mul(bcast_f(xs[r * nb + b]), s), cvt(acc[r])));
   }
   for (int r = 0; r < R; ++r) {
@@ -114,7 +120,7 @@ static void tile(const uint8_t* xu, int64_t ldx, const float* xs, int64_t nb, co
 }
 
 static void panels(const uint8_t* xu, const float* xs, int64_t m, int64_t k, int64_t nb, const int8_t* w,
-                   const float* ws, const int32_t* comp, int block, float* out, int64_t n, int64_t p0, int64_t p1) {
+                   const float* ws, int64_t span, const int32_t* comp, int block, float* out, int64_t n, int64_t p0, int64_t p1) {
   const int64_t chunk = std::max<int64_t>(1, KC / block);
   for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
     const int64_t b1 = std::min(nb, b0 + chunk);
@@ -122,15 +128,15 @@ static void panels(const uint8_t* xu, const float* xs, int64_t m, int64_t k, int
       const int64_t g1 = std::min(m, g0 + MC);
       for (int64_t p = p0; p < p1; ++p) {
         const int8_t* wp = w + p * k * 16;
-        const float* wsp = ws + p * nb * 16;
+        const float* wsp = ws + p * (nb / span) * 16;
         const int32_t* cp = comp + p * nb * 16;
         const int64_t col0 = p * 16;
         const int ncols = static_cast<int>(std::min<int64_t>(16, n - col0));
         int64_t r = g0;
         for (; r + ZR <= g1; r += ZR)
-          tile<ZR>(xu + r * k, k, xs + r * nb, nb, wp, wsp, cp, b0, b1, block, out + r * n + col0, n, ncols);
+          tile<ZR>(xu + r * k, k, xs + r * nb, nb, wp, wsp, span, cp, b0, b1, block, out + r * n + col0, n, ncols);
         for (; r < g1; ++r)  // the same arithmetic per element, one row at a time
-          tile<1>(xu + r * k, k, xs + r * nb, nb, wp, wsp, cp, b0, b1, block, out + r * n + col0, n, ncols);
+          tile<1>(xu + r * k, k, xs + r * nb, nb, wp, wsp, span, cp, b0, b1, block, out + r * n + col0, n, ncols);
       }
     }
   }

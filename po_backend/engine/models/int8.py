@@ -36,7 +36,7 @@ from po_backend.engine.int8_kernel import (
 
 # The modes `--quantization` accepts (core.choices.QUANTIZATIONS holds the same names, torch-free).
 W8A8_INT8 = "w8a8_int8"
-# The same int8 weights, each activation block as two int8 parts (`Int8Recipe.activation_passes`).
+# Int8 weights per output channel, each activation block as two int8 parts (`TWO_PASS_RECIPE`).
 W8A8X2_INT8 = "w8a8x2_int8"
 QMAX = 127.0
 OUTLIER_BLOCK = 32  # int8 outlier weights: Q8_0 blocks along the output channels
@@ -79,9 +79,11 @@ class Int8Recipe:
     # Weight scales per this many input channels (a multiple of `block`; None: `block`): one fp16
     # scale spanning several activation blocks holds fewer bytes (64: 8.25 bits a weight).
     weight_block: int | None = None
-    # The weights' block scales: "fp16" (Q8_0's, 2 bytes a block) or "e4m3" (1 byte: fp8 with
-    # one power-of-two multiplier per projection, each block's d rounded up to it).
-    weight_scales: Literal["fp16", "e4m3"] = "fp16"
+    # The weights' scales: "fp16" (Q8_0's, 2 bytes a block), "e4m3" (1 byte: fp8 with one
+    # power-of-two multiplier per projection, each block's d rounded up to it), or "channel": one
+    # fp32 scale per output channel over its whole row (after smoothing, outlier columns
+    # excluded), the activations still in blocks (no `weight_block` then).
+    weight_scales: Literal["fp16", "e4m3", "channel"] = "fp16"
     # The outlier channels' weights: "float" (the model dtype) or "int8" (Q8_0 blocks of 32 along
     # the output, fp16 scales; their activations stay float either way).
     outlier_weights: Literal["float", "int8"] = "float"
@@ -129,10 +131,12 @@ PLAIN = Int8Recipe()
 PER_CHANNEL = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64))
 # What `--quantization w8a8_int8` runs (docs/quantization.md has the measurements behind it).
 DEFAULT_RECIPE = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32)
-# What `--quantization w8a8x2_int8` runs: the default's weights, activations in two int8 passes.
-TWO_PASS_RECIPE = Int8Recipe(
-    alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32, activation_passes=2
-)
+# The default's Q8_0 weights with activations in two int8 passes (the earlier `w8a8x2_int8`).
+TWO_PASS_Q8_0 = Int8Recipe(alpha=(0.5, 0.5, 0.5, 0.5), outliers=(4, 4, 4, 64), block=32, activation_passes=2)
+# What `--quantization w8a8x2_int8` runs: weights per output channel (one fp32 scale a row: 1.99x
+# below bf16), activations in two int8 passes. Not smoothed: with ~15-bit activations smoothing
+# only moves the activations' range into the weights, whose row-wide scale it then widens.
+TWO_PASS_RECIPE = Int8Recipe(outliers=(4, 4, 4, 64), block=32, activation_passes=2, weight_scales="channel")
 
 
 def recipe_for(quantization: str) -> Int8Recipe:
@@ -202,10 +206,13 @@ def quantize_rows(w: torch.Tensor, qmax: float = QMAX) -> tuple[torch.Tensor, to
     return q, scale
 
 
-def _quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_blocks` (the C++ pass on a CPU, the torch reference on other devices)."""
+def _quantize_blocks(
+    x: torch.Tensor, block: int, skip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_blocks` (the C++ pass on a CPU, the torch reference on other devices), the `skip`
+    columns read as zeros."""
     x = x.contiguous()
-    return quantize_blocks(x, block) if x.is_cpu else reference_quantize_blocks(x, block)
+    return quantize_blocks(x, block, skip) if x.is_cpu else reference_quantize_blocks(x, block, skip)
 
 
 def quantize_weight_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,8 +281,9 @@ class Int8Linear(nn.Module):
 
     Per channel: `qweight` is [in, out] (the layout `torch._int_mm` reads without a transpose),
     `scale` [out] fp32. Blocked: `qweight` is [out, in'] and `scale` [out, in' / weight_block]
-    (`weight_block`: `block` or a multiple of it), in' the input size rounded up to whole weight
-    blocks (zero columns), run through `blocked_matmul` whatever the
+    (`weight_block`: `block` or a multiple of it; a [out, 1] scale with no `weight_block`: one fp32
+    scale per output channel), in' the input size rounded up to whole weight blocks (zero
+    columns), run through `blocked_matmul` whatever the
     backend (which then only keys the int8 cache). The bias stays the layer's own parameter, in
     the model dtype. Blocked scales are kept in the dtype given (the int8 mode's weights: fp16).
     On fbgemm and the blocked kernel only the packed copy is kept (`qweight` and `scale` unpack it
@@ -316,8 +324,10 @@ class Int8Linear(nn.Module):
         self.activation_passes = activation_passes
         self.weight_block = wb = weight_block or block
         if block is not None:
-            assert wb is not None and wb % block == 0, "a weight block is whole activation blocks"
             n, kp = qweight.shape
+            if weight_block is None and scale.dim() == 2 and scale.shape[1] == 1:
+                self.weight_block = wb = kp  # one scale per output channel: its whole (padded) row
+            assert wb is not None and wb % block == 0, "a weight block is whole activation blocks"
             k = kp if in_features is None else in_features
             assert kp % wb == 0 and kp - wb < k <= kp, "blocked qweight is [out, in rounded up]"
             assert scale.shape == (n, kp // wb), "one scale per output channel and weight block"
@@ -390,6 +400,23 @@ class Int8Linear(nn.Module):
                 n = outlier_w.shape[1]
                 cols = -(-n // OUTLIER_BLOCK) * OUTLIER_BLOCK
                 outlier_w, outlier_s = quantize_weight_blocks(_padded(outlier_w.float(), cols), OUTLIER_BLOCK)
+        if block is not None and weight_scales == "channel":
+            assert weight_block is None, "one scale per output channel spans no weight blocks"
+            k = weight.shape[1]
+            q, scale = quantize_rows(_padded(weight.float(), -(-k // block) * block))
+            return cls(
+                q,
+                scale[:, None],
+                backend,
+                outlier_idx,
+                outlier_w,
+                block,
+                k,
+                activation_passes,
+                None,
+                1.0,
+                outlier_s,
+            )
         if block is not None:
             k, wb = weight.shape[1], weight_block or block
             padded, mul = _padded(weight.float(), -(-k // wb) * wb), 1.0
@@ -483,11 +510,12 @@ class Int8Linear(nn.Module):
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         skip = self.outlier_idx
         if self.block is not None:
-            xf = x.float() if skip is None else x.float().index_fill(1, skip, 0)
+            # The outlier columns (zero in the int8 weights) are masked by the quantizer itself:
+            # they set no block scale, and x needs no zeroed copy.
             wb = self.weight_block
             assert wb is not None
-            xp = _padded(xf, -(-self.in_features // wb) * wb)
-            xq, xs = _quantize_blocks(xp, self.block)
+            xp = _padded(x.float(), -(-self.in_features // wb) * wb)
+            xq, xs = _quantize_blocks(xp, self.block, skip)
             if out.dtype == torch.float32 and out.is_contiguous():
                 acc = self._blocked(xq, xs, out=out)  # straight into `out`: no [m, n] temporary
             else:
@@ -495,7 +523,7 @@ class Int8Linear(nn.Module):
             if self.activation_passes == 2:  # what the int8 activations missed, in int8 again
                 m, kp = xp.shape
                 missed = xp - (xq.float().view(m, -1, self.block) * xs[..., None]).view(m, kp)
-                acc.add_(self._blocked(*_quantize_blocks(missed, self.block)))
+                acc.add_(self._blocked(*_quantize_blocks(missed, self.block, skip)))
             if acc is not out:
                 out.copy_(acc)
         elif self.packed is not None:

@@ -305,6 +305,7 @@ def load_model(
         and not recipe.calibrated
         and recipe.block in (None, _Q8_0_BLOCK)
         and recipe.weight_block in (None, recipe.block)
+        and recipe.weight_scales == "fp16"
         and (q8 := gguf_q8_0_state(model_dir, cfg, recipe.block)) is not None
     ):
         # A Q8_0 GGUF: its integers become ours directly, the dequantized copies are never read
