@@ -2,8 +2,8 @@
 // items path merges by. Built into the fused fp32 library by po_backend/engine/fused_cpu.py.
 //
 // Why: torch's CPU flash kernel runs one query head per work item with 256 query rows against
-// 512-key blocks, and on a causal diagonal it computes the whole 512-key block, so at 2k tokens it
-// does about a quarter more products than the causal half needs. Here one work item is a KV head's
+// 512-key blocks, and on a causal diagonal it computes the whole 512-key block: products the
+// causal half does not need, a large part of the work at a few thousand tokens. Here one work item is a KV head's
 // group of query heads over a block of positions, stacked as the rows of one product (a K/V block
 // is read once for the group), and the diagonal block stops at the block's last position. The
 // softmax is online over key blocks, in base 2 (scale * log2(e) folded into the copied queries),
