@@ -15,10 +15,13 @@ profile's KV cache kept across that user's posts), items/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +59,11 @@ def _measure(fn: Any) -> tuple[float, int, float]:
 
 
 def prefill_rows(
-    model: str, lengths: list[int], repeats: int, dt: torch.dtype, peak: GemmPeak
+    model: str, lengths: list[int], repeats: int, dt: torch.dtype, peak: GemmPeak, sdpa_ab: bool = False
 ) -> list[dict[str, Any]]:
     """Ours and transformers at each length, `repeats` times, alternating which goes first; the
-    GEMM peak read again after each length (the shares are set at the end: `set_shares`)."""
+    GEMM peak read again after each length (the shares are set at the end: `set_shares`).
+    sdpa_ab: also ours with PO_CPU_ATTENTION=sdpa (torch's SDPA for attention, the same engine)."""
     import transformers
 
     from po_backend.engine.engine import Engine
@@ -87,7 +91,16 @@ def prefill_rows(
 
         return run
 
+    def ours_sdpa(ids: list[int]) -> Any:
+        def run() -> None:
+            with _env("PO_CPU_ATTENTION", "sdpa"):
+                engine.score([ids], [LABEL_ID])
+
+        return run
+
     systems = {"ours": ours, "transformers": theirs}
+    if sdpa_ab:
+        systems["ours_sdpa"] = ours_sdpa
     for make in systems.values():  # pools, weights' first touch
         make(_ids(cfg, WARMUP_TOKENS))()
     rows = []
@@ -116,6 +129,9 @@ def prefill_rows(
             }
         row["ratio"] = row["transformers"]["best_s"] / row["ours"]["best_s"]
         row["median_ratio"] = row["transformers"]["median_s"] / row["ours"]["median_s"]
+        if sdpa_ab:
+            row["ratio_to_sdpa"] = row["ours_sdpa"]["best_s"] / row["ours"]["best_s"]
+            print(f"  n={n:5d}: ours / ours with PO_CPU_ATTENTION=sdpa {row['ratio_to_sdpa']:.2f}x")
         rows.append(row)
         o, h = row["ours"], row["transformers"]
         print(
@@ -127,14 +143,29 @@ def prefill_rows(
     return rows
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """`name`=`value` in this process's environment for the block (the engine reads it per call)."""
+    was = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if was is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = was
+
+
 def set_shares(doc: dict[str, Any], peak: GemmPeak) -> None:
     """Every prefill row's share of the run's GEMM peak (its highest reading), once all are in."""
     doc["gemm_peak_gflops"] = peak.best
     doc["gemm_peak"] = peak.record()
     for s in doc["shapes"]:
         for row in s["prefill"]:
-            for name in ("ours", "transformers"):
-                row[name]["gemm_peak_frac"] = peak.share(row[name]["gflops"])
+            for name in ("ours", "transformers", "ours_sdpa"):
+                if name in row:
+                    row[name]["gemm_peak_frac"] = peak.share(row[name]["gflops"])
 
 
 def gguf_files(model: str) -> dict[str, Path]:
@@ -324,6 +355,18 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {h['gemm_peak_frac']:.0%} | {r['ratio']:.2f}x | {o['peak_mib']:.0f} | {h['peak_mib']:.0f} "
                 f"| {max(o['other_cores'], h['other_cores']):.2f} |"
             )
+    ab = [(s["shape"], r) for s in doc["shapes"] for r in s["prefill"] if "ours_sdpa" in r]
+    if ab:
+        lines += [
+            "",
+            "| shape | tokens | ours % of peak | ours with PO_CPU_ATTENTION=sdpa, % of peak | ours / ours with SDPA |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for shape, r in ab:
+            lines.append(
+                f"| {shape} | {r['n']} | {r['ours']['gemm_peak_frac']:.0%} | {r['ours_sdpa']['gemm_peak_frac']:.0%} "
+                f"| {r['ratio_to_sdpa']:.2f}x |"
+            )
     llama = [(s["shape"], r) for s in doc["shapes"] for r in s.get("llama_cpp", [])]
     if llama:
         lines += [
@@ -378,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         label_profile=(512, "labeling job: mean profile tokens"),
         hf_batch=(3, "labeling job: transformers' batch"),
         no_llama=(False, "skip llama.cpp"),
+        sdpa_ab=(False, "also ours with PO_CPU_ATTENTION=sdpa (torch's SDPA for fp32/bf16 CPU attention)"),
         rehearsal=(False, "a 2-layer, 64-wide cut of each shape and tiny lengths (the test suite's run)"),
     )
     args = ap.parse_args(argv)
@@ -412,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         model = f"{shapes.PREFIX}{name}{suffix}"
         print(f"{model}:")
         entry: dict[str, Any] = {"shape": name, "model": model}
-        entry["prefill"] = prefill_rows(model, lengths, args.repeats, dt, peak)
+        entry["prefill"] = prefill_rows(model, lengths, args.repeats, dt, peak, args.sdpa_ab)
         if args.llama:
             entry["llama_cpp"] = llama_rows(model, args.llama_tokens, args.repeats, args.n_batch)
         doc["shapes"].append(entry)

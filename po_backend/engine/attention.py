@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from po_backend.engine import attention_cpu
+from po_backend.engine import attention_cpu, fused_cpu
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # CUDA's memory-efficient kernel does too (compute_log_sumexp=True), in fp32, fp16 and bf16.
 _EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+
+# The fp32 kernel's log-sum-exp output, when none is wanted.
+_NO_LSE = torch.empty(0, 0)
 
 # Scores the plain-torch fallback holds per block ([query heads of one KV head, rows, keys]):
 # 16 MiB in fp32, whatever the prefix length.
@@ -202,12 +205,19 @@ def attend(
         attention_cpu.attend(q, k, v, out, scale, prefix)
         return
     n, heads, d = q.shape
+    o3 = out.view(n, heads, d)
+    p = 0 if prefix is None else prefix[0].shape[0]
+    if fused_cpu.takes_attention(q, k, v, o3, *(prefix or ())):
+        if n:
+            if p:
+                k, v = torch.cat([prefix[0], k]), torch.cat([prefix[1], v])  # type: ignore[index]
+            fused_cpu.attention(q, k, v, o3, _NO_LSE, scale, p)
+        return
     mask = None
-    if prefix is not None and prefix[0].shape[0] > 0:
-        mask = _causal_after_prefix(n, prefix[0].shape[0], q.device)
+    if prefix is not None and p > 0:
+        mask = _causal_after_prefix(n, p, q.device)
         k = torch.cat([prefix[0], k], dim=0)
         v = torch.cat([prefix[1], v], dim=0)
-    o3 = out.view(n, heads, d)
     if q.device.type == "cpu":
         # One call for every head, grouped-query in the kernel: the CPU flash kernel parallelises
         # over all heads at once and its output is already token-major (one plain copy), where a
@@ -283,10 +293,17 @@ def cpu_flash_lse(
 def cpu_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU partial attention with its log-sum-exp: the bf16 kernel where it runs, else torch's
-    CPU flash kernel."""
+    """CPU partial attention with its log-sum-exp: the bf16 kernel or the fp32 one where they run,
+    else torch's CPU flash kernel. A causal call has as many queries as keys."""
     if attention_cpu.supported(q):
         return attention_cpu.lse_partial(q, k, v, causal, scale)
+    if fused_cpu.takes_attention(q, k, v):
+        out, lse = _empty_partial(q)
+        if k.shape[0] == 0:  # no keys: nothing to attend, weighed to nothing by the merge
+            return out.zero_(), lse.fill_(-torch.inf)
+        if q.shape[0]:
+            fused_cpu.attention(q, k, v, out, lse, scale, 0 if causal else -1)
+        return out, lse
     return cpu_flash_lse(q, k, v, causal, scale)
 
 

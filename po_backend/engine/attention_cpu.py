@@ -62,7 +62,7 @@ def choose(dtype: torch.dtype, device: torch.device, flags: frozenset[str] | Non
 
     The kernel only pays where bf16 dot-product units exist that SDPA leaves unused: bf16 on a CPU
     with AVX512-BF16 and no AMX. PO_CPU_ATTENTION=kernel|sdpa overrides (CPU, bf16 only: the
-    kernel has no other dtype)."""
+    kernel has no other dtype; `sdpa` also keeps fp32 off `fused_cpu`'s attention kernel)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return "sdpa"
     forced = os.environ.get(_ENV, "auto")

@@ -1,7 +1,9 @@
 """Fused fp32 CPU kernels for a decoder layer's memory-bound steps (`csrc/fused_fp32.cpp`): RMSNorm,
 the residual add with the norm after it, the per-head q/k RMSNorm with RoPE, and SwiGLU's
 silu(gate) * up, each one pass over its data and one parallel region instead of torch's five (a
-norm), six (RoPE) or two (SwiGLU).
+norm), six (RoPE) or two (SwiGLU). The same library holds the fp32 attention kernel
+(`csrc/attention_fp32.cpp`, dispatched by `po_backend.engine.attention`; `PO_CPU_ATTENTION=sdpa`
+keeps torch's SDPA instead).
 
 Only fp32 on a CPU takes them (what `--dtype auto` picks without native bf16): bf16 keeps torch's
 ops, whose cast points are transformers' bf16 rules. RoPE gives transformers' fp32 bits; the norm
@@ -29,6 +31,7 @@ from po_backend.engine import kernels
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_fp32.cpp"
+_SOURCES = (_SOURCE, _SOURCE.with_name("attention_fp32.cpp"))
 _NAME = "po_fused_fp32"
 # No fused multiply-add: RoPE's products and sums round as transformers' separate ops do.
 _CFLAGS = ("-O3", "-DNDEBUG", "-ffp-contract=off")
@@ -46,11 +49,11 @@ def _cflags() -> tuple[str, ...]:
 
 
 def build_key() -> str:
-    return kernels.build_key((_SOURCE,), _cflags(), ())
+    return kernels.build_key(_SOURCES, _cflags(), ())
 
 
 def _registered() -> bool:
-    return hasattr(torch.ops.po_fused, "rms_norm")
+    return hasattr(torch.ops.po_fused, "attention")
 
 
 @functools.cache
@@ -58,7 +61,7 @@ def load() -> bool:
     """Build (first time) and load the kernels; False, with one warning, if that fails."""
     return kernels.load(
         _NAME,
-        (_SOURCE,),
+        _SOURCES,
         _cflags(),
         (),
         kernels.build_dir(_NAME, build_key()),
@@ -83,3 +86,38 @@ def takes(*tensors: torch.Tensor) -> bool:
         t.dtype == torch.float32 and t.device.type == "cpu" and (t.dim() == 0 or t.stride(-1) == 1)
         for t in tensors
     )
+
+
+def takes_attention(*tensors: torch.Tensor) -> bool:
+    """Whether the fp32 attention kernel runs on these [tokens, heads, head dim] tensors: the
+    kernels run on them, each token's heads are contiguous, torch's BLAS has the sgemm the kernel
+    calls, and PO_CPU_ATTENTION (read at every call, for A/B runs) is not `sdpa`."""
+    return (
+        takes(*tensors)
+        and all(t.dim() == 3 and t.stride(1) == t.shape[2] for t in tensors)
+        and os.environ.get("PO_CPU_ATTENTION", "auto") != "sdpa"
+        and _has_blas()
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    offset: int,
+) -> None:
+    """q/out [n, heads, d], k/v [m, kv_heads, d]: query i sees keys j <= i + offset (offset >= 0:
+    causal after `offset` prefix keys) or every key (offset < 0); lse [n, heads] (ln of the
+    softmax's denominator, as torch's flash kernel) or empty. Needs `takes_attention`."""
+    torch.ops.po_fused.attention(q, k, v, out, lse, scale, offset)
+
+
+@functools.cache
+def _has_blas() -> bool:
+    has = bool(torch.ops.po_fused.attention_has_blas())
+    if not has:
+        log.warning("torch's BLAS has no sgemm_: fp32 CPU attention stays on torch's SDPA")
+    return has
