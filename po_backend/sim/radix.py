@@ -12,13 +12,13 @@ segment where the engine trims its tail, and counts a template two prompts share
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from po_backend.core.request import common_prefix
 from po_backend.sched.batching import BatchStores, Request, fit_batch
+from po_backend.sched.eviction import LeafHeap
 from po_backend.sched.reuse import Victim
 
 
@@ -36,10 +36,6 @@ class _Node:
         self.uid = uid
         self.reused = False
         self.rank = rank
-
-
-# A node's place in the eviction order: (-rank, reused, last_access, uid, push count, node).
-_Entry = tuple[int, bool, int, int, int, _Node]
 
 
 @dataclass
@@ -78,8 +74,7 @@ class RadixLRU:
         self._held = 0  # tokens allocated for a running step's stores, not yet in the tree
         self._locked = 0  # tokens in locked nodes
         self._nodes = 0
-        self._heap: list[_Entry] = []
-        self._pushes = itertools.count()
+        self._heap: LeafHeap[_Node] = LeafHeap()
         self._memo: dict[int, tuple[Request, int]] = {}  # id(request) -> (request, cached_len)
         self._changes: list[tuple[int, ...]] = []
 
@@ -132,22 +127,7 @@ class RadixLRU:
 
     def eviction_order(self) -> Iterator[Victim]:
         """The unlocked nodes in the order eviction frees them (`RadixCache.eviction_order`)."""
-        heap = [e for e in self._heap if self._is_current(e)]
-        heapq.heapify(heap)
-        seen: set[int] = set()
-        left: dict[int, int] = {}
-        while heap:
-            node = heapq.heappop(heap)[-1]
-            if node.uid in seen:
-                continue
-            seen.add(node.uid)
-            key = self._path_key(node)
-            yield Victim(key, len(key) - len(node.key))
-            parent = node.parent
-            assert parent is not None, "the root is never a victim"
-            left[parent.uid] = left.get(parent.uid, len(parent.children)) - 1
-            if parent is not self.root and not left[parent.uid] and parent.lock_ref == 0:
-                heapq.heappush(heap, self._entry(parent))
+        return self._heap.order(self.root, self._path_key)
 
     # ---- a step -------------------------------------------------------------------------------
 
@@ -313,35 +293,12 @@ class RadixLRU:
                 self._candidate(cur)
             cur = cur.parent
 
-    def _entry(self, n: _Node) -> _Entry:
-        """`RadixCache._entry`: the less urgent class first, then never-read, then least
-        recently used (uid: a deterministic tie-breaker)."""
-        return (-n.rank, n.reused, n.last_access, n.uid, next(self._pushes), n)
-
     def _candidate(self, node: _Node) -> None:
-        if node.children or node.lock_ref or node is self.root:
-            return
-        heapq.heappush(self._heap, self._entry(node))
-        if len(self._heap) > 2 * self._nodes + 64:
-            self._heap = [e for e in self._heap if self._is_current(e)]
-            heapq.heapify(self._heap)
-
-    def _is_current(self, entry: _Entry) -> bool:
-        node = entry[-1]
-        return (
-            node.parent is not None
-            and not node.children
-            and node.lock_ref == 0
-            and entry[:3] == (-node.rank, node.reused, node.last_access)
-        )
+        self._heap.file(node, self._nodes)
 
     def _evict(self, num: int) -> int:
         freed = 0
-        while freed < num and self._heap:
-            entry = heapq.heappop(self._heap)
-            if not self._is_current(entry):
-                continue
-            node = entry[-1]
+        while freed < num and (node := self._heap.pop()) is not None:
             parent = node.parent
             assert parent is not None
             self._changed(self._path_key(parent) + node.key[:1])

@@ -11,7 +11,6 @@ must evict costs O(log n) per victim, not a walk of the whole tree.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 
 from po_backend.core.errors import CacheInUseError
 from po_backend.engine.cache.kv_pool import KVPool
+from po_backend.sched.eviction import LeafHeap
 from po_backend.sched.reuse import Victim
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -84,10 +84,6 @@ class Node:
         )
 
 
-# A node's place in the eviction order: (-rank, reused, last_access, uid, push count, node).
-_Entry = tuple[int, bool, int, int, int, Node]
-
-
 class MatchResult(NamedTuple):
     length: int  # matched tokens
     slots: torch.Tensor  # int64 slots of the matched prefix, in token order
@@ -142,8 +138,7 @@ class RadixCache:
         self.evicted_tokens_total = 0
         self.inserted_tokens_total = 0
         self._nodes_count = 0  # nodes in the tree, the root excluded: bounds the heap's size
-        self._heap: list[_Entry] = []  # `_entry`s of unlocked leaves, some stale
-        self._pushes = itertools.count()
+        self._heap: LeafHeap[Node] = LeafHeap()  # the unlocked leaves in eviction order
         # The changes to match lengths, numbered from `_log_base` (`changes_since`); a reader
         # behind `_log_floor` (a reset, or changes dropped from the log) rereads everything.
         self._log: list[tuple[int, ...]] = []
@@ -302,49 +297,16 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _entry(self, n: Node) -> _Entry:
-        """Eviction order: the less urgent class first, then never-reused, then least recently
-        used (uid: a deterministic tie-breaker; the push count keeps a node filed twice from
-        being compared with itself)."""
-        return (-n.rank, n.reused, n.last_access, n.uid, next(self._pushes), n)
-
     def _candidate(self, node: Node) -> None:
         """File `node` in the eviction heap if it is an unlocked leaf (with its current key: an
         older entry of it goes stale)."""
-        if node.children or node.lock_ref or node is self.root:
-            return
-        heapq.heappush(self._heap, self._entry(node))
-        if len(self._heap) > 2 * self._nodes_count + 64:
-            self._rebuild_heap()
-
-    def _rebuild_heap(self) -> None:
-        """The heap from a walk of the tree, without its stale entries (amortised: it runs once
-        the stale entries outnumber the nodes)."""
-        self._heap = [
-            self._entry(n) for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root
-        ]
-        heapq.heapify(self._heap)
-
-    def _is_current(self, entry: _Entry) -> bool:
-        """Whether a heap entry still names an unlocked leaf in the tree with that very key."""
-        node = entry[-1]
-        return (
-            node.parent is not None
-            and not node.children
-            and node.lock_ref == 0
-            and entry[:3] == (-node.rank, node.reused, node.last_access)
-        )
+        self._heap.file(node, self._nodes_count)
 
     def evict(self, num_slots: int) -> int:
-        """Free unlocked leaves until `num_slots` are freed, in `_entry` order; return the
+        """Free unlocked leaves until `num_slots` are freed, in `LeafHeap` order; return the
         count. Whole nodes are evicted, so more than asked may be freed."""
-        heap = self._heap
         freed = 0
-        while freed < num_slots and heap:
-            entry = heapq.heappop(heap)
-            if not self._is_current(entry):
-                continue
-            node = entry[-1]
+        while freed < num_slots and (node := self._heap.pop()) is not None:
             parent = node.parent
             assert parent is not None and node.lock_ref == 0 and not node.children, f"not evictable: {node}"
             self.pool.free(node.slots)
@@ -396,24 +358,10 @@ class RadixCache:
         """The unlocked nodes in the order `evict` would free them, each as its path's tokens and
         the depth it starts at; nothing is evicted. Lazy: a scheduler pricing what a request's
         admission evicts reads only the first few (from a copy of the heap, no walk of the tree)."""
-        heap = [e for e in self._heap if self._is_current(e)]
-        heapq.heapify(heap)
-        seen: set[int] = set()  # a node filed twice with the same key is yielded once
-        left: dict[int, int] = {}  # children not yet evicted, per parent uid
-        while heap:
-            entry = heapq.heappop(heap)
-            node = entry[-1]
-            if node.uid in seen:
-                continue
-            seen.add(node.uid)
-            parts = [n.key for n in self._path(node)][::-1]
-            key = tuple(int(t) for t in np.concatenate(parts))
-            yield Victim(key, len(key) - len(node.key))
-            parent = node.parent
-            assert parent is not None, "the root is never a victim"
-            left[parent.uid] = left.get(parent.uid, len(parent.children)) - 1
-            if parent is not self.root and not left[parent.uid] and parent.lock_ref == 0:
-                heapq.heappush(heap, self._entry(parent))
+        return self._heap.order(self.root, self._path_key)
+
+    def _path_key(self, node: Node) -> tuple[int, ...]:
+        return tuple(int(t) for t in np.concatenate([n.key for n in self._path(node)][::-1]))
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`pool.alloc(n)`, evicting first as needed; None (evicting nothing) if it cannot fit."""
@@ -435,7 +383,7 @@ class RadixCache:
             self.pool.free(torch.cat(parts))
         self.root.children.clear()
         self._evictable = self._reused = self._nodes_count = 0
-        self._heap = []
+        self._heap.clear()
         self._log_floor = self.change_seq + 1
         self._log_base, self._log = self._log_floor, []
 
@@ -486,7 +434,7 @@ class RadixCache:
         assert reused == self._reused, f"reused counter {self._reused} != actual {reused}"
         assert len(parts) == self._nodes_count, f"node counter {self._nodes_count} != actual {len(parts)}"
         # Every unlocked leaf is filed in the eviction heap under its current key.
-        filed = {id(e[-1]) for e in self._heap if self._is_current(e)}
+        filed = {id(e[-1]) for e in self._heap.current()}
         for node in self._nodes():
             if node is not self.root and not node.children and not node.lock_ref:
                 assert id(node) in filed, f"{node} is an unlocked leaf missing from the eviction heap"
