@@ -17,9 +17,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from po_backend.core.request import common_prefix
-from po_backend.sched.batching import BatchStores, Request, fit_batch
+from po_backend.sched.batching import BatchStores, Request
 from po_backend.sched.eviction import LeafHeap
 from po_backend.sched.reuse import Victim
+from po_backend.sim.pool import DeclaredPool
 
 
 class _Node:
@@ -53,7 +54,7 @@ class _Work:
     hit: int = 0
 
 
-class RadixLRU:
+class RadixLRU(DeclaredPool):
     """A prefix pool of `capacity_tokens` tokens that stores and evicts as the engine's radix
     cache under the "declared" cache policy (only a request's declared prefix is kept), with the
     engine's batching rule (`fit_batch`: a token budget, in-batch prefix sharing). The interface
@@ -61,12 +62,7 @@ class RadixLRU:
     scheduler's `reuse.Pool` (`free_tokens`, `capacity`, `eviction_order`) and `changes`."""
 
     def __init__(self, capacity_tokens: int, max_batch_tokens: int = 10**9) -> None:
-        if capacity_tokens < 0 or max_batch_tokens < 1:
-            raise ValueError(
-                f"need capacity_tokens >= 0 and max_batch_tokens >= 1, got {capacity_tokens}, {max_batch_tokens}"
-            )
-        self.capacity_tokens = capacity_tokens
-        self.max_batch_tokens = max_batch_tokens
+        super().__init__(capacity_tokens, max_batch_tokens)
         self._uids = itertools.count()
         self._clock = 0  # the engine's operation counter: each read or store is one tick
         self.root = _Node((), None, next(self._uids), 0, 0)
@@ -75,43 +71,20 @@ class RadixLRU:
         self._locked = 0  # tokens in locked nodes
         self._nodes = 0
         self._heap: LeafHeap[_Node] = LeafHeap()
-        self._memo: dict[int, tuple[Request, int]] = {}  # id(request) -> (request, cached_len)
-        self._changes: list[tuple[int, ...]] = []
 
     # ---- what the scheduler reads -------------------------------------------------------------
 
     def __len__(self) -> int:
         return self._nodes
 
-    def cached_len(self, req: Request) -> int:
-        memo = self._memo.get(id(req))
-        if memo is not None and memo[0] is req:
-            return memo[1]
-        n = self._match_len(tuple(req.input_ids[: req.reusable_len]))
-        self._memo[id(req)] = (req, n)
-        return n
-
-    def store_len(self, req: Request) -> int:
-        """Only declared prefixes enter this cache (the engine's "declared" cache policy)."""
-        return min(req.cache_prefix_len or 0, len(req.input_ids))
-
-    def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
-        return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
+    def _match(self, req: Request) -> int:
+        return self._match_len(tuple(req.input_ids[: req.reusable_len]))
 
     def free_tokens(self) -> int:
         return self.capacity_tokens - self._cached - self._held
 
-    def capacity(self) -> int:
-        return self.capacity_tokens
-
     def cached_tokens(self) -> int:
         return self._cached
-
-    def changes(self) -> list[tuple[int, ...]]:
-        """The prefixes every request whose `cached_len` changed since the last call starts with
-        (`ranking.Changes`), as the engine's `RadixCache.changes_since` logs them."""
-        out, self._changes = self._changes, []
-        return out
 
     def paths(self) -> set[tuple[int, ...]]:
         """Every cached path from the root to a leaf: what the tree holds."""

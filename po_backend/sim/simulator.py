@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from po_backend.core.request import common_prefix, sorted_neighbours
-from po_backend.sched.batching import Request, fit_batch
+from po_backend.sched.batching import Request
 from po_backend.sched.config import SchedulerConfig
 from po_backend.sched.reuse import Victim
 from po_backend.sched.scheduler import Scheduler
+from po_backend.sim.pool import DeclaredPool
 from po_backend.sim.radix import RadixLRU
 
 
@@ -33,7 +34,7 @@ class StepModel(Protocol):
     def predict_items(self, items: Sequence[tuple[int, int]]) -> float: ...
 
 
-class PrefixLRU:
+class PrefixLRU(DeclaredPool):
     """A prefix cache of whole declared prefixes, least recently used evicted first, holding at
     most `capacity_tokens` tokens. `batchable` is the engine's rule (`scheduler.fit_batch`): a
     token budget, and a prefix that several requests of a step declare computed once, by the
@@ -47,12 +48,7 @@ class PrefixLRU:
     recency); recency is a counter per prefix, so no step hashes a thousands-token key."""
 
     def __init__(self, capacity_tokens: int, max_batch_tokens: int = 10**9) -> None:
-        if capacity_tokens < 0 or max_batch_tokens < 1:
-            raise ValueError(
-                f"need capacity_tokens >= 0 and max_batch_tokens >= 1, got {capacity_tokens}, {max_batch_tokens}"
-            )
-        self.capacity_tokens = capacity_tokens
-        self.max_batch_tokens = max_batch_tokens
+        super().__init__(capacity_tokens, max_batch_tokens)
         self._keys: list[tuple[int, ...]] = []  # sorted
         self._used: list[int] = []  # aligned with _keys: the tick it was last stored or hit
         # aligned with _keys: the priority class (scheduler rank) of the request that last stored
@@ -60,26 +56,12 @@ class PrefixLRU:
         self._rank: list[int] = []
         self._tick = 0
         self._tokens = 0
-        self._memo: dict[int, tuple[Request, int]] = {}  # id(request) -> (request, cached_len)
-        self._changes: list[tuple[int, ...]] = []  # since the last `changes` (`ranking.Changes`)
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def cached_len(self, req: Request) -> int:
-        memo = self._memo.get(id(req))
-        if memo is not None and memo[0] is req:
-            return memo[1]
-        n = min(self._longest_match(tuple(req.input_ids))[1], req.reusable_len)
-        self._memo[id(req)] = (req, n)
-        return n
-
-    def store_len(self, req: Request) -> int:
-        """Only declared prefixes enter this cache (the engine's "declared" cache policy)."""
-        return min(req.cache_prefix_len or 0, len(req.input_ids))
-
-    def batchable(self, candidates: Sequence[Request]) -> list[tuple[int, int]]:
-        return fit_batch(candidates, self.cached_len, self.store_len, self.max_batch_tokens)
+    def _match(self, req: Request) -> int:
+        return min(self._longest_match(tuple(req.input_ids))[1], req.reusable_len)
 
     def _longest_match(self, ids: tuple[int, ...]) -> tuple[int, int]:
         """(index, shared ids) of the cached prefix sharing the most leading ids with `ids`;
@@ -88,16 +70,6 @@ class PrefixLRU:
 
     def free_tokens(self) -> int:
         return self.capacity_tokens - self._tokens
-
-    def capacity(self) -> int:
-        return self.capacity_tokens
-
-    def changes(self) -> list[tuple[int, ...]]:
-        """The prefixes every request whose `cached_len` changed since the last call starts with
-        (`ranking.Changes`): a stored or dropped key's tokens up to one past what it shares with
-        its neighbours (a request sharing no more than that is served as much by them)."""
-        out, self._changes = self._changes, []
-        return out
 
     def _shared(self, i: int) -> int:
         """Leading tokens `_keys[i]` shares with another cached prefix (one of its neighbours)."""
