@@ -26,7 +26,6 @@ from po_backend.engine.models import shapes
 from po_backend.engine.models.loader import read_config, resolve_model_dir
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
-ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "po_attn::fwd")
 # The namespaces of the ops counted (torch's and this engine's kernels).
 OPS = ("aten::", "po_attn::", "po_fused::")
 # Top-level op names -> the category they are reported under (everything else: "other").
@@ -39,6 +38,7 @@ CATEGORIES = {
     "aten::bmm": "gemm",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "po_attn::fwd": "attention",
+    "po_fused::attention": "attention",
     "po_fused::rms_norm": "elementwise (norm, rope, act)",
     "po_fused::add_rms_norm": "elementwise (norm, rope, act)",
     "po_fused::norm_rope": "elementwise (norm, rope, act)",
