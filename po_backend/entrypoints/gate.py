@@ -49,7 +49,15 @@ import anyio
 import httpx
 from pydantic import ValidationError
 
-from po_backend.server.errors import HTTPError, bad, check_items, error_body, validation_message
+from po_backend.server.errors import (
+    HTTPError,
+    bad,
+    check_items,
+    check_logprobs,
+    check_tokenize,
+    error_body,
+    validation_message,
+)
 from po_backend.server.middleware import BodyLimitMiddleware
 from po_backend.server.protocol import ScoreRequestBody
 from po_backend.server.rerank import (
@@ -133,22 +141,10 @@ class Limits:
     max_tokenize_chars: int = 8 << 20
 
     def check_logprobs(self, n: int) -> None:
-        if n > self.max_logprobs:
-            raise HTTPError(
-                413,
-                f"this call would return {n} log-prob values, more than the limit of {self.max_logprobs} "
-                "(--max-logprobs-per-request): ask for fewer items or labels, or split the call",
-                "PayloadTooLargeError",
-            )
+        check_logprobs(n, self.max_logprobs)
 
     def check_tokenize(self, chars: int, what: str) -> None:
-        if chars > self.max_tokenize_chars:
-            raise HTTPError(
-                413,
-                f"this call would tokenize {chars} characters ({what}), more than the limit of "
-                f"{self.max_tokenize_chars} (--max-tokenize-chars): send fewer or shorter texts, or split the call",
-                "PayloadTooLargeError",
-            )
+        check_tokenize(chars, what, self.max_tokenize_chars)
 
 
 class Gate:

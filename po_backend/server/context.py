@@ -23,7 +23,7 @@ from po_backend.core.request import ScoreRequest, ScoreResult
 from po_backend.core.task import ModelTask
 from po_backend.server.adapters import adapter_of
 from po_backend.server.args import ServerArgs
-from po_backend.server.errors import ClientGone, HTTPError, bad, check_items
+from po_backend.server.errors import ClientGone, HTTPError, bad, check_items, check_logprobs, check_tokenize
 from po_backend.server.metrics import Metrics
 from po_backend.server.service import ScoringService
 from po_backend.server.translate import json_logprob
@@ -119,14 +119,7 @@ class Runtime:
     def check_tokenize(self, chars: int, what: str) -> None:
         """Refuse, before any tokenizing, a call whose texts would give the tokenizer more than
         --max-tokenize-chars characters in all (a shared query is tokenized once per item)."""
-        cap = self.args.max_tokenize_chars
-        if chars > cap:
-            raise HTTPError(
-                413,
-                f"this call would tokenize {chars} characters ({what}), more than the limit of {cap} "
-                "(--max-tokenize-chars): send fewer or shorter texts, or split the call",
-                "PayloadTooLargeError",
-            )
+        check_tokenize(chars, what, self.args.max_tokenize_chars)
 
     def check_items(self, n: int, what: str) -> None:
         """The per-call item limit, checked on the parsed body before anything is tokenized (a
@@ -156,17 +149,7 @@ class Runtime:
             raise bad(f"{what} token ids outside the vocabulary [0, {vocab}): {wrong[:5]}")
 
     def check_logprobs(self, n: int) -> None:
-        """The per-call cap on returned log-prob values (the answer's size and the memory that
-        builds it), checked on the parsed call before it is queued."""
-        cap = self.args.max_logprobs_per_request
-        if n > cap:
-            raise HTTPError(
-                413,
-                f"this call would return {n} log-prob values, more than the limit of {cap} "
-                "(--max-logprobs-per-request): ask for fewer items, labels, top log-probs or prompt "
-                "positions, or split the call",
-                "PayloadTooLargeError",
-            )
+        check_logprobs(n, self.args.max_logprobs_per_request)
 
     # ---- tokens ---------------------------------------------------------------------------------
 

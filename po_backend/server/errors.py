@@ -57,6 +57,30 @@ def check_items(n: int, what: str, limit: int) -> None:
         )
 
 
+def check_tokenize(chars: int, what: str, limit: int) -> None:
+    """The per-call tokenizer input limit (--max-tokenize-chars), checked before any tokenizing."""
+    if chars > limit:
+        raise HTTPError(
+            413,
+            f"this call would tokenize {chars} characters ({what}), more than the limit of {limit} "
+            "(--max-tokenize-chars): send fewer or shorter texts, or split the call",
+            "PayloadTooLargeError",
+        )
+
+
+def check_logprobs(n: int, limit: int) -> None:
+    """The per-call cap on returned log-prob values (--max-logprobs-per-request: the answer's size
+    and the memory that builds it), checked on the parsed call before it is queued."""
+    if n > limit:
+        raise HTTPError(
+            413,
+            f"this call would return {n} log-prob values, more than the limit of {limit} "
+            "(--max-logprobs-per-request): ask for fewer items, labels, top log-probs or prompt "
+            "positions, or split the call",
+            "PayloadTooLargeError",
+        )
+
+
 _KINDS = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "PayloadTooLargeError"}
 
 RETRY_AFTER_S = 1  # seconds a 503's Retry-After asks for
