@@ -49,6 +49,7 @@ import anyio
 import httpx
 from pydantic import ValidationError
 
+from po_backend.server.args import ServerArgs
 from po_backend.server.errors import (
     HTTPError,
     bad,
@@ -133,12 +134,12 @@ class Limits:
     forwards any of it (the workers' --max-body-bytes, --max-items-per-request, served name,
     --max-logprobs-per-request and --max-tokenize-chars)."""
 
-    max_body_bytes: int = 2 << 20
-    max_items: int = 1024
+    max_body_bytes: int = ServerArgs.max_body_bytes
+    max_items: int = ServerArgs.max_items_per_request
     model_name: str = ""
     fan_out: int = 16  # a batch's prompts in flight at a time
-    max_logprobs: int = 1 << 18
-    max_tokenize_chars: int = 8 << 20
+    max_logprobs: int = ServerArgs.max_logprobs_per_request
+    max_tokenize_chars: int = ServerArgs.max_tokenize_chars
 
     def check_logprobs(self, n: int) -> None:
         check_logprobs(n, self.max_logprobs)
