@@ -43,11 +43,10 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import httpx
-from pydantic import ValidationError
 
 from po_backend.server.args import ServerArgs
 from po_backend.server.errors import (
@@ -57,7 +56,7 @@ from po_backend.server.errors import (
     check_logprobs,
     check_tokenize,
     error_body,
-    validation_message,
+    validated,
 )
 from po_backend.server.middleware import BodyLimitMiddleware
 from po_backend.server.protocol import ScoreRequestBody
@@ -71,11 +70,10 @@ from po_backend.server.rerank import (
 )
 from po_backend.server.scoring import (
     GenerativeScoringBody,
+    checked_generative,
+    checked_score,
     generative_answer,
     score_answer,
-    score_items,
-    score_labels,
-    score_query,
 )
 from po_backend.server.sglang_native import split_batch
 
@@ -140,6 +138,9 @@ class Limits:
     fan_out: int = 16  # a batch's prompts in flight at a time
     max_logprobs: int = ServerArgs.max_logprobs_per_request
     max_tokenize_chars: int = ServerArgs.max_tokenize_chars
+
+    def check_items(self, n: int, what: str) -> None:
+        check_items(n, what, self.max_items)
 
     def check_logprobs(self, n: int) -> None:
         check_logprobs(n, self.max_logprobs)
@@ -284,7 +285,7 @@ class Gate:
         n = len(body["text"])
         if n == 0:
             raise bad("the batch is empty")
-        check_items(n, "prompts", self.limits.max_items)
+        self.limits.check_items(n, "prompts")
         out = await self._generate_each(send, headers, split_batch(body, n), "/generate")
         if out is None:
             return
@@ -339,28 +340,16 @@ class Gate:
             raise bad("the body must be a JSON object")
         limits = self.limits
         score_body: ScoreRequestBody | None = None
+        items: list[Any]
+        query: Any
         if path == "/v1/score":
-            score_body = _validated(ScoreRequestBody, data)
-            items: list[Any] = score_items(score_body)
-            check_items(len(items), "items", limits.max_items)
-            labels = score_labels(score_body.label_token_ids, len(items))
-            limits.check_logprobs(sum(len(x) for x in labels))
-            query: Any = score_query(score_body, items)
-            item_first = score_body.item_first
-            priority = score_body.priority
-            if isinstance(query, str):
-                join = 2 if item_first else 1
-                chars = (len(items) + 1) * len(query) + sum(len(x) for x in items) * join
-                limits.check_tokenize(
-                    chars, f"a query of {len(query)} characters with each of {len(items)} items"
-                )
+            score_body = validated(ScoreRequestBody, data)
+            items, labels, query = checked_score(score_body, limits)
+            item_first, priority = score_body.item_first, score_body.priority
         else:
-            vllm_body = _validated(GenerativeScoringBody, data)
-            [label_ids] = score_labels(vllm_body.label_token_ids, 1)
+            vllm_body = validated(GenerativeScoringBody, data)
             items = list(vllm_body.items)
-            check_items(len(items), "items", limits.max_items)
-            limits.check_logprobs(len(items) * len(label_ids))
-            labels = [label_ids] * len(items)
+            labels = [checked_generative(vllm_body, limits)] * len(items)
             query, item_first, priority = vllm_body.query, vllm_body.item_first, vllm_body.priority
             if isinstance(query, str) or any(isinstance(x, str) for x in items):
                 # vLLM joins the query's and the item's tokens, which takes the workers' tokenizer.
@@ -374,7 +363,7 @@ class Gate:
         # What picks a LoRA adapter on a worker (`lora_path`, or an adapter's name as `model`).
         common |= {k: data[k] for k in ("lora_path", "model") if data.get(k) is not None}
         if isinstance(query, str):  # one routed call per item: the router takes one text a call
-            prompts = [it + query if item_first else query + it for it in items]
+            prompts = [it + query if item_first else query + it for it in cast(list[str], items)]
             bodies = [
                 {**common, "text": p, "token_ids_logprob": list(ls)}
                 for p, ls in zip(prompts, labels, strict=True)
@@ -413,11 +402,8 @@ class Gate:
         drop are refused rather than ignored (`top_n` is applied here)."""
         if data is None:
             raise bad("the body must be a JSON object")
-        try:
-            body = CohereRerankBody.model_validate(data)
-        except ValidationError as e:
-            raise bad(validation_message(e.errors())) from None
-        check_items(len(body.documents), "documents", self.limits.max_items)
+        body = validated(CohereRerankBody, data)
+        self.limits.check_items(len(body.documents), "documents")
         for name in ("max_tokens_per_doc", "instruct"):
             if getattr(body, name) is not None:
                 raise bad(f"{name} is not supported through the cluster (its router does not forward it)")
@@ -452,13 +438,6 @@ class Gate:
                 await self.client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-
-def _validated(model: Any, data: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise bad(validation_message(e.errors())) from None
 
 
 def _label_logprobs(answer: dict[str, Any], labels: tuple[int, ...]) -> list[float]:

@@ -13,11 +13,12 @@ import logging
 import re
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from po_backend.core.errors import (
@@ -46,6 +47,18 @@ def bad(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], data: Any) -> M:
+    """`data` as `model`, or a 400 with pydantic's errors made readable (a body read by hand, not
+    by a FastAPI route)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise bad(validation_message(e.errors())) from None
+
+
 def check_items(n: int, what: str, limit: int) -> None:
     """The per-call item limit (--max-items-per-request): a call over it could never be served,
     so it is a 413, not a 503 to retry."""
@@ -55,6 +68,17 @@ def check_items(n: int, what: str, limit: int) -> None:
             f"{n} {what} in one call, more than the limit of {limit} (--max-items-per-request): split the call",
             "PayloadTooLargeError",
         )
+
+
+class CallLimits(Protocol):
+    """The per-call limits a parsed call is checked against before any tokenizing or queueing:
+    a server's `Runtime`, or the cluster's gate (`Limits`) holding the workers' values."""
+
+    def check_items(self, n: int, what: str) -> None: ...
+
+    def check_logprobs(self, n: int) -> None: ...
+
+    def check_tokenize(self, chars: int, what: str) -> None: ...
 
 
 def check_tokenize(chars: int, what: str, limit: int) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from po_backend.core.labels import (
     LabelIds,
@@ -44,7 +44,7 @@ from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server import heads, rerank_presets
 from po_backend.server.body import BodyRoute
 from po_backend.server.context import Runtime, RuntimeDep
-from po_backend.server.errors import bad, validation_message
+from po_backend.server.errors import bad, validated
 from po_backend.server.protocol import TolerantBody
 from po_backend.server.rerank_presets import RerankPreset
 from po_backend.server.translate import softmax
@@ -376,10 +376,7 @@ async def sglang_rerank(body: SGLangRerankBody, request: Request, rt: RuntimeDep
     """SGLang's shape: a JSON list of `{score, document?, index, meta_info}`, best first (the
     SGLang router builds its own reply from exactly this); Cohere's for Cohere's v1 client."""
     if from_cohere_sdk(request.headers.get(SDK_HEADER)):
-        try:
-            cohere_body = CohereRerankBody.model_validate(await request.json())
-        except ValidationError as e:
-            raise bad(validation_message(e.errors())) from None
+        cohere_body = validated(CohereRerankBody, await request.json())
         return await cohere_rerank(cohere_body, request, rt)
     rt.check_items(len(body.documents), "documents")
     query = body.query if isinstance(body.query, str) else document_text(body.query)

@@ -32,7 +32,7 @@ from po_backend.core.request import ScoreRequest, ScoreResult, common_prefix
 from po_backend.server import heads
 from po_backend.server.body import BodyRoute
 from po_backend.server.context import MAX_CHARS_PER_TOKEN, Runtime, RuntimeDep
-from po_backend.server.errors import HTTPError, bad
+from po_backend.server.errors import CallLimits, HTTPError, bad
 from po_backend.server.protocol import ClassifyRequest, IntList, ScoreRequestBody, TolerantBody
 from po_backend.server.translate import envelope, json_logprob, softmax
 
@@ -206,11 +206,7 @@ async def run_classify(
 def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
     """One request per item: query + item (item + query with item_first), the shared part marked
     as the cache prefix."""
-    items = score_items(body)
-    rt.check_items(len(items), "items")
-    labels = score_labels(body.label_token_ids, len(items))
-    rt.check_logprobs(sum(len(x) for x in labels))
-    query = score_query(body, items)
+    items, labels, query = checked_score(body, rt)
     if isinstance(query, str):
         return _text_score_requests(rt, query, cast(list[str], items), labels, body.item_first)
     rt.check_prompt_ids(query, "query")  # once, not once per item
@@ -223,9 +219,35 @@ def parse_score(rt: Runtime, body: ScoreRequestBody) -> list[ScoreRequest]:
     return reqs
 
 
-def score_items(body: ScoreRequestBody) -> list[str] | list[list[int]]:
-    """A /v1/score body's items, after the checks that need no model (also the cluster's gate's,
-    which answers /v1/score through the workers' /generate)."""
+def checked_score(
+    body: ScoreRequestBody, limits: CallLimits
+) -> tuple[list[str] | list[list[int]], list[tuple[int, ...]], str | list[int]]:
+    """A /v1/score body's items, each item's label tokens and the query, after every check that
+    needs no model, in one order (also the cluster's gate's, which answers /v1/score through the
+    workers' /generate). A text query is tokenized with each item, so the total is bounded here,
+    before any of it."""
+    items = _score_items(body)
+    limits.check_items(len(items), "items")
+    labels = _score_labels(body.label_token_ids, len(items))
+    limits.check_logprobs(sum(len(x) for x in labels))
+    query = _score_query(body, items)
+    if isinstance(query, str):
+        chars = (len(items) + 1) * len(query) + sum(len(x) for x in items) * (2 if body.item_first else 1)
+        limits.check_tokenize(chars, f"a query of {len(query)} characters with each of {len(items)} items")
+    return items, labels, query
+
+
+def checked_generative(body: GenerativeScoringBody, limits: CallLimits) -> tuple[int, ...]:
+    """A /generative_scoring body's label tokens (one list for every item), after the checks
+    that need no model (also the cluster's gate's)."""
+    [labels] = _score_labels(body.label_token_ids, 1)
+    limits.check_items(len(body.items), "items")
+    limits.check_logprobs(len(body.items) * len(labels))
+    return labels
+
+
+def _score_items(body: ScoreRequestBody) -> list[str] | list[list[int]]:
+    """A /v1/score body's items, after the checks of its fields that need no model."""
     if (
         body.query_embed_overrides is not None
         or body.item_embed_overrides is not None
@@ -249,7 +271,7 @@ def score_items(body: ScoreRequestBody) -> list[str] | list[list[int]]:
     )
 
 
-def score_query(body: ScoreRequestBody, items: list[str] | list[list[int]]) -> str | list[int]:
+def _score_query(body: ScoreRequestBody, items: list[str] | list[list[int]]) -> str | list[int]:
     """The query (empty when absent), of the items' kind: text with text, token ids with ids."""
     query = body.query
     if query is None:
@@ -270,7 +292,7 @@ def score_values(body: ScoreRequestBody, logprobs: Sequence[float]) -> list[floa
     return [math.exp(x) for x in logprobs]
 
 
-def score_labels(label_token_ids: list[int] | list[list[int]] | None, n_items: int) -> list[tuple[int, ...]]:
+def _score_labels(label_token_ids: list[int] | list[list[int]] | None, n_items: int) -> list[tuple[int, ...]]:
     """The label tokens of each item: one list for all, or one list per item."""
     if not label_token_ids:
         raise bad("label_token_ids must be a nonempty list")
@@ -292,10 +314,8 @@ def _text_score_requests(
     rt: Runtime, query: str, items: Sequence[str], labels: Sequence[tuple[int, ...]], item_first: bool
 ) -> list[ScoreRequest]:
     # Each prompt is tokenized whole (the tokens a direct computation uses), so the query is
-    # tokenized once per item: the total is bounded before any of it, and the query alone is
-    # tokenized and checked first, so one too long is refused without touching the items.
-    chars = (len(items) + 1) * len(query) + sum(len(x) for x in items) * (2 if item_first else 1)
-    rt.check_tokenize(chars, f"a query of {len(query)} characters with each of {len(items)} items")
+    # tokenized once per item (`checked_score` bounded the total); the query alone is tokenized
+    # and checked first, so one too long is refused without touching the items.
     query_ids = rt.encode(query, add_special_tokens=not item_first)
     rt.check_prompt_ids(query_ids, "query")
     prefix_ids = query_ids if not item_first else None
@@ -312,9 +332,7 @@ def _text_score_requests(
 def parse_generative(rt: Runtime, body: GenerativeScoringBody) -> list[ScoreRequest]:
     """vLLM joins token ids, not strings; the query's ids are the shared part and the cache
     prefix (unless the item comes first)."""
-    [labels] = score_labels(body.label_token_ids, 1)
-    rt.check_items(len(body.items), "items")
-    rt.check_logprobs(len(body.items) * len(labels))
+    labels = checked_generative(body, rt)
     q = tuple(body.query) if isinstance(body.query, list) else rt.encode(body.query, body.add_special_tokens)
     rt.check_prompt_ids(q, "query")  # once, before any item
     reqs = []
