@@ -400,32 +400,30 @@ class Int8Linear(nn.Module):
                 n = outlier_w.shape[1]
                 cols = -(-n // OUTLIER_BLOCK) * OUTLIER_BLOCK
                 outlier_w, outlier_s = quantize_weight_blocks(_padded(outlier_w.float(), cols), OUTLIER_BLOCK)
-        if block is not None and weight_scales == "channel":
-            assert weight_block is None, "one scale per output channel spans no weight blocks"
-            k = weight.shape[1]
-            q, scale = quantize_rows(_padded(weight.float(), -(-k // block) * block))
+        if block is not None:
+            channel = weight_scales == "channel"
+            assert not channel or weight_block is None, "one scale per output channel spans no weight blocks"
+            k, wb = weight.shape[1], weight_block or block
+            padded, mul = _padded(weight.float(), -(-k // wb) * wb), 1.0
+            if channel:  # one [out, 1] scale over the whole padded row (`__init__`: no weight block)
+                q, scale = quantize_rows(padded)
+                scale = scale[:, None]
+            elif weight_scales == "e4m3":
+                q, scale, mul = quantize_weight_blocks_e4m3(padded, wb)
+            else:
+                q, scale = quantize_weight_blocks(padded, wb)
             return cls(
                 q,
-                scale[:, None],
+                scale,
                 backend,
                 outlier_idx,
                 outlier_w,
                 block,
                 k,
                 activation_passes,
-                None,
-                1.0,
+                None if channel else wb,
+                mul,
                 outlier_s,
-            )
-        if block is not None:
-            k, wb = weight.shape[1], weight_block or block
-            padded, mul = _padded(weight.float(), -(-k // wb) * wb), 1.0
-            if weight_scales == "e4m3":
-                q, scale, mul = quantize_weight_blocks_e4m3(padded, wb)
-            else:
-                q, scale = quantize_weight_blocks(padded, wb)
-            return cls(
-                q, scale, backend, outlier_idx, outlier_w, block, k, activation_passes, wb, mul, outlier_s
             )
         q, scale = quantize_rows(weight, FBGEMM_WMAX if backend == "fbgemm" else QMAX)
         return cls(
