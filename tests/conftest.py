@@ -34,6 +34,7 @@ import transformers  # noqa: E402
 
 from po_backend import Engine  # noqa: E402
 from po_backend.engine.memory import MEMORY_CACHE_ENV  # noqa: E402
+from po_backend.engine.models.loader import INT8_CACHE_ENV  # noqa: E402
 from po_backend.serving.jct_store import JCT_CACHE_ENV  # noqa: E402
 
 # httpx builds an SSL context (loading the CA bundle: tens of milliseconds of CPU) for every client,
@@ -53,7 +54,7 @@ _OWN_DIR: str | None = None  # the directory this process made, and removes at t
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """JCT and memory profiles of throwaway tiny models go to one directory per session, shared by the
+    """JCT and memory profiles and int8 weights of throwaway tiny models go to one directory per session, shared by the
     in-process loops, every xdist worker and every test server (they inherit os.environ): a model
     (a shape, for memory profiles) is profiled once per run, and the user's cache gets none.
     Measuring takes an OS file lock, so workers asking at once measure once. The rest of the cache
@@ -66,6 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[_PROFILE_DIR_ENV] = shared
     os.environ[JCT_CACHE_ENV] = shared
     os.environ[MEMORY_CACHE_ENV] = os.path.join(shared, "memory")
+    os.environ[INT8_CACHE_ENV] = os.path.join(shared, "int8")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

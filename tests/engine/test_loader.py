@@ -139,3 +139,40 @@ def test_loading_peaks_near_the_models_own_size(tmp_path: Path, stored: str, loa
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["resident"] > 60 << 20
     assert got["peak"] <= 1.15 * got["resident"] + (8 << 20), got
+
+
+def test_one_conversion_per_gguf_content_wherever_the_file_lies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every checkout installs the embedded GGUF into its own environment: the same bytes at a new
+    path reuse the conversion (the cache does not grow per install), different bytes get their own,
+    and the folder names as its source a file that is there now, as it was when recorded."""
+    monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    converted: list[Path] = []
+
+    def convert(_: Path, target: Path) -> None:
+        target.mkdir(mode=0o700)
+        (target / "config.json").write_text("{}")
+        converted.append(target)
+
+    monkeypatch.setattr(loader, "_convert", convert)
+    first, second, other = (tmp_path / d / "m.gguf" for d in ("env1", "env2", "env3"))
+    for path, body in ((first, b"GGUF same"), (second, b"GGUF same"), (other, b"GGUF other")):
+        path.parent.mkdir()
+        path.write_bytes(body)
+    a = loader.converted_gguf_dir(first)
+    assert loader.converted_gguf_dir(second) == a  # another path, the same content
+    assert loader.converted_gguf_dir(first) == a  # again, from the remembered digest
+    assert converted == [a]
+    assert loader.converted_gguf_dir(other) != a
+    assert len(converted) == 2
+    assert loader._source_file(a) == first.resolve()  # the path that resolved it last
+    first.unlink()  # that checkout is gone: the record no longer names a file
+    assert loader._source_file(a) is None
+    assert loader.converted_gguf_dir(second) == a
+    assert loader._source_file(a) == second.resolve()
+    second.write_bytes(b"GGUF edited")  # a record never names a file whose bytes changed since
+    assert loader._source_file(a) is None
+    before = list(converted)
+    assert loader.converted_gguf_dir(second) not in before
+    assert len(converted) == 3

@@ -4,7 +4,6 @@ within a stated tolerance), the int8 cache, GGUF Q8_0, and the GEMM dispatch per
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
@@ -17,6 +16,7 @@ from po_backend import Engine
 from po_backend.core import cpu
 from po_backend.engine.models import int8
 from po_backend.engine.models.int8 import Int8Linear, gemm_backend, quantize_rows
+from po_backend.engine.models.loader import INT8_CACHE_ENV
 from tests.conftest import TINY_CONFIGS, hf_next_logprobs
 
 KINDS = sorted(TINY_CONFIGS)
@@ -199,6 +199,7 @@ def test_int8_cache_skips_quantizing_and_gives_the_same_answers(
     tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     # Plain int8 (no float outlier columns): the weights' memory below is the int8 format's own.
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PLAIN)
     path, _ = tiny_model("llama")
@@ -314,6 +315,8 @@ def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.Monkey
     import transformers
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     # A VNNI CPU keeps the file's integers as they are (fbgemm re-rounds them to +-63).
     monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PLAIN)  # smoothing would change the integers
@@ -329,13 +332,13 @@ def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.Monkey
                 p.copy_(torch.randn(p.shape).sign() * 0.05)
     gguf_path = tmp_path / "tiny-q8_0.gguf"
     _write_q8_0_gguf(hf, gguf_path)
-    # The folder a GGUF converts into (transformers' float copy), naming its source as `_convert`
-    # does: the int8 mode reads the Q8_0 integers from there.
+    # The folder a GGUF converts into (transformers' float copy), naming its source as
+    # `converted_gguf_dir` does: the int8 mode reads the Q8_0 integers from there.
     from po_backend.engine.models import loader
 
     folder = tmp_path / "converted"
     hf.save_pretrained(folder)
-    (folder / loader.GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf_path)}))
+    loader.record_gguf_source(folder, gguf_path)
 
     def refuse(layers: list[torch.nn.Module], backend: object, *_: object) -> None:
         assert all(isinstance(getattr(x, n), Int8Linear) for x in layers for n in int8.QUANTIZED_PROJECTIONS)
@@ -467,6 +470,8 @@ def test_calibration_is_cached_reused_and_invalidated(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     src, _ = tiny_model("llama")
     path = tmp_path / "model"
     shutil.copytree(src, path)
@@ -482,6 +487,7 @@ def test_calibration_is_cached_reused_and_invalidated(
     assert _engine(path).score([ids], [0, 5])[0].logprobs == expected
     monkeypatch.undo()
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     monkeypatch.setattr(calibration, "activation_maxima", lambda *a: runs.append(1) or real(*a))
     # Another recipe quantizes again, from the cached maxima.
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe(alpha=(0.3, 0.3, 0.3, 0.3)))
@@ -775,6 +781,8 @@ def test_blocked_cache_and_prefix_hit_equal_the_cold_run(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32))
     path, _ = tiny_model("qwen2")
     cold = _engine(path)
@@ -809,6 +817,8 @@ def test_projections_kept_in_float_are_the_checkpoints(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     recipe = int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32, 2, float_projections=("down_proj@1", "o_proj"))
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", recipe)
     path, hf = tiny_model("qwen2")
@@ -837,6 +847,8 @@ def test_q8_0_gguf_loads_as_its_own_blocks(tmp_path: Path, monkeypatch: pytest.M
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
+
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", BLOCKED)
     cfg = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -848,7 +860,7 @@ def test_q8_0_gguf_loads_as_its_own_blocks(tmp_path: Path, monkeypatch: pytest.M
     _write_q8_0_gguf(hf, gguf_path)
     folder = tmp_path / "converted"
     hf.save_pretrained(folder)
-    (folder / loader.GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf_path)}))
+    loader.record_gguf_source(folder, gguf_path)
     monkeypatch.setattr(loader, "quantize_model", lambda *a: None)  # nothing is quantized from floats
     engine = _engine(folder)
     layer, ref = engine.model.decoder_layers[1], hf.model.layers[1]
@@ -897,6 +909,8 @@ def test_two_activation_passes_cache_and_prefix_hit(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe(block=32, activation_passes=2))
     path, hf = tiny_model("llama")
     cold = _engine(path)
@@ -925,6 +939,7 @@ def test_each_quantization_mode_runs_its_recipe(
     tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     path, hf = tiny_model("qwen3")
     one, two = _engine(path), _engine(path, quantization="w8a8x2_int8")
     for engine, passes in ((one, 1), (two, 2)):
@@ -1019,6 +1034,8 @@ def test_per_channel_weights_cache_and_prefix_hit(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
+
+    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     recipe = int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32, passes, weight_scales="channel")
     monkeypatch.setattr(int8, "TWO_PASS_RECIPE" if passes == 2 else "DEFAULT_RECIPE", recipe)
     mode = "w8a8x2_int8" if passes == 2 else "w8a8_int8"

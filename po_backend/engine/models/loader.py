@@ -4,6 +4,7 @@ the cached folder loads in about a second)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -22,7 +23,7 @@ from safetensors import safe_open
 
 from po_backend.core.choices import QUANTIZATIONS
 from po_backend.core.errors import ModelNotFoundError, UnsupportedModelError
-from po_backend.core.fs import cache_root, file_lock, private_cache_dir, private_dir, replacing
+from po_backend.core.fs import cache_root, file_lock, private_cache_dir, private_dir, replacing, write_atomic
 from po_backend.core.task import ModelTask, detect_task
 from po_backend.engine.config import ModelConfig
 from po_backend.engine.models import int8, model_class, shapes
@@ -75,21 +76,63 @@ def resolve_model_dir(path: str | os.PathLike[str], weights: bool = True) -> Pat
 
 
 def converted_gguf_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    """The safetensors folder converted from `gguf`, made on first use. Keyed by the file's content,
+    so copies of one GGUF at other paths (each checkout's own environment) share one conversion."""
     # A converted model is loaded from here as it is found: only from folders nobody else may write.
-    target = private_dir(cache_root(), "model conversions") / f"{gguf.stem}-{key}"
+    target = private_dir(cache_root(), "model conversions") / f"{gguf.stem}-{_content_key(gguf)}"
     if target.exists():
         private_dir(target, "model conversions")
-    if (target / "config.json").is_file():
-        return target
-    # Workers started together convert once: the others wait and find it done.
-    with file_lock(
-        target.parent / f".{target.name}.lock", f"another process is converting {gguf.name}: waiting"
-    ):
-        if not (target / "config.json").is_file():
-            _convert(gguf, target)
+    if not (target / "config.json").is_file():
+        # Workers started together convert once: the others wait and find it done.
+        with file_lock(
+            target.parent / f".{target.name}.lock", f"another process is converting {gguf.name}: waiting"
+        ):
+            if not (target / "config.json").is_file():
+                _convert(gguf, target)
+    record_gguf_source(target, gguf)
     return target
+
+
+def _content_key(gguf: Path) -> str:
+    """The first 16 hex digits of `gguf`'s SHA-256, remembered per path, size and mtime: a file is
+    read through once where it lies, not at every start."""
+    st = gguf.stat()
+    stamp = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = private_cache_dir("digests", what="model digests") / stamp
+    with contextlib.suppress(OSError):
+        known = memo.read_text().strip()
+        if len(known) == 16 and all(c in "0123456789abcdef" for c in known):
+            return known
+    log.info("hashing %s (%.0f MiB) to find its conversion", gguf.name, st.st_size / 2**20)
+    with open(gguf, "rb") as f:
+        key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    write_atomic(memo, key)
+    return key
+
+
+def record_gguf_source(target: Path, gguf: Path) -> None:
+    """Name `gguf` in `target` as the file whose integers the int8 mode reads (`gguf_q8_0_state`),
+    with the size and mtime it has now; a record naming a file since moved or changed is replaced."""
+    st = gguf.stat()
+    record = {"gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads((target / GGUF_SOURCE).read_text()) == record:
+            return
+    write_atomic(target / GGUF_SOURCE, json.dumps(record))
+
+
+def _source_file(model_dir: Path) -> Path | None:
+    """The GGUF `model_dir` was converted from, if its record names a file that is still as it was
+    recorded (same size and mtime); None otherwise."""
+    try:
+        record = json.loads((model_dir / GGUF_SOURCE).read_text())
+        path = Path(record["gguf"])
+        st = path.stat()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (st.st_size, st.st_mtime_ns) != (record.get("size"), record.get("mtime_ns")):
+        return None
+    return path
 
 
 def _convert(gguf: Path, target: Path) -> None:
@@ -133,8 +176,6 @@ def _convert(gguf: Path, target: Path) -> None:
             cfg.pop("rope_scaling", None)
             cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {}), **rope}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        # Where the int8 mode reads a Q8_0 file's own integers (`gguf_q8_0_state`).
-        (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
         try:
             tmp.rename(target)  # atomic: a reader either finds the whole folder or none
         except OSError:
@@ -194,15 +235,12 @@ def gguf_q8_0_state(
     blocks share a scale). Llama GGUFs store q and k with their rotary halves interleaved
     (llama.cpp's permute); the rows are put back as transformers does."""
     assert block in (None, _Q8_0_BLOCK), "Q8_0 is read per output channel or as its own blocks"
-    src = model_dir / GGUF_SOURCE
-    if not src.is_file():
+    path = _source_file(model_dir)
+    if path is None:
         return None
     import gguf
     import numpy as np
 
-    path = Path(json.loads(src.read_text())["gguf"])
-    if not path.is_file():
-        return None
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     arch_field = reader.fields["general.architecture"]
@@ -481,9 +519,15 @@ def _int8_cache_file(
     calib = CALIBRATION_VERSION if recipe.calibrated else None
     text = f"{quantization}:{backend}:{INT8_CACHE_VERSION}:{recipe}:{calib}:{_stamp(files)}"
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return (
-        private_cache_dir("int8", what="int8 weights") / f"{model_dir.name}-{quantization}-{key}.safetensors"
-    )
+    return _int8_dir() / f"{model_dir.name}-{quantization}-{key}.safetensors"
+
+
+INT8_CACHE_ENV = "PREFILLONLY_INT8_CACHE"
+
+
+def _int8_dir() -> Path:
+    """Quantized weights and calibrations: `$PREFILLONLY_INT8_CACHE`, else the cache root's int8/."""
+    return private_cache_dir("int8", what="int8 weights", env=INT8_CACHE_ENV)
 
 
 def _calibration(
@@ -495,7 +539,7 @@ def _calibration(
 
     dtype = model.embed_tokens.dtype
     key = hashlib.sha256(f"{CALIBRATION_VERSION}:{dtype}:{_stamp(files)}".encode()).hexdigest()[:16]
-    path = private_cache_dir("int8", what="int8 weights") / f"{model_dir.name}-calibration-{key}.safetensors"
+    path = _int8_dir() / f"{model_dir.name}-calibration-{key}.safetensors"
     n = len(model.decoder_layers)
     if path.is_file():
         flat = safetensors.torch.load_file(path)
