@@ -97,10 +97,6 @@ class EngineLoop(StepWorker):
         self._cond = threading.Condition()  # guards everything below; RLock: callbacks re-enter
         self._jobs: dict[int, Job] = {}  # waiting jobs by rid
         self._running: list[Job] = []
-        # Waiting requests that ran prefix-only steps -> what those steps cached: given the
-        # request's own class again if it leaves the queue without its last step (cancelled,
-        # failed), in case a more urgent read of shared tokens left another on them.
-        self._prefixed: dict[int, ScoreRequest] = {}
         self._calls: deque[tuple[Callable[[Any], Any], Future[Any]]] = deque()
         self._ids = itertools.count()
         self._calls_ids = itertools.count()
@@ -218,7 +214,6 @@ class EngineLoop(StepWorker):
         error = OverloadedError(ABORTED_BY_PRIORITY)
         for w in victims:
             self._sched.remove(w.rid)
-            self._forget_prefix(w.rid)
             job = self._jobs.pop(w.rid)
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error)
@@ -244,7 +239,6 @@ class EngineLoop(StepWorker):
             if fut.cancelled():
                 with self._cond:
                     if self._sched.remove(rid):
-                        self._forget_prefix(rid)
                         self._jobs.pop(rid, None)
                         self._counts["cancelled"] += 1
                         # CANCELLED -> CANCELLED_AND_NOTIFIED, as an executor does when it dequeues

@@ -51,7 +51,6 @@ class StepWorker:
     _cond: threading.Condition
     _jobs: dict[int, Job]
     _running: list[Job]
-    _prefixed: dict[int, ScoreRequest]
     _calls: deque[tuple[Callable[[Any], Any], Future[Any]]]
     _closing: bool
     _counts: dict[str, int]
@@ -59,15 +58,6 @@ class StepWorker:
     _n_steps: int
     _failed_streak: int
     _reprobe: bool
-
-    def _forget_prefix(self, rid: int) -> None:
-        """`rid` left the queue without its last step: on the worker thread (it owns the cache),
-        give what its prefix steps cached its own class (caller holds the lock)."""
-        prefix = self._prefixed.pop(rid, None)
-        if prefix is not None and self._pool is not None:
-            rank = self.config.rank(prefix)
-            self._calls.append((lambda e: e.cache.set_rank(e.cache_key(prefix), rank), Future()))
-            self._cond.notify_all()
 
     def _work(self) -> None:
         try:
@@ -135,7 +125,6 @@ class StepWorker:
             return None
         if pick.prefix_only:  # the head stays queued; this step only caches its first tokens
             job = Job(PREFIX_STEP_RID, pick.prefix_request(), Future(), self.clock())
-            self._prefixed[pick.entries[0].rid] = job.req
             job.future.set_running_or_notify_cancel()
             self._running = [job]
             return [job], pick.items, pick.head_score
@@ -149,11 +138,9 @@ class StepWorker:
             # dropped item was to compute a prefix the others read, they compute it themselves
             # (one forward each if together they would exceed the token budget).
             if job.future.set_running_or_notify_cancel():
-                self._prefixed.pop(entry.rid, None)  # its step reads its prefix at its own class
                 jobs.append(job)
                 items.append(item)
             else:
-                self._forget_prefix(entry.rid)
                 self._counts["cancelled"] += 1
         self._running = jobs
         return (jobs, items, pick.head_score) if jobs else None
@@ -206,7 +193,6 @@ class StepWorker:
     def _fail_waiting(self, error: BaseException) -> None:
         """Fail every queued request with `error` (caller holds the lock)."""
         for w in self._sched.pop_all():
-            self._forget_prefix(w.rid)
             job = self._jobs.pop(w.rid)
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error)

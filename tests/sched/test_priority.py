@@ -593,6 +593,51 @@ def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
     engine.cache.check_integrity()
 
 
+def test_a_cancelled_batch_request_leaves_an_online_read_of_its_prefix_online(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An online call reads the first tokens a batch request's prefix step cached, then the batch
+    request is cancelled before its next step: those tokens stay the online class's (a batch prefix
+    an online call reads is kept as online), the rest of the step's tokens the batch class's."""
+    from concurrent.futures import CancelledError as FutureCancelled
+
+    from po_backend.engine.engine import Engine
+    from po_backend.serving.loop import EngineLoop
+
+    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
+    prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
+    shared = prompt.input_ids[:48]
+    online = ScoreRequest((*shared, 250), (5,), cache_prefix_len=len(shared))
+    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
+    real_step, futs = engine.step, []
+
+    def step(reqs: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> Any:
+        out = real_step(reqs, ranks)
+        real_step([online], [0])  # the online call reads the step's first tokens
+        futs[0].cancel()  # the batch request still waits for its next step
+        return out
+
+    monkeypatch.setattr(engine, "step", step)
+    with EngineLoop(engine, scheduler=cfg, jct=JCT, start=False) as loop:
+        futs.append(loop.submit(prompt))
+        loop.start()
+        with pytest.raises(FutureCancelled):
+            futs[0].result(30)
+        loop.call(lambda e: None).result(30)  # anything the cancellation queued for the worker ran
+    assert loop.stats().cancelled == 1
+    cache = engine.cache
+    assert cache is not None
+    node, pos, ranks = cache.root, 0, []
+    while pos < len(shared):
+        node = node.children[shared[pos]]
+        pos += len(node.key)
+        ranks.append(node.rank)
+    assert pos == len(shared) and ranks == [0] * len(ranks), "what the online call read stays online"
+    rest = [n.rank for n in cache._nodes() if n is not cache.root and n.parent is node]
+    assert 1 in rest, "the prefix step's own tail stays the batch class's"
+    cache.check_integrity()
+
+
 @pytest.mark.parametrize("ranks", [[1, 0, 1], [0, 1, 1]])
 def test_a_prefix_read_by_both_classes_in_one_step_is_kept_as_online(
     tiny_model: Any, ranks: list[int]

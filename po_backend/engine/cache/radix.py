@@ -219,9 +219,8 @@ class RadixCache:
 
     def set_rank(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, rank: int) -> None:
         """Give the nodes that `token_ids` cover whole priority class `rank` (see `Node.rank`),
-        as if it had read them last, without touching recency or the reuse mark: for a request
-        that will never read back the prefix it cached under another class (cancelled between
-        its prefix steps)."""
+        as if it had read them last, without touching recency or the reuse mark: for a prefix
+        that items of several classes read in one forward, which keeps the most urgent's."""
         tokens, node, pos = _as_tokens(token_ids), self.root, 0
         while pos < len(tokens) and (child := node.children.get(int(tokens[pos]))) is not None:
             n = _common_len(child.key, tokens[pos:])
