@@ -104,8 +104,11 @@ def _content_key(gguf: Path) -> str:
         if len(known) == 16 and all(c in "0123456789abcdef" for c in known):
             return known
     log.info("hashing %s (%.0f MiB) to find its conversion", gguf.name, st.st_size / 2**20)
+    digest = hashlib.sha256()
     with open(gguf, "rb") as f:
-        key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
     write_atomic(memo, key)
     return key
 
