@@ -557,12 +557,14 @@ def test_a_prefix_step_counts_its_request_once(tiny_model: Any, monkeypatch: pyt
     assert [(s.queued, s.running, s.queued_by_class["batch"]) for s in seen] == [(0, 1, 0)] * len(seen)
 
 
+@pytest.mark.parametrize("online_read", [False, True])
 def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
-    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, online_read: bool
 ) -> None:
     """A long batch request cancelled between its prefix steps: what they cached is left in the
     batch class (`SchedulerConfig.cache_rank`), as its last step would have left it, not kept
-    like an online profile."""
+    like an online profile. Where an online call read the step's first tokens meanwhile, those
+    stay the online class's (a batch prefix an online call reads is kept as online)."""
     from concurrent.futures import CancelledError as FutureCancelled
 
     from po_backend.engine.engine import Engine
@@ -570,11 +572,14 @@ def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
 
     engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
     prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
+    shared = prompt.input_ids[:48] if online_read else ()
     cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
     real_step, futs = engine.step, []
 
     def step(reqs: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> Any:
         out = real_step(reqs, ranks)
+        if shared:  # the online call reads the step's first tokens
+            real_step([ScoreRequest((*shared, 250), (5,), cache_prefix_len=len(shared))], [0])
         futs[0].cancel()  # the request still waits for its next step: cancelling it succeeds
         return out
 
@@ -584,57 +589,20 @@ def test_cancelled_batch_request_leaves_its_prefix_to_the_batch_class(
         loop.start()
         with pytest.raises(FutureCancelled):
             futs[0].result(30)
+        loop.call(lambda e: None).result(30)  # anything the cancellation left for the worker ran
     stats = loop.stats()
     assert stats.cancelled == 1 and stats.completed == 0 and stats.steps == 1
-    assert engine.cache is not None
-    nodes = [n for n in engine.cache._nodes() if n is not engine.cache.root]
-    assert sum(len(n.key) for n in nodes) >= 64, "the prefix step cached its tokens"
-    assert {n.rank for n in nodes} == {1}
-    engine.cache.check_integrity()
-
-
-def test_a_cancelled_batch_request_leaves_an_online_read_of_its_prefix_online(
-    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An online call reads the first tokens a batch request's prefix step cached, then the batch
-    request is cancelled before its next step: those tokens stay the online class's (a batch prefix
-    an online call reads is kept as online), the rest of the step's tokens the batch class's."""
-    from concurrent.futures import CancelledError as FutureCancelled
-
-    from po_backend.engine.engine import Engine
-    from po_backend.serving.loop import EngineLoop
-
-    engine = Engine.from_pretrained(tiny_model("llama")[0], dtype="fp32")
-    prompt = ScoreRequest(tuple(3 + (7 * k) % 200 for k in range(300)), (5, 6), priority=-1)
-    shared = prompt.input_ids[:48]
-    online = ScoreRequest((*shared, 250), (5,), cache_prefix_len=len(shared))
-    cfg = SchedulerConfig("po", enable_priority=True, online_slo_s=0.2)  # 100 tokens per step
-    real_step, futs = engine.step, []
-
-    def step(reqs: Sequence[ScoreRequest], ranks: Sequence[int] | None = None) -> Any:
-        out = real_step(reqs, ranks)
-        real_step([online], [0])  # the online call reads the step's first tokens
-        futs[0].cancel()  # the batch request still waits for its next step
-        return out
-
-    monkeypatch.setattr(engine, "step", step)
-    with EngineLoop(engine, scheduler=cfg, jct=JCT, start=False) as loop:
-        futs.append(loop.submit(prompt))
-        loop.start()
-        with pytest.raises(FutureCancelled):
-            futs[0].result(30)
-        loop.call(lambda e: None).result(30)  # anything the cancellation queued for the worker ran
-    assert loop.stats().cancelled == 1
     cache = engine.cache
     assert cache is not None
-    node, pos, ranks = cache.root, 0, []
-    while pos < len(shared):
+    node, pos, read = cache.root, 0, []
+    while pos < len(shared):  # the nodes the online call read
         node = node.children[shared[pos]]
         pos += len(node.key)
-        ranks.append(node.rank)
-    assert pos == len(shared) and ranks == [0] * len(ranks), "what the online call read stays online"
-    rest = [n.rank for n in cache._nodes() if n is not cache.root and n.parent is node]
-    assert 1 in rest, "the prefix step's own tail stays the batch class's"
+        read.append(node)
+    rest = [n for n in cache._nodes() if n is not cache.root and n not in read]
+    assert sum(len(n.key) for n in (*read, *rest)) >= 64, "the prefix step cached its tokens"
+    assert pos == len(shared) and {n.rank for n in read} <= {0}, "what the online call read stays online"
+    assert {n.rank for n in rest if n.key[0] != 250} == {1}, "the rest stays the batch class's"
     cache.check_integrity()
 
 
