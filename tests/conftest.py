@@ -54,9 +54,10 @@ _OWN_DIR: str | None = None  # the directory this process made, and removes at t
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """JCT and memory profiles and int8 weights of throwaway tiny models go to one directory per session, shared by the
-    in-process loops, every xdist worker and every test server (they inherit os.environ): a model
-    (a shape, for memory profiles) is profiled once per run, and the user's cache gets none.
+    """JCT and memory profiles and int8 weights of throwaway tiny models go to one directory per
+    session, shared by the in-process loops, every xdist worker and every test server (they inherit
+    os.environ): a model (a shape, for memory profiles) is profiled once per run, and the user's
+    cache gets none.
     Measuring takes an OS file lock, so workers asking at once measure once. The rest of the cache
     root (the embedded model's GGUF conversion, the kernel build) stays the user's, converted and
     built once."""

@@ -315,8 +315,6 @@ def test_q8_0_gguf_loads_its_integers(tmp_path: Path, monkeypatch: pytest.Monkey
     import transformers
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
-
-    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     # A VNNI CPU keeps the file's integers as they are (fbgemm re-rounds them to +-63).
     monkeypatch.setattr(int8, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.PLAIN)  # smoothing would change the integers
@@ -470,7 +468,6 @@ def test_calibration_is_cached_reused_and_invalidated(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
-
     monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     src, _ = tiny_model("llama")
     path = tmp_path / "model"
@@ -781,8 +778,6 @@ def test_blocked_cache_and_prefix_hit_equal_the_cold_run(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
-
-    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32))
     path, _ = tiny_model("qwen2")
     cold = _engine(path)
@@ -817,8 +812,6 @@ def test_projections_kept_in_float_are_the_checkpoints(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
-
-    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     recipe = int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32, 2, float_projections=("down_proj@1", "o_proj"))
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", recipe)
     path, hf = tiny_model("qwen2")
@@ -847,8 +840,6 @@ def test_q8_0_gguf_loads_as_its_own_blocks(tmp_path: Path, monkeypatch: pytest.M
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path / "cache"))
-
-    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", BLOCKED)
     cfg = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -909,8 +900,6 @@ def test_two_activation_passes_cache_and_prefix_hit(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
-
-    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     monkeypatch.setattr(int8, "DEFAULT_RECIPE", int8.Int8Recipe(block=32, activation_passes=2))
     path, hf = tiny_model("llama")
     cold = _engine(path)
@@ -1034,8 +1023,6 @@ def test_per_channel_weights_cache_and_prefix_hit(
     from po_backend.engine.models import loader
 
     monkeypatch.setenv("PREFILLONLY_CACHE", str(tmp_path))
-
-    monkeypatch.delenv(INT8_CACHE_ENV)  # the int8 files under that root, not the session folder
     recipe = int8.Int8Recipe((0.5,) * 4, (2, 2, 2, 4), 32, passes, weight_scales="channel")
     monkeypatch.setattr(int8, "TWO_PASS_RECIPE" if passes == 2 else "DEFAULT_RECIPE", recipe)
     mode = "w8a8x2_int8" if passes == 2 else "w8a8_int8"

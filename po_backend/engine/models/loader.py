@@ -96,14 +96,15 @@ def converted_gguf_dir(gguf: Path) -> Path:
 def _content_key(gguf: Path) -> str:
     """The first 16 hex digits of `gguf`'s SHA-256, remembered per path, size and mtime: a file is
     read through once where it lies, not at every start."""
-    st = gguf.stat()
-    stamp = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    memo = private_cache_dir("digests", what="model digests") / stamp
+    memo = (
+        private_cache_dir("digests", what="model digests")
+        / hashlib.sha256(_stamp(gguf).encode()).hexdigest()[:16]
+    )
     with contextlib.suppress(OSError):
         known = memo.read_text().strip()
         if len(known) == 16 and all(c in "0123456789abcdef" for c in known):
             return known
-    log.info("hashing %s (%.0f MiB) to find its conversion", gguf.name, st.st_size / 2**20)
+    log.info("hashing %s (%.0f MiB) to find its conversion", gguf.name, gguf.stat().st_size / 2**20)
     digest = hashlib.sha256()
     with open(gguf, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -115,9 +116,8 @@ def _content_key(gguf: Path) -> str:
 
 def record_gguf_source(target: Path, gguf: Path) -> None:
     """Name `gguf` in `target` as the file whose integers the int8 mode reads (`gguf_q8_0_state`),
-    with the size and mtime it has now; a record naming a file since moved or changed is replaced."""
-    st = gguf.stat()
-    record = {"gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    as it is now (`_stamp`); a record naming a file since moved or changed is replaced."""
+    record = {"gguf": str(gguf.resolve()), "stamp": _stamp(gguf)}
     with contextlib.suppress(OSError, ValueError):
         if json.loads((target / GGUF_SOURCE).read_text()) == record:
             return
@@ -126,16 +126,13 @@ def record_gguf_source(target: Path, gguf: Path) -> None:
 
 def _source_file(model_dir: Path) -> Path | None:
     """The GGUF `model_dir` was converted from, if its record names a file that is still as it was
-    recorded (same size and mtime); None otherwise."""
+    recorded (the same `_stamp`); None otherwise."""
     try:
         record = json.loads((model_dir / GGUF_SOURCE).read_text())
         path = Path(record["gguf"])
-        st = path.stat()
+        return path if _stamp(path) == record["stamp"] else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if (st.st_size, st.st_mtime_ns) != (record.get("size"), record.get("mtime_ns")):
-        return None
-    return path
 
 
 def _convert(gguf: Path, target: Path) -> None:
@@ -504,9 +501,10 @@ def stream_tensor(fh: Any, data_start: int, entry: SafetensorsEntry, dest: torch
 INT8_CACHE_VERSION = 4
 
 
-def _stamp(files: list[Path]) -> list[str]:
-    """The checkpoint files' paths, sizes and modification times: a changed checkpoint changes it."""
-    return [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+def _stamp(f: Path) -> str:
+    """A file's path, size and modification time: a changed or moved file changes it."""
+    st = f.stat()
+    return f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def _int8_cache_file(
@@ -520,7 +518,7 @@ def _int8_cache_file(
     from po_backend.engine.calibration import CALIBRATION_VERSION
 
     calib = CALIBRATION_VERSION if recipe.calibrated else None
-    text = f"{quantization}:{backend}:{INT8_CACHE_VERSION}:{recipe}:{calib}:{_stamp(files)}"
+    text = f"{quantization}:{backend}:{INT8_CACHE_VERSION}:{recipe}:{calib}:{[_stamp(f) for f in files]}"
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     return _int8_dir() / f"{model_dir.name}-{quantization}-{key}.safetensors"
 
@@ -541,7 +539,9 @@ def _calibration(
     from po_backend.engine.calibration import CALIBRATION_VERSION, activation_maxima, calibration_ids
 
     dtype = model.embed_tokens.dtype
-    key = hashlib.sha256(f"{CALIBRATION_VERSION}:{dtype}:{_stamp(files)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{CALIBRATION_VERSION}:{dtype}:{[_stamp(f) for f in files]}".encode()).hexdigest()[
+        :16
+    ]
     path = _int8_dir() / f"{model_dir.name}-calibration-{key}.safetensors"
     n = len(model.decoder_layers)
     if path.is_file():
